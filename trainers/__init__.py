@@ -1,0 +1,1 @@
+"""TRL integration, imported as ``triage.trainers``."""
