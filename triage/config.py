@@ -1,0 +1,138 @@
+"""``TriageConfig``: which mismatch correction to apply and how TRIAGE weighs each token class.
+
+Every field is validated in ``__post_init__`` with an error that names the field and the accepted values,
+so a typo in a YAML recipe fails at start-up, not after an hour of training.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+CORRECTIONS = ("none", "tis", "icepop", "seq-mis", "opsm", "veto", "triage")
+POLICIES = ("keep", "is", "soft", "mask")
+SEQ_MIS_LEVELS = ("product", "geometric")
+
+# The per-class policy fields, in TokenClass order (consistent first, then the four tails).
+CLASS_POLICY_FIELDS = ("consistent", "amplify_down", "correct_up", "amplify_up", "correct_down")
+
+
+@dataclass
+class TriageConfig:
+    """Mismatch-correction settings (DESIGN §2; docs/triage.md has the full table).
+
+    δ_t = log π_learner(y_t) − log π_sampler(y_t) with the learner at the sampler's weights; A_t the
+    advantage. With ``correction="triage"`` each valid token falls in one class — consistent (|δ| ≤ τ),
+    amplify-down (δ < −τ, A < 0), correct-up (δ < −τ, A > 0), amplify-up (δ > τ, A > 0), correct-down
+    (δ > τ, A < 0), inert (A = 0) — and gets the weight of its class policy:
+
+    * ``keep``: w = 1
+    * ``is``:   w = min(exp δ, is_cap)
+    * ``soft``: w = exp(−soft_rate · (|δ| − τ)) for |δ| > τ (1 at the band's edge, ≤ 1 beyond it)
+    * ``mask``: w = 0
+
+    Amplify-down tokens additionally get w = 0 when δ < −``tail_floor`` (the hard floor of the negative
+    tail). The sequence guard scales a whole response with A < 0 by κ / m when its negative-tail mass
+    m = Σ_{amplify-down} |δ_t| / (valid tokens of the response) exceeds κ = ``guard_kappa``.
+    """
+
+    correction: str = "triage"
+    # Tolerance band |δ| ≤ τ in nats, or "auto" (τ = max(tau_floor, tau_multiplier · EMA(median |δ|))).
+    tau: float | str = 0.05
+    # TRIAGE per-class policies (DESIGN §2 defaults).
+    consistent: str = "is"
+    amplify_down: str = "soft"
+    correct_up: str = "keep"
+    amplify_up: str = "soft"
+    correct_down: str = "is"
+    is_cap: float = 2.0
+    soft_rate: float = 1.0
+    tail_floor: float | None = 3.0
+    guard_kappa: float | None = 0.1
+    # Adaptive tolerance (tau="auto").
+    tau_init: float = 0.05
+    tau_multiplier: float = 2.0
+    tau_floor: float = 1e-3
+    tau_ema: float = 0.9
+    # Baselines.
+    veto_floor: float = 1e-4
+    icepop_low: float = 0.5
+    icepop_high: float = 5.0
+    seq_mis_low: float = 0.5
+    seq_mis_high: float = 2.0
+    seq_mis_level: str = "product"
+    opsm_threshold: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.correction not in CORRECTIONS:
+            raise ValueError(f"TriageConfig.correction={self.correction!r}: expected one of {CORRECTIONS}")
+        if isinstance(self.tau, str):
+            if self.tau != "auto":
+                try:
+                    self.tau = float(self.tau)
+                except ValueError:
+                    raise ValueError(
+                        f"TriageConfig.tau={self.tau!r}: expected a float ≥ 0 (nats) or 'auto'"
+                    ) from None
+        if not isinstance(self.tau, str):
+            _check_number("tau", self.tau, minimum=0.0)
+        for name in CLASS_POLICY_FIELDS:
+            value = getattr(self, name)
+            if value not in POLICIES:
+                raise ValueError(f"TriageConfig.{name}={value!r}: expected one of {POLICIES}")
+        _check_number("is_cap", self.is_cap, minimum=0.0, strict=True)
+        _check_number("soft_rate", self.soft_rate, minimum=0.0)
+        if self.tail_floor is not None:
+            _check_number("tail_floor", self.tail_floor, minimum=0.0)
+        if self.guard_kappa is not None:
+            _check_number("guard_kappa", self.guard_kappa, minimum=0.0, strict=True)
+        _check_number("tau_init", self.tau_init, minimum=0.0)
+        _check_number("tau_multiplier", self.tau_multiplier, minimum=0.0, strict=True)
+        _check_number("tau_floor", self.tau_floor, minimum=0.0)
+        _check_number("tau_ema", self.tau_ema, minimum=0.0)
+        if self.tau_ema >= 1.0:
+            raise ValueError(f"TriageConfig.tau_ema={self.tau_ema}: expected 0 ≤ tau_ema < 1")
+        _check_number("veto_floor", self.veto_floor, minimum=0.0, strict=True)
+        for low, high in (("icepop_low", "icepop_high"), ("seq_mis_low", "seq_mis_high")):
+            lo, hi = getattr(self, low), getattr(self, high)
+            _check_number(low, lo, minimum=0.0)
+            _check_number(high, hi, minimum=0.0, strict=True)
+            if lo >= hi:
+                raise ValueError(f"TriageConfig.{low}={lo} must be < {high}={hi}")
+        if self.seq_mis_level not in SEQ_MIS_LEVELS:
+            raise ValueError(
+                f"TriageConfig.seq_mis_level={self.seq_mis_level!r}: expected one of {SEQ_MIS_LEVELS}"
+            )
+        _check_number("opsm_threshold", self.opsm_threshold, minimum=0.0)
+
+    @property
+    def adaptive(self) -> bool:
+        """True when τ is tracked from the data (``tau="auto"``)."""
+        return self.tau == "auto"
+
+    def fixed_tau(self) -> float:
+        """τ for a fixed-tolerance config; ``tau_init`` when adaptive and no tracker value is given."""
+        return float(self.tau_init if self.adaptive else self.tau)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        """Names of every field, in declaration order (trainer configs mirror them)."""
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> TriageConfig:
+        """Build from a mapping, ignoring keys that are not TriageConfig fields (e.g. a trainer config)."""
+        names = set(cls.field_names())
+        return cls(**{k: v for k, v in values.items() if k in names})
+
+
+def _check_number(name: str, value: Any, *, minimum: float, strict: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"TriageConfig.{name}={value!r}: expected a finite number")
+    if value < minimum or (strict and value == minimum):
+        relation = ">" if strict else "≥"
+        raise ValueError(f"TriageConfig.{name}={value!r}: expected {relation} {minimum}")

@@ -1,0 +1,148 @@
+"""Mismatch statistics, namespaced ``triage/...``.
+
+Two steps so a multi-process trainer can aggregate exactly:
+
+1. ``mismatch_sums`` returns raw sums and counts (0-d float64 tensors). Summing the dicts of every process
+   (``all_reduce(SUM)``) gives the global sums.
+2. ``metrics_from_sums`` turns (global) sums into ratios. Quantiles cannot be summed: compute them with
+   ``delta_quantiles`` on the gathered valid δ.
+
+``mismatch_metrics`` does both for one process. Definitions (N = valid tokens; classes as in
+``triage.classes``; w the token weight, A the advantage):
+
+* ``triage/<class>/share``       = N_class / N
+* ``triage/<class>/mean_delta``  = Σ_class δ / N_class
+* ``triage/<class>/mean_weight`` = Σ_class w / N_class
+* ``triage/<class>/mass_share``  = Σ_class |w·A| / Σ |w·A|   (the class's share of the loss mass)
+* ``triage/mean_abs_delta``      = Σ |δ| / N;  ``triage/mean_delta`` = Σ δ / N
+* ``triage/kl_k3``               = mean(e^δ − 1 − δ): k3 estimate of KL(π_sampler ‖ π_learner) from the
+                                   sampler's own samples (verl's ``k3_kl``)
+* ``triage/kl_learner_sampler``  = mean(e^δ·δ − e^δ + 1): the importance-weighted estimate of
+                                   KL(π_learner ‖ π_sampler)
+* ``triage/suppressed_frac``     = share of valid tokens whose weight the correction made < 1
+* ``triage/guarded_frac``        = share of responses scaled down by the TRIAGE sequence guard
+* ``triage/delta_p0.1`` … ``triage/delta_p99.9``: quantiles 0.1 %, 1 %, 50 %, 99 %, 99.9 % of δ
+
+With no valid token every metric is 0.0 (never NaN).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from triage.classes import TokenClass, classify_tokens, resolve_tau
+from triage.config import TriageConfig
+from triage.mismatch import as_mask, expand_advantages
+from triage.weights import guarded_sequences
+
+QUANTILES = {"p0.1": 0.001, "p1": 0.01, "p50": 0.5, "p99": 0.99, "p99.9": 0.999}
+STAT_CLASSES = tuple(c for c in TokenClass if c != TokenClass.PAD)
+_REDUCED_TOL = 1e-6
+
+
+def mismatch_sums(
+    delta: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    weights: torch.Tensor,
+    config: TriageConfig | None = None,
+    tau: float | None = None,
+) -> dict[str, torch.Tensor]:
+    """Raw sums and counts (0-d float64 tensors on δ's device) — all-reduce them with SUM."""
+    config = config or TriageConfig()
+    valid = as_mask(mask, delta.shape)
+    if tuple(weights.shape) != tuple(delta.shape):
+        raise ValueError(f"weights has shape {tuple(weights.shape)}, delta has {tuple(delta.shape)}")
+    adv = expand_advantages(advantages.detach(), delta.shape).double()
+    t = resolve_tau(config, tau)
+    d = torch.where(valid, delta.detach().double(), torch.zeros((), dtype=torch.float64, device=delta.device))
+    w = torch.where(
+        valid, weights.detach().double(), torch.zeros((), dtype=torch.float64, device=delta.device)
+    )
+    v = valid.double()
+    classes = classify_tokens(d, adv, valid, config, tau=t)
+    ratio = torch.exp(d.clamp(max=80.0))
+    mass = (w * adv).abs()
+
+    sums: dict[str, torch.Tensor] = {
+        "tokens": v.sum(),
+        "sequences": (valid.sum(-1) > 0).double().sum(),
+        "sum_delta": d.sum(),
+        "sum_abs_delta": d.abs().sum(),
+        "sum_k3": ((ratio - 1.0 - d) * v).sum(),
+        "sum_kl_learner_sampler": ((ratio * d - ratio + 1.0) * v).sum(),
+        "suppressed": ((w < 1.0 - _REDUCED_TOL) & valid).double().sum(),
+        "guarded": guarded_sequences(d, adv, valid, config, tau=t).double().sum(),
+        "mass": mass.sum(),
+    }
+    for cls in STAT_CLASSES:
+        in_class = (classes == int(cls)).double()
+        sums[f"{cls.label}/tokens"] = in_class.sum()
+        sums[f"{cls.label}/sum_delta"] = (d * in_class).sum()
+        sums[f"{cls.label}/sum_weight"] = (w * in_class).sum()
+        sums[f"{cls.label}/mass"] = (mass * in_class).sum()
+    return sums
+
+
+def _ratio(num: float, den: float) -> float:
+    return float(num) / float(den) if den > 0 else 0.0
+
+
+def metrics_from_sums(sums: dict[str, torch.Tensor | float]) -> dict[str, float]:
+    """Ratios from (possibly all-reduced) ``mismatch_sums``; keys ``triage/...``; never NaN."""
+    s = {k: float(v) for k, v in sums.items()}
+    n = s["tokens"]
+    out = {
+        "triage/tokens": n,
+        "triage/mean_delta": _ratio(s["sum_delta"], n),
+        "triage/mean_abs_delta": _ratio(s["sum_abs_delta"], n),
+        "triage/kl_k3": _ratio(s["sum_k3"], n),
+        "triage/kl_learner_sampler": _ratio(s["sum_kl_learner_sampler"], n),
+        "triage/suppressed_frac": _ratio(s["suppressed"], n),
+        "triage/guarded_seqs": s["guarded"],
+        "triage/guarded_frac": _ratio(s["guarded"], s["sequences"]),
+    }
+    for cls in STAT_CLASSES:
+        c = s[f"{cls.label}/tokens"]
+        out[f"triage/{cls.label}/share"] = _ratio(c, n)
+        out[f"triage/{cls.label}/mean_delta"] = _ratio(s[f"{cls.label}/sum_delta"], c)
+        out[f"triage/{cls.label}/mean_weight"] = _ratio(s[f"{cls.label}/sum_weight"], c)
+        out[f"triage/{cls.label}/mass_share"] = _ratio(s[f"{cls.label}/mass"], s["mass"])
+    return out
+
+
+def delta_quantiles(delta: torch.Tensor, mask: torch.Tensor | None = None) -> dict[str, float]:
+    """Quantiles of δ over the valid tokens (all of ``delta`` when ``mask`` is None; 0.0 when empty)."""
+    values = delta.detach().float()
+    if mask is not None:
+        values = values[as_mask(mask, delta.shape)]
+    values = values.flatten()
+    if values.numel() == 0:
+        return {f"triage/delta_{name}": 0.0 for name in QUANTILES}
+    ordered = values.sort().values
+    last = ordered.numel() - 1
+    out = {}
+    for name, q in QUANTILES.items():
+        # Linear interpolation between order statistics (numpy's default "linear" method).
+        pos = q * last
+        lo = int(pos)
+        hi = min(lo + 1, last)
+        frac = pos - lo
+        out[f"triage/delta_{name}"] = float(ordered[lo] * (1 - frac) + ordered[hi] * frac)
+    return out
+
+
+def mismatch_metrics(
+    delta: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    weights: torch.Tensor,
+    config: TriageConfig | None = None,
+    tau: float | None = None,
+) -> dict[str, float]:
+    """All ``triage/...`` metrics for one process: ratios of ``mismatch_sums`` plus δ quantiles and τ."""
+    config = config or TriageConfig()
+    out = metrics_from_sums(mismatch_sums(delta, advantages, mask, weights, config, tau=tau))
+    out.update(delta_quantiles(delta, mask))
+    out["triage/tau"] = resolve_tau(config, tau)
+    return out
