@@ -1,0 +1,182 @@
+"""``TriageGRPOConfig``: TRL's ``GRPOConfig`` plus the TRIAGE fields, under the same names as ``TriageConfig``.
+
+Every ``TriageConfig`` field (``correction``, ``tau``, the per-class policies, ...) is a field here with the
+same name and the same default, so a recipe YAML, ``TrlParser`` and the command line set them like any other
+``GRPOConfig`` field. ``config.triage_config()`` returns the validated ``TriageConfig``.
+
+Two of TRL's own switches overlap with TRIAGE, and the rule is (docs/trainer.md, "TRL's own corrections"):
+
+* ``vllm_importance_sampling_correction`` (TRL's truncated/masked IS against vLLM log-probs; ``True`` by
+  default in ``GRPOConfig``). Here it defaults to ``None`` = "decide from ``correction``": ``True`` when
+  ``correction="none"`` (so ``none`` is exactly ``GRPOTrainer`` with ``GRPOConfig``'s defaults), ``False``
+  otherwise (TRIAGE owns the correction). Setting it to ``True`` together with a correction other than
+  ``none`` is an error: the two would correct the same mismatch twice.
+* ``off_policy_mask_threshold`` (TRL's DeepSeek-V3.2 off-policy sequence mask, on current-vs-sampler
+  log-probs). It is an error together with ``correction="opsm"`` (the same mask, twice: use
+  ``opsm_threshold``). With any other correction it stays TRL's mask and multiplies TRIAGE's weights.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from trl import GRPOConfig
+
+from triage import CORRECTIONS, POLICIES, TriageConfig
+from triage.config import SEQ_MIS_LEVELS
+
+LEARNER_PRECISIONS = ("bf16", "nvfp4")
+SAMPLER_KINDS = ("hf", "sglang", "vllm-server", "offline")
+
+_D = TriageConfig()  # the single source of the TRIAGE defaults
+
+
+def _help(text: str, choices: tuple[str, ...] | None = None) -> dict[str, Any]:
+    meta: dict[str, Any] = {"help": text}
+    if choices is not None:
+        meta["choices"] = list(choices)
+    return meta
+
+
+@dataclass
+class TriageGRPOConfig(GRPOConfig):
+    r"""``GRPOConfig`` + TRIAGE. Field docs: ``TriageConfig`` (the math) and docs/trainer.md (the table).
+
+    TRIAGE fields (same names and defaults as ``triage.TriageConfig``):
+        correction, tau, consistent, amplify_down, correct_up, amplify_up, correct_down, is_cap, soft_rate,
+        tail_floor, guard_kappa, tau_init, tau_multiplier, tau_floor, tau_ema, veto_floor, icepop_low,
+        icepop_high, seq_mis_low, seq_mis_high, seq_mis_level, opsm_threshold.
+
+    Trainer fields:
+        learner_precision: ``"bf16"`` (the model as loaded) or ``"nvfp4"`` (Linear layers converted with
+            ``triage.kernels.convert_to_nvfp4`` and ``quant_recipe``).
+        quant_recipe: name of the NVFP4 recipe for the learner (``"nvfp4"`` only).
+        sampler: where completions and sampler log-probs come from when no ``rollout_func`` is passed —
+            ``None`` (TRL's own generation: ``use_vllm`` or transformers), or a ``triage.trainers.sampling``
+            source: ``"hf"``, ``"sglang"``, ``"vllm-server"``, ``"offline"``.
+        sampler_kwargs: keyword arguments for ``make_sampler(sampler, **sampler_kwargs)`` (dict or JSON).
+        log_mismatch_metrics: log the ``triage/...`` metrics whenever sampler log-probs exist (also with
+            ``correction="none"``, where they do not change the loss). Off: no δ is computed at all.
+    """
+
+    # --- TRIAGE (mirrors triage.TriageConfig) -------------------------------------------------------------
+    correction: str = field(
+        default=_D.correction, metadata=_help("mismatch correction (TRIAGE or a baseline)", CORRECTIONS)
+    )
+    tau: str = field(
+        default=_D.tau,
+        metadata=_help("tolerance band |δ| ≤ τ in nats, or 'auto' (adaptive, from the running median |δ|)"),
+    )
+    consistent: str = field(default=_D.consistent, metadata=_help("policy for |δ| ≤ τ", POLICIES))
+    amplify_down: str = field(default=_D.amplify_down, metadata=_help("policy for δ < −τ, A < 0", POLICIES))
+    correct_up: str = field(default=_D.correct_up, metadata=_help("policy for δ < −τ, A > 0", POLICIES))
+    amplify_up: str = field(default=_D.amplify_up, metadata=_help("policy for δ > τ, A > 0", POLICIES))
+    correct_down: str = field(default=_D.correct_down, metadata=_help("policy for δ > τ, A < 0", POLICIES))
+    is_cap: float = field(default=_D.is_cap, metadata=_help("C in the 'is' policy / tis: w = min(e^δ, C)"))
+    soft_rate: float = field(default=_D.soft_rate, metadata=_help("λ in 'soft': w = exp(−λ(|δ| − τ))"))
+    tail_floor: float | None = field(
+        default=_D.tail_floor,
+        metadata=_help("amplify-down tokens with δ < −tail_floor get w = 0 (null: off)"),
+    )
+    guard_kappa: float | None = field(
+        default=_D.guard_kappa,
+        metadata=_help("sequence guard κ on the negative-tail mass of A < 0 responses (null: off)"),
+    )
+    tau_init: float = field(default=_D.tau_init, metadata=_help("initial τ when tau='auto'"))
+    tau_multiplier: float = field(default=_D.tau_multiplier, metadata=_help("τ = m · EMA(median |δ|)"))
+    tau_floor: float = field(default=_D.tau_floor, metadata=_help("lower bound of the adaptive τ"))
+    tau_ema: float = field(default=_D.tau_ema, metadata=_help("EMA factor β of the adaptive τ"))
+    veto_floor: float = field(
+        default=_D.veto_floor, metadata=_help("veto: drop a response with any e^δ < floor")
+    )
+    icepop_low: float = field(default=_D.icepop_low, metadata=_help("icepop: keep tokens with e^δ ≥ low"))
+    icepop_high: float = field(default=_D.icepop_high, metadata=_help("icepop: keep tokens with e^δ ≤ high"))
+    seq_mis_low: float = field(default=_D.seq_mis_low, metadata=_help("seq-mis: keep responses with ρ ≥ low"))
+    seq_mis_high: float = field(
+        default=_D.seq_mis_high, metadata=_help("seq-mis: keep responses with ρ ≤ high")
+    )
+    seq_mis_level: str = field(
+        default=_D.seq_mis_level, metadata=_help("seq-mis ratio: Π e^δ or exp(mean δ)", SEQ_MIS_LEVELS)
+    )
+    opsm_threshold: float = field(
+        default=_D.opsm_threshold, metadata=_help("opsm: drop A < 0 responses with mean δ < −threshold")
+    )
+
+    # --- trainer-side ------------------------------------------------------------------------------------
+    learner_precision: str = field(
+        default="bf16", metadata=_help("learner numerics: the model as loaded, or NVFP4", LEARNER_PRECISIONS)
+    )
+    quant_recipe: str | None = field(
+        default=None, metadata=_help("NVFP4 recipe name (learner_precision=nvfp4)")
+    )
+    sampler: str | None = field(
+        default=None,
+        metadata=_help("sampler source when no rollout_func is given (None: TRL's own generation)"),
+    )
+    sampler_kwargs: dict | str | None = field(
+        default=None, metadata=_help("keyword arguments of make_sampler (dict, or a JSON string on the CLI)")
+    )
+    log_mismatch_metrics: bool = field(
+        default=True, metadata=_help("log triage/... metrics whenever sampler log-probs exist")
+    )
+
+    # --- TRL fields whose meaning TRIAGE changes (see module docstring) -----------------------------------
+    vllm_importance_sampling_correction: bool | None = field(
+        default=None,
+        metadata=_help(
+            "TRL's vLLM IS correction. None: on for correction='none' (GRPOTrainer's default), off otherwise; "
+            "True with another correction is an error (double correction)"
+        ),
+    )
+
+    def __post_init__(self):
+        if isinstance(self.tau, str) and self.tau != "auto":
+            try:
+                self.tau = float(self.tau)
+            except ValueError:
+                raise ValueError(
+                    f"TriageGRPOConfig.tau={self.tau!r}: expected a float ≥ 0 (nats) or 'auto'"
+                ) from None
+        self.triage_config()  # validates every TRIAGE field, naming the offending one
+
+        if self.vllm_importance_sampling_correction is None:
+            self.vllm_importance_sampling_correction = self.correction == "none"
+        elif self.vllm_importance_sampling_correction and self.correction != "none":
+            raise ValueError(
+                f"vllm_importance_sampling_correction=True with correction={self.correction!r} would correct the "
+                "engine mismatch twice (TRL's IS ratio and TRIAGE's weights). TRIAGE owns the correction: drop "
+                "vllm_importance_sampling_correction, or use correction='none' to get TRL's behaviour."
+            )
+        if self.off_policy_mask_threshold is not None and self.correction == "opsm":
+            raise ValueError(
+                "off_policy_mask_threshold (TRL's OPSM) together with correction='opsm' applies the same "
+                "off-policy sequence mask twice: set opsm_threshold and leave off_policy_mask_threshold unset."
+            )
+        if self.learner_precision not in LEARNER_PRECISIONS:
+            raise ValueError(
+                f"TriageGRPOConfig.learner_precision={self.learner_precision!r}: expected one of {LEARNER_PRECISIONS}"
+            )
+        if self.learner_precision == "bf16" and self.quant_recipe is not None:
+            raise ValueError("quant_recipe is only used with learner_precision='nvfp4'")
+        if self.sampler is not None and self.sampler not in SAMPLER_KINDS:
+            raise ValueError(
+                f"TriageGRPOConfig.sampler={self.sampler!r}: expected None or one of {SAMPLER_KINDS}"
+            )
+        if isinstance(self.sampler_kwargs, str):
+            try:
+                self.sampler_kwargs = json.loads(self.sampler_kwargs)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"TriageGRPOConfig.sampler_kwargs is not valid JSON: {err}") from None
+        if self.sampler_kwargs is not None and not isinstance(self.sampler_kwargs, dict):
+            raise ValueError(
+                f"TriageGRPOConfig.sampler_kwargs must be a mapping, got {self.sampler_kwargs!r}"
+            )
+        if self.sampler_kwargs and self.sampler is None:
+            raise ValueError("sampler_kwargs is set but sampler is None")
+        super().__post_init__()
+
+    def triage_config(self) -> TriageConfig:
+        """The validated ``TriageConfig`` these fields describe (a fresh copy)."""
+        return TriageConfig.from_dict({name: getattr(self, name) for name in TriageConfig.field_names()})

@@ -1,0 +1,302 @@
+"""``TriageGRPOTrainer``: TRL 1.16's ``GRPOTrainer`` with the TRIAGE mismatch correction.
+
+Swap ``GRPOTrainer`` → ``TriageGRPOTrainer`` and ``GRPOConfig`` → ``TriageGRPOConfig``; nothing else changes.
+Per training micro-batch, inside TRL's own ``_compute_loss``:
+
+    δ_t   = log π_learner(y_t) − log π_sampler(y_t)           (``triage.token_gap``)
+    w_t   = token_weights(δ, A, mask, config, τ)               (detached, 0 at padding)
+    ℓ_t  ←  w_t · ℓ_t                                          (ℓ_t: TRL's per-token loss, any loss_type)
+
+then TRL aggregates ℓ with its normaliser for the loss type (weighted-down tokens stay in the normaliser) and
+adds its KL / entropy terms unweighted.
+
+**Where the weights enter.** TRL multiplies its per-token loss by ``get_off_policy_mask(...)`` right after
+the loss-type surrogate, for every loss type (grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo), when
+``off_policy_mask_threshold`` is set. This trainer overrides that hook to return ``w`` (times TRL's own OPSM
+mask when the user set a threshold) and enables it for the duration of ``_compute_loss``. So the whole of
+TRL's loss code — clipping, normalisers, KL, entropy bonus, metrics — runs unchanged.
+
+**The learner at the sampler's weights.** δ needs log π_learner at the weights that generated the batch.
+TRL computes ``old_per_token_logps`` (no grad) exactly when the weights may have moved since generation
+(``gradient_accumulation_steps % (steps_per_generation · num_iterations) != 0``); δ uses them then.
+Otherwise no optimizer step separates generation from this micro-batch, so the current forward *is* the
+learner at the sampler's weights and δ uses ``per_token_logps.detach()`` (the identity TRL itself relies on
+to skip that forward) — no extra forward pass, which keeps the overhead to elementwise work.
+
+**Metrics.** ``triage/...`` sums are all-reduced (SUM) across processes before the ratios are taken; δ
+quantiles come from the gathered δ of all processes; ``triage/tau`` is the τ in force. With
+``tau="auto"`` the tracker is updated once per optimizer step from the gathered window δ (same value on every
+rank) and saved with each checkpoint (``triage_state.json``).
+
+**Input rules** (errors name the sample: its index in this process's generation batch): sampler log-probs
+must be present when ``correction != "none"``, one per completion token, finite and ≤ 0 (1e-4 slack); token
+ids must be inside the vocabulary; a completion must not be empty (at least EOS). A group whose rewards are
+all equal has advantage 0: its tokens are ``inert`` (no policy gradient whatever their weight), counted in the
+``triage/inert/share`` metric.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from trl import GRPOTrainer
+
+from triage import AdaptiveTau, delta_quantiles, metrics_from_sums, mismatch_sums, token_gap, token_weights
+from triage.mismatch import LOGPROB_MAX
+
+from .config import TriageGRPOConfig
+
+TRIAGE_STATE_FILE = "triage_state.json"
+
+
+def check_sampler_output(
+    completion_ids: Sequence[Sequence[int]],
+    logprobs: Sequence[Sequence[float | None]] | None,
+    vocab_size: int,
+    *,
+    need_logprobs: bool,
+    source: str,
+) -> None:
+    """Validate what a sampler returned; ``ValueError`` naming the sample (and position) on bad input.
+
+    Rules: every completion has ≥ 1 token (EOS counts); token ids lie in ``[0, vocab_size)``; when
+    log-probs are given (mandatory if ``need_logprobs``), there is one per token, each finite and ≤ 1e-4.
+    """
+    for i, ids in enumerate(completion_ids):
+        if len(ids) == 0:
+            raise ValueError(
+                f"{source}: completion {i} is empty (a sampler must return at least the EOS token)"
+            )
+        bad = [t for t in ids if not 0 <= int(t) < vocab_size]
+        if bad:
+            raise ValueError(
+                f"{source}: completion {i} has token id {bad[0]} outside the vocabulary [0, {vocab_size})"
+            )
+    if logprobs is None:
+        if need_logprobs:
+            raise ValueError(
+                f"{source}: no sampler log-probs, but the correction needs them (see TriageGRPOConfig.sampler)"
+            )
+        return
+    if len(logprobs) != len(completion_ids):
+        raise ValueError(f"{source}: {len(logprobs)} log-prob lists for {len(completion_ids)} completions")
+    for i, (ids, lps) in enumerate(zip(completion_ids, logprobs)):
+        if lps is None or len(lps) != len(ids):
+            got = "None" if lps is None else len(lps)
+            raise ValueError(f"{source}: completion {i} has {len(ids)} tokens but {got} sampler log-probs")
+        for t, lp in enumerate(lps):
+            if lp is None or not math.isfinite(lp):
+                raise ValueError(
+                    f"{source}: sampler log-prob of completion {i}, token {t} is {lp} (must be finite; "
+                    "None/NaN means the engine did not score the token)"
+                )
+            if lp > LOGPROB_MAX:
+                raise ValueError(
+                    f"{source}: sampler log-prob of completion {i}, token {t} is {lp} > 0: not a log-probability"
+                )
+
+
+class TriageGRPOTrainer(GRPOTrainer):
+    """``GRPOTrainer`` + TRIAGE (module docstring). Same constructor; ``args`` is a ``TriageGRPOConfig``."""
+
+    def __init__(self, model, reward_funcs=None, args: TriageGRPOConfig | None = None, *posargs, **kwargs):
+        if args is None:
+            name = model if isinstance(model, str) else model.config._name_or_path
+            args = TriageGRPOConfig(f"{str(name).split('/')[-1] or 'model'}-TRIAGE-GRPO")
+        if not isinstance(args, TriageGRPOConfig):
+            raise TypeError(
+                f"TriageGRPOTrainer needs a TriageGRPOConfig, got {type(args).__name__}: build one with the same "
+                "fields (TriageGRPOConfig(**grpo_config.to_dict()) plus the TRIAGE fields)"
+            )
+        if posargs:
+            raise TypeError("pass TriageGRPOTrainer's arguments after `args` by keyword")
+        self.triage_config = args.triage_config()
+        self.adaptive_tau = AdaptiveTau(self.triage_config)
+
+        rollout_func = kwargs.pop("rollout_func", None)
+        if rollout_func is None and args.sampler is not None:
+            from triage.trainers.sampling import make_sampler
+
+            os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # our sources are not experimental
+            rollout_func = make_sampler(args.sampler, **(args.sampler_kwargs or {}))
+        if rollout_func is None and not args.use_vllm and self.triage_config.correction != "none":
+            raise ValueError(
+                f"correction={self.triage_config.correction!r} needs sampler log-probs, and TRL's transformers "
+                "generation returns none: set TriageGRPOConfig.sampler='hf' (the built-in sampler with "
+                "per-token log-probs), use_vllm=True, or pass a rollout_func that returns 'logprobs'"
+            )
+        if rollout_func is not None:
+            rollout_func = self._validated(rollout_func)
+
+        super().__init__(model, reward_funcs, args, rollout_func=rollout_func, **kwargs)
+
+        if args.learner_precision == "nvfp4":
+            self._convert_learner_to_nvfp4(args.quant_recipe)
+        self._triage_inputs: dict[str, Any] | None = None
+        self._tau_window: list[torch.Tensor] = []
+
+    # --- sampler output validation -------------------------------------------------------------------------
+
+    @property
+    def _needs_sampler_logps(self) -> bool:
+        return self.triage_config.correction != "none"
+
+    def _vocab_size(self) -> int:
+        model = self.accelerator.unwrap_model(self.model)
+        return int(model.get_output_embeddings().weight.shape[0])
+
+    def _validated(self, rollout_func: Callable) -> Callable:
+        def validated_rollout(prompts, trainer):
+            output = rollout_func(prompts, trainer)
+            if isinstance(output, dict) and "completion_ids" in output:
+                check_sampler_output(
+                    output["completion_ids"],
+                    output.get("logprobs"),
+                    trainer._vocab_size(),
+                    need_logprobs=trainer._needs_sampler_logps,
+                    source=f"rollout_func {getattr(rollout_func, '__name__', type(rollout_func).__name__)}",
+                )
+            return output
+
+        validated_rollout.inner = rollout_func
+        return validated_rollout
+
+    def _generate_single_turn(self, prompt_ids, *args, **kwargs):
+        completion_ids, logprobs = super()._generate_single_turn(prompt_ids, *args, **kwargs)
+        check_sampler_output(
+            completion_ids,
+            logprobs,
+            self._vocab_size(),
+            need_logprobs=self._needs_sampler_logps,
+            source="vLLM" if self.use_vllm else "transformers generate",
+        )
+        return completion_ids, logprobs
+
+    # --- NVFP4 learner -------------------------------------------------------------------------------------
+
+    def _convert_learner_to_nvfp4(self, recipe: str | None) -> None:
+        try:
+            from triage.kernels import convert_to_nvfp4
+        except ImportError as err:
+            raise ImportError(
+                "learner_precision='nvfp4' needs triage.kernels.convert_to_nvfp4 (kernels/linear.py), which is "
+                f"not available in this install: {err}"
+            ) from err
+        model = self.accelerator.unwrap_model(self.model)
+        converted = convert_to_nvfp4(model, recipe) if recipe is not None else convert_to_nvfp4(model)
+        if converted is not None and converted is not model:
+            raise RuntimeError(
+                "convert_to_nvfp4 must convert the learner in place (the optimizer holds its params)"
+            )
+
+    # --- the loss ------------------------------------------------------------------------------------------
+
+    def _compute_loss(self, model, inputs):
+        has_sampler = inputs.get("sampling_per_token_logps") is not None
+        active = self.triage_config.correction != "none" or self.args.log_mismatch_metrics
+        if not (has_sampler and active):
+            if self.triage_config.correction != "none":  # generation validated this already; belt and braces
+                raise ValueError(
+                    f"correction={self.triage_config.correction!r}: the batch has no sampler log-probs"
+                )
+            return super()._compute_loss(model, inputs)
+        # Enable TRL's off-policy-mask hook for this call; `get_off_policy_mask` below returns the weights.
+        user_threshold = self.off_policy_mask_threshold
+        self.off_policy_mask_threshold = math.inf if user_threshold is None else user_threshold
+        self._triage_inputs = inputs
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            self.off_policy_mask_threshold = user_threshold
+            self._triage_inputs = None
+
+    def get_off_policy_mask(
+        self, advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold
+    ):
+        """TRL's hook, called inside ``_compute_loss``: returns TRIAGE weights × (TRL's OPSM mask if set)."""
+        keep = 1.0
+        if self.args.off_policy_mask_threshold is not None:
+            keep = GRPOTrainer.get_off_policy_mask(
+                advantages,
+                per_token_logps,
+                sampling_per_token_logps,
+                mask,
+                self.args.off_policy_mask_threshold,
+            )
+        inputs = self._triage_inputs
+        if inputs is None:  # called from elsewhere: behave like TRL
+            return keep
+        with torch.no_grad():
+            old = inputs.get("old_per_token_logps")
+            learner = per_token_logps.detach() if old is None else old
+            if advantages.dim() == 2 and advantages.size(1) == 1:
+                advantages = advantages[:, 0]
+            delta = token_gap(learner, inputs["sampling_per_token_logps"], mask)
+            tau = self.adaptive_tau.value
+            weights = token_weights(delta, advantages, mask, self.triage_config, tau=tau)
+            self._observe(delta, advantages, mask, weights, tau)
+        if self.triage_config.correction == "none":
+            return keep  # metrics only: the loss is GRPOTrainer's, bit for bit
+        return keep * weights.to(per_token_logps.dtype)
+
+    def _observe(self, delta, advantages, mask, weights, tau: float) -> None:
+        """Log the all-reduced ``triage/...`` metrics; feed the adaptive τ the gathered δ of the window."""
+        mode = "train" if self.model.training else "eval"
+        track_tau = mode == "train" and self.triage_config.adaptive
+        if not (self.args.log_mismatch_metrics or track_tau):
+            return
+        all_delta = self.accelerator.gather(self.accelerator.pad_across_processes(delta, dim=1, pad_index=0))
+        all_mask = self.accelerator.gather(
+            self.accelerator.pad_across_processes(mask, dim=1, pad_index=0)
+        ).bool()
+        if self.args.log_mismatch_metrics:
+            sums = mismatch_sums(delta, advantages, mask, weights, self.triage_config, tau=tau)
+            keys = sorted(sums)
+            totals = self.accelerator.reduce(torch.stack([sums[k] for k in keys]), reduction="sum")
+            metrics = metrics_from_sums(dict(zip(keys, totals.cpu().tolist())))
+            metrics.update(delta_quantiles(all_delta, all_mask))
+            metrics["triage/tau"] = tau
+            for key, value in metrics.items():
+                self._metrics[mode][key].append(value)
+        if track_tau:
+            self._tau_window.append(all_delta[all_mask].abs().float())
+            if self.accelerator.sync_gradients:  # end of the accumulation window: one τ update per step
+                window = torch.cat(self._tau_window)
+                self._tau_window = []
+                if window.numel() > 0:
+                    self.adaptive_tau.update_from_median(window.median().item())
+
+    # --- checkpoints ---------------------------------------------------------------------------------------
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        if self.args.should_save:
+            from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+            folder = os.path.join(
+                self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            )
+            state = {
+                "adaptive_tau": self.adaptive_tau.state_dict(),
+                "triage_config": self.triage_config.to_dict(),
+            }
+            with open(os.path.join(folder, TRIAGE_STATE_FILE), "w") as f:
+                json.dump(state, f, indent=2)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, TRIAGE_STATE_FILE)
+        if os.path.exists(path):
+            with open(path) as f:
+                self.adaptive_tau.load_state_dict(json.load(f)["adaptive_tau"])
+        elif self.triage_config.adaptive:
+            raise FileNotFoundError(
+                f"{path} is missing: cannot resume the adaptive τ (tau='auto') from checkpoint {checkpoint}"
+            )
