@@ -1,1 +1,51 @@
-"""NVFP4 formats, recipes, reference quantizers and Triton kernels (``triage.kernels.nvfp4``)."""
+"""NVFP4 formats, recipes, reference quantizers and Triton kernels (``triage.kernels.nvfp4``).
+
+Public contract: ``quantize(x, recipe) -> NVFP4Tensor``, ``dequantize(t)``, ``QuantRecipe``, ``NVFP4Tensor``
+and the format helpers. See docs/nvfp4.md.
+"""
+
+from .api import dequantize, quantize
+from .format import (
+    BLOCK,
+    E2M1_MAX,
+    E2M1_VALUES,
+    E4M3_MAX,
+    e2m1_codes,
+    e2m1_decode,
+    e4m3_decode,
+    e4m3_encode,
+    pack_nibbles,
+    swizzle_scales,
+    unpack_nibbles,
+    unswizzle_scales,
+)
+from .hadamard import TE_SIGNS, hadamard16, hadamard16_matrix, inverse_hadamard16
+from .recipe import PROFILES, QuantRecipe
+from .reference import dequantize_reference, quantize_reference
+from .tensor import NVFP4Tensor
+
+__all__ = [
+    "BLOCK",
+    "E2M1_MAX",
+    "E2M1_VALUES",
+    "E4M3_MAX",
+    "PROFILES",
+    "TE_SIGNS",
+    "NVFP4Tensor",
+    "QuantRecipe",
+    "dequantize",
+    "dequantize_reference",
+    "e2m1_codes",
+    "e2m1_decode",
+    "e4m3_decode",
+    "e4m3_encode",
+    "hadamard16",
+    "hadamard16_matrix",
+    "inverse_hadamard16",
+    "pack_nibbles",
+    "quantize",
+    "quantize_reference",
+    "swizzle_scales",
+    "unpack_nibbles",
+    "unswizzle_scales",
+]

@@ -1,0 +1,56 @@
+"""``quantize`` / ``dequantize``: the public entry points, dispatching to Triton (CUDA) or the torch reference."""
+
+from __future__ import annotations
+
+import torch
+
+from .recipe import QuantRecipe
+from .reference import check_input, quantize_reference
+from .tensor import NVFP4Tensor
+
+__all__ = ["BACKENDS", "dequantize", "quantize"]
+
+BACKENDS = ("auto", "triton", "torch")
+
+
+def _triton_usable(x: torch.Tensor) -> bool:
+    from . import triton_quant
+
+    return triton_quant.available(x.device)
+
+
+def quantize(
+    x: torch.Tensor, recipe: QuantRecipe | None = None, *, backend: str = "auto", seed: int | None = None
+) -> NVFP4Tensor:
+    """Quantize ``x`` (fp16/bf16/fp32, ``[..., K]``) to NVFP4 with ``recipe`` (default: ``QuantRecipe()``).
+
+    ``backend="auto"`` runs the Triton kernels on CUDA tensors and the torch reference elsewhere;
+    ``"triton"`` forces Triton (on CPU only under ``TRITON_INTERPRET=1``); ``"torch"`` forces the reference.
+    Both produce identical bytes. ``seed`` overrides ``recipe.seed`` for stochastic rounding. Non-contiguous
+    input is accepted (the Triton path makes one contiguous copy first).
+    """
+    recipe = QuantRecipe() if recipe is None else recipe
+    if backend not in BACKENDS:
+        raise ValueError(f"quantize: backend must be one of {BACKENDS}, got {backend!r}")
+    if seed is not None and (not isinstance(seed, int) or not 0 <= seed < 2**32):
+        raise ValueError(f"quantize: seed must be an int in [0, 2**32), got {seed!r}")
+    check_input(x, recipe)
+    if backend == "torch" or (backend == "auto" and not _triton_usable(x)):
+        return quantize_reference(x, recipe, seed=seed)
+    from .triton_quant import quantize_triton
+
+    return quantize_triton(x, recipe, seed=seed)
+
+
+def dequantize(t: NVFP4Tensor, dtype: torch.dtype | None = None, *, backend: str = "auto") -> torch.Tensor:
+    """``e2m1(data) * f32(scale) * global_scale`` in fp32, cropped to ``t.shape``, cast to ``dtype``
+    (default ``t.dtype``). Triton on CUDA for ``backend="auto"``; identical values either way."""
+    if not isinstance(t, NVFP4Tensor):
+        raise TypeError(f"dequantize expects an NVFP4Tensor, got {type(t).__name__}")
+    if backend not in BACKENDS:
+        raise ValueError(f"dequantize: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "torch" or (backend == "auto" and not _triton_usable(t.data)):
+        return t.dequantize(dtype)
+    from .triton_quant import dequantize_triton
+
+    return dequantize_triton(t, dtype)

@@ -1,0 +1,103 @@
+"""``QuantRecipe``: every choice that changes NVFP4 bytes, as one frozen dataclass.
+
+Field names are a public contract (the GEMM, diagnostics and export build on them). See docs/nvfp4.md for
+the formulas each ``profile`` implements.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["BLOCKS", "PROFILES", "QuantRecipe", "ROUNDINGS", "SCALES", "SCALE_SOURCES"]
+
+BLOCKS = ("1x16", "16x16")
+SCALES = ("tensor", "row", "expert", "none")
+SCALE_SOURCES = ("dynamic", "static", "checkpoint")
+ROUNDINGS = ("nearest", "stochastic")
+PROFILES = ("te", "torchao", "modelopt", "compressed-tensors")
+
+
+@dataclass(frozen=True)
+class QuantRecipe:
+    """How to quantize a tensor to NVFP4.
+
+    Attributes:
+        block: ``"1x16"`` (16 consecutive elements of the last dim share a scale) or ``"16x16"`` (a 16x16 tile
+            of the last two dims shares one scale, so W and W^T quantize identically; stored per 1x16 row, the
+            tile's scale repeated along its 16 rows).
+        scale: the outer (second-level) scale granularity: ``"tensor"``, ``"row"`` (one per row of the last
+            dim, i.e. per token), ``"expert"`` (one per index of the leading dim) or ``"none"`` (outer scale 1).
+        scale_source: ``"dynamic"`` (outer amax computed from the input), ``"static"`` (outer amax given as
+            ``static_amax``, e.g. a calibrated activation amax) or ``"checkpoint"`` (the outer scale given as
+            ``checkpoint_scale`` in the profile's native convention: an ENCODE scale ``2688/amax`` for ``te``
+            and ``compressed-tensors`` (``input_global_scale``), a DECODE scale ``amax/2688`` for ``torchao``
+            and ``modelopt`` (``input_scale`` / ``weight_scale_2``)). Static and checkpoint need
+            ``scale="tensor"``.
+        static_amax: the outer amax for ``scale_source="static"`` (finite, > 0).
+        checkpoint_scale: the stored outer scale for ``scale_source="checkpoint"`` (finite, > 0).
+        rounding: ``"nearest"`` (ties to even) or ``"stochastic"`` (unbiased, seeded by ``seed``).
+        seed: stochastic-rounding seed (``quantize(..., seed=)`` overrides it per call).
+        hadamard: apply the 16-point random Hadamard transform (TE's fixed sign vector) to every 16-element
+            block along the last dim before quantizing; the output is rounded back to the input dtype.
+        profile: whose formulas to reproduce bit for bit: ``"te"``, ``"torchao"``, ``"modelopt"``,
+            ``"compressed-tensors"``.
+        pad: if the last dim K is not a multiple of 16, zero-pad it to one (``data``/``scale`` then cover the
+            padded K, ``NVFP4Tensor.shape`` keeps the original); if False, such K is an error.
+    """
+
+    block: str = "1x16"
+    scale: str = "tensor"
+    scale_source: str = "dynamic"
+    static_amax: float | None = None
+    checkpoint_scale: float | None = None
+    rounding: str = "nearest"
+    seed: int = 0
+    hadamard: bool = False
+    profile: str = "te"
+    pad: bool = False
+
+    def __post_init__(self) -> None:
+        for name, allowed in (
+            ("block", BLOCKS),
+            ("scale", SCALES),
+            ("scale_source", SCALE_SOURCES),
+            ("rounding", ROUNDINGS),
+            ("profile", PROFILES),
+        ):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"QuantRecipe.{name} must be one of {allowed}, got {value!r}")
+        if self.block == "16x16" and self.scale == "row":
+            raise ValueError("QuantRecipe: block='16x16' tiles span 16 rows, so scale='row' is not allowed")
+        if self.scale_source == "static":
+            _check_positive("static_amax", self.static_amax)
+        if self.scale_source == "checkpoint":
+            _check_positive("checkpoint_scale", self.checkpoint_scale)
+        if self.scale_source != "dynamic" and self.scale != "tensor":
+            raise ValueError(
+                f"QuantRecipe: scale_source={self.scale_source!r} gives one outer scale, so it needs "
+                f"scale='tensor' (got scale={self.scale!r})"
+            )
+        if self.scale_source != "static" and self.static_amax is not None:
+            raise ValueError("QuantRecipe: static_amax is only used with scale_source='static'")
+        if self.scale_source != "checkpoint" and self.checkpoint_scale is not None:
+            raise ValueError("QuantRecipe: checkpoint_scale is only used with scale_source='checkpoint'")
+        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
+            raise ValueError(f"QuantRecipe.seed must be an int in [0, 2**32), got {self.seed!r}")
+
+    @property
+    def tile_rows(self) -> int:
+        """Rows sharing one block scale: 1 for "1x16", 16 for "16x16"."""
+        return 16 if self.block == "16x16" else 1
+
+
+def _check_positive(name: str, value: float | None) -> None:
+    if value is None:
+        raise ValueError(f"QuantRecipe.{name} is required for this scale_source")
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"QuantRecipe.{name} must be a number, got {value!r}") from None
+    if not math.isfinite(v) or v <= 0:
+        raise ValueError(f"QuantRecipe.{name} must be finite and > 0, got {value!r}")
