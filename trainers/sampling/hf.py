@@ -1,0 +1,330 @@
+"""Built-in sampler: batched ancestral sampling with a Hugging Face causal LM and its incremental KV cache.
+
+The log-prob of every sampled token is read from the same logits the token was sampled from, during decoding
+(prefill once, then one cached step per token): no re-forward. For step t with raw logits z_t:
+
+* sampling distribution: ``softmax(process(z_t))`` where ``process`` is transformers' own logits processors in
+  ``generate``'s order: repetition penalty, temperature, top-k, top-p, min-p;
+* reported log-prob (``logprobs_mode="temperature"``, default): ``log_softmax(z_t / T)[y_t]``, the quantity
+  TRL 1.16's learner computes (it applies only the temperature), so δ = 0 up to numerics when the sampler and
+  learner are the same fp32 model and no truncation is used;
+* ``logprobs_mode="processed"``: ``log_softmax(process(z_t))[y_t]``, the distribution actually sampled from
+  (renormalised over the top-k/top-p/min-p set; vLLM's ``processed_logprobs`` analogue).
+
+Why a decode loop instead of ``model.generate(output_logits=True)``: ``generate`` keeps one (B, V) tensor per
+step for the whole completion (a 150k vocabulary × 64 rows × 1k steps is ~39 GB in fp32) only to pick one value
+per row; the loop keeps one float per token.
+
+``sampler_model`` picks the weights: ``"shared"`` (default) samples with the trainer's own model (unwrapped
+like TRL does for ``generate``); ``"copy"`` keeps a separate copy (optionally cast to ``dtype`` and passed
+through ``prepare_model``, e.g. ``lambda m: triage.kernels.convert_to_nvfp4(m, recipe)``), rebuilt/synced from
+the trainer's weights whenever ``trainer.state.global_step`` changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import torch
+
+from .base import SamplerSource, SamplingParams
+
+
+def _logits_processors(params: SamplingParams):
+    """transformers' processors for ``params``, in ``GenerationMixin._get_logits_processor``'s order."""
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        MinPLogitsWarper,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    procs = LogitsProcessorList()
+    if params.repetition_penalty != 1.0:
+        procs.append(RepetitionPenaltyLogitsProcessor(penalty=params.repetition_penalty))
+    if params.temperature != 1.0:
+        procs.append(TemperatureLogitsWarper(params.temperature))
+    if params.top_k > 0:
+        procs.append(TopKLogitsWarper(top_k=params.top_k))
+    if params.top_p < 1.0:
+        procs.append(TopPLogitsWarper(top_p=params.top_p))
+    if params.min_p:
+        procs.append(MinPLogitsWarper(min_p=params.min_p))
+    return procs
+
+
+def _forward_kwarg_names(model: torch.nn.Module) -> tuple[str, bool]:
+    """(name of the cache argument, whether ``logits_to_keep`` is accepted) for ``model.forward``.
+
+    transformers 5.24 renamed ``past_key_values`` to ``cache`` (the old name is a deprecated alias).
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = inspect.signature(base.forward).parameters
+    return ("cache" if "cache" in names else "past_key_values"), "logits_to_keep" in names
+
+
+def _new_cache(model: torch.nn.Module):
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:  # older transformers
+        return DynamicCache()
+
+
+@torch.no_grad()
+def sample_with_kv_cache(
+    model: torch.nn.Module,
+    prompt_ids: Sequence[Sequence[int]],
+    params: SamplingParams,
+    eos_ids: Sequence[int],
+    generator: torch.Generator | None = None,
+    logprobs_mode: Literal["temperature", "processed"] = "temperature",
+    pad_id: int = 0,
+) -> dict[str, list[list]]:
+    """Sample one completion per prompt with left padding and an incremental KV cache.
+
+    Returns ``{"completion_ids", "logprobs"}``; a completion ends with (and includes) the first EOS id, or stops
+    at ``params.max_new_tokens``. Rows that finished keep being fed ``pad_id`` (masked out of nothing: they are
+    simply not recorded) until all rows finish.
+    """
+    if logprobs_mode not in ("temperature", "processed"):
+        raise ValueError(f"logprobs_mode must be 'temperature' or 'processed', got {logprobs_mode!r}")
+    if not prompt_ids:
+        return {"completion_ids": [], "logprobs": []}
+    empty = [i for i, p in enumerate(prompt_ids) if len(p) == 0]
+    if empty:
+        raise ValueError(
+            f"prompt entry {empty[0]} has no token; the sampler needs at least one context token"
+        )
+    device = next(model.parameters()).device
+    batch, width = len(prompt_ids), max(len(p) for p in prompt_ids)
+    input_ids = torch.full((batch, width), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros((batch, width), dtype=torch.long, device=device)
+    for i, p in enumerate(prompt_ids):
+        input_ids[i, width - len(p) :] = torch.tensor(list(p), dtype=torch.long, device=device)
+        mask[i, width - len(p) :] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    eos = torch.tensor(sorted(set(int(e) for e in eos_ids)), dtype=torch.long, device=device)
+    processors = _logits_processors(params)
+    cache_name, has_keep = _forward_kwarg_names(model)
+    keep = {"logits_to_keep": 1} if has_keep else {}
+    cache = _new_cache(model)
+
+    out = model(
+        input_ids=input_ids,
+        attention_mask=mask,
+        position_ids=positions,
+        use_cache=True,
+        **{cache_name: cache},
+        **keep,
+    )
+    seen = input_ids  # what repetition penalty looks at (prompt + completion so far), as in generate
+    next_pos = positions[:, -1] + 1
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)
+    tokens, logps, alive = [], [], []
+    for step in range(params.max_new_tokens):
+        logits = out.logits[:, -1, :].float()
+        scores = processors(seen, logits.clone()) if len(processors) else logits
+        probs = torch.softmax(scores, dim=-1)
+        token = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        ref = logits / params.temperature if logprobs_mode == "temperature" else scores
+        logp = torch.log_softmax(ref, dim=-1).gather(1, token[:, None]).squeeze(1)
+        token = torch.where(finished, torch.full_like(token, pad_id), token)
+        tokens.append(token)
+        logps.append(logp)
+        alive.append(~finished)
+        finished = finished | torch.isin(token, eos)
+        if bool(finished.all()) or step == params.max_new_tokens - 1:
+            break
+        seen = torch.cat([seen, token[:, None]], dim=1)
+        mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype, device=device)], dim=1)
+        out = model(
+            input_ids=token[:, None],
+            attention_mask=mask,
+            position_ids=next_pos[:, None],
+            use_cache=True,
+            **{cache_name: cache},
+        )
+        next_pos = next_pos + 1
+
+    tokens_t, logps_t, alive_t = (torch.stack(x, dim=1).cpu() for x in (tokens, logps, alive))
+    completion_ids, logprobs = [], []
+    for i in range(batch):
+        n = int(alive_t[i].sum())  # alive steps are a prefix: a row stays finished
+        completion_ids.append(tokens_t[i, :n].tolist())
+        logprobs.append(logps_t[i, :n].tolist())
+    return {"completion_ids": completion_ids, "logprobs": logprobs}
+
+
+class HFSampler(SamplerSource):
+    """Sample with a transformers causal LM; log-probs from the incremental KV-cache path.
+
+    Args:
+        model: model to sample from when used without a trainer (``generate``); with a trainer, ``"shared"``
+            uses the trainer's model and ``"copy"`` a copy of it.
+        sampler_model: ``"shared"`` (default) or ``"copy"``.
+        dtype: dtype of the copy (``"copy"`` only; ``None`` keeps the trainer's dtype).
+        prepare_model: ``prepare_model(copy) -> model`` applied to the copy after the cast (``"copy"`` only),
+            e.g. an NVFP4 conversion. With it, the copy is rebuilt from the trainer's weights at every sync (a
+            converted model's parameters need not match the trainer's); without it, weights are copied in place.
+        params: sampling parameters (``None``: from ``trainer.args``; required for :meth:`generate` alone).
+        seed: seed of the sampler's own ``torch.Generator`` (``None``: drawn once from torch's global RNG, so
+            ``transformers.set_seed`` makes runs reproducible).
+        batch_size: rows per decode batch (``None``: all prompt entries at once).
+        logprobs_mode: ``"temperature"`` (default, what TRL's learner computes) or ``"processed"``.
+    """
+
+    name = "hf"
+
+    def __init__(
+        self,
+        model: torch.nn.Module | None = None,
+        *,
+        sampler_model: Literal["shared", "copy"] = "shared",
+        dtype: torch.dtype | None = None,
+        prepare_model: Callable[[torch.nn.Module], torch.nn.Module | None] | None = None,
+        params: SamplingParams | None = None,
+        seed: int | None = None,
+        batch_size: int | None = None,
+        logprobs_mode: Literal["temperature", "processed"] = "temperature",
+        weight_sync: Callable[[Any], None] | None = None,
+        validate: bool = True,
+    ):
+        super().__init__(params=params, weight_sync=weight_sync, validate=validate)
+        if sampler_model not in ("shared", "copy"):
+            raise ValueError(f"sampler_model must be 'shared' or 'copy', got {sampler_model!r}")
+        if (dtype is not None or prepare_model is not None) and sampler_model != "copy":
+            raise ValueError("dtype and prepare_model apply to a separate copy: pass sampler_model='copy'")
+        if logprobs_mode not in ("temperature", "processed"):
+            raise ValueError(f"logprobs_mode must be 'temperature' or 'processed', got {logprobs_mode!r}")
+        if batch_size is not None and batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.model = model
+        self.sampler_model = sampler_model
+        self.dtype = dtype
+        self.prepare_model = prepare_model
+        self.seed = seed
+        self.batch_size = batch_size
+        self.logprobs_mode = logprobs_mode
+        self.copy: torch.nn.Module | None = None
+        self._generator: torch.Generator | None = None
+
+    # -- generation ------------------------------------------------------------------------------------------
+    def _generator_for(self, device: torch.device) -> torch.Generator:
+        if self._generator is None or self._generator.device != device:
+            seed = self.seed if self.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+            self._generator = torch.Generator(device=device)
+            self._generator.manual_seed(seed)
+        return self._generator
+
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        params: SamplingParams | None = None,
+        eos_ids: Sequence[int] | None = None,
+        model: torch.nn.Module | None = None,
+    ) -> dict:
+        """Sample one completion per prompt with ``model`` (default: the constructor's model)."""
+        model = model if model is not None else self.model
+        if model is None:
+            raise ValueError("HFSampler.generate needs a model (constructor argument or call argument)")
+        params = params if params is not None else self.params
+        if params is None:
+            raise ValueError(
+                "HFSampler.generate needs SamplingParams (constructor argument or call argument)"
+            )
+        gen_config = getattr(model, "generation_config", None)
+        if eos_ids is None:
+            eos_ids = getattr(gen_config, "eos_token_id", None)
+            eos_ids = [eos_ids] if isinstance(eos_ids, int) else list(eos_ids or [])
+        pad_id = getattr(gen_config, "pad_token_id", None)
+        pad_id = pad_id if pad_id is not None else (eos_ids[0] if eos_ids else 0)
+        device = next(model.parameters()).device
+        generator = self._generator_for(device)
+        step = self.batch_size or max(len(prompt_ids), 1)
+        result = {"completion_ids": [], "logprobs": []}
+        was_training = model.training
+        model.eval()
+        try:
+            for start in range(0, len(prompt_ids), step):
+                part = sample_with_kv_cache(
+                    model,
+                    prompt_ids[start : start + step],
+                    params,
+                    eos_ids,
+                    generator=generator,
+                    logprobs_mode=self.logprobs_mode,
+                    pad_id=int(pad_id),
+                )
+                for k in result:
+                    result[k].extend(part[k])
+        finally:
+            model.train(was_training)
+        return result
+
+    # -- trainer integration ---------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _unwrapped(self, trainer: Any):
+        """The trainer's model unwrapped for generation (DDP/DeepSpeed/FSDP), like TRL's ``generate`` path."""
+        from trl.models import unwrap_model_for_generation
+
+        args = trainer.args
+        dist = getattr(trainer, "_dist", None)
+        summon = (
+            dist.summon_full_params(trainer.model_wrapped, recurse=False)
+            if dist
+            else contextlib.nullcontext()
+        )
+        with (
+            unwrap_model_for_generation(
+                trainer.model_wrapped,
+                trainer.accelerator,
+                gather_deepspeed3_params=getattr(args, "ds3_gather_for_generation", True),
+                gradient_checkpointing_kwargs=getattr(args, "gradient_checkpointing_kwargs", None),
+            ) as unwrapped,
+            summon,
+        ):
+            yield unwrapped
+
+    def _build_copy(self, source: torch.nn.Module) -> torch.nn.Module:
+        dup = copy.deepcopy(source)
+        if hasattr(dup, "gradient_checkpointing_disable"):
+            dup.gradient_checkpointing_disable()
+        if self.dtype is not None:
+            dup = dup.to(self.dtype)
+        if self.prepare_model is not None:
+            prepared = self.prepare_model(dup)
+            dup = prepared if prepared is not None else dup
+        dup.requires_grad_(False)
+        return dup.eval()
+
+    def sync_weights(self, trainer: Any) -> None:
+        """Rebuild (with ``prepare_model``) or refresh in place the sampler copy from the trainer's weights."""
+        if self.sampler_model == "copy":
+            with self._unwrapped(trainer) as source, torch.no_grad():
+                if self.copy is None or self.prepare_model is not None:
+                    self.copy = None  # free the old copy before building the new one
+                    self.copy = self._build_copy(source)
+                else:
+                    self.copy.load_state_dict(source.state_dict())
+        super().sync_weights(trainer)
+
+    def __call__(self, prompts: list, trainer: Any) -> dict:
+        from .base import trainer_eos_ids, trainer_prompt_ids
+
+        self.maybe_sync_weights(trainer)
+        prompt_ids = trainer_prompt_ids(prompts, trainer)
+        params, eos_ids = self.params_for(trainer), trainer_eos_ids(trainer)
+        if self.sampler_model == "copy":
+            out = self.generate(prompt_ids, params, eos_ids, model=self.copy)
+        else:
+            with self._unwrapped(trainer) as model:
+                out = self.generate(prompt_ids, params, eos_ids, model=model)
+        return self.finish({"prompt_ids": prompt_ids, **out}, prompts, trainer)
