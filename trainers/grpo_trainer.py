@@ -40,65 +40,19 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from trl import GRPOTrainer
 
 from triage import AdaptiveTau, delta_quantiles, metrics_from_sums, mismatch_sums, token_gap, token_weights
-from triage.mismatch import LOGPROB_MAX
 
 from .config import TriageGRPOConfig
+from .sampling.base import SamplerSource, trainer_vocab_size
+from .sampling.validation import RolloutValidationError, validate_rollout
 
 TRIAGE_STATE_FILE = "triage_state.json"
-
-
-def check_sampler_output(
-    completion_ids: Sequence[Sequence[int]],
-    logprobs: Sequence[Sequence[float | None]] | None,
-    vocab_size: int,
-    *,
-    need_logprobs: bool,
-    source: str,
-) -> None:
-    """Validate what a sampler returned; ``ValueError`` naming the sample (and position) on bad input.
-
-    Rules: every completion has ≥ 1 token (EOS counts); token ids lie in ``[0, vocab_size)``; when
-    log-probs are given (mandatory if ``need_logprobs``), there is one per token, each finite and ≤ 1e-4.
-    """
-    for i, ids in enumerate(completion_ids):
-        if len(ids) == 0:
-            raise ValueError(
-                f"{source}: completion {i} is empty (a sampler must return at least the EOS token)"
-            )
-        bad = [t for t in ids if not 0 <= int(t) < vocab_size]
-        if bad:
-            raise ValueError(
-                f"{source}: completion {i} has token id {bad[0]} outside the vocabulary [0, {vocab_size})"
-            )
-    if logprobs is None:
-        if need_logprobs:
-            raise ValueError(
-                f"{source}: no sampler log-probs, but the correction needs them (see TriageGRPOConfig.sampler)"
-            )
-        return
-    if len(logprobs) != len(completion_ids):
-        raise ValueError(f"{source}: {len(logprobs)} log-prob lists for {len(completion_ids)} completions")
-    for i, (ids, lps) in enumerate(zip(completion_ids, logprobs)):
-        if lps is None or len(lps) != len(ids):
-            got = "None" if lps is None else len(lps)
-            raise ValueError(f"{source}: completion {i} has {len(ids)} tokens but {got} sampler log-probs")
-        for t, lp in enumerate(lps):
-            if lp is None or not math.isfinite(lp):
-                raise ValueError(
-                    f"{source}: sampler log-prob of completion {i}, token {t} is {lp} (must be finite; "
-                    "None/NaN means the engine did not score the token)"
-                )
-            if lp > LOGPROB_MAX:
-                raise ValueError(
-                    f"{source}: sampler log-prob of completion {i}, token {t} is {lp} > 0: not a log-probability"
-                )
 
 
 class TriageGRPOTrainer(GRPOTrainer):
@@ -146,20 +100,42 @@ class TriageGRPOTrainer(GRPOTrainer):
     def _needs_sampler_logps(self) -> bool:
         return self.triage_config.correction != "none"
 
-    def _vocab_size(self) -> int:
-        model = self.accelerator.unwrap_model(self.model)
-        return int(model.get_output_embeddings().weight.shape[0])
+    @property
+    def _uses_sampler_logps(self) -> bool:
+        return self._needs_sampler_logps or self.args.log_mismatch_metrics
+
+    def _check_rollout(self, prompts, prompt_ids, completion_ids, logprobs, source: str) -> None:
+        """``validate_rollout`` (sample-named errors) when TRIAGE uses the sampler log-probs; pure TRL otherwise."""
+        if not self._uses_sampler_logps:
+            return
+        if logprobs is None:
+            if self._needs_sampler_logps:
+                raise ValueError(
+                    f"{source} returned no sampler log-probs, but correction={self.triage_config.correction!r} "
+                    "needs them (see TriageGRPOConfig.sampler)"
+                )
+            return
+        rollout = {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
+        try:
+            validate_rollout(rollout, trainer_vocab_size(self), eos_ids=self.eos_token_ids, prompts=prompts)
+        except RolloutValidationError as err:
+            raise RolloutValidationError(f"{source}: {err}") from None
 
     def _validated(self, rollout_func: Callable) -> Callable:
+        if isinstance(rollout_func, SamplerSource) and rollout_func.validate:
+            return rollout_func  # our sources validate their own output
+
+        name = getattr(rollout_func, "__name__", type(rollout_func).__name__)
+
         def validated_rollout(prompts, trainer):
             output = rollout_func(prompts, trainer)
-            if isinstance(output, dict) and "completion_ids" in output:
-                check_sampler_output(
+            if isinstance(output, dict) and {"prompt_ids", "completion_ids", "logprobs"} <= output.keys():
+                trainer._check_rollout(
+                    prompts,
+                    output["prompt_ids"],
                     output["completion_ids"],
-                    output.get("logprobs"),
-                    trainer._vocab_size(),
-                    need_logprobs=trainer._needs_sampler_logps,
-                    source=f"rollout_func {getattr(rollout_func, '__name__', type(rollout_func).__name__)}",
+                    output["logprobs"],
+                    f"rollout_func {name}",
                 )
             return output
 
@@ -168,13 +144,8 @@ class TriageGRPOTrainer(GRPOTrainer):
 
     def _generate_single_turn(self, prompt_ids, *args, **kwargs):
         completion_ids, logprobs = super()._generate_single_turn(prompt_ids, *args, **kwargs)
-        check_sampler_output(
-            completion_ids,
-            logprobs,
-            self._vocab_size(),
-            need_logprobs=self._needs_sampler_logps,
-            source="vLLM" if self.use_vllm else "transformers generate",
-        )
+        source = "vLLM" if self.use_vllm else "transformers generate"
+        self._check_rollout(None, prompt_ids, completion_ids, logprobs, source)
         return completion_ids, logprobs
 
     # --- NVFP4 learner -------------------------------------------------------------------------------------

@@ -1,0 +1,96 @@
+"""Helpers shared by the trainer tests (imported by name: this folder is on sys.path under pytest)."""
+
+from __future__ import annotations
+
+import torch
+from datasets import Dataset
+
+
+def arithmetic_dataset(n: int = 8) -> Dataset:
+    rows = [
+        {"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}], "answer": str(a + b)}
+        for a, b in [(i, (3 * i) % 5) for i in range(n)]
+    ]
+    return Dataset.from_list(rows)
+
+
+def length_reward(completions, completion_ids, **kwargs):
+    """A deterministic reward with within-group variance: completion length mod 3."""
+    return [float(len(ids) % 3) for ids in completion_ids]
+
+
+class PerturbedRollout:
+    """A deterministic ``rollout_func``: random completions, sampler log-probs = learner log-probs + noise.
+
+    The learner log-probs are computed with the trainer's current model (temperature 1), so δ = −noise
+    exactly (up to fp32 rounding) — a controlled engine mismatch. Randomness is seeded by the trainer's
+    ``global_step`` and the call index within the step, so a resumed run sees the same rollouts.
+    ``corrupt(out)`` may edit the output dict (bad-input tests).
+    """
+
+    def __init__(self, noise: float = 0.3, max_len: int = 6, corrupt=None, seed: int = 0):
+        self.noise, self.max_len, self.corrupt, self.seed = noise, max_len, corrupt, seed
+        self.calls: dict[int, int] = {}
+
+    def __call__(self, prompts, trainer):
+        tok = trainer.processing_class
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        step = int(trainer.state.global_step)
+        call = self.calls.get(step, 0)
+        self.calls[step] = call + 1
+        rank = trainer.accelerator.process_index
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 1009 + call * 101 + rank)
+        out = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
+        for prompt in prompts:
+            pid = tok.apply_chat_template(
+                prompt, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            n = int(torch.randint(1, self.max_len, (1,), generator=g))
+            cid = torch.randint(3, len(tok), (n,), generator=g).tolist() + [tok.eos_token_id]
+            with torch.no_grad():
+                logits = model(torch.tensor([pid + cid])).logits[0, len(pid) - 1 : -1].float()
+            lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(cid)[:, None])[:, 0]
+            lp = (lp + self.noise * torch.randn(lp.shape, generator=g)).clamp(max=0.0)
+            out["prompt_ids"].append(pid)
+            out["completion_ids"].append(cid)
+            out["logprobs"].append(lp.tolist())
+        if self.corrupt is not None:
+            self.corrupt(out)
+        return out
+
+
+def make_args(output_dir, **overrides):
+    from triage.trainers import TriageGRPOConfig
+
+    values = dict(
+        output_dir=str(output_dir),
+        use_cpu=True,
+        bf16=False,
+        max_steps=2,
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=8,
+        learning_rate=1e-3,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+    )
+    values.update(overrides)
+    return TriageGRPOConfig(**values)
+
+
+def make_trainer(
+    model_dir, output_dir, rollout=None, dataset=None, reward=length_reward, trainer_cls=None, **args
+):
+    from triage.trainers import TriageGRPOTrainer
+
+    trainer_cls = trainer_cls or TriageGRPOTrainer
+    return trainer_cls(
+        model=model_dir,
+        reward_funcs=reward,
+        args=make_args(output_dir, **args),
+        train_dataset=dataset if dataset is not None else arithmetic_dataset(),
+        rollout_func=rollout if rollout is not None else PerturbedRollout(),
+    )
