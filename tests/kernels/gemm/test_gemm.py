@@ -1,0 +1,219 @@
+"""W4A4 / W4A16 GEMMs against the torch reference (dequantize, fp64 matmul), under TRITON_INTERPRET on CPU."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from _operands import device, random_nvfp4, rel_err
+
+from triage.kernels.nvfp4 import gemm_triton as gt
+from triage.kernels.nvfp4.gemm import (
+    _dequantize64,
+    expand,
+    gemm,
+    gemm_reference,
+    gemm_w4a16,
+    gemm_w4a16_reference,
+)
+
+FP32_TOL = 2e-6  # fp32 accumulation of ≤ 100 exact products, normalised by max |y|
+
+SHAPES = [(1, 16, 16), (5, 33, 48), (37, 19, 80), (70, 40, 96)]  # M, N, K: none a tile multiple
+
+
+def _poisoned(M, N, dtype):
+    return torch.full((M, N), float("nan"), dtype=dtype, device=device())
+
+
+@pytest.mark.parametrize("backend", ["triton", "cublas"])
+@pytest.mark.parametrize("M,N,K", SHAPES)
+def test_w4a4_matches_reference(backend, M, N, K):
+    gen = torch.Generator().manual_seed(M * 1000 + N + K)
+    a = random_nvfp4((M, K), gen=gen, zero_block_frac=0.1)
+    b = random_nvfp4((N, K), gen=gen)
+    ref = gemm_reference(a, b, out_dtype=torch.float64)
+    out = _poisoned(M, N, torch.float32)
+    y = gemm(a, b, out_dtype=torch.float32, backend=backend, out=out)
+    assert y.data_ptr() == out.data_ptr()
+    assert not torch.isnan(y).any(), "unwritten (poisoned) output elements"
+    assert rel_err(y, ref) < FP32_TOL
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_w4a4_low_precision_out_is_one_rounding(out_dtype):
+    gen = torch.Generator().manual_seed(1)
+    a = random_nvfp4((21, 64), gen=gen, scale="row", scale_exp=(-3, 3))
+    b = random_nvfp4((24, 64), gen=gen, scale="row", scale_exp=(-3, 3))
+    bias = torch.randn(24, generator=gen).to(device())
+    ref = gemm_reference(a, b, out_dtype=torch.float64, bias=bias)
+    # |terms| bound: the fp32 accumulation error is at most ~K·2⁻²⁴ of Σ|products|
+    terms = _dequantize64(a).abs() @ _dequantize64(b).abs().T + bias.double().abs()
+    half_ulp = torch.finfo(out_dtype).eps / 2
+    for backend in ("triton", "cublas"):
+        y = gemm(a, b, out_dtype=out_dtype, bias=bias, backend=backend, out=_poisoned(21, 24, out_dtype))
+        # a single final rounding: within half an ulp of the exact value, plus the fp32 accumulation slack
+        bound = half_ulp * ref.abs() * (1 + 1e-3) + 64 * 2.0**-24 * terms
+        assert bool(((y.double() - ref).abs() <= bound).all()), backend
+
+
+def test_per_row_scales_bias_and_batched_a():
+    gen = torch.Generator().manual_seed(2)
+    a = random_nvfp4((3, 7, 32), gen=gen, scale="row")
+    b = random_nvfp4((18, 32), gen=gen, scale="row")
+    bias = torch.randn(18, generator=gen, dtype=torch.float32).to(device())
+    ref = gemm_reference(a, b, out_dtype=torch.float64, bias=bias)
+    for backend in ("triton", "cublas"):
+        y = gemm(a, b, out_dtype=torch.float32, bias=bias, backend=backend)
+        assert y.shape == (3, 7, 18)
+        assert rel_err(y, ref) < FP32_TOL, backend
+
+
+@pytest.mark.parametrize("split_k", [2, 3])
+def test_split_k_decode_path_is_exact_and_writes_everything(split_k):
+    gen = torch.Generator().manual_seed(3)
+    M, N, K = 3, 37, 160
+    a = random_nvfp4((M, K), gen=gen, scale="row")
+    b = random_nvfp4((N, K), gen=gen)
+    bias = torch.randn(N, generator=gen).to(device())
+    out = _poisoned(M, N, torch.float32)
+    gt.launch_gemm(
+        a.data,
+        a.scale,
+        b.data,
+        b.scale,
+        K,
+        out,
+        a.global_scale.reshape(-1),
+        b.global_scale.reshape(1),
+        bias,
+        split_k=split_k,
+    )
+    assert not torch.isnan(out).any()
+    ref = gemm_reference(a, b, out_dtype=torch.float64, bias=bias)
+    assert rel_err(out, ref) < FP32_TOL
+    # deterministic: same bits twice
+    again = torch.empty_like(out)
+    gt.launch_gemm(
+        a.data,
+        a.scale,
+        b.data,
+        b.scale,
+        K,
+        again,
+        a.global_scale.reshape(-1),
+        b.global_scale.reshape(1),
+        bias,
+        split_k=split_k,
+    )
+    assert torch.equal(out, again)
+
+
+def test_adversarial_scales_huge_subnormal_zero():
+    gen = torch.Generator().manual_seed(4)
+    K = 48
+    a = random_nvfp4((19, K), gen=gen, scale_exp=(-9, -6), zero_block_frac=0.3)  # subnormal e4m3 scales
+    b = random_nvfp4((17, K), gen=gen, scale_exp=(7, 9))  # up to 448
+    b.data.fill_(0x77)  # every element +6: products up to 6·448
+    ref = gemm_reference(a, b, out_dtype=torch.float64)
+    for backend in ("triton", "cublas"):
+        y = gemm(a, b, out_dtype=torch.float32, backend=backend)
+        assert rel_err(y, ref) < FP32_TOL, backend
+    # an all-zero operand gives exact zeros
+    z = dataclasses.replace(a, scale=torch.zeros_like(a.scale))
+    for backend in ("triton", "cublas"):
+        assert torch.equal(
+            gemm(z, b, out_dtype=torch.float32, backend=backend), torch.zeros(19, 17, device=device())
+        )
+
+
+def test_nan_scale_and_inf_outer_scale_propagate_like_the_reference():
+    gen = torch.Generator().manual_seed(5)
+    a = random_nvfp4((9, 32), gen=gen, scale="row")
+    b = random_nvfp4((11, 32), gen=gen)
+    sc = a.scale.view(torch.uint8).clone()
+    sc[2, 1] = 0x7F  # e4m3 NaN
+    a = dataclasses.replace(a, scale=sc.view(torch.float8_e4m3fn))
+    a.global_scale[5, 0] = float("inf")
+    ref = gemm_reference(a, b, out_dtype=torch.float64)
+    for backend in ("triton", "cublas"):
+        y = gemm(a, b, out_dtype=torch.float32, backend=backend).double()
+        finite = torch.isfinite(ref)
+        # NaN block scale: NaN row, like the reference; Inf outer scale: non-finite row (the reference
+        # gets NaN from 0·Inf in the dequantized operand, the kernel ±Inf from acc·Inf)
+        assert torch.equal(torch.isnan(y[2]), torch.isnan(ref[2])), backend
+        assert torch.equal(torch.isfinite(y), finite), backend
+        assert torch.isnan(y[2]).all() and finite[[0, 1, 3, 4, 6, 7, 8]].all()
+        assert rel_err(y[finite], ref[finite]) < FP32_TOL
+
+
+def test_non_contiguous_operands():
+    gen = torch.Generator().manual_seed(6)
+    a = random_nvfp4((12, 64), gen=gen)
+    b = random_nvfp4((10, 64), gen=gen)
+    # a's rows taken with a stride: every other row of a bigger tensor
+    big = random_nvfp4((24, 64), gen=gen)
+    a2 = dataclasses.replace(a, data=big.data[::2], scale=big.scale[::2])
+    assert not a2.data.is_contiguous()
+    ref = gemm_reference(a2, b, out_dtype=torch.float64)
+    y = gemm(a2, b, out_dtype=torch.float32, backend="triton")
+    assert rel_err(y, ref) < FP32_TOL
+    x = torch.randn(32, 12, generator=gen).to(torch.bfloat16).to(device()).T  # [12, 32] non-contiguous
+    w = random_nvfp4((20, 32), gen=gen)
+    assert (
+        rel_err(
+            gemm_w4a16(x, w, out_dtype=torch.float32, backend="triton"),
+            gemm_w4a16_reference(x, w, out_dtype=torch.float64),
+        )
+        < FP32_TOL
+    )
+
+
+def test_padded_k_operands():
+    gen = torch.Generator().manual_seed(7)
+    a = random_nvfp4((6, 40), gen=gen, pad=True)
+    b = random_nvfp4((9, 40), gen=gen, pad=True)
+    ref = gemm_reference(a, b, out_dtype=torch.float64)
+    for backend in ("triton", "cublas"):
+        assert rel_err(gemm(a, b, out_dtype=torch.float32, backend=backend), ref) < FP32_TOL
+    x = torch.randn(5, 40, generator=gen).to(torch.bfloat16).to(device())
+    ref = gemm_w4a16_reference(x, b, out_dtype=torch.float64)
+    for backend in ("triton", "cublas"):
+        assert rel_err(gemm_w4a16(x, b, out_dtype=torch.float32, backend=backend), ref) < FP32_TOL
+
+
+@pytest.mark.parametrize("xdtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M,N,K", [(1, 24, 32), (16, 33, 64), (67, 18, 48)])
+def test_w4a16_matches_reference(xdtype, M, N, K):
+    gen = torch.Generator().manual_seed(M + N + K)
+    x = (torch.randn(M, K, generator=gen) * 3).to(xdtype).to(device())
+    w = random_nvfp4((N, K), gen=gen, scale="row", zero_block_frac=0.1)
+    bias = torch.randn(N, generator=gen).to(xdtype).to(device())
+    ref = gemm_w4a16_reference(x, w, out_dtype=torch.float64, bias=bias)
+    for backend in ("triton", "cublas"):
+        y = gemm_w4a16(
+            x, w, out_dtype=torch.float32, bias=bias, backend=backend, out=_poisoned(M, N, torch.float32)
+        )
+        assert rel_err(y, ref) < FP32_TOL, backend
+    assert gemm_w4a16(x, w, bias=bias, backend="triton").dtype == xdtype
+
+
+def test_expand_is_exact_in_bf16_and_fp16():
+    gen = torch.Generator().manual_seed(8)
+    t = random_nvfp4((13, 48), gen=gen, zero_block_frac=0.2)
+    exact = t.block_values()
+    for dtype in (torch.bfloat16, torch.float16):
+        e = expand(t, dtype)
+        assert e.dtype == dtype and torch.equal(e.float(), exact)
+
+
+def test_auto_on_cpu_without_interpreter_uses_reference(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only dispatch rule")
+    gen = torch.Generator().manual_seed(9)
+    a, b = random_nvfp4((4, 16), gen=gen), random_nvfp4((5, 16), gen=gen)
+    assert torch.equal(gemm(a, b), gemm_reference(a, b))
+    with pytest.raises(ValueError, match="needs a CUDA tensor"):
+        gemm(a, b, backend="triton")
