@@ -52,6 +52,7 @@ __all__ = [
     "dequantize_reference",
     "outer_amax",
     "outer_scale",
+    "outer_scale_from_recipe",
     "prepare_input",
     "quantize_reference",
     "round_codes",
@@ -160,19 +161,28 @@ def _outer_from_amax(a: torch.Tensor, profile: str) -> tuple[torch.Tensor, torch
     raise ValueError(f"unknown profile {profile!r}")
 
 
-def outer_scale(xf: torch.Tensor, recipe: QuantRecipe) -> OuterScale:
-    """The outer encode/decode scales for the recipe's granularity and source."""
-    dev = xf.device
+def outer_scale_from_recipe(recipe: QuantRecipe, device) -> OuterScale:
+    """Outer scales that do not depend on the data: ``scale="none"``, static amax, checkpoint scale."""
+    one = _f32(1.0, device)
     if recipe.scale == "none":
-        one = _f32(1.0, dev)
         return OuterScale(one, one.clone(), None)
     if recipe.scale_source == "checkpoint":
-        stored = _f32(recipe.checkpoint_scale, dev)
-        one = _f32(1.0, dev)
+        stored = _f32(recipe.checkpoint_scale, device)
         if recipe.profile in ("te", "compressed-tensors"):  # the checkpoint stores the encode scale
             return OuterScale(stored, one / stored, None)
         return OuterScale(one / stored, stored, None)
-    amax = _f32(recipe.static_amax, dev) if recipe.scale_source == "static" else outer_amax(xf, recipe)
+    if recipe.scale_source == "static":
+        amax = _f32(recipe.static_amax, device)
+        enc, dec = _outer_from_amax(amax, recipe.profile)
+        return OuterScale(enc, dec, amax)
+    raise ValueError("outer_scale_from_recipe: a dynamic outer scale needs the data")
+
+
+def outer_scale(xf: torch.Tensor, recipe: QuantRecipe) -> OuterScale:
+    """The outer encode/decode scales for the recipe's granularity and source."""
+    if recipe.scale == "none" or recipe.scale_source != "dynamic":
+        return outer_scale_from_recipe(recipe, xf.device)
+    amax = outer_amax(xf, recipe)
     enc, dec = _outer_from_amax(amax, recipe.profile)
     return OuterScale(enc, dec, amax)
 
