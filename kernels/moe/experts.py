@@ -1,0 +1,229 @@
+"""NVFP4 MoE experts for Qwen3-MoE (transformers 5.x) and the conversion that installs them.
+
+In transformers 5.x, ``Qwen3MoeSparseMoeBlock`` holds a router ``gate`` (``Qwen3MoeTopKRouter``, a plain
+[E, H] parameter) and ``experts`` (``Qwen3MoeExperts``): fused 3-D parameters ``gate_up_proj`` [E, 2I, H]
+and ``down_proj`` [E, H, I], called as ``experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])``.
+:func:`convert_moe_experts` swaps every such experts module for :class:`NVFP4MoeExperts`, which keeps the
+same parameters (same names, same tensors: optimizers and state dicts are unaffected) and computes
+
+    rows sorted by expert → NVFP4 grouped GEMM (gate_up) → SiLU(gate)·up → NVFP4 grouped GEMM (down)
+    → × routing weight → scatter-add back to tokens.
+
+The router stays in high precision (untouched). Activations are quantized once per token before the top-k
+gather (one per-tensor amax shared by every expert that reads them), weights once per optimizer step
+(cached on the parameter's version). Backward (straight-through, as TE's ``backward_override``):
+``"dequantized"`` uses the dequantized NVFP4 operands the forward used, ``"high_precision"`` the original
+bf16 activations and weights; both run bf16 grouped matmuls with fp32 accumulation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from triage.kernels.nvfp4.api import dequantize, quantize
+from triage.kernels.nvfp4.recipe import QuantRecipe
+from triage.kernels.nvfp4.tensor import NVFP4Tensor
+
+from .grouped_gemm import expand_experts, grouped_gemm, grouped_mm, offsets_from_expert_ids
+
+BACKWARD_MODES = ("dequantized", "high_precision")
+
+
+@dataclass(frozen=True)
+class MoEQuantConfig:
+    """How NVFP4 experts quantize and differentiate.
+
+    Attributes:
+        activation: recipe of the expert inputs (per-tensor dynamic amax by default).
+        weight: recipe of the expert weights (``scale="expert"``: one outer scale per expert).
+        backward: ``"dequantized"`` or ``"high_precision"`` operands in the backward GEMMs.
+        backend: grouped-GEMM backend (see :func:`~triage.kernels.moe.grouped_gemm.grouped_gemm`).
+        validate: check expert ids (one host sync per layer call).
+    """
+
+    activation: QuantRecipe = field(default_factory=QuantRecipe)
+    weight: QuantRecipe = field(default_factory=lambda: QuantRecipe(scale="expert"))
+    backward: str = "dequantized"
+    backend: str = "auto"
+    validate: bool = True
+
+    def __post_init__(self) -> None:
+        if self.backward not in BACKWARD_MODES:
+            raise ValueError(
+                f"MoEQuantConfig.backward must be one of {BACKWARD_MODES}, got {self.backward!r}"
+            )
+        if self.weight.scale == "row" and self.weight.block == "16x16":
+            raise ValueError("MoEQuantConfig.weight: 16x16 blocks cannot have per-row scales")
+
+
+def _gather_rows(t: NVFP4Tensor, idx: torch.Tensor | None) -> NVFP4Tensor:
+    """Rows ``idx`` of a 2-D NVFP4 tensor (codes, block scales and per-row outer scales move together)."""
+    if idx is None:
+        return t
+    g = t.global_scale
+    return NVFP4Tensor(
+        data=t.data[idx],
+        scale=t.scale[idx],
+        global_scale=g[idx] if g.numel() > 1 else g,
+        recipe=t.recipe,
+        shape=torch.Size((idx.numel(), t.shape[-1])),
+        dtype=t.dtype,
+        global_encode_scale=t.global_encode_scale,
+        amax=t.amax,
+    )
+
+
+class _WeightCache:
+    """Quantized weights (and their fp16 expansion) keyed by the parameter's storage and version."""
+
+    def __init__(self) -> None:
+        self.key = None
+        self.value = None
+
+    def get(self, weight: torch.Tensor, recipe: QuantRecipe, expanded: bool):
+        key = (weight.data_ptr(), weight._version, weight.dtype, recipe, expanded)
+        if key != self.key:
+            wq = quantize(weight.detach(), recipe, backend=_qbackend(weight))
+            self.value = (wq, expand_experts(wq, torch.float16) if expanded else None)
+            self.key = key
+        return self.value
+
+
+class _GroupedNVFP4Linear(torch.autograd.Function):
+    """``y[r] = Q(x)[gather[r]] · Q(W)[e(r)]ᵀ`` for rows r sorted by expert (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, gather, offsets, cfg, cache):
+        xq = quantize(x.detach(), cfg.activation, backend=_qbackend(x))
+        a = _gather_rows(xq, gather)
+        triton_expanded = cfg.backend == "triton_expanded" or (
+            cfg.backend == "auto" and _auto_backend(x) == "triton_expanded"
+        )
+        wq, w_exp = cache.get(weight, cfg.weight, triton_expanded)
+        y = grouped_gemm(
+            a, wq, offsets, out_dtype=x.dtype, backend=cfg.backend, w_expanded=w_exp, validate=False
+        )
+        ctx.cfg = cfg
+        ctx.x_shape = x.shape
+        if cfg.backward == "dequantized":
+            ctx.quantized = (a, wq)
+            ctx.save_for_backward(gather, offsets)
+        else:
+            ctx.quantized = None
+            ctx.save_for_backward(gather, offsets, x, weight)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        gather, offsets = ctx.saved_tensors[:2]
+        dtype = dy.dtype
+        if ctx.quantized is not None:
+            a, wq = ctx.quantized
+            x_rows, w = (
+                dequantize(a, dtype, backend=_qbackend(dy)),
+                dequantize(wq, dtype, backend=_qbackend(dy)),
+            )
+        else:
+            x, w = ctx.saved_tensors[2], ctx.saved_tensors[3].to(dtype)
+            x_rows = x[gather] if gather is not None else x
+        dy = dy.contiguous()
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx_rows = grouped_mm(dy, w.contiguous(), offsets, trans_b=True)  # dy[rows e] · W[e]
+            if gather is None:
+                dx = dx_rows
+            else:
+                dx = dy.new_zeros(ctx.x_shape).index_add_(0, gather, dx_rows)
+        if ctx.needs_input_grad[1]:
+            dw = grouped_mm(dy.t(), x_rows.to(dtype).contiguous(), offsets)  # dy[rows e]ᵀ · x[rows e]
+        return dx, dw, None, None, None, None
+
+
+def _qbackend(t: torch.Tensor) -> str:
+    """Quantizer backend: Triton on CUDA, the (byte-identical) torch reference on CPU."""
+    return "auto" if t.is_cuda else "torch"
+
+
+def _auto_backend(x: torch.Tensor) -> str:
+    from triage.kernels.nvfp4.gemm_triton import interpreting
+
+    from .grouped_gemm import LARGE_BACKEND
+
+    return LARGE_BACKEND if (x.is_cuda or interpreting()) else "reference"
+
+
+def grouped_nvfp4_linear(x, weight, offsets, cfg: MoEQuantConfig, gather=None, cache=None) -> torch.Tensor:
+    """Differentiable grouped NVFP4 linear: rows ``x[gather]`` (or ``x``) sorted by expert, ``weight``
+    [E, N, K] (high-precision master), ``offsets`` [E+1]. Returns [rows, N] in x's dtype."""
+    return _GroupedNVFP4Linear.apply(x, weight, gather, offsets, cfg, cache or _WeightCache())
+
+
+class NVFP4MoeExperts(nn.Module):
+    """Drop-in NVFP4 replacement of transformers' ``Qwen3MoeExperts`` (same parameters, same call)."""
+
+    def __init__(self, experts: nn.Module, config: MoEQuantConfig | None = None) -> None:
+        super().__init__()
+        self.config = config or MoEQuantConfig()
+        self.num_experts = experts.num_experts
+        self.hidden_dim = experts.hidden_dim
+        self.intermediate_dim = experts.intermediate_dim
+        self.gate_up_proj = experts.gate_up_proj
+        self.down_proj = experts.down_proj
+        self.act_fn = experts.act_fn
+        self._caches = (_WeightCache(), _WeightCache())
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        cfg = self.config
+        k = top_k_index.shape[-1]
+        order, offsets = offsets_from_expert_ids(top_k_index, self.num_experts, validate=cfg.validate)
+        token = order // k
+        gate_up = grouped_nvfp4_linear(hidden_states, self.gate_up_proj, offsets, cfg, token, self._caches[0])
+        gate, up = gate_up.chunk(2, dim=-1)
+        h = self.act_fn(gate) * up
+        out = grouped_nvfp4_linear(h, self.down_proj, offsets, cfg, None, self._caches[1])
+        out = out * top_k_weights.reshape(-1)[order, None].to(out.dtype)
+        final = torch.zeros_like(hidden_states)
+        return final.index_add_(0, token, out.to(final.dtype))
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (
+            f"num_experts={self.num_experts}, hidden={self.hidden_dim}, intermediate={self.intermediate_dim}, "
+            f"backward={c.backward!r}, backend={c.backend!r}"
+        )
+
+
+def is_fused_experts(module: nn.Module) -> bool:
+    """A transformers-5 fused experts module: 3-D ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I]."""
+    gu, dn = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return (
+        isinstance(gu, torch.Tensor)
+        and isinstance(dn, torch.Tensor)
+        and gu.dim() == 3
+        and dn.dim() == 3
+        and hasattr(module, "num_experts")
+        and gu.shape[0] == dn.shape[0] == module.num_experts
+    )
+
+
+def convert_moe_experts(model: nn.Module, config: MoEQuantConfig | None = None) -> list[str]:
+    """Replace every fused experts module (Qwen3-MoE style) by :class:`NVFP4MoeExperts`, in place.
+
+    Returns the converted module names. Routers (``mlp.gate``) and everything else are left untouched.
+    Expert K dims (hidden size and moe_intermediate_size) must be multiples of 16.
+    """
+    config = config or MoEQuantConfig()
+    targets = [
+        (n, m) for n, m in model.named_modules() if is_fused_experts(m) and not isinstance(m, NVFP4MoeExperts)
+    ]
+    for name, module in targets:
+        for pname in ("gate_up_proj", "down_proj"):
+            kdim = getattr(module, pname).shape[-1]
+            if kdim % 16 and not config.weight.pad:
+                raise ValueError(f"{name}.{pname}: K={kdim} is not a multiple of 16 (NVFP4 block size)")
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, NVFP4MoeExperts(module, config))
+    return [n for n, _ in targets]

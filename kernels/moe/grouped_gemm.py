@@ -1,0 +1,265 @@
+"""Grouped NVFP4 GEMM for MoE experts: ``y[rows of e] = a[rows of e] · w[e]ᵀ`` for all experts at once.
+
+Layout. Tokens (rows of ``a``, [T, K]) are sorted by expert; ``offsets`` (int [E+1], ``offsets[0] = 0``,
+non-decreasing, ``offsets[E] = T``) delimits expert e's rows ``offsets[e] .. offsets[e+1]`` (possibly
+empty). Expert weights ``w`` are NVFP4 [E, N, K] with a per-expert outer scale ([E, 1, 1]) or a per-row one
+([E, N, 1]); the activation ``a`` is NVFP4 [T, K] with one outer scale for all rows (the amax of the whole
+sorted input: every expert reads the same quantized tokens, so the amax is computed once, not per expert)
+or one per row.
+
+Math (as in the dense GEMM, :mod:`triage.kernels.nvfp4.gemm`): with ``q·s`` exact in fp16/bf16,
+
+    y[t, n] = g_a[t] · g_w[e(t), n] · Σ_k (q_a s_a)[t, k] · (q_w s_w)[e(t), n, k]
+
+products exact, fp32 accumulation, outer scales in an fp32 epilogue, one final rounding.
+
+Backends:
+* ``"triton"`` — one grouped Triton kernel (:mod:`.grouped_triton`) that unpacks both operands in registers.
+* ``"triton_expanded"`` — expand both operands to their exact fp16 ``q·s`` first (the weights' expansion
+  can be cached: ``w_expanded=``), then the same kernel on dense operands.
+* ``"grouped_mm"`` — exact bf16 expansion + ``torch._grouped_mm``. That op returns bf16, so the sum is
+  rounded to bf16 *before* the fp32 outer-scale epilogue: one extra rounding (≤ 1 bf16 ulp); a baseline.
+* ``"reference"`` — a loop of per-expert fp64 matmuls on dequantized values.
+* ``"auto"`` — reference on CPU (unless the Triton interpreter is on), :data:`LARGE_BACKEND` on CUDA.
+
+Metadata stays on the device: the kernel maps tiles to experts with device ops (no host sync per expert).
+``validate=True`` (default) checks ``offsets`` and costs one host sync; ``validate=False`` skips it.
+"""
+
+from __future__ import annotations
+
+import torch
+from triage.kernels.nvfp4.gemm import _E2M1, _k_of, _padded, expand
+
+__all__ = [
+    "LARGE_BACKEND",
+    "check_offsets",
+    "dequantize64",
+    "expand_experts",
+    "grouped_gemm",
+    "grouped_gemm_reference",
+    "grouped_mm",
+    "offsets_from_expert_ids",
+]
+
+#: Default CUDA backend; set from the H200 measurement (experiments/bench/bench_grouped_gemm.py).
+LARGE_BACKEND = "triton_expanded"
+_BACKENDS = ("auto", "triton", "triton_expanded", "grouped_mm", "reference")
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# ----- metadata -----
+
+
+def offsets_from_expert_ids(
+    expert_ids: torch.Tensor, num_experts: int, *, validate: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort routed rows by expert: returns ``(order, offsets)`` with ``expert_ids.flatten()[order]``
+    non-decreasing and ``offsets`` int64 [E+1]. Device ops only; ``validate`` checks ids are in [0, E)
+    (one host sync) and names the first bad position."""
+    flat = expert_ids.reshape(-1)
+    if validate:
+        bad = (flat < 0) | (flat >= num_experts)
+        if flat.numel() and bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            pos = tuple(int(k) for k in torch.unravel_index(torch.tensor(i), tuple(expert_ids.shape)))
+            raise ValueError(
+                f"expert_ids{list(pos)} = {int(flat[i])} is outside [0, {num_experts}) (num_experts)"
+            )
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)[:num_experts]
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
+    offsets[1:] = torch.cumsum(counts, 0)
+    return order, offsets
+
+
+def check_offsets(offsets: torch.Tensor, num_rows: int, num_experts: int) -> None:
+    """``offsets`` must be integer [E+1], start at 0, never decrease and end at ``num_rows`` (one sync)."""
+    if offsets.dtype.is_floating_point or offsets.dtype == torch.bool or offsets.dim() != 1:
+        raise TypeError(f"offsets must be a 1-D integer tensor, got {offsets.dtype} {tuple(offsets.shape)}")
+    if offsets.numel() != num_experts + 1:
+        raise ValueError(
+            f"offsets has {offsets.numel()} entries, expected num_experts + 1 = {num_experts + 1}"
+        )
+    o = offsets.long().cpu()
+    if int(o[0]) != 0:
+        raise ValueError(f"offsets[0] = {int(o[0])}, expected 0")
+    steps = o[1:] - o[:-1]
+    if bool((steps < 0).any()):
+        e = int((steps < 0).nonzero()[0, 0])
+        raise ValueError(
+            f"offsets decrease at expert {e}: offsets[{e}] = {int(o[e])} > offsets[{e + 1}] = {int(o[e + 1])}"
+        )
+    if int(o[-1]) != num_rows:
+        raise ValueError(f"offsets[-1] = {int(o[-1])} does not match the token count {num_rows}")
+
+
+# ----- operands -----
+
+
+def _check_operands(a, w, offsets, out_dtype, validate):
+    Ka, Kw = _k_of(a, "a"), _k_of(w, "w")
+    if len(tuple(a.shape)) != 2 or len(tuple(w.shape)) != 3:
+        raise ValueError(f"a must be [T, K] and w [E, N, K], got {tuple(a.shape)} and {tuple(w.shape)}")
+    if Ka != Kw:
+        raise ValueError(f"reduction dims differ: a has K={Ka}, w has K={Kw}")
+    if out_dtype not in _OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {_OUT_DTYPES}, got {out_dtype}")
+    if a.data.device != w.data.device or offsets.device != a.data.device:
+        raise ValueError("a, w and offsets must be on one device")
+    T, (E, N, _) = a.shape[0], tuple(w.shape)
+    if validate:
+        check_offsets(offsets, T, E)
+    return T, E, N, _padded(Ka)
+
+
+def _outer_a(a, T: int) -> torch.Tensor:
+    g = a.global_scale.float()
+    if g.numel() == 1:
+        return g.reshape(1)
+    if g.numel() == T:
+        return g.reshape(T)
+    raise ValueError(f"a.global_scale has shape {tuple(g.shape)}: expected 1 element or one per row [{T}, 1]")
+
+
+def _outer_w(w, E: int, N: int) -> torch.Tensor:
+    """[E] (per expert or per tensor) or [E, N] (per expert row) fp32."""
+    g = w.global_scale.float()
+    if g.numel() == 1:
+        return g.reshape(1).expand(E).contiguous()
+    if g.numel() == E:
+        return g.reshape(E)
+    if g.numel() == E * N:
+        return g.reshape(E, N)
+    raise ValueError(
+        f"w.global_scale has shape {tuple(g.shape)}: expected per tensor, per expert [E, 1, 1] or per row [E, N, 1]"
+    )
+
+
+def expand_experts(w, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """Exact ``q·s`` of NVFP4 expert weights [E, N, K] as dense [E, N, Kp] (outer scale not applied)."""
+    return expand(w, dtype)
+
+
+# ----- references -----
+
+
+def dequantize64(t) -> torch.Tensor:
+    """fp64 ``q·s·g`` of an NVFP4 operand of any rank (g broadcast: per tensor, row or expert), K cropped."""
+    Kp = _padded(t.shape[-1])
+    codes = torch.stack([t.data & 0xF, t.data >> 4], dim=-1).reshape(*t.data.shape[:-1], Kp).long()
+    q = torch.tensor(_E2M1, dtype=torch.float64, device=t.data.device)[codes]
+    s = t.scale.double().repeat_interleave(16, dim=-1)
+    return (q * s * t.global_scale.double())[..., : t.shape[-1]]
+
+
+def grouped_gemm_reference(a, w, offsets, *, out_dtype=torch.bfloat16, validate: bool = True) -> torch.Tensor:
+    """Loop of per-expert fp64 matmuls on dequantized operands (reads the offsets on the host)."""
+    T, E, N, _ = _check_operands(a, w, offsets, out_dtype, validate)
+    xa, wv = dequantize64(a), dequantize64(w)
+    out = torch.zeros((T, N), dtype=torch.float64, device=a.data.device)
+    o = offsets.long().tolist()
+    for e in range(E):
+        out[o[e] : o[e + 1]] = xa[o[e] : o[e + 1]] @ wv[e].T
+    return out.to(out_dtype)
+
+
+def grouped_mm(
+    a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *, trans_b: bool = False
+) -> torch.Tensor:
+    """Dense grouped matmul in a's dtype (fp32 accumulation): ``torch._grouped_mm`` where it runs, a
+    per-expert loop otherwise (that loop syncs once to read the offsets).
+
+    * a [T, K], b [E, N, K] → [T, N]: ``out[rows e] = a[rows e] · b[e]ᵀ`` (``trans_b=True``: b [E, K, N]).
+    * a [N, T] (a token-major tensor transposed), b [T, K] → [E, N, K]: ``out[e] = a[:, rows e] · b[rows e]``
+      (the weight gradient); empty experts give zeros.
+    """
+    ends = offsets[1:].to(torch.int32)
+    if b.dim() == 3:
+        bt = b if trans_b else b.transpose(1, 2)
+        out = _try_grouped_mm(a, bt, ends)
+        if out is None:
+            out = a.new_empty((a.shape[0], bt.shape[2]))
+            o = offsets.long().tolist()
+            for e in range(b.shape[0]):
+                out[o[e] : o[e + 1]] = a[o[e] : o[e + 1]] @ bt[e]
+        return out
+    out = _try_grouped_mm(a, b, ends)
+    E = offsets.numel() - 1
+    if out is None:
+        out = a.new_zeros((E, a.shape[0], b.shape[1]))
+        o = offsets.long().tolist()
+        for e in range(E):
+            if o[e + 1] > o[e]:
+                out[e] = a[:, o[e] : o[e + 1]] @ b[o[e] : o[e + 1]]
+        return out
+    empty = (offsets[1:] == offsets[:-1]).view(E, 1, 1)
+    return torch.where(empty, torch.zeros((), dtype=out.dtype, device=out.device), out)
+
+
+def _try_grouped_mm(a, b, ends):
+    fn = getattr(torch, "_grouped_mm", None)
+    if fn is None or (a.is_cuda and a.dtype != torch.bfloat16):
+        return None
+    try:
+        return fn(a, b, ends)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+# ----- the grouped NVFP4 GEMM -----
+
+
+def _pick(backend: str, device: torch.device) -> str:
+    from triage.kernels.nvfp4.gemm_triton import interpreting
+
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    gpu = device.type == "cuda" or interpreting()
+    if backend == "auto":
+        return LARGE_BACKEND if gpu else "reference"
+    if backend in ("triton", "triton_expanded") and not gpu:
+        raise ValueError(f"backend {backend!r} needs a CUDA tensor (or TRITON_INTERPRET=1)")
+    return backend
+
+
+def grouped_gemm(
+    a,
+    w,
+    offsets: torch.Tensor,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+    backend: str = "auto",
+    w_expanded: torch.Tensor | None = None,
+    validate: bool = True,
+) -> torch.Tensor:
+    """W4A4 grouped ``y = a·w[e]ᵀ`` per expert segment: a NVFP4 [T, K], w NVFP4 [E, N, K] → [T, N].
+
+    ``w_expanded``: an optional cached :func:`expand_experts` of ``w`` (fp16 for the Triton backends,
+    bf16 for ``grouped_mm``).
+    """
+    T, E, N, K = _check_operands(a, w, offsets, out_dtype, validate)
+    which = _pick(backend, a.data.device)
+    if which == "reference":
+        return grouped_gemm_reference(a, w, offsets, out_dtype=out_dtype, validate=False)
+    g_a, g_w = _outer_a(a, T), _outer_w(w, E, N)
+    if which == "grouped_mm":
+        xa = expand(a, torch.bfloat16)
+        wb = w_expanded if w_expanded is not None else expand(w, torch.bfloat16)
+        acc = grouped_mm(xa, wb, offsets).float()
+        e_of_row = torch.repeat_interleave(
+            torch.arange(E, device=xa.device), (offsets[1:] - offsets[:-1]).long(), output_size=T
+        )
+        acc = acc * (g_a if g_a.numel() == 1 else g_a[:, None])
+        acc = acc * (g_w[e_of_row][:, None] if g_w.dim() == 1 else g_w[e_of_row])
+        return acc.to(out_dtype)
+    from .grouped_triton import launch_grouped_gemm
+
+    out = torch.empty((T, N), dtype=out_dtype, device=a.data.device)
+    offs = offsets.contiguous()
+    if which == "triton":
+        a_data, a_scale = a.data.reshape(T, K // 2), a.scale.reshape(T, K // 16)
+        return launch_grouped_gemm(a_data, a_scale, w.data, w.scale, K, offs, out, g_a, g_w)
+    xa = expand(a, torch.float16)
+    wb = w_expanded if w_expanded is not None else expand(w, torch.float16)
+    return launch_grouped_gemm(xa, None, wb, None, K, offs, out, g_a, g_w)

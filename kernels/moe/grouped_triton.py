@@ -1,0 +1,215 @@
+"""Triton grouped GEMM: ``C[rows of e] = epilogue(A[rows of e] · B[e]ᵀ)`` for every expert e in one launch.
+
+Rows of A are sorted by expert; ``offsets[e] .. offsets[e+1]`` are expert e's rows. The M-tiles are laid out
+expert after expert (each expert wastes at most one partial tile), so the grid has the static upper bound
+``cdiv(T, BLOCK_M) + E`` M-tiles and a device-side table maps a tile to (expert, first row): no host sync,
+and experts with zero rows own zero tiles. Unused tiles exit at once.
+
+Operands are packed NVFP4 (uint8 codes + e4m3 block scales, unpacked and scaled exactly in registers by the
+dense GEMM's ``_load_tile``) or dense fp16/bf16 (for example the exact ``q·s`` expansion), each independently.
+Epilogue in fp32: ``acc · 2¹⁴ per packed operand · g_a (none / scalar / per row) · g_b (per expert / per
+expert row)``, one cast to C's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triage.kernels.nvfp4.gemm_triton import UNPACK_FACTOR, _load_tile, interpreting
+
+_TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    a_ptr,
+    a_scale_ptr,
+    b_ptr,
+    b_scale_ptr,
+    c_ptr,
+    ga_ptr,
+    gb_ptr,
+    offs_ptr,
+    tile_expert_ptr,
+    tile_row0_ptr,
+    E,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_asm,
+    stride_ask,
+    stride_be,
+    stride_bn,
+    stride_bk,
+    stride_bse,
+    stride_bsn,
+    stride_bsk,
+    stride_cm,
+    stride_cn,
+    out_mult,
+    A_PACKED: tl.constexpr,
+    B_PACKED: tl.constexpr,
+    GA_MODE: tl.constexpr,
+    GB_ROW: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(tile_expert_ptr + pid_m)
+    if e < E:
+        row0 = tl.load(tile_row0_ptr + pid_m)
+        row_end = tl.load(offs_ptr + e + 1)
+        offs_m = row0 + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_ok = offs_m < row_end
+        n_ok = offs_n < N
+        b_e = b_ptr + e.to(tl.int64) * stride_be
+        bs_e = b_scale_ptr + e.to(tl.int64) * stride_bse
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < K
+            a = _load_tile(
+                a_ptr,
+                a_scale_ptr,
+                offs_m[:, None].to(tl.int64),
+                offs_k[None, :],
+                m_ok[:, None] & k_ok[None, :],
+                stride_am,
+                stride_ak,
+                stride_asm,
+                stride_ask,
+                A_PACKED,
+                DOT_DTYPE,
+            )
+            b = _load_tile(
+                b_e,
+                bs_e,
+                offs_n[None, :],
+                offs_k[:, None],
+                k_ok[:, None] & n_ok[None, :],
+                stride_bn,
+                stride_bk,
+                stride_bsn,
+                stride_bsk,
+                B_PACKED,
+                DOT_DTYPE,
+            )
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        acc = acc * out_mult
+        if GA_MODE == 1:
+            acc = acc * tl.load(ga_ptr)
+        elif GA_MODE == 2:
+            acc = acc * tl.load(ga_ptr + offs_m, mask=m_ok, other=0.0)[:, None]
+        if GB_ROW:
+            acc = acc * tl.load(gb_ptr + e * N + offs_n, mask=n_ok, other=0.0)[None, :]
+        else:
+            acc = acc * tl.load(gb_ptr + e)
+        c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def tile_table(offsets: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per expert: the end (exclusive, cumulative) of its M-tiles and its tile count. Device ops only."""
+    counts = (offsets[1:] - offsets[:-1]).long()
+    tiles = (counts + block_m - 1) // block_m
+    tile_end = torch.cumsum(tiles, 0)
+    return tile_end, tiles
+
+
+def launch_grouped_gemm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    b: torch.Tensor,
+    b_scale: torch.Tensor | None,
+    K: int,
+    offsets: torch.Tensor,
+    out: torch.Tensor,
+    g_a: torch.Tensor | None,
+    g_b: torch.Tensor,
+    *,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """``out[T, N]``: A packed uint8 [T, K/2] (+ ``a_scale`` [T, K/16]) or dense [T, K] (any strides);
+    B packed uint8 [E, N, K/2] (+ ``b_scale`` [E, N, K/16]) or dense [E, N, K] (any strides, so a
+    transposed view serves dgrad); ``g_a`` None / 1 element / [T]; ``g_b`` [E] or [E, N] fp32."""
+    T, N = out.shape
+    E = offsets.numel() - 1
+    a_packed, b_packed = a_scale is not None, b_scale is not None
+    dense = [t.dtype for t, p in ((a, a_packed), (b, b_packed)) if not p]
+    if dense and any(d != dense[0] for d in dense):
+        raise TypeError(f"dense grouped-GEMM operands must share a dtype, got {dense}")
+    dot_dtype = dense[0] if dense else torch.float16
+    precision = "tf32"
+    if interpreting() and dot_dtype == torch.bfloat16:
+        dot_dtype = torch.float32  # bf16 tl.dot is broken in the interpreter; fp32 holds q·s exactly
+    if dot_dtype == torch.float32:
+        precision = "ieee"
+    if config is None:
+        if interpreting():
+            config = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=1)
+        else:
+            config = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4)
+    cfg = dict(config)
+    num_warps, num_stages = cfg.pop("num_warps"), cfg.pop("num_stages")
+    bm = cfg["BLOCK_M"]
+    # tile -> (expert, first row), built on the device
+    n_tiles = triton.cdiv(T, bm) + E
+    tile_end, tiles = tile_table(offsets, bm)
+    ids = torch.arange(n_tiles, device=out.device)
+    tile_expert = torch.searchsorted(tile_end, ids, right=True)
+    e_clamped = tile_expert.clamp(max=max(E - 1, 0))
+    first_tile = tile_end[e_clamped] - tiles[e_clamped] if E else ids
+    tile_row0 = (offsets[:-1].long()[e_clamped] + (ids - first_tile) * bm) if E else ids
+    tile_expert = tile_expert.to(torch.int32)
+    tile_row0 = tile_row0.to(torch.int64)
+    dummy = out
+    ga_mode = 0 if g_a is None else (1 if g_a.numel() == 1 else 2)
+    gb_row = g_b.dim() == 2
+    grid = (n_tiles, triton.cdiv(N, cfg["BLOCK_N"]))
+    if T == 0 or N == 0 or E == 0:
+        return out
+    _grouped_gemm_kernel[grid](
+        a,
+        a_scale if a_packed else dummy,
+        b,
+        b_scale if b_packed else dummy,
+        out,
+        g_a if g_a is not None else dummy,
+        g_b,
+        offsets,
+        tile_expert,
+        tile_row0,
+        E,
+        N,
+        K,
+        a.stride(0),
+        a.stride(1),
+        a_scale.stride(0) if a_packed else 0,
+        a_scale.stride(1) if a_packed else 0,
+        b.stride(0),
+        b.stride(1),
+        b.stride(2),
+        b_scale.stride(0) if b_packed else 0,
+        b_scale.stride(1) if b_packed else 0,
+        b_scale.stride(2) if b_packed else 0,
+        out.stride(0),
+        out.stride(1),
+        UNPACK_FACTOR ** (int(a_packed) + int(b_packed)),
+        A_PACKED=a_packed,
+        B_PACKED=b_packed,
+        GA_MODE=ga_mode,
+        GB_ROW=gb_row,
+        DOT_DTYPE=_TL_DTYPE[dot_dtype],
+        INPUT_PRECISION=precision,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        **cfg,
+    )
+    return out

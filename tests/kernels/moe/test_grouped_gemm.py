@@ -1,0 +1,179 @@
+"""Grouped NVFP4 GEMM (Triton kernel under the interpreter) against a loop of per-expert fp64 matmuls."""
+
+import pytest
+import torch
+from triage.kernels.moe import (
+    check_offsets,
+    dequantize64,
+    grouped_gemm,
+    grouped_gemm_reference,
+    grouped_mm,
+    offsets_from_expert_ids,
+)
+from triage.kernels.moe.experts import MoEQuantConfig, grouped_nvfp4_linear
+from triage.kernels.nvfp4.api import quantize
+from triage.kernels.nvfp4.recipe import QuantRecipe
+
+COUNTS = {
+    "uneven+empty": [5, 0, 17, 3],
+    "one-takes-all": [0, 0, 25, 0],
+    "all-empty-but-last": [0, 0, 0, 9],
+    "tile-multiples": [16, 32, 0, 16],
+}
+
+
+def _offsets(counts):
+    o = torch.zeros(len(counts) + 1, dtype=torch.int64)
+    o[1:] = torch.tensor(counts).cumsum(0)
+    return o
+
+
+ACT, WREC = QuantRecipe(), QuantRecipe(scale="expert")
+
+
+def _operands(counts, n=24, k=48, seed=0, act=ACT, wrec=WREC, scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    t = sum(counts)
+    x = (torch.randn(t, k, generator=gen) * scale).to(torch.bfloat16)
+    w = torch.randn(len(counts), n, k, generator=gen).to(torch.bfloat16)
+    w[1] *= 1e-3  # experts with very different outer scales
+    return quantize(x, act, backend="torch"), quantize(w, wrec, backend="torch"), _offsets(counts)
+
+
+@pytest.mark.parametrize("backend", ["triton", "triton_expanded"])
+@pytest.mark.parametrize("case", list(COUNTS))
+def test_matches_per_expert_loop(backend, case):
+    a, w, offs = _operands(COUNTS[case])
+    ref = grouped_gemm_reference(a, w, offs, out_dtype=torch.float32)
+    y = grouped_gemm(a, w, offs, out_dtype=torch.float32, backend=backend)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    yb = grouped_gemm(a, w, offs, backend=backend)  # bf16: one rounding of the same fp32 value
+    # (the interpreter truncates fp32 -> bf16 where the GPU rounds: allow one bf16 ulp)
+    assert yb.dtype == torch.bfloat16
+    torch.testing.assert_close(yb.float(), y, rtol=2**-7, atol=0)
+
+
+@pytest.mark.parametrize(
+    "act,wrec",
+    [
+        (QuantRecipe(scale="row"), QuantRecipe(scale="row")),
+        (QuantRecipe(), QuantRecipe(block="16x16", scale="expert")),
+        (QuantRecipe(), QuantRecipe(scale="tensor")),
+    ],
+)
+def test_outer_scale_layouts(act, wrec):
+    a, w, offs = _operands(COUNTS["uneven+empty"], act=act, wrec=wrec, seed=1)
+    ref = grouped_gemm_reference(a, w, offs, out_dtype=torch.float32)
+    y = grouped_gemm(a, w, offs, out_dtype=torch.float32, backend="triton")
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_reference_is_a_loop_of_dequantized_matmuls():
+    a, w, offs = _operands([3, 0, 4], seed=2)
+    ref = grouped_gemm_reference(a, w, offs, out_dtype=torch.float32)
+    xa, wv = dequantize64(a), dequantize64(w)
+    expect = torch.cat([xa[:3] @ wv[0].T, xa[3:] @ wv[2].T]).float()
+    torch.testing.assert_close(ref, expect, rtol=0, atol=0)
+    torch.testing.assert_close(dequantize64(w).float(), w.dequantize(torch.float32), rtol=1e-6, atol=0)
+
+
+def test_grouped_mm_backend_within_one_bf16_rounding():
+    a, w, offs = _operands(COUNTS["uneven+empty"], seed=3)
+    ref = grouped_gemm_reference(a, w, offs, out_dtype=torch.float32)
+    y = grouped_gemm(a, w, offs, out_dtype=torch.float32, backend="grouped_mm")
+    torch.testing.assert_close(y, ref, rtol=2**-7, atol=1e-3)
+
+
+@pytest.mark.parametrize("scale", [0.0, 1e-30, 3e4])
+def test_zero_subnormal_and_huge_activations(scale):
+    a, w, offs = _operands([4, 7, 0, 6], seed=4, scale=scale, k=32)
+    ref = grouped_gemm_reference(a, w, offs, out_dtype=torch.float32)
+    y = grouped_gemm(a, w, offs, out_dtype=torch.float32, backend="triton")
+    assert torch.isfinite(y).all()
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    if scale == 0.0:
+        assert (y == 0).all()
+
+
+def test_odd_n_and_k_not_multiple_of_tile():
+    a, w, offs = _operands([1, 2, 3], n=5, k=80, seed=5)
+    ref = grouped_gemm_reference(a, w, offs, out_dtype=torch.float32)
+    y = grouped_gemm(a, w, offs, out_dtype=torch.float32, backend="triton")
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_grouped_mm_helper_both_forms_with_empty_experts():
+    gen = torch.Generator().manual_seed(6)
+    offs = _offsets([3, 0, 5, 0])
+    a = torch.randn(8, 12, generator=gen)
+    b = torch.randn(4, 7, 12, generator=gen)
+    y = grouped_mm(a, b, offs)
+    torch.testing.assert_close(y, torch.cat([a[:3] @ b[0].T, a[3:] @ b[2].T]))
+    y2 = grouped_mm(a, b.transpose(1, 2).contiguous(), offs, trans_b=True)
+    torch.testing.assert_close(y2, y)
+    dy = torch.randn(8, 7, generator=gen)
+    dw = grouped_mm(dy.t(), a, offs)
+    assert dw.shape == (4, 7, 12)
+    torch.testing.assert_close(dw[0], dy[:3].T @ a[:3])
+    torch.testing.assert_close(dw[2], dy[3:].T @ a[3:])
+    assert (dw[1] == 0).all() and (dw[3] == 0).all()
+
+
+def test_offsets_from_expert_ids_sorts_and_counts():
+    ids = torch.tensor([[2, 0], [2, 3], [0, 2]])
+    order, offs = offsets_from_expert_ids(ids, 5)
+    assert offs.tolist() == [0, 2, 2, 5, 6, 6]
+    assert ids.reshape(-1)[order].tolist() == [0, 0, 2, 2, 2, 3]
+
+
+@pytest.mark.parametrize("bad", [-1, 4, 99])
+def test_expert_id_out_of_range_names_position(bad):
+    ids = torch.tensor([[2, 0], [1, 3], [0, 2]])
+    ids[2, 1] = bad
+    with pytest.raises(ValueError, match=rf"expert_ids\[2, 1\] = {bad} is outside \[0, 4\)"):
+        offsets_from_expert_ids(ids, 4)
+
+
+def test_bad_offsets_are_rejected():
+    a, w, _ = _operands([2, 2, 2, 2])
+    with pytest.raises(ValueError, match="does not match the token count 8"):
+        grouped_gemm(a, w, _offsets([2, 2, 2, 1]), backend="triton")
+    with pytest.raises(ValueError, match="decrease at expert 1"):
+        grouped_gemm(a, w, torch.tensor([0, 5, 4, 6, 8]), backend="triton")
+    with pytest.raises(ValueError, match="expected num_experts \\+ 1 = 5"):
+        grouped_gemm(a, w, torch.tensor([0, 4, 8]), backend="triton")
+    with pytest.raises(ValueError, match="offsets\\[0\\] = 1"):
+        check_offsets(torch.tensor([1, 2, 4, 6, 8]), 8, 4)
+    with pytest.raises(TypeError, match="integer"):
+        check_offsets(torch.tensor([0.0, 8.0]), 8, 1)
+    a2, _, _ = _operands([2, 2, 2, 2], k=32)
+    with pytest.raises(ValueError, match="reduction dims differ"):
+        grouped_gemm(a2, w, _offsets([2, 2, 2, 2]))
+
+
+@pytest.mark.parametrize("mode", ["dequantized", "high_precision"])
+def test_grouped_linear_gradients(mode):
+    """Straight-through gradients: dx = dy·Ŵ[e] (scattered back to tokens), dW[e] = dy[e]ᵀ·x̂[e]."""
+    gen = torch.Generator().manual_seed(7)
+    tokens, e, n, k = 6, 3, 8, 32
+    x = torch.randn(tokens, k, generator=gen).requires_grad_(True)
+    w = torch.randn(e, n, k, generator=gen).requires_grad_(True)
+    gather = torch.tensor([0, 3, 1, 1, 5, 2, 4, 0, 2])  # routed rows, sorted by expert
+    offs = _offsets([4, 0, 5])
+    cfg = MoEQuantConfig(backward=mode, backend="triton")
+    y = grouped_nvfp4_linear(x, w, offs, cfg, gather)
+    dy = torch.randn(y.shape, generator=gen)
+    y.backward(dy)
+    if mode == "dequantized":
+        xs = quantize(x.detach(), cfg.activation, backend="torch").dequantize(torch.float64)
+        ws = quantize(w.detach(), cfg.weight, backend="torch").dequantize(torch.float64)
+    else:
+        xs, ws = x.detach().double(), w.detach().double()
+    seg = [(0, 4, 0), (4, 9, 2)]
+    dx = torch.zeros(tokens, k, dtype=torch.float64)
+    dw = torch.zeros(e, n, k, dtype=torch.float64)
+    for lo, hi, ex in seg:
+        dx.index_add_(0, gather[lo:hi], dy[lo:hi].double() @ ws[ex])
+        dw[ex] = dy[lo:hi].double().T @ xs[gather[lo:hi]]
+    torch.testing.assert_close(x.grad.double(), dx, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w.grad.double(), dw, rtol=1e-5, atol=1e-5)
