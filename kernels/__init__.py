@@ -1,4 +1,26 @@
 """NVFP4 numerics and Triton kernels, imported as ``triage.kernels``.
 
-Depends on torch and triton only; never on ``triage.trainers``.
+Depends on torch and triton only; never on ``triage.trainers``. Importing this package is cheap: the
+names below load their modules (and triton) on first use.
 """
+
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {
+    "NVFP4Linear": "triage.kernels.linear",
+    "NVFP4LinearConfig": "triage.kernels.linear",
+    "convert_to_nvfp4": "triage.kernels.linear",
+    "convert_from_nvfp4": "triage.kernels.linear",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'triage.kernels' has no attribute {name!r}")

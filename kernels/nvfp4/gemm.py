@@ -154,8 +154,12 @@ def _check_out(out_dtype, bias, N, device, reference: bool = False) -> None:
 # ---------------------------------------------------------------------------------------------------
 
 
-def _dequantize64(t) -> torch.Tensor:
-    """fp64 ``q·s·g`` of an operand as [rows, K] (exact up to the fp64 product with g; padding cropped)."""
+def _dequantize64(t, crop: bool = True) -> torch.Tensor:
+    """fp64 ``q·s·g`` of an operand as [rows, K] (exact up to the fp64 product with g).
+
+    ``crop=False`` keeps the padded columns [rows, Kp]: after a Hadamard transform they are not zero, and
+    a W4A4 product of two padded operands contracts over all Kp columns (that is what preserves a·bᵀ).
+    """
     K = t.shape[-1]
     Kp = _padded(K)
     data = t.data.reshape(-1, Kp // 2)
@@ -163,13 +167,14 @@ def _dequantize64(t) -> torch.Tensor:
     q = torch.tensor(_E2M1, dtype=torch.float64, device=data.device)[codes]
     s = t.scale.reshape(-1, Kp // 16).double().repeat_interleave(16, dim=1)
     g = _outer_scale(t, "operand").double()
-    return (q * s * (g if g.numel() == 1 else g[:, None]))[:, :K]
+    v = q * s * (g if g.numel() == 1 else g[:, None])
+    return v[:, :K] if crop else v
 
 
 def gemm_reference(a, b, *, out_dtype=torch.bfloat16, bias=None) -> torch.Tensor:
     """Torch twin of :func:`gemm`: dequantize both operands, fp64 matmul, add bias, cast (fp64 allowed)."""
     M, N, K = _check_pair(a, b, bias, out_dtype, reference=True)
-    y = _dequantize64(a) @ _dequantize64(b).T
+    y = _dequantize64(a, crop=False) @ _dequantize64(b, crop=False).T
     if bias is not None:
         y = y + bias.double()
     return y.to(out_dtype).reshape(*tuple(a.shape)[:-1], N)

@@ -1,0 +1,386 @@
+"""``NVFP4Linear``: a drop-in ``nn.Linear`` whose forward GEMM runs in NVFP4, and model conversion.
+
+Forward (both modes)::
+
+    x_q = quantize(x, input_recipe)          # 1×16 blocks along K, per call
+    W_q = quantize(W, weight_recipe)         # cached until W changes (see below)
+    y   = gemm(x_q, W_q) + b                 # exact products, fp32 accumulation, one rounding
+
+Backward, ``mode="bf16-backward"`` (straight-through; the fast setting)::
+
+    dx = dy · W        dW = dyᵀ · x        db = Σ dy
+
+in the high-precision dtype, on the *unquantized* master weight W and input x. Straight-through means
+the quantizer's derivative is taken to be the identity: ∂y/∂x ≈ W and ∂y/∂W ≈ x although the forward
+used W_q and x_q. The quantization error is invisible to the gradient.
+
+Backward, ``mode="nvfp4-backward"`` (Transformer-Engine style, also straight-through)::
+
+    dx = gemm(Q_sr(dy), W_qᵀ)                          # dgrad: dy 1×16 along N, stochastic rounding
+    dW = gemm(Q_sr,H(dyᵀ), Q_H(xᵀ))                    # wgrad: both operands 1×16 along the tokens M,
+                                                       # through the 16-point Hadamard transform H
+    db = Σ dy
+
+W_qᵀ reuses the forward quantization: with 16×16 weight blocks (``weight_recipe.block="16x16"``) the
+per-tile scale is the same for W and Wᵀ, so W_qᵀ is W_q's codes and scales transposed (no second
+quantization, bit-identical to quantizing Wᵀ). H is orthogonal and applied to both wgrad operands along
+the contraction dim, so H·Hᵀ = I cancels inside the product; it spreads outliers before quantizing.
+Stochastic rounding keeps the gradient estimator unbiased; its seed is ``grad_recipe.seed`` plus a per-
+module call counter (deterministic run to run, different every step).
+
+Weight cache. ``W_q`` (and, for the cuBLAS backend, its exact bf16 expansion ``q·s``) is cached on the
+module and reused until the weight changes. The key is ``(W._version, W.data_ptr(), W.dtype, W.shape)``:
+in-place updates through autograd-visible ops (``optimizer.step()``, ``param.copy_()`` under no_grad,
+``load_state_dict``) bump ``_version``; replacing ``param.data`` changes ``data_ptr``. Writing through
+``param.data.copy_(...)`` does NOT bump the version counter: call :meth:`NVFP4Linear.invalidate_cache`
+after doing that. With gradient checkpointing the recomputed forward hits the cache.
+
+Gradients are returned in the dtypes of x and W. The quantization and both backward GEMMs run with the
+backends of :mod:`triage.kernels.nvfp4` (Triton on CUDA, torch reference on CPU; ``backend=`` overrides).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import nn
+from triage.kernels.nvfp4.format import pack_nibbles, unpack_nibbles
+from triage.kernels.nvfp4.recipe import QuantRecipe
+from triage.kernels.nvfp4.tensor import NVFP4Tensor
+
+__all__ = [
+    "DEFAULT_SKIP",
+    "MODES",
+    "NVFP4Linear",
+    "NVFP4LinearConfig",
+    "convert_from_nvfp4",
+    "convert_to_nvfp4",
+    "transpose_16x16",
+]
+
+MODES = ("bf16-backward", "nvfp4-backward")
+#: Module-name patterns (fnmatch, on the qualified name) that stay high precision by default.
+DEFAULT_SKIP = ("lm_head", "*.lm_head", "*embed*", "*score", "*classifier*")
+
+
+@dataclass(frozen=True)
+class NVFP4LinearConfig:
+    """Recipes and backward mode of :class:`NVFP4Linear` (defaults: Transformer Engine's NVFP4 recipe).
+
+    Attributes:
+        input_recipe: activations x (forward), 1×16 blocks along K.
+        weight_recipe: weights W; 16×16 blocks so that ``nvfp4-backward`` can reuse W_q for Wᵀ.
+        grad_recipe: output gradients dy in ``nvfp4-backward`` (1×16, stochastic rounding).
+        wgrad_recipe: both wgrad operands (dyᵀ, xᵀ) in ``nvfp4-backward``: Hadamard + 1×16 along tokens,
+            ``pad=True`` so any token count works (zero padding contributes nothing to dyᵀ·x).
+        mode: ``"bf16-backward"`` or ``"nvfp4-backward"`` (see the module docstring).
+        gemm_backend / quant_backend: passed to :func:`~triage.kernels.nvfp4.gemm.gemm` and
+            :func:`~triage.kernels.nvfp4.quantize` (``"auto"`` picks by device).
+    """
+
+    input_recipe: QuantRecipe = field(default_factory=QuantRecipe)
+    weight_recipe: QuantRecipe = field(default_factory=lambda: QuantRecipe(block="16x16"))
+    grad_recipe: QuantRecipe = field(default_factory=lambda: QuantRecipe(rounding="stochastic"))
+    wgrad_recipe: QuantRecipe = field(
+        default_factory=lambda: QuantRecipe(rounding="stochastic", hadamard=True, pad=True)
+    )
+    mode: str = "bf16-backward"
+    gemm_backend: str = "auto"
+    quant_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"NVFP4LinearConfig.mode must be one of {MODES}, got {self.mode!r}")
+        for name in ("input_recipe", "weight_recipe", "grad_recipe", "wgrad_recipe"):
+            r = getattr(self, name)
+            if not isinstance(r, QuantRecipe):
+                raise TypeError(f"NVFP4LinearConfig.{name} must be a QuantRecipe, got {type(r).__name__}")
+            if r.scale == "expert":
+                raise ValueError(f"NVFP4LinearConfig.{name}: per-expert scales belong to the MoE layer")
+        if self.input_recipe.hadamard or self.weight_recipe.hadamard:
+            raise ValueError("NVFP4LinearConfig: the forward operands cannot use the Hadamard transform")
+        if self.mode == "nvfp4-backward":
+            if self.weight_recipe.block != "16x16":
+                raise ValueError(
+                    "NVFP4LinearConfig: mode='nvfp4-backward' reuses W_q for Wᵀ, which needs "
+                    f"weight_recipe.block='16x16' (got {self.weight_recipe.block!r})"
+                )
+            if self.grad_recipe.hadamard:
+                raise ValueError("NVFP4LinearConfig.grad_recipe (dgrad dy) cannot use Hadamard: W_qᵀ did not")
+
+
+def _quantize(x: torch.Tensor, recipe: QuantRecipe, backend: str, seed: int | None = None) -> NVFP4Tensor:
+    from triage.kernels.nvfp4 import quantize
+
+    return quantize(x, recipe, backend=backend, seed=seed)
+
+
+def transpose_16x16(w: NVFP4Tensor) -> NVFP4Tensor:
+    """W_qᵀ from W_q for a 2-D weight quantized in 16×16 blocks: codes and tile scales transposed.
+
+    Exact: with one scale per 16×16 tile and one outer scale per tensor, quantizing Wᵀ gives these
+    bytes. Needs N and K multiples of 16 and a per-tensor outer scale.
+    """
+    if w.recipe.block != "16x16" or w.recipe.scale not in ("tensor", "none"):
+        raise ValueError(
+            f"transpose_16x16 needs block='16x16' and a per-tensor outer scale, got block={w.recipe.block!r}, "
+            f"scale={w.recipe.scale!r}"
+        )
+    N, K = tuple(w.shape)
+    if N % 16 or K % 16:
+        raise ValueError(f"transpose_16x16 needs both dims multiples of 16, got weight shape {(N, K)}")
+    codes_t = unpack_nibbles(w.data).T.contiguous()  # [K, N]
+    tile = w.scale.view(torch.uint8)[::16]  # [N/16, K/16]: one scale per tile (rows repeat it)
+    scale_t = tile.T.repeat_interleave(16, dim=0).contiguous().view(torch.float8_e4m3fn)  # [K, N/16]
+    return replace(w, data=pack_nibbles(codes_t), scale=scale_t, shape=torch.Size((K, N)))
+
+
+class _WeightCache:
+    """W_q (and derived forms) of one weight, valid while the weight's key is unchanged."""
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.quantized: NVFP4Tensor | None = None
+        self.expanded: torch.Tensor | None = None
+        self.transposed: NVFP4Tensor | None = None
+        self.hits = 0
+        self.misses = 0
+
+    @staticmethod
+    def key_of(weight: torch.Tensor, recipe: QuantRecipe) -> tuple:
+        return (weight._version, weight.data_ptr(), weight.dtype, tuple(weight.shape), weight.device, recipe)
+
+    def get(self, weight: torch.Tensor, config: NVFP4LinearConfig) -> _WeightCache:
+        key = self.key_of(weight, config.weight_recipe)
+        if key == self.key:
+            self.hits += 1
+            return self
+        self.misses += 1
+        with torch.no_grad():
+            q = _quantize(weight.detach(), config.weight_recipe, config.quant_backend)
+        self.quantized = q
+        self.expanded = None
+        self.transposed = None
+        if _uses_expanded_weight(config, weight.device):
+            from triage.kernels.nvfp4.gemm import expand
+
+            self.expanded = expand(q)
+        if config.mode == "nvfp4-backward":
+            self.transposed = transpose_16x16(q)
+        self.key = key
+        return self
+
+    def clear(self) -> None:
+        self.__init__()
+
+
+def _uses_expanded_weight(config: NVFP4LinearConfig, device: torch.device) -> bool:
+    from triage.kernels.nvfp4 import gemm as g
+
+    if config.gemm_backend == "cublas":
+        return True
+    return config.gemm_backend == "auto" and device.type == "cuda" and g.LARGE_M_BACKEND == "cublas"
+
+
+class _NVFP4LinearFn(torch.autograd.Function):
+    """Autograd of ``y = Q(x)·Q(W)ᵀ + b`` with straight-through gradients (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, config: NVFP4LinearConfig, cache: _WeightCache, counter: list):
+        from triage.kernels.nvfp4.gemm import gemm
+
+        K = x.shape[-1]
+        x2 = x.reshape(-1, K)
+        xq = _quantize(x2, config.input_recipe, config.quant_backend)
+        y = gemm(
+            xq,
+            cache.quantized,
+            out_dtype=x.dtype,
+            bias=bias,
+            backend=config.gemm_backend,
+            b_expanded=cache.expanded,
+        )
+        ctx.save_for_backward(x, weight)
+        ctx.config = config
+        ctx.cache = cache
+        ctx.counter = counter
+        ctx.has_bias = bias is not None
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        config: NVFP4LinearConfig = ctx.config
+        N, K = weight.shape
+        dy2 = dy.reshape(-1, N)
+        x2 = x.reshape(-1, K)
+        dx = dw = db = None
+        if config.mode == "bf16-backward":
+            if ctx.needs_input_grad[0]:
+                dx = (dy2 @ weight.to(dy2.dtype)).to(x.dtype)
+            if ctx.needs_input_grad[1]:
+                dw = (dy2.T @ x2.to(dy2.dtype)).to(weight.dtype)
+        else:
+            from triage.kernels.nvfp4.gemm import gemm
+
+            ctx.counter[0] += 1
+            seed = (config.grad_recipe.seed + 2 * ctx.counter[0]) % 2**32
+            if ctx.needs_input_grad[0]:
+                wt = ctx.cache.transposed
+                if wt is None or ctx.cache.key != _WeightCache.key_of(weight, config.weight_recipe):
+                    raise RuntimeError(
+                        "NVFP4Linear: the weight changed between forward and backward; its cached W_qᵀ "
+                        "no longer matches (do not update weights in place before backward)"
+                    )
+                dyq = _quantize(dy2, config.grad_recipe, config.quant_backend, seed=seed)
+                dx = gemm(dyq, wt, out_dtype=x.dtype, backend=config.gemm_backend)
+            if ctx.needs_input_grad[1]:
+                dyt = _quantize(dy2.T.contiguous(), config.wgrad_recipe, config.quant_backend, seed=seed + 1)
+                xt = _quantize(
+                    x2.T.contiguous(), replace(config.wgrad_recipe, rounding="nearest"), config.quant_backend
+                )
+                dw = gemm(dyt, xt, out_dtype=torch.float32, backend=config.gemm_backend).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy2.float().sum(0).to(ctx.bias_dtype)
+        if dx is not None:
+            dx = dx.reshape(x.shape)
+        return dx, dw, db, None, None, None
+
+
+class NVFP4Linear(nn.Linear):
+    """``nn.Linear`` with an NVFP4 forward GEMM; keeps the high-precision master weight for the optimizer.
+
+    A drop-in replacement: same parameters (``weight`` [out, in], optional ``bias``), same state_dict.
+    ``in_features`` must be a multiple of 16 unless the recipes pad (``QuantRecipe(pad=True)``).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+        *,
+        config: NVFP4LinearConfig | None = None,
+    ) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.config = config or NVFP4LinearConfig()
+        _check_features(self.in_features, self.out_features, self.config, type(self).__name__)
+        self._weight_cache = _WeightCache()
+        self._grad_calls = [0]
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, config: NVFP4LinearConfig | None = None) -> NVFP4Linear:
+        """Wrap an existing ``nn.Linear``, sharing (not copying) its parameters."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new.config = config or NVFP4LinearConfig()
+        _check_features(new.in_features, new.out_features, new.config, type(linear).__name__)
+        new._weight_cache = _WeightCache()
+        new._grad_calls = [0]
+        new.train(linear.training)
+        return new
+
+    def to_linear(self) -> nn.Linear:
+        """A plain ``nn.Linear`` sharing this module's parameters."""
+        lin = nn.Linear.__new__(nn.Linear)
+        nn.Module.__init__(lin)
+        lin.in_features, lin.out_features = self.in_features, self.out_features
+        lin.weight, lin.bias = self.weight, self.bias
+        lin.train(self.training)
+        return lin
+
+    def invalidate_cache(self) -> None:
+        """Drop the cached W_q (needed only after writing the weight through ``.data``)."""
+        self._weight_cache.clear()
+
+    def quantized_weight(self) -> NVFP4Tensor:
+        """The (cached) NVFP4 weight the forward uses."""
+        return self._weight_cache.get(self.weight, self.config).quantized
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"NVFP4Linear: input has last dim {x.shape[-1]}, expected {self.in_features}")
+        if x.device != self.weight.device:
+            raise ValueError(f"NVFP4Linear: input is on {x.device} but the weight is on {self.weight.device}")
+        cache = self._weight_cache.get(self.weight, self.config)
+        return _NVFP4LinearFn.apply(x, self.weight, self.bias, self.config, cache, self._grad_calls)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, mode={self.config.mode!r}"
+
+
+def _check_features(k: int, n: int, config: NVFP4LinearConfig, what: str) -> None:
+    if k % 16 and not (config.input_recipe.pad and config.weight_recipe.pad):
+        raise ValueError(
+            f"{what}: in_features={k} is not a multiple of 16; use recipes with pad=True or skip this layer"
+        )
+    if config.mode == "nvfp4-backward" and (k % 16 or n % 16):
+        raise ValueError(
+            f"{what}: mode='nvfp4-backward' needs in_features and out_features multiples of 16 "
+            f"(16×16 weight tiles), got ({k}, {n})"
+        )
+
+
+def _skipped(name: str, skip) -> bool:
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in skip)
+
+
+def convert_to_nvfp4(
+    model: nn.Module,
+    recipe: QuantRecipe | NVFP4LinearConfig | None = None,
+    *,
+    skip=DEFAULT_SKIP,
+) -> nn.Module:
+    """Replace every ``nn.Linear`` of ``model`` (in place) by an :class:`NVFP4Linear` sharing its weights.
+
+    ``recipe``: an :class:`NVFP4LinearConfig`, or a ``QuantRecipe`` used for both activations and weights
+    (other fields default), or None (TE defaults). ``skip``: fnmatch patterns on qualified module names
+    that stay high precision (default :data:`DEFAULT_SKIP`: lm_head, embeddings, score/classifier heads;
+    embeddings are ``nn.Embedding`` and never converted anyway). Tied weights stay tied (parameters are
+    shared, not copied). Returns the model. Raises ``ValueError`` naming the layer if a non-skipped layer's
+    shape does not fit the recipe.
+    """
+    if isinstance(recipe, QuantRecipe):
+        config = NVFP4LinearConfig(input_recipe=recipe, weight_recipe=recipe)
+    elif recipe is None or isinstance(recipe, NVFP4LinearConfig):
+        config = recipe or NVFP4LinearConfig()
+    else:
+        raise TypeError(
+            f"recipe must be a QuantRecipe, an NVFP4LinearConfig or None, got {type(recipe).__name__}"
+        )
+    targets = [
+        (name, m)
+        for name, m in model.named_modules()
+        if type(m) is nn.Linear and name and not _skipped(name, skip)
+    ]
+    for name, m in targets:
+        try:
+            new = NVFP4Linear.from_linear(m, config)
+        except ValueError as e:
+            raise ValueError(f"convert_to_nvfp4: layer {name!r}: {e} (add it to skip=)") from None
+        _set_submodule(model, name, new)
+    return model
+
+
+def convert_from_nvfp4(model: nn.Module) -> nn.Module:
+    """Inverse of :func:`convert_to_nvfp4`: every ``NVFP4Linear`` back to ``nn.Linear`` (same parameters)."""
+    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, NVFP4Linear)]
+    for name, m in targets:
+        if not name:
+            raise ValueError("convert_from_nvfp4: the model itself is an NVFP4Linear; call .to_linear()")
+        _set_submodule(model, name, m.to_linear())
+    return model
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)
