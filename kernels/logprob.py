@@ -194,14 +194,18 @@ def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.float() @ b.float()
 
 
+_CUDA_ADDMM_OUT_DTYPE = True  # torch.addmm(..., out_dtype=fp32, out=acc) on CUDA; off if it fails
+
+
 def _addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b`` with fp32 ``acc`` (in place)."""
-    if a.is_cuda and a.dtype != torch.float32 and _CUDA_OUT_DTYPE:
+    """``acc += a @ b`` with fp32 ``acc`` (in place; one fused cuBLAS call with beta = 1 where possible)."""
+    global _CUDA_ADDMM_OUT_DTYPE
+    if a.is_cuda and a.dtype != torch.float32 and _CUDA_ADDMM_OUT_DTYPE:
         try:
             torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
             return
         except (TypeError, RuntimeError, NotImplementedError):
-            pass
+            _CUDA_ADDMM_OUT_DTYPE = False
     acc += _mm_f32(a, b)
 
 

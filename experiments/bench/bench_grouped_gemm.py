@@ -1,0 +1,198 @@
+"""GPU benchmark + correctness check of the grouped NVFP4 MoE GEMM (``triage.kernels.moe``).
+
+    python experiments/bench/bench_grouped_gemm.py            # E=128, top-8, hidden 2048, expert 768, 16k tokens
+
+Shapes (Qwen3-30B-A3B-like): gate_up [R, 2048] x [E, 1536, 2048]ᵀ and down [R, 768] x [E, 2048, 768]ᵀ with
+R = tokens x top_k rows routed by a random top-k (uneven counts). Compared side by side: a loop of bf16
+matmuls, ``torch._grouped_mm`` (bf16), and the NVFP4 backends (activation quantization included, weights
+quantized once outside the timing as in training). fwd+bwd: autograd of each path (NVFP4 = straight-through,
+``dequantized`` operands). Times: ``triton.testing.do_bench`` medians in ms. Writes
+``$OUT/bench_grouped_gemm.txt`` when ``$OUT`` is set.
+"""
+
+# ruff: noqa: B023  (the timed closures run inside the loop iteration that defines them)
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import triton
+from triage.kernels.moe import grouped_gemm, grouped_gemm_reference, offsets_from_expert_ids
+from triage.kernels.moe.experts import MoEQuantConfig, _WeightCache, grouped_nvfp4_linear
+from triage.kernels.moe.grouped_gemm import expand_experts
+from triage.kernels.moe.grouped_triton import launch_grouped_gemm
+from triage.kernels.nvfp4.api import quantize
+from triage.kernels.nvfp4.recipe import QuantRecipe
+
+W_RECIPE = QuantRecipe(scale="expert")
+
+
+def routing(tokens, experts, top_k, device):
+    logits = torch.randn(tokens, experts, device=device)
+    idx = logits.topk(top_k, dim=-1).indices
+    order, offsets = offsets_from_expert_ids(idx, experts)
+    return order // top_k, offsets
+
+
+def check(log, experts, top_k, k, n):
+    """Small-size correctness of every NVFP4 backend vs the fp64 per-expert loop (incl. empty experts)."""
+    torch.manual_seed(1)
+    token, offsets = routing(512, experts, top_k, "cuda")
+    offsets[1:9] = 0  # experts 0..7 empty: their rows now belong to expert 8
+    x = torch.randn(512, k, device="cuda", dtype=torch.bfloat16)[token]
+    w = torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16)
+    a, wq = quantize(x), quantize(w, W_RECIPE)
+    ref = grouped_gemm_reference(a, wq, offsets, out_dtype=torch.float32)
+    ok = True
+    for b in ("triton", "triton_expanded", "grouped_mm"):
+        y = grouped_gemm(a, wq, offsets, out_dtype=torch.float32, backend=b)
+        err = ((y - ref).abs().max() / ref.abs().max()).item()
+        good = err < (1e-2 if b == "grouped_mm" else 1e-5)
+        ok &= good
+        log(f"check  {b:<16s} max|err|/max|ref| = {err:.2e}  {'ok' if good else 'FAIL'}")
+    return ok
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--expert-dim", type=int, default=768)
+    p.add_argument("--sweep", action="store_true", help="also time a few Triton tile configs")
+    args = p.parse_args()
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    lines = []
+
+    def log(s):
+        print(s, flush=True)
+        lines.append(s)
+
+    E, k_top, H, I = args.experts, args.top_k, args.hidden, args.expert_dim
+    log(
+        f"# grouped GEMM  E={E} top-{k_top} hidden={H} expert={I} tokens={args.tokens}  {torch.cuda.get_device_name()}"
+    )
+    ok = check(log, E, k_top, H, 2 * I)
+    torch.manual_seed(0)
+    token, offsets = routing(args.tokens, E, k_top, "cuda")
+    rows = token.numel()
+    counts = (offsets[1:] - offsets[:-1]).tolist()
+    log(f"rows={rows}  per-expert rows min/mean/max = {min(counts)}/{rows / E:.0f}/{max(counts)}")
+    log(f"{'gemm':<8s} {'impl':<26s} {'fwd ms':>8s} {'fwd+bwd ms':>11s} {'fwd TFLOP/s':>12s}")
+    for name, K, N in (("gate_up", H, 2 * I), ("down", I, H)):
+        x = (torch.randn(rows, K, device="cuda") * 0.5).to(torch.bfloat16).requires_grad_(True)
+        w = (torch.randn(E, N, K, device="cuda") * 0.02).to(torch.bfloat16).requires_grad_(True)
+        dy = torch.randn(rows, N, device="cuda", dtype=torch.bfloat16)
+        flops = 2 * rows * N * K
+        host_offs = offsets.tolist()
+        ends = offsets[1:].to(torch.int32)
+
+        def bf16_loop():
+            out = x.new_empty(rows, N)
+            for e in range(E):
+                lo, hi = host_offs[e], host_offs[e + 1]
+                if hi > lo:
+                    out[lo:hi] = x[lo:hi] @ w[e].t()
+            return out
+
+        def bf16_loop_autograd():
+            return torch.cat([x[host_offs[e] : host_offs[e + 1]] @ w[e].t() for e in range(E)])
+
+        def bf16_grouped():
+            return torch._grouped_mm(x, w.transpose(1, 2), ends)
+
+        wq = quantize(w.detach(), W_RECIPE)
+        w16 = expand_experts(wq, torch.float16)
+        wbf = expand_experts(wq, torch.bfloat16)
+        cache = _WeightCache()
+
+        def nvfp4(backend, w_exp=None):
+            return lambda: grouped_gemm(
+                quantize(x.detach()), wq, offsets, backend=backend, w_expanded=w_exp, validate=False
+            )
+
+        def nvfp4_autograd(backend):
+            cfg = MoEQuantConfig(backend=backend)
+            return lambda: grouped_nvfp4_linear(x, w, offsets, cfg, None, cache)
+
+        impls = [
+            ("bf16 loop", bf16_loop, bf16_loop_autograd),
+            ("bf16 torch._grouped_mm", bf16_grouped, bf16_grouped),
+            ("nvfp4 triton (fused)", nvfp4("triton"), nvfp4_autograd("triton")),
+            ("nvfp4 triton_expanded", nvfp4("triton_expanded", w16), nvfp4_autograd("triton_expanded")),
+            ("nvfp4 grouped_mm", nvfp4("grouped_mm", wbf), nvfp4_autograd("grouped_mm")),
+        ]
+        xq = quantize(x.detach())
+        for label, fwd, fwd_ag in impls:
+            with torch.no_grad():
+                t_f = triton.testing.do_bench(fwd, rep=200)
+
+            def fb(fwd_ag=fwd_ag):
+                fwd_ag().backward(dy)
+
+            try:
+                t_fb = f"{triton.testing.do_bench(fb, rep=200, grad_to_none=[x, w]):11.3f}"
+            except Exception as exc:  # noqa: BLE001 - e.g. no autograd formula in this torch
+                t_fb = f"{'n/a':>11s}"
+                log(f"  ({label} fwd+bwd failed: {type(exc).__name__}: {str(exc)[:100]})")
+            x.grad = w.grad = None
+            log(f"{name:<8s} {label:<26s} {t_f:8.3f} {t_fb} {flops / t_f / 1e9:12.1f}")
+        t_q = triton.testing.do_bench(lambda: quantize(x.detach()), rep=200)
+        t_g = triton.testing.do_bench(
+            lambda: grouped_gemm(xq, wq, offsets, backend="triton", validate=False), rep=200
+        )
+        log(f"{name:<8s} {'  (activation quantize)':<26s} {t_q:8.3f}")
+        log(f"{name:<8s} {'  (fused GEMM, pre-quant)':<26s} {t_g:8.3f} {'':>11s} {flops / t_g / 1e9:12.1f}")
+        if args.sweep:
+            out = torch.empty(rows, N, device="cuda", dtype=torch.bfloat16)
+            K2 = xq.data.shape[-1] * 2
+            g_a = xq.global_scale.float().reshape(1)
+            g_w = wq.global_scale.float().reshape(E)
+            from triage.kernels.nvfp4.gemm import expand
+
+            xe = expand(xq, torch.float16)
+            for bm, bn, bk, warps, stages in [
+                (64, 128, 64, 4, 4),
+                (128, 128, 64, 8, 4),
+                (128, 256, 64, 8, 3),
+                (128, 128, 128, 8, 3),
+                (64, 256, 64, 8, 4),
+            ]:
+                cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+                for packed in (True, False):
+                    args_ab = (xq.data, xq.scale, wq.data, wq.scale) if packed else (xe, None, w16, None)
+                    try:
+                        t = triton.testing.do_bench(
+                            lambda: launch_grouped_gemm(
+                                args_ab[0],
+                                args_ab[1],
+                                args_ab[2],
+                                args_ab[3],
+                                K2,
+                                offsets,
+                                out,
+                                g_a,
+                                g_w,
+                                config=cfg,
+                            ),
+                            rep=100,
+                        )
+                        log(
+                            f"{name:<8s} sweep {'fused' if packed else 'expanded':<8s} {bm}x{bn}x{bk} w{warps} "
+                            f"s{stages}: {t:.3f} ms  {flops / t / 1e9:.1f} TFLOP/s"
+                        )
+                    except Exception as exc:  # noqa: BLE001 - report and keep sweeping
+                        log(
+                            f"{name:<8s} sweep {bm}x{bn}x{bk}: failed ({type(exc).__name__}: {str(exc)[:80]})"
+                        )
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "bench_grouped_gemm.txt"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+    raise SystemExit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
