@@ -545,6 +545,8 @@ def validate_spec(spec: Mapping[str, Any]) -> None:
     for key in _COMMON_OPTIONS:
         if key in spec and spec[key] is not None and (not isinstance(spec[key], int) or spec[key] < 1):
             raise ValueError(f"dataset option {key!r} must be a positive int, got {spec[key]!r}")
+    if source == "synthetic" and "difficulty" in spec:
+        _difficulties(spec["difficulty"])
 
 
 def load_from_spec(spec: Mapping[str, Any]):

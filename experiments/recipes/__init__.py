@@ -1,0 +1,327 @@
+"""Recipes for the DAPO-math ablation: YAML layers merged into one flat dict.
+
+A recipe is ``base.yaml`` (DAPO mapped to TRL + the NVFP4 learner) <- ``presets/<preset>.yaml`` (model, data,
+batch, cluster layout) <- ``arms/<arm>.yaml`` (the mismatch correction) <- your file <- overrides; later
+layers win, mappings merge key by key, lists and scalars are replaced, and a ``dataset``/``eval_dataset``
+mapping that names a new ``source`` replaces the old one whole. The result is flat:
+
+* every ``TriageGRPOConfig`` field (TRL ``GRPOConfig`` + the TRIAGE fields), with ``quant_recipe`` a
+  mapping of ``QuantRecipe`` fields;
+* and the sections in :data:`RECIPE_SECTIONS`: ``model_name_or_path``, ``dataset`` and ``eval_dataset``
+  (``triage.experiments.data`` specs), ``reward_funcs`` (``triage.trainers.rewards`` names), ``launch``
+  (cluster layout, read by experiments/cluster/launch_multinode.sh) and ``description``.
+
+``load_recipe("qwen3-4b/triage")`` names a preset and an arm; ``load_recipe("my.yaml")`` reads a file whose
+optional ``preset:`` and ``arm:`` keys pull those layers in first. ``python -m triage.experiments.recipes
+PRESET/ARM -o recipe.yaml`` writes the merged YAML that ``triage train --config`` reads.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import inspect
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = [
+    "RECIPE_DIR",
+    "ARMS",
+    "PRESETS",
+    "RECIPE_SECTIONS",
+    "LAUNCH_KEYS",
+    "ACCELERATE_DIR",
+    "load_yaml",
+    "merge",
+    "parse_overrides",
+    "load_recipe",
+    "validate_recipe",
+    "split_recipe",
+    "build_config",
+    "recipe_names",
+    "dump_recipe",
+]
+
+RECIPE_DIR = Path(__file__).resolve().parent
+ACCELERATE_DIR = RECIPE_DIR.parent / "accelerate"
+ARMS = ("grpo-none", "tis", "icepop", "opsm", "triage", "triage-mask")
+PRESETS = ("qwen3-4b", "qwen3-30b-a3b", "tiny")
+RECIPE_SECTIONS = ("model_name_or_path", "dataset", "eval_dataset", "reward_funcs", "launch", "description")
+LAUNCH_KEYS = ("accelerate_config", "train_nodes", "gpus_per_node", "vllm_serve", "vllm_extra_args")
+_COMPOSE_KEYS = ("preset", "arm")
+_REPLACE_WHEN_SOURCE_CHANGES = ("dataset", "eval_dataset")
+# keyword arguments an NVFP4 HF sampler takes on top of HFSampler's own (see docs/experiments.md)
+_SAMPLER_NUMERICS_KEYS = ("precision", "quant_recipe", "kv_cache_dtype")
+_KV_CACHE_DTYPES = ("auto", "bf16", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    """A YAML file that must hold a mapping (an empty file is an empty mapping)."""
+    path = Path(path)
+    with path.open(encoding="utf-8") as fh:
+        data = yaml.safe_load(fh)
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a recipe file must be a YAML mapping, got {type(data).__name__}")
+    return data
+
+
+def merge(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    """``update`` over ``base``: mappings merge recursively, everything else is replaced (copies)."""
+    out = copy.deepcopy(dict(base))
+    for key, value in update.items():
+        old = out.get(key)
+        replace_whole = (
+            key in _REPLACE_WHEN_SOURCE_CHANGES and isinstance(value, Mapping) and "source" in value
+        )
+        if isinstance(old, Mapping) and isinstance(value, Mapping) and not replace_whole:
+            out[key] = merge(old, value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def parse_overrides(overrides: Mapping[str, Any] | Iterable[str] | None) -> dict[str, Any]:
+    """Overrides as a nested mapping. Accepts a mapping (dotted keys allowed: ``{"quant_recipe.scale": "row"}``)
+    or ``KEY=VALUE`` strings whose value is parsed as YAML (``["max_steps=5", "dataset.n=64"]``)."""
+    if overrides is None:
+        return {}
+    if isinstance(overrides, Mapping):
+        items = list(overrides.items())
+    else:
+        items = []
+        for text in overrides:
+            if not isinstance(text, str) or "=" not in text:
+                raise ValueError(f"an override is KEY=VALUE, got {text!r}")
+            key, value = text.split("=", 1)
+            items.append((key.strip(), yaml.safe_load(value)))
+    nested: dict[str, Any] = {}
+    for key, value in items:
+        parts = key.split(".")
+        if not all(parts):
+            raise ValueError(f"bad override key {key!r}")
+        layer = {parts[-1]: value}
+        for part in reversed(parts[:-1]):
+            layer = {part: layer}
+        nested = merge(nested, layer)
+    return nested
+
+
+def _layer(kind: str, name: str) -> dict[str, Any]:
+    known = ARMS if kind == "arms" else PRESETS
+    if name not in known:
+        raise ValueError(f"unknown {kind[:-1]} {name!r}; known: {', '.join(known)}")
+    return load_yaml(RECIPE_DIR / kind / f"{name}.yaml")
+
+
+def _compose(layer: Mapping[str, Any]) -> dict[str, Any]:
+    """base <- preset <- arm <- the layer itself (without its preset/arm keys)."""
+    recipe = load_yaml(RECIPE_DIR / "base.yaml")
+    if layer.get("preset") is not None:
+        recipe = merge(recipe, _layer("presets", layer["preset"]))
+    if layer.get("arm") is not None:
+        recipe = merge(recipe, _layer("arms", layer["arm"]))
+    return merge(recipe, {k: v for k, v in layer.items() if k not in _COMPOSE_KEYS})
+
+
+def load_recipe(
+    path_or_name: str | os.PathLike,
+    overrides: Mapping[str, Any] | Iterable[str] | None = None,
+    *,
+    validate: bool = True,
+) -> dict[str, Any]:
+    """The flat recipe for ``"PRESET/ARM"`` or a YAML file, with ``overrides`` applied last.
+
+    Validated with :func:`validate_recipe` unless ``validate=False``. Unknown keys are errors.
+    """
+    text = os.fspath(path_or_name)
+    path = Path(text)
+    if path.suffix in (".yaml", ".yml") or path.is_file():
+        if not path.is_file():
+            raise FileNotFoundError(f"recipe file not found: {path}")
+        layer = load_yaml(path)
+    elif text.count("/") == 1:
+        preset, arm = text.split("/")
+        layer = {"preset": preset, "arm": arm}
+    else:
+        raise ValueError(
+            f"{text!r} is neither a recipe file nor PRESET/ARM (presets: {', '.join(PRESETS)}; "
+            f"arms: {', '.join(ARMS)})"
+        )
+    recipe = merge(_compose(layer), parse_overrides(overrides))
+    if validate:
+        validate_recipe(recipe)
+    return recipe
+
+
+def recipe_names() -> list[str]:
+    """Every shipped ``PRESET/ARM`` combination."""
+    return [f"{preset}/{arm}" for preset in PRESETS for arm in ARMS]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# validation
+
+
+def _config_class():
+    from triage.trainers.config import TriageGRPOConfig
+
+    return TriageGRPOConfig
+
+
+def _config_fields() -> set[str]:
+    import dataclasses
+
+    return {f.name for f in dataclasses.fields(_config_class()) if f.init}
+
+
+def _suggest(key: str, known: Iterable[str]) -> str:
+    close = difflib.get_close_matches(key, list(known), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _check_quant_recipe(value: Any, where: str) -> None:
+    from triage.kernels.nvfp4.recipe import QuantRecipe
+
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{where} must be a mapping of QuantRecipe fields, got {value!r}")
+    names = set(inspect.signature(QuantRecipe).parameters)
+    unknown = [k for k in value if k not in names]
+    if unknown:
+        raise ValueError(f"{where}: unknown QuantRecipe fields {unknown}; fields: {sorted(names)}")
+    try:
+        QuantRecipe(**value)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{where}: {err}") from None
+
+
+def _check_sampler(recipe: Mapping[str, Any]) -> None:
+    kwargs = recipe.get("sampler_kwargs") or {}
+    if not isinstance(kwargs, Mapping):
+        raise ValueError(f"sampler_kwargs must be a mapping, got {kwargs!r}")
+    if recipe.get("sampler") == "hf":
+        from triage.trainers.sampling.hf import HFSampler
+
+        names = set(inspect.signature(HFSampler).parameters) | set(_SAMPLER_NUMERICS_KEYS)
+        unknown = [k for k in kwargs if k not in names]
+        if unknown:
+            raise ValueError(
+                f"sampler_kwargs: unknown keys {unknown} for sampler 'hf'; keys: {sorted(names)}"
+            )
+    if "precision" in kwargs and kwargs["precision"] not in ("bf16", "nvfp4"):
+        raise ValueError(f"sampler_kwargs.precision must be 'bf16' or 'nvfp4', got {kwargs['precision']!r}")
+    if "quant_recipe" in kwargs:
+        if kwargs.get("precision") != "nvfp4":
+            raise ValueError("sampler_kwargs.quant_recipe needs sampler_kwargs.precision: nvfp4")
+        _check_quant_recipe(kwargs["quant_recipe"], "sampler_kwargs.quant_recipe")
+    if "kv_cache_dtype" in kwargs and kwargs["kv_cache_dtype"] not in _KV_CACHE_DTYPES:
+        raise ValueError(
+            f"sampler_kwargs.kv_cache_dtype must be one of {_KV_CACHE_DTYPES}, got {kwargs['kv_cache_dtype']!r}"
+        )
+
+
+def _check_launch(launch: Any) -> None:
+    if not isinstance(launch, Mapping):
+        raise ValueError(f"launch must be a mapping, got {launch!r}")
+    unknown = [k for k in launch if k not in LAUNCH_KEYS]
+    if unknown:
+        raise ValueError(f"launch: unknown keys {unknown}; keys: {list(LAUNCH_KEYS)}")
+    name = launch.get("accelerate_config")
+    if name is not None and not (ACCELERATE_DIR / f"{name}.yaml").is_file() and not Path(name).is_file():
+        shipped = sorted(p.stem for p in ACCELERATE_DIR.glob("*.yaml"))
+        raise ValueError(f"launch.accelerate_config {name!r} is neither a file nor one of {shipped}")
+    for key in ("train_nodes", "gpus_per_node"):
+        if key in launch and (not isinstance(launch[key], int) or launch[key] < 1):
+            raise ValueError(f"launch.{key} must be a positive int, got {launch[key]!r}")
+    serve = launch.get("vllm_serve")
+    if serve is not None:
+        import dataclasses
+
+        from trl.scripts.vllm_serve import ScriptArguments
+
+        names = {f.name for f in dataclasses.fields(ScriptArguments)}
+        if not isinstance(serve, Mapping):
+            raise ValueError(f"launch.vllm_serve must be a mapping, got {serve!r}")
+        unknown = [k for k in serve if k not in names]
+        if unknown:
+            raise ValueError(f"launch.vllm_serve: unknown `trl vllm-serve` arguments {unknown}")
+    extra = launch.get("vllm_extra_args")
+    if extra is not None and (not isinstance(extra, list) or not all(isinstance(a, str) for a in extra)):
+        raise ValueError(
+            f"launch.vllm_extra_args must be a list of strings (passed on to `vllm serve`), got {extra!r}"
+        )
+
+
+def validate_recipe(recipe: Mapping[str, Any], *, build: bool = False) -> None:
+    """Check a flat recipe without loading models or data; raise ``ValueError`` naming the bad key.
+
+    Checks: every key is a ``TriageGRPOConfig`` field or a recipe section (with a close-match hint); the
+    TRIAGE fields through ``TriageConfig``; ``quant_recipe`` (and ``sampler_kwargs.quant_recipe``) through
+    ``QuantRecipe``; the dataset specs; the reward names and options; the ``launch`` section. With
+    ``build=True`` also constructs ``TriageGRPOConfig`` (on CPU, bf16 off: the device is not checked).
+    """
+    from triage.experiments.data import validate_spec
+    from triage.trainers.rewards import build_reward_funcs
+
+    from triage import TriageConfig
+
+    fields = _config_fields()
+    known = fields | set(RECIPE_SECTIONS)
+    for key in recipe:
+        if key not in known:
+            raise ValueError(f"unknown recipe key {key!r}{_suggest(key, known)}")
+    for key in ("model_name_or_path", "dataset", "reward_funcs"):
+        if recipe.get(key) in (None, "", []):
+            raise ValueError(f"recipe needs {key!r}")
+    if not isinstance(recipe["model_name_or_path"], str):
+        raise ValueError(f"model_name_or_path must be a string, got {recipe['model_name_or_path']!r}")
+    for section in ("dataset", "eval_dataset"):
+        if recipe.get(section) is not None:
+            try:
+                validate_spec(recipe[section])
+            except ValueError as err:
+                raise ValueError(f"{section}: {err}") from None
+    try:
+        build_reward_funcs(recipe["reward_funcs"], recipe.get("max_completion_length"))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"reward_funcs: {err}") from None
+    try:
+        TriageConfig.from_dict(dict(recipe))
+    except ValueError as err:
+        raise ValueError(f"TRIAGE fields: {err}") from None
+    if recipe.get("quant_recipe") is not None:
+        if recipe.get("learner_precision") != "nvfp4":
+            raise ValueError("quant_recipe is set but learner_precision is not 'nvfp4'")
+        _check_quant_recipe(recipe["quant_recipe"], "quant_recipe")
+    _check_sampler(recipe)
+    if recipe.get("launch") is not None:
+        _check_launch(recipe["launch"])
+    if build:
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="triage-recipe-") as tmp:
+            build_config(recipe, output_dir=tmp, use_cpu=True, bf16=False)
+
+
+def split_recipe(recipe: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(``TriageGRPOConfig`` keyword arguments, the other sections)."""
+    config = {k: copy.deepcopy(v) for k, v in recipe.items() if k not in RECIPE_SECTIONS}
+    sections = {k: copy.deepcopy(v) for k, v in recipe.items() if k in RECIPE_SECTIONS}
+    return config, sections
+
+
+def build_config(recipe: Mapping[str, Any], **overrides: Any):
+    """``TriageGRPOConfig(**config fields, **overrides)`` (e.g. ``output_dir=``)."""
+    config, _ = split_recipe(recipe)
+    config.update(overrides)
+    return _config_class()(**config)
+
+
+def dump_recipe(recipe: Mapping[str, Any]) -> str:
+    """The recipe as YAML (keys in recipe order)."""
+    return yaml.safe_dump(dict(recipe), sort_keys=False, default_flow_style=False, allow_unicode=True)
