@@ -169,7 +169,6 @@ def test_convert_qwen3_and_back():
         assert torch.equal(model(ids).logits, ref)
 
 
-@pytest.mark.filterwarnings("ignore:.*gradient_checkpointing_enable.*:FutureWarning")
 def test_gradient_checkpointing_gives_the_same_gradients():
     grads = []
     for checkpointing in (False, True):
