@@ -5,8 +5,8 @@
 Shapes (Qwen3-30B-A3B-like): gate_up [R, 2048] x [E, 1536, 2048]ᵀ and down [R, 768] x [E, 2048, 768]ᵀ with
 R = tokens x top_k rows routed by a random top-k (uneven counts). Compared side by side: a loop of bf16
 matmuls, ``torch._grouped_mm`` (bf16), and the NVFP4 backends (activation quantization included, weights
-quantized once outside the timing as in training). fwd+bwd: autograd of each path (NVFP4 = straight-through,
-``dequantized`` operands). Times: ``triton.testing.do_bench`` medians in ms. Writes
+quantized once outside the timing as in training). fwd+bwd: autograd of each path (NVFP4 = straight-through
+``bf16-backward``, the default). Times: ``triton.testing.do_bench`` medians in ms. Writes
 ``$OUT/bench_grouped_gemm.txt`` when ``$OUT`` is set.
 """
 

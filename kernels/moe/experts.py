@@ -11,9 +11,11 @@ same parameters (same names, same tensors: optimizers and state dicts are unaffe
 
 The router stays in high precision (untouched). Activations are quantized once per token before the top-k
 gather (one per-tensor amax shared by every expert that reads them), weights once per optimizer step
-(cached on the parameter's version). Backward (straight-through, as TE's ``backward_override``):
-``"dequantized"`` uses the dequantized NVFP4 operands the forward used, ``"high_precision"`` the original
-bf16 activations and weights; both run bf16 grouped matmuls with fp32 accumulation.
+(cached on the parameter's version). Backward, straight-through: ``"bf16-backward"`` (default, as the dense
+``NVFP4Linear``) uses the original high-precision activations and master weights; ``"dequantized"`` (TE's
+``backward_override="dequantized"``) the NVFP4-dequantized operands the forward used. Both run bf16 grouped
+matmuls with fp32 accumulation. The dense layer's ``"nvfp4-backward"`` (quantized dgrad/wgrad) is not
+implemented for experts yet.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from triage.kernels.nvfp4.tensor import NVFP4Tensor
 
 from .grouped_gemm import expand_experts, grouped_gemm, grouped_mm, offsets_from_expert_ids
 
-BACKWARD_MODES = ("dequantized", "high_precision")
+BACKWARD_MODES = ("bf16-backward", "dequantized")
 
 
 @dataclass(frozen=True)
@@ -38,14 +40,14 @@ class MoEQuantConfig:
     Attributes:
         activation: recipe of the expert inputs (per-tensor dynamic amax by default).
         weight: recipe of the expert weights (``scale="expert"``: one outer scale per expert).
-        backward: ``"dequantized"`` or ``"high_precision"`` operands in the backward GEMMs.
+        backward: ``"bf16-backward"`` (master operands) or ``"dequantized"`` (the forward's NVFP4 operands).
         backend: grouped-GEMM backend (see :func:`~triage.kernels.moe.grouped_gemm.grouped_gemm`).
         validate: check expert ids (one host sync per layer call).
     """
 
     activation: QuantRecipe = field(default_factory=QuantRecipe)
     weight: QuantRecipe = field(default_factory=lambda: QuantRecipe(scale="expert"))
-    backward: str = "dequantized"
+    backward: str = "bf16-backward"
     backend: str = "auto"
     validate: bool = True
 
