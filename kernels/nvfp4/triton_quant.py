@@ -197,8 +197,11 @@ if HAVE_TRITON:
     ):
         cols = k0 + tl.arange(0, BK)
         mask = (rows[:, None] < n_rows) & (cols[None, :] < K)
-        x = tl.load(x_ptr + (row0 + rows[:, None]).to(tl.int64) * K + cols[None, :], mask=mask, other=0.0)
-        x = x.to(tl.float32)
+        x = tl.load(x_ptr + (row0 + rows[:, None]).to(tl.int64) * K + cols[None, :], mask=mask, other=0)
+        if ROUND == 1:  # bf16 passed as int16 bits: widen exactly (the interpreter's bf16 cast is wrong)
+            x = ((x.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+        else:
+            x = x.to(tl.float32)
         if HADAMARD:
             x = _round_to(_rht16(x, BR, BK, SIGNS), ROUND)
         return x
@@ -363,13 +366,12 @@ if HAVE_TRITON:
         else:
             gs = tl.load(gs_ptr)
         y = tl.reshape(y * gs, (BR, BK))
-        y = _round_to(y, ROUND)
+        if ROUND == 1:  # bf16 output written as int16 bits of the nearest-even bf16
+            y = (_bf16_rne(y).to(tl.int32, bitcast=True) >> 16).to(tl.int16)
+        else:
+            y = y.to(out_ptr.dtype.element_ty)
         cols = k0 + tl.arange(0, BK)
-        tl.store(
-            out_ptr + grow[:, None] * K + cols[None, :],
-            y.to(out_ptr.dtype.element_ty),
-            mask=rmask[:, None] & (cols[None, :] < K),
-        )
+        tl.store(out_ptr + grow[:, None] * K + cols[None, :], y, mask=rmask[:, None] & (cols[None, :] < K))
 
 
 ROUND_ID = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -390,6 +392,11 @@ def _outer_index(recipe: QuantRecipe, shape: torch.Size, rows: int) -> tuple[int
     return OUTER_SCALAR, rows
 
 
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """bf16 tensors travel as their int16 bits (widened exactly in the kernel)."""
+    return x.view(torch.int16) if x.dtype == torch.bfloat16 else x
+
+
 def _group_amax(
     x2: torch.Tensor, recipe: QuantRecipe, groups: int, kp: int, br: int, bk: int
 ) -> torch.Tensor:
@@ -397,7 +404,7 @@ def _group_amax(
     nprog = triton.cdiv(rows_per_group, br)
     part = torch.empty((groups, nprog), dtype=torch.float32, device=x2.device)
     _amax_kernel[(nprog, groups)](
-        x2, part, rows_per_group, x2.shape[1], kp,
+        _bits(x2), part, rows_per_group, x2.shape[1], kp,
         PROPAGATE_NAN=recipe.profile == "compressed-tensors", HADAMARD=recipe.hadamard,
         ROUND=ROUND_ID[x2.dtype], SIGNS=SIGN_MASK, BR=br, BK=bk,
     )  # fmt: skip
@@ -455,7 +462,7 @@ def quantize_triton(
     key = key - 2**32 if key >= 2**31 else key  # passed as int32, reinterpreted as uint32 in the kernel
     grid = (triton.cdiv(n, br), slices)
     _quantize_kernel[grid](
-        x2, data, scale, enc_t, dec_t, amax_t,
+        _bits(x2), data, scale, enc_t, dec_t, amax_t,
         n, k, kp, rows_per_outer, key,
         PROFILE=PROFILE_ID[recipe.profile], OUTER=outer_mode, TILE16=recipe.block == "16x16",
         HADAMARD=recipe.hadamard, ROUND=ROUND_ID[dtype], STOCHASTIC=recipe.rounding == "stochastic",
@@ -501,7 +508,7 @@ def dequantize_triton(
     br = 64 if interpreting() else block_rows
     grid = (triton.cdiv(rows, br), triton.cdiv(kp, bk))
     _dequantize_kernel[grid](
-        t.data.contiguous(), t.scale.view(torch.uint8).contiguous(), gs, out, rows, k, kp, rpo,
+        t.data.contiguous(), t.scale.view(torch.uint8).contiguous(), gs, _bits(out), rows, k, kp, rpo,
         OUTER=mode, ROUND=ROUND_ID[out_dtype], BR=br, BK=bk,
     )  # fmt: skip
     return out.reshape(t.shape)

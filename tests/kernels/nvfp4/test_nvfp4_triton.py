@@ -1,0 +1,138 @@
+"""Triton kernels vs the torch reference: identical data bytes, scale bytes and outer scales, every profile.
+
+On CPU the kernels run under TRITON_INTERPRET=1 (set in conftest.py); the GPU script
+experiments/bench/bench_quantize.py repeats the check on >= 1e6 blocks per profile.
+"""
+
+import warnings
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from triage.kernels.nvfp4 import PROFILES, QuantRecipe, dequantize, quantize
+from triage.kernels.nvfp4.fuzz import adversarial, midpoint_tensor
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+warnings.filterwarnings("ignore", category=RuntimeWarning)  # numpy overflow/NaN casts in the interpreter
+
+
+def assert_same(x, recipe, seed=None):
+    a = quantize(x, recipe, backend="torch", seed=seed)
+    b = quantize(x, recipe, backend="triton", seed=seed)
+    assert a.data.shape == b.data.shape and a.scale.shape == b.scale.shape
+    bad_data = (a.data != b.data).sum().item()
+    bad_scale = (a.scale.view(torch.uint8) != b.scale.view(torch.uint8)).sum().item()
+    assert bad_data == 0 and bad_scale == 0, (
+        f"{recipe}: {bad_data} data bytes, {bad_scale} scale bytes differ"
+    )
+    for name in ("global_scale", "global_encode_scale", "amax"):
+        ga, gb = getattr(a, name), getattr(b, name)
+        assert (ga is None) == (gb is None), name
+        if ga is not None:
+            assert ga.shape == gb.shape, name
+            assert torch.equal(ga.nan_to_num(-1.0), gb.nan_to_num(-1.0)), name
+    return a, b
+
+
+def assert_same_values(u, v):
+    nan = torch.isnan(u)
+    assert torch.equal(nan, torch.isnan(v))
+    assert torch.equal(u[~nan], v[~nan])
+
+
+VARIANTS = [
+    {},
+    {"scale": "row"},
+    {"scale": "expert"},
+    {"scale": "none"},
+    {"scale_source": "static", "static_amax": 3.5},
+    {"scale_source": "checkpoint", "checkpoint_scale": 0.02},
+    {"block": "16x16"},
+    {"block": "16x16", "scale": "expert"},
+    {"rounding": "stochastic", "seed": 5},
+    {"rounding": "stochastic", "scale": "row", "seed": 2**32 - 1},
+    {"hadamard": True},
+    {"hadamard": True, "block": "16x16", "rounding": "stochastic"},
+    {"hadamard": True, "scale": "row"},
+]
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(f"{k}={v[k]}" for k in v) or "default")
+def test_triton_matches_reference_adversarial(profile, variant):
+    x = adversarial(48, 96, seed=len(variant), device=DEV).reshape(3, 16, 96)
+    assert_same(x, QuantRecipe(profile=profile, **variant))
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_triton_matches_reference_dtypes(profile, dtype):
+    x = adversarial(32, 64, dtype=dtype, seed=3, device=DEV)
+    assert_same(x, QuantRecipe(profile=profile))
+    assert_same(x, QuantRecipe(profile=profile, hadamard=True, scale="row"))
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_triton_midpoints(profile):
+    assert_same(midpoint_tensor(32, 128, seed=2).to(DEV), QuantRecipe(profile=profile))
+
+
+def test_triton_odd_shapes_padding_noncontiguous():
+    x = torch.randn(37, 50, device=DEV)
+    assert_same(x, QuantRecipe(pad=True))
+    assert_same(x, QuantRecipe(pad=True, scale="row", rounding="stochastic"))
+    assert_same(torch.randn(1, 16, device=DEV), QuantRecipe())
+    assert_same(torch.randn(16, device=DEV), QuantRecipe(scale="row"))
+    y = torch.randn(64, 33, device=DEV).t()  # non-contiguous [33, 64]
+    assert_same(y, QuantRecipe(block="16x16"))
+    assert_same(torch.randn(2, 3, 20, 48, device=DEV), QuantRecipe(block="16x16", scale="expert"))
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+@pytest.mark.parametrize("scale", ["tensor", "row", "expert"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_triton_dequantize_matches(profile, scale, dtype):
+    x = adversarial(32, 80, seed=9, device=DEV)
+    t = quantize(x, QuantRecipe(profile=profile, scale=scale), backend="torch")
+    assert_same_values(dequantize(t, dtype, backend="torch"), dequantize(t, dtype, backend="triton"))
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_triton_fuzz_many_blocks(profile):
+    """>= 1e5 blocks per profile in one launch each (4e5 over the four profiles), random + adversarial."""
+    x = adversarial(256, 6400, seed=100 + PROFILES.index(profile), device=DEV)  # 102,400 blocks
+    recipe = QuantRecipe(profile=profile, scale="row" if profile in ("te", "modelopt") else "tensor")
+    assert_same(x, recipe)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    rows=st.integers(1, 40),
+    nblk=st.integers(1, 5),
+    profile=st.sampled_from(PROFILES),
+    scale=st.sampled_from(["tensor", "row", "none", "expert"]),
+    block=st.sampled_from(["1x16", "16x16"]),
+    rounding=st.sampled_from(["nearest", "stochastic"]),
+    hadamard=st.booleans(),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+    seed=st.integers(0, 2**31),
+)
+def test_triton_matches_reference_hypothesis(
+    rows, nblk, profile, scale, block, rounding, hadamard, dtype, seed
+):
+    if block == "16x16" and scale == "row":
+        scale = "tensor"
+    x = adversarial(rows, 16 * nblk, dtype=dtype, seed=seed % 1000, device=DEV)
+    recipe = QuantRecipe(profile=profile, scale=scale, block=block, rounding=rounding, hadamard=hadamard)
+    assert_same(x, recipe, seed=seed)
+
+
+def test_triton_backend_errors_on_cpu_without_interpreter(monkeypatch):
+    from triage.kernels.nvfp4 import triton_quant
+
+    monkeypatch.setattr(triton_quant, "interpreting", lambda: False)
+    if DEV == "cpu":
+        with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+            quantize(torch.randn(2, 16), backend="triton")
+    assert triton_quant.available(torch.device("cpu")) is False
