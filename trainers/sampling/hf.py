@@ -130,7 +130,8 @@ def sample_with_kv_cache(
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     tokens, logps, alive = [], [], []
     for step in range(params.max_new_tokens):
-        logits = out.logits[:, -1, :].float()
+        logits = out.logits[:, -1, :]
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         scores = processors(seen, logits.clone()) if len(processors) else logits
         probs = torch.softmax(scores, dim=-1)
         token = torch.multinomial(probs, 1, generator=generator).squeeze(1)
@@ -295,8 +296,10 @@ class HFSampler(SamplerSource):
 
     def _build_copy(self, source: torch.nn.Module) -> torch.nn.Module:
         dup = copy.deepcopy(source)
-        if hasattr(dup, "gradient_checkpointing_disable"):
-            dup.gradient_checkpointing_disable()
+        for name in ("activation_checkpointing_disable", "gradient_checkpointing_disable"):  # new name first
+            if hasattr(dup, name):
+                getattr(dup, name)()
+                break
         if self.dtype is not None:
             dup = dup.to(self.dtype)
         if self.prepare_model is not None:

@@ -74,6 +74,8 @@ def _first_bad_id(ids: Sequence[Any], vocab_size: int | None) -> tuple[int, Any]
 def _describe_logprob(v: Any) -> str:
     if v is None:
         return "None (missing): the engine returned no log-prob for a sampled token"
+    if not isinstance(v, (int, float)):
+        return f"{v!r} of type {type(v).__name__}: a log-prob must be a number"
     if isinstance(v, float) and math.isnan(v):
         return "NaN: the engine returned NaN for a sampled token"
     if v == math.inf:
@@ -88,11 +90,8 @@ def _describe_logprob(v: Any) -> str:
 
 def _first_bad_logprob(lps: Sequence[Any], tol: float) -> tuple[int, Any] | None:
     """Position and value of the first log-prob that is missing, non-finite, clamped -inf or > tol."""
-    try:
-        arr = np.asarray(lps, dtype=np.float64) if len(lps) else np.zeros(0)
-    except (TypeError, ValueError):
-        arr = None
-    if arr is not None and arr.ndim == 1:
+    arr = np.asarray(lps) if len(lps) else np.zeros(0)
+    if arr.ndim == 1 and arr.dtype.kind in "fiu":
         bad = ~np.isfinite(arr) | (arr > tol) | (arr <= VLLM_NEG_INF)
         pos = np.flatnonzero(bad)
         if not pos.size:

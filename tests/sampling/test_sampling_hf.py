@@ -1,0 +1,178 @@
+"""HFSampler: KV-cache log-probs equal a full re-forward, temperature, truncation, EOS, padding, seeds, copies."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import make_fake_trainer
+from triage.trainers.sampling import HFSampler, SamplingParams, encode_prompts, sample_with_kv_cache
+
+CHATS = [
+    [{"role": "user", "content": "What is 12 + 35?"}],
+    [{"role": "user", "content": "Let x be such that 3x + 4 = 19. Find x, then compute 7 * 8 - 3."}],
+    [{"role": "system", "content": "Solve it."}, {"role": "user", "content": "the sum of the digits"}],
+]
+
+
+def reforward_logprobs(model, prompt, completion, temperature):
+    """log_softmax(logits / T) of each completion token from one full, unpadded, cache-free forward."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + completion]), use_cache=False).logits[0]
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    logits = logits[len(prompt) - 1 : -1] / temperature
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(completion)[:, None])[:, 0]
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tokenizer):
+    ids = encode_prompts(CHATS, tokenizer)
+    assert len({len(p) for p in ids}) == 3  # different lengths: the batch is left-padded
+    return ids
+
+
+@pytest.mark.parametrize("temperature", [0.6, 1.0, 1.7])
+def test_kv_cache_logprobs_equal_full_reforward(tiny_model, tokenizer, prompt_ids, temperature):
+    params = SamplingParams(max_new_tokens=12, temperature=temperature)
+    g = torch.Generator().manual_seed(1)
+    out = sample_with_kv_cache(
+        tiny_model, prompt_ids, params, [tokenizer.eos_token_id], generator=g, pad_id=0
+    )
+    assert sum(len(c) for c in out["completion_ids"]) >= 12
+    for p, c, lp in zip(prompt_ids, out["completion_ids"], out["logprobs"]):
+        ref = reforward_logprobs(tiny_model, p, c, temperature)
+        torch.testing.assert_close(torch.tensor(lp), ref, atol=2e-5, rtol=0)
+    # the temperature really enters: the same tokens scored at T=1 differ
+    if temperature != 1.0:
+        p, c, lp = prompt_ids[0], out["completion_ids"][0], out["logprobs"][0]
+        assert (torch.tensor(lp) - reforward_logprobs(tiny_model, p, c, 1.0)).abs().max() > 1e-3
+
+
+def test_top_k_one_is_greedy_and_processed_logprob_is_zero(tiny_model, tokenizer, prompt_ids):
+    params = SamplingParams(max_new_tokens=6, temperature=0.8, top_k=1)
+    eos = [tokenizer.eos_token_id]
+    temp = sample_with_kv_cache(tiny_model, prompt_ids, params, eos, pad_id=0)
+    proc = sample_with_kv_cache(tiny_model, prompt_ids, params, eos, pad_id=0, logprobs_mode="processed")
+    assert temp["completion_ids"] == proc["completion_ids"]
+    for p, c, lp, plp in zip(prompt_ids, temp["completion_ids"], temp["logprobs"], proc["logprobs"]):
+        with torch.no_grad():
+            logits = tiny_model(torch.tensor([p + c])).logits[0, len(p) - 1 : -1]
+        assert c == logits.argmax(-1).tolist()  # greedy
+        assert plp == [0.0] * len(c)  # renormalised over the single kept token
+        torch.testing.assert_close(
+            torch.tensor(lp), reforward_logprobs(tiny_model, p, c, 0.8), atol=2e-5, rtol=0
+        )
+        assert max(lp) < 0
+
+
+def test_left_padded_batch_equals_one_by_one(tiny_model, tokenizer, prompt_ids):
+    params = SamplingParams(max_new_tokens=8, top_k=1)
+    eos = [tokenizer.eos_token_id]
+    batched = sample_with_kv_cache(tiny_model, prompt_ids, params, eos, pad_id=0)
+    for i, p in enumerate(prompt_ids):
+        alone = sample_with_kv_cache(tiny_model, [p], params, eos, pad_id=0)
+        assert alone["completion_ids"][0] == batched["completion_ids"][i]
+        torch.testing.assert_close(
+            torch.tensor(alone["logprobs"][0]), torch.tensor(batched["logprobs"][i]), atol=2e-5, rtol=0
+        )
+
+
+def test_eos_stops_the_row_and_is_included(tiny_model, prompt_ids):
+    params = SamplingParams(max_new_tokens=8, top_k=1)
+    free = sample_with_kv_cache(tiny_model, prompt_ids, params, eos_ids=[], pad_id=0)
+    assert all(len(c) == 8 for c in free["completion_ids"])  # no EOS: every row runs to max_new_tokens
+    # make the 3rd greedy token of row 0 an EOS id: row 0 stops there (EOS included), the others go on
+    stop = free["completion_ids"][0][2]
+    out = sample_with_kv_cache(tiny_model, prompt_ids, params, eos_ids=[stop], pad_id=0)
+    first = free["completion_ids"][0].index(stop)
+    assert out["completion_ids"][0] == free["completion_ids"][0][: first + 1]
+    assert len(out["logprobs"][0]) == first + 1
+    for c in out["completion_ids"]:
+        assert stop not in c[:-1]
+
+
+def test_seed_makes_sampling_reproducible(tiny_model, tokenizer, prompt_ids):
+    params = SamplingParams(max_new_tokens=10, temperature=1.5)
+    runs = [HFSampler(tiny_model, params=params, seed=s).generate(prompt_ids) for s in (7, 7, 8)]
+    assert runs[0] == runs[1]
+    assert runs[0]["completion_ids"] != runs[2]["completion_ids"]
+    batched = HFSampler(tiny_model, params=params, seed=7, batch_size=2).generate(prompt_ids)
+    assert [len(c) for c in batched["completion_ids"]] == [len(lp) for lp in batched["logprobs"]]
+
+
+def test_bad_arguments_are_refused(tiny_model):
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        SamplingParams(temperature=0.0)
+    with pytest.raises(ValueError, match="sampler_model='copy'"):
+        HFSampler(tiny_model, dtype=torch.float64)
+    with pytest.raises(ValueError, match="needs a model"):
+        HFSampler(params=SamplingParams()).generate([[1, 2]])
+    with pytest.raises(ValueError, match="prompt entry 1 has no token"):
+        HFSampler(tiny_model, params=SamplingParams()).generate([[1, 2], []])
+    with pytest.raises(ValueError, match="logprobs_mode"):
+        HFSampler(tiny_model, logprobs_mode="raw")
+
+
+def test_rollout_func_contract_with_fake_trainer(tiny_model, tokenizer):
+    trainer = make_fake_trainer(tokenizer, tiny_model, max_completion_length=5, temperature=0.9)
+    trainer.model_wrapped = tiny_model
+    trainer.accelerator = _NoAccelerator()
+    prompts = [CHATS[0], CHATS[0], CHATS[1], CHATS[1]]  # num_generations = 2, contiguous
+    out = HFSampler(seed=0)(prompts, trainer)
+    assert set(out) == {"prompt_ids", "completion_ids", "logprobs"}
+    assert out["prompt_ids"] == encode_prompts(prompts, tokenizer)
+    assert len(out["completion_ids"]) == 4 and all(1 <= len(c) <= 5 for c in out["completion_ids"])
+    text = HFSampler(seed=0)(["What is 1 + 1?"] * 2, trainer)
+    assert text["prompt_ids"][0] == tokenizer("What is 1 + 1?")["input_ids"]
+
+
+def test_copy_mode_casts_prepares_and_resyncs_on_step_change(tiny_model, tokenizer):
+    model = copy.deepcopy(tiny_model)
+    trainer = make_fake_trainer(tokenizer, model, max_completion_length=4)
+    trainer.model_wrapped = model
+    trainer.accelerator = _NoAccelerator()
+    prepared = []
+
+    def prepare(m):
+        prepared.append(m)
+        return m
+
+    sampler = HFSampler(sampler_model="copy", dtype=torch.float64, prepare_model=prepare, seed=0)
+    out = sampler([CHATS[0]] * 2, trainer)
+    assert sampler.copy is not model and next(sampler.copy.parameters()).dtype == torch.float64
+    assert len(prepared) == 1 and not any(p.requires_grad for p in sampler.copy.parameters())
+    for p, c, lp in zip(out["prompt_ids"], out["completion_ids"], out["logprobs"]):
+        torch.testing.assert_close(
+            torch.tensor(lp, dtype=torch.float64), reforward_logprobs(sampler.copy, p, c, 1.0)
+        )
+    sampler([CHATS[0]] * 2, trainer)
+    assert len(prepared) == 1  # same step: no resync
+    with torch.no_grad():
+        model.model.norm.weight.add_(1.0)
+    trainer.state.global_step = 1
+    sampler([CHATS[0]] * 2, trainer)
+    assert len(prepared) == 2  # rebuilt from the new weights
+    torch.testing.assert_close(sampler.copy.model.norm.weight, model.model.norm.weight.double())
+
+    inplace = HFSampler(sampler_model="copy", seed=0)
+    inplace([CHATS[0]] * 2, trainer)
+    first_copy = inplace.copy
+    with torch.no_grad():
+        model.model.norm.weight.add_(1.0)
+    trainer.state.global_step = 2
+    inplace([CHATS[0]] * 2, trainer)
+    assert inplace.copy is first_copy  # refreshed in place
+    torch.testing.assert_close(inplace.copy.model.norm.weight, model.model.norm.weight)
+
+
+class _NoAccelerator:
+    """What ``trl.models.unwrap_model_for_generation`` reads from an accelerate ``Accelerator`` (single CPU)."""
+
+    class state:
+        deepspeed_plugin = None
+        fsdp_plugin = None
+
+    @staticmethod
+    def unwrap_model(model, keep_fp32_wrapper=True):
+        return model

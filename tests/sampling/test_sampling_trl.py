@@ -1,0 +1,115 @@
+"""Each source as the ``rollout_func`` of a plain TRL 1.16 GRPOTrainer: one CPU step on the tiny model."""
+
+from __future__ import annotations
+
+import pytest
+from datasets import Dataset
+from sampling_fakes import fake_completion
+from triage.trainers.sampling import HTTPOptions, encode_prompts, make_sampler
+
+QUESTIONS = ["What is 12 + 35?", "Compute 7 * 8 - 3.", "Find x: 3x + 4 = 19.", "What is 5 + 9?"]
+NUM_GENERATIONS = 2
+MAX_NEW = 5
+
+
+def chat(q):
+    return [{"role": "user", "content": q}]
+
+
+class Recorder:
+    """Wraps a source; keeps what it returned and what the reward function then received."""
+
+    def __init__(self, source):
+        self.source, self.outputs, self.rewarded = source, [], []
+
+    def __call__(self, prompts, trainer):
+        assert len(prompts) % NUM_GENERATIONS == 0
+        assert all(prompts[i] == prompts[i + 1] for i in range(0, len(prompts), NUM_GENERATIONS))
+        out = self.source(prompts, trainer)
+        self.outputs.append(out)
+        return out
+
+    def reward(self, completions, completion_ids, **kwargs):
+        self.rewarded.append([list(c) for c in completion_ids])
+        return [float(len(c) % 3) for c in completion_ids]
+
+
+def offline_store(tokenizer):
+    rows = []
+    for q in QUESTIONS:
+        (pid,) = encode_prompts([chat(q)], tokenizer)
+        for k in range(NUM_GENERATIONS):
+            ids, lps, _ = fake_completion(pid, k, MAX_NEW)
+            rows.append({"prompt": chat(q), "completion_ids": ids, "sampler_logprobs": lps})
+    return rows
+
+
+def make_trainer(rollout, reward, model_dir, output_dir, **overrides):
+    from trl import GRPOConfig, GRPOTrainer
+
+    values = dict(
+        output_dir=str(output_dir),
+        use_cpu=True,
+        bf16=False,
+        max_steps=1,
+        per_device_train_batch_size=4,
+        num_generations=NUM_GENERATIONS,
+        max_completion_length=MAX_NEW,
+        learning_rate=1e-3,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+    )
+    values.update(overrides)
+    return GRPOTrainer(
+        model=model_dir,
+        reward_funcs=reward,
+        args=GRPOConfig(**values),
+        train_dataset=Dataset.from_list([{"prompt": chat(q)} for q in QUESTIONS]),
+        rollout_func=rollout,
+    )
+
+
+@pytest.mark.parametrize("kind", ["hf", "hf-copy", "sglang", "vllm-server", "offline"])
+def test_one_grpo_step_per_source(kind, sampling_model_dir, fake_server, tokenizer, tmp_path):
+    http = HTTPOptions(timeout_s=10.0, max_retries=0)
+    source = {
+        "hf": lambda: make_sampler("hf", seed=0),
+        "hf-copy": lambda: make_sampler("hf", sampler_model="copy", seed=0),
+        "sglang": lambda: make_sampler("sglang", base_url=fake_server.url, http=http),
+        "vllm-server": lambda: make_sampler("vllm-server", base_url=fake_server.url, model="tiny", http=http),
+        "offline": lambda: make_sampler("offline", data=offline_store(tokenizer)),
+    }[kind]()
+    recorder = Recorder(source)
+    trainer = make_trainer(recorder, recorder.reward, sampling_model_dir, tmp_path)
+    trainer.train()
+    assert trainer.state.global_step == 1
+    assert len(recorder.outputs) == 1 and recorder.rewarded == [recorder.outputs[0]["completion_ids"]]
+    out = recorder.outputs[0]
+    assert len(out["completion_ids"]) == 4 and all(1 <= len(c) <= MAX_NEW for c in out["completion_ids"])
+    assert [len(c) for c in out["completion_ids"]] == [len(lp) for lp in out["logprobs"]]
+    assert any("loss" in entry for entry in trainer.state.log_history)
+
+
+def test_hf_sampler_logprobs_equal_trl_learner_logprobs(sampling_model_dir, tmp_path):
+    """The HF sampler reports what TRL's learner computes (temperature only): delta = 0 in fp32."""
+    import torch
+
+    trainer = make_trainer(
+        make_sampler("hf", seed=3),
+        lambda completions, **kw: [0.0] * len(completions),
+        sampling_model_dir,
+        tmp_path,
+        temperature=0.7,
+    )
+    prompts = [chat(q) for q in QUESTIONS for _ in range(NUM_GENERATIONS)]
+    out = trainer.rollout_func(prompts, trainer)
+    for p, c, lp in zip(out["prompt_ids"], out["completion_ids"], out["logprobs"]):
+        ids = torch.tensor([p + c])
+        with torch.no_grad():
+            learner, _, _ = trainer._get_per_token_logps_and_entropies(
+                trainer.model, ids, torch.ones_like(ids), len(c)
+            )
+        torch.testing.assert_close(torch.tensor(lp), learner[0].float(), atol=2e-5, rtol=0)
