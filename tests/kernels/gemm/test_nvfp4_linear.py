@@ -175,10 +175,11 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         model = convert_to_nvfp4(_qwen3(), CFG)
         model.train()
         if checkpointing:
-            enable = (
-                getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-            )
-            enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            kwargs = {"use_reentrant": False}
+            if hasattr(model, "activation_checkpointing_enable"):  # newer transformers
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(0)).to(device())
         model(ids, labels=ids).loss.backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
