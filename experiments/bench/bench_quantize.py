@@ -1,0 +1,210 @@
+"""GPU check + benchmark of the NVFP4 Triton quantizers (triage.kernels.nvfp4).
+
+1. Bit-exactness: for every profile and a set of recipes, Triton vs the torch reference (run on the GPU, and
+   once on CPU) on >= 1e6 adversarial blocks each: data bytes, scale bytes, outer scales must be identical.
+2. Speed: quantize a bf16 16384x4096 tensor (per tensor / per row, 1x16 / 16x16, nearest / stochastic,
+   +Hadamard), median of triton.testing.do_bench; effective bandwidth = (bytes read once + bytes written) /
+   time, against the measured device copy bandwidth. Also dequantize, and a small tile sweep.
+
+Usage:  python experiments/bench/bench_quantize.py [--quick]      (writes $OUT/bench_quantize.json if $OUT set)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+
+import torch
+
+warnings.filterwarnings("ignore", category=RuntimeWarning)
+
+
+def _import():
+    from triage.kernels.nvfp4 import PROFILES, QuantRecipe, dequantize, quantize
+    from triage.kernels.nvfp4.fuzz import adversarial, midpoint_tensor
+    from triage.kernels.nvfp4.triton_quant import quantize_triton
+
+    return PROFILES, QuantRecipe, dequantize, quantize, adversarial, midpoint_tensor, quantize_triton
+
+
+def compare(a, b) -> dict:
+    def neq(u, v):
+        return int((u != v).sum().item())
+
+    out = {
+        "data_bytes_differ": neq(a.data, b.data),
+        "scale_bytes_differ": neq(a.scale.view(torch.uint8), b.scale.view(torch.uint8)),
+    }
+    ga, gb = a.global_scale.nan_to_num(-1.0), b.global_scale.nan_to_num(-1.0)
+    out["outer_differ"] = neq(ga.to(gb.device), gb)
+    return out
+
+
+def check_exact(quick: bool) -> list[dict]:
+    PROFILES, QuantRecipe, _, quantize, adversarial, midpoint_tensor, _ = _import()
+    rows, k = (256, 16384) if quick else (1024, 16384)  # 262,144 or 1,048,576 blocks
+    variants = [
+        {},
+        {"scale": "row"},
+        {"scale": "expert"},
+        {"block": "16x16"},
+        {"rounding": "stochastic", "seed": 7},
+        {"hadamard": True, "scale": "row"},
+        {"scale_source": "static", "static_amax": 100.0},
+    ]
+    results = []
+    for p_i, profile in enumerate(PROFILES):
+        x = adversarial(rows, k, seed=1000 + p_i, device="cuda").reshape(8, rows // 8, k)
+        for v in variants:
+            recipe = QuantRecipe(profile=profile, **v)
+            t0 = time.time()
+            ref = quantize(x, recipe, backend="torch")
+            tri = quantize(x, recipe, backend="triton")
+            r = {"profile": profile, "variant": v, "blocks": x.numel() // 16, **compare(ref, tri)}
+            r["seconds"] = round(time.time() - t0, 2)
+            results.append(r)
+        # torch reference on CPU vs Triton on GPU (catches CPU/GPU differences in torch itself)
+        xs = x[:1, :64].contiguous()
+        recipe = QuantRecipe(profile=profile, scale="row")
+        r = compare(
+            quantize(xs.cpu(), recipe, backend="torch"), quantize(xs, recipe, backend="triton").to("cpu")
+        )
+        results.append({"profile": profile, "variant": "cpu-reference-vs-gpu-triton", **r})
+        mid = midpoint_tensor(512, 4096, seed=p_i).cuda()
+        r = compare(quantize(mid, QuantRecipe(profile=profile), backend="torch"),
+                    quantize(mid, QuantRecipe(profile=profile), backend="triton"))  # fmt: skip
+        results.append({"profile": profile, "variant": "midpoints", **r})
+    return results
+
+
+def torchao_vs_profile(quick: bool) -> dict | None:
+    """How often torchao's own CUDA quantizer differs from the torchao profile (see docs: CUDA's scalar
+    division becomes multiplication by a reciprocal)."""
+    try:
+        from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize, per_tensor_amax_to_scale
+    except Exception as e:  # torchao not installed on the GPU box
+        return {"skipped": repr(e)[:200]}
+    PROFILES, QuantRecipe, _, quantize, adversarial, _, _ = _import()
+    x = adversarial(256 if quick else 1024, 16384, seed=5, specials=False, device="cuda")
+    t = quantize(x, QuantRecipe(profile="torchao"), backend="triton")
+    pts = per_tensor_amax_to_scale(x.float().abs().amax())
+    s, d = nvfp4_quantize(x, per_tensor_scale=pts)
+    return {
+        "blocks": x.numel() // 16,
+        "outer_equal": bool(torch.equal(pts, t.global_scale)),
+        "scale_bytes_differ": int((s.view(torch.uint8) != t.scale.view(torch.uint8)).sum()),
+        "data_bytes_differ": int((d != t.data).sum()),
+    }
+
+
+def bench(quick: bool) -> dict:
+    import triton
+    from triton.testing import do_bench
+
+    PROFILES, QuantRecipe, dequantize, quantize, _, _, quantize_triton = _import()
+    m, k = 16384, 4096
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 3
+    bytes_io = m * k * 2 + m * k // 2 + m * k // 16  # read bf16 once, write packed data + e4m3 scales
+    y = torch.empty_like(x)
+    copy_ms = do_bench(lambda: y.copy_(x), return_mode="median")
+    copy_gbs = 2 * m * k * 2 / copy_ms / 1e6
+    rows = []
+
+    def add(name, fn, nbytes=bytes_io):
+        fn()
+        ms = do_bench(fn, return_mode="median")
+        gbs = nbytes / ms / 1e6
+        rows.append(
+            {
+                "case": name,
+                "ms": round(ms, 4),
+                "GB/s": round(gbs, 1),
+                "pct_copy": round(100 * gbs / copy_gbs, 1),
+            }
+        )
+
+    cases = [
+        ("tensor 1x16 nearest", {}),
+        ("row 1x16 nearest", {"scale": "row"}),
+        ("tensor 16x16 nearest", {"block": "16x16"}),
+        ("tensor 1x16 stochastic", {"rounding": "stochastic"}),
+        ("row 1x16 stochastic", {"scale": "row", "rounding": "stochastic"}),
+        ("tensor 16x16 stochastic", {"block": "16x16", "rounding": "stochastic"}),
+        ("static 1x16 nearest", {"scale_source": "static", "static_amax": 20.0}),
+        ("row 1x16 nearest +hadamard", {"scale": "row", "hadamard": True}),
+        ("tensor 1x16 stochastic +hadamard", {"rounding": "stochastic", "hadamard": True}),
+    ]
+    for name, kw in cases:
+        r = QuantRecipe(**kw)
+        add(name, lambda r=r: quantize(x, r, backend="triton"))
+    for profile in PROFILES[1:]:
+        r = QuantRecipe(profile=profile)
+        add(f"tensor 1x16 nearest [{profile}]", lambda r=r: quantize(x, r, backend="triton"))
+    t = quantize(x, QuantRecipe(), backend="triton")
+    add("dequantize -> bf16", lambda: dequantize(t, torch.bfloat16, backend="triton"))
+    if not quick:  # tile sweep for the two main cases
+        for kw in ({}, {"scale": "row"}):
+            r = QuantRecipe(**kw)
+            for br, bk in ((8, 256), (16, 128), (16, 512), (32, 256), (64, 64), (32, 512)):
+                add(
+                    f"sweep {kw.get('scale', 'tensor')} BR={br} BK={bk}",
+                    lambda r=r, br=br, bk=bk: quantize_triton(x, r, block_rows=br, block_k=bk),
+                )
+    try:
+        from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize, per_tensor_amax_to_scale
+
+        add(
+            "torchao eager nvfp4_quantize (for scale)",
+            lambda: nvfp4_quantize(x, per_tensor_scale=per_tensor_amax_to_scale(x.float().abs().amax())),
+        )
+    except Exception:
+        pass
+    return {"copy_GB/s": round(copy_gbs, 1), "shape": [m, k], "rows": rows, "triton": triton.__version__}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer blocks, no tile sweep")
+    ap.add_argument("--skip-exact", action="store_true")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_quantize.py needs a CUDA device", file=sys.stderr)
+        return 2
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    ok = True
+    if not args.skip_exact:
+        exact = check_exact(args.quick)
+        out["exact"] = exact
+        print(
+            f"\n{'profile':20s} {'variant':60s} {'blocks':>9s} {'data!=':>7s} {'scale!=':>7s} {'outer!=':>7s}"
+        )
+        for r in exact:
+            print(
+                f"{r['profile']:20s} {json.dumps(r['variant'])[:60]:60s} {r.get('blocks', 0):9d} "
+                f"{r['data_bytes_differ']:7d} {r['scale_bytes_differ']:7d} {r['outer_differ']:7d}"
+            )
+            ok &= r["data_bytes_differ"] == 0 and r["scale_bytes_differ"] == 0 and r["outer_differ"] == 0
+        print("BIT-EXACT: " + ("yes" if ok else "NO"))
+        out["torchao_cuda_vs_profile"] = torchao_vs_profile(args.quick)
+        print("torchao's own CUDA quantizer vs our torchao profile:", out["torchao_cuda_vs_profile"])
+    perf = bench(args.quick)
+    out["perf"] = perf
+    print(f"\ncopy bandwidth: {perf['copy_GB/s']} GB/s   (bf16 {perf['shape'][0]}x{perf['shape'][1]})")
+    print(f"{'case':48s} {'ms':>8s} {'GB/s':>8s} {'% copy':>7s}")
+    for r in perf["rows"]:
+        print(f"{r['case']:48s} {r['ms']:8.4f} {r['GB/s']:8.1f} {r['pct_copy']:7.1f}")
+    if os.environ.get("OUT"):
+        path = os.path.join(os.environ["OUT"], "bench_quantize.json")
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"wrote {path}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
