@@ -51,6 +51,12 @@ run() {  # print, then run unless DRY_RUN
   if [[ ${DRY_RUN:-0} != 1 ]]; then "$@"; fi
 }
 
+run_logged() {  # $1 = log file; print, then run the rest in the background with output to the log
+  local log=$1; shift
+  printf '+ %s > %s &\n' "$*" "$log" >&2
+  if [[ ${DRY_RUN:-0} != 1 ]]; then "$@" > "$log" 2>&1 & fi
+}
+
 # --- nodes -------------------------------------------------------------------------------------------------
 case $MODE in
   slurm)
@@ -165,9 +171,9 @@ case $MODE in
   slurm)
     if [[ $USE_VLLM == true ]]; then
       # shellcheck disable=SC2046
-      run srun --nodes=1 --ntasks=1 --nodelist="$VLLM_HOST" --output="$RUN_DIR/vllm-%j.log" \
-        $(vllm_command "") &
-      VLLM_PID=$!
+      run_logged "$RUN_DIR/vllm-srun.log" srun --nodes=1 --ntasks=1 --nodelist="$VLLM_HOST" \
+        --output="$RUN_DIR/vllm-%j.log" $(vllm_command "")
+      VLLM_PID=${!:-}
       wait_for_vllm
     fi
     TRAIN_LIST=$(IFS=,; echo "${TRAIN_NODES_LIST[*]}")
@@ -197,13 +203,13 @@ case $MODE in
     TRAIN_DEVICES=$(seq -s, "$VLLM_GPUS" $((TOTAL - 1)))
     if [[ $USE_VLLM == true ]]; then
       # shellcheck disable=SC2046
-      CUDA_VISIBLE_DEVICES=$VLLM_DEVICES run $(vllm_command "--data_parallel_size $VLLM_GPUS --tensor_parallel_size 1") \
-        > "$RUN_DIR/vllm.log" 2>&1 &
-      VLLM_PID=$!
+      run_logged "$RUN_DIR/vllm.log" env CUDA_VISIBLE_DEVICES="$VLLM_DEVICES" \
+        $(vllm_command "--data_parallel_size $VLLM_GPUS --tensor_parallel_size 1")
+      VLLM_PID=${!:-}
       wait_for_vllm
     fi
     # shellcheck disable=SC2046
-    CUDA_VISIBLE_DEVICES=$TRAIN_DEVICES run $(train_command 1 0 "$TRAIN_GPUS")
+    run env CUDA_VISIBLE_DEVICES="$TRAIN_DEVICES" $(train_command 1 0 "$TRAIN_GPUS")
     if [[ -n ${VLLM_PID:-} ]]; then kill "$VLLM_PID" 2>/dev/null || true; fi
     ;;
 esac
