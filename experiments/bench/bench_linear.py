@@ -1,0 +1,84 @@
+"""Learner step tokens/s on a Qwen3-architecture model (random init, ~0.6B): NVFP4 vs BF16. CUDA only.
+
+    python experiments/bench/bench_linear.py [--layers 28] [--batch 8] [--seq 1024] [--steps 10]
+
+One step = forward + backward (mean next-token loss) + AdamW step, bf16 weights. NVFP4 converts every
+decoder Linear with ``convert_to_nvfp4`` (lm_head and embeddings stay bf16), mode bf16-backward (and
+nvfp4-backward with ``--mode nvfp4-backward``). Writes ``$OUT/bench_linear.md`` when OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gemm import _ensure_triage  # noqa: E402
+
+_ensure_triage()
+
+import torch  # noqa: E402
+
+
+def build(layers: int):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+    )
+    return Qwen3ForCausalLM(cfg).to("cuda", torch.bfloat16)
+
+
+def tokens_per_s(model, batch: int, seq: int, steps: int) -> float:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda")
+    for i in range(steps + 2):
+        if i == 2:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    return batch * seq * steps / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    from triage.kernels import NVFP4LinearConfig, convert_to_nvfp4
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--layers", type=int, default=28)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--mode", default="bf16-backward")
+    args = p.parse_args()
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    lines = [f"# learner step, Qwen3 arch {args.layers} layers h1024 i3072, {args.batch}×{args.seq} tokens"]
+    model = build(args.layers)
+    n = sum(p.numel() for p in model.parameters())
+    lines.append(f"params: {n / 1e9:.2f}B")
+    bf16 = tokens_per_s(model, args.batch, args.seq, args.steps)
+    lines.append(f"| BF16 | {bf16:,.0f} tok/s | 1.00 |")
+    convert_to_nvfp4(model, NVFP4LinearConfig(mode=args.mode))
+    fp4 = tokens_per_s(model, args.batch, args.seq, args.steps)
+    lines.append(f"| NVFP4 ({args.mode}) | {fp4:,.0f} tok/s | {fp4 / bf16:.2f} |")
+    print("\n".join(lines))
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "bench_linear.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
