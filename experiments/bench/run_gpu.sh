@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Run benchmark scripts on the GPU box, each under its own time limit, logs under $OUT.
+#   bash experiments/bench/run_gpu.sh "bench_quantize.py --quick" "bench_gemm.py --quick" ...
+# Installs carried wheels (.whl/, see ../shared/tools/device-wheels.sh) and the package itself (no network).
+set -u
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/bench-out}; mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -m pip install -q --no-build-isolation --no-deps -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+LIMIT=${BENCH_LIMIT:-150}
+for spec in "$@"; do
+  name=$(echo "$spec" | awk '{print $1}' | sed 's/\.py$//')
+  echo "=== $spec (limit ${LIMIT}s)"
+  # shellcheck disable=SC2086
+  timeout "$LIMIT" python3 experiments/bench/$spec >"$OUT/$name.log" 2>&1
+  rc=$?
+  tail -n "${TAIL:-40}" "$OUT/$name.log"
+  echo "=== $name rc=$rc"
+done
