@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Run benchmark scripts on the GPU box, each under its own time limit, logs under $OUT.
 #   bash experiments/bench/run_gpu.sh "bench_quantize.py --quick" "bench_gemm.py --quick" ...
+# Each script writes its JSON/logs to $OUT (a scratch folder); everything comes back as one tarball.
 # Installs carried wheels (.whl/, see ../shared/tools/device-wheels.sh) and the package itself (no network).
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-/tmp/bench-out}; mkdir -p "$OUT"
+REAL_OUT=${OUT:-}; export OUT=/tmp/bench-out; mkdir -p "$OUT"
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
@@ -22,3 +23,5 @@ for spec in "$@"; do
   tail -n "${TAIL:-40}" "$OUT/$name.log"
   echo "=== $name rc=$rc"
 done
+[ -n "$REAL_OUT" ] && tar czf "$REAL_OUT/bench-results.tgz" -C "$OUT" . && echo "results: bench-results.tgz"
+exit 0
