@@ -255,3 +255,47 @@ def test_build_reward_funcs():
         build_reward_funcs([{"dapo_accuracy": None, "soft_overlong": None}])
     with pytest.raises(ValueError, match="empty"):
         build_reward_funcs([])
+
+
+def test_rewards_inside_trl_grpo_trainer(tmp_path):
+    """One real TRL GRPO step on a tiny model and synthetic DAPO rows: TRL hands the reward functions the
+    ``reward_model`` dicts and chat completions, and logs them under their names."""
+    from triage.experiments.data import synthetic_math
+    from triage.trainers.tiny import TinyModelSpec, build_model, build_tokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    tokenizer = build_tokenizer()
+    seen = {}
+
+    def spy(prompts, completions, reward_model, **kwargs):
+        seen.update(completion=completions[0], reward_model=reward_model[0])
+        return [0.0] * len(prompts)
+
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=16,
+        max_steps=1,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+    )
+    trainer = GRPOTrainer(
+        model=build_model(tokenizer, TinyModelSpec()),
+        processing_class=tokenizer,
+        reward_funcs=[
+            *build_reward_funcs(["dapo_accuracy", {"soft_overlong": {"cache_length": 4}}], 16),
+            spy,
+        ],
+        args=args,
+        train_dataset=synthetic_math(4, difficulty=1),
+    )
+    trainer.train()
+    assert seen["completion"][0]["role"] == "assistant" and isinstance(seen["completion"][0]["content"], str)
+    assert set(seen["reward_model"]) == {"ground_truth", "style"}
+    (logs,) = [entry for entry in trainer.state.log_history if "rewards/dapo_accuracy/mean" in entry]
+    assert -1.0 <= logs["rewards/dapo_accuracy/mean"] <= 1.0
+    assert -1.0 <= logs["rewards/soft_overlong_penalty/mean"] <= 0.0
