@@ -55,6 +55,20 @@ from .sampling.validation import RolloutValidationError, validate_rollout
 TRIAGE_STATE_FILE = "triage_state.json"
 
 
+def _resolve_sampler_kwargs(kwargs: dict | None) -> dict:
+    """YAML/CLI-friendly ``sampler_kwargs``: a ``dtype`` given by name (``"bfloat16"``) becomes a torch dtype."""
+    kwargs = dict(kwargs or {})
+    dtype = kwargs.get("dtype")
+    if isinstance(dtype, str):
+        resolved = getattr(torch, dtype.removeprefix("torch."), None)
+        if not isinstance(resolved, torch.dtype):
+            raise ValueError(
+                f"sampler_kwargs.dtype={dtype!r} is not a torch dtype (e.g. 'bfloat16', 'float16')"
+            )
+        kwargs["dtype"] = resolved
+    return kwargs
+
+
 class TriageGRPOTrainer(GRPOTrainer):
     """``GRPOTrainer`` + TRIAGE (module docstring). Same constructor; ``args`` is a ``TriageGRPOConfig``."""
 
@@ -77,7 +91,7 @@ class TriageGRPOTrainer(GRPOTrainer):
             from triage.trainers.sampling import make_sampler
 
             os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # our sources are not experimental
-            rollout_func = make_sampler(args.sampler, **(args.sampler_kwargs or {}))
+            rollout_func = make_sampler(args.sampler, **_resolve_sampler_kwargs(args.sampler_kwargs))
         if rollout_func is None and not args.use_vllm and self.triage_config.correction != "none":
             raise ValueError(
                 f"correction={self.triage_config.correction!r} needs sampler log-probs, and TRL's transformers "

@@ -82,7 +82,7 @@ def make_args(output_dir, **overrides):
 
 
 def make_trainer(
-    model_dir, output_dir, rollout=None, dataset=None, reward=length_reward, trainer_cls=None, **args
+    model_dir, output_dir, rollout="perturbed", dataset=None, reward=length_reward, trainer_cls=None, **args
 ):
     from triage.trainers import TriageGRPOTrainer
 
@@ -92,5 +92,5 @@ def make_trainer(
         reward_funcs=reward,
         args=make_args(output_dir, **args),
         train_dataset=dataset if dataset is not None else arithmetic_dataset(),
-        rollout_func=rollout if rollout is not None else PerturbedRollout(),
+        rollout_func=PerturbedRollout() if rollout == "perturbed" else rollout,
     )

@@ -1,0 +1,88 @@
+"""Bad sampler output gets an error naming the sample; documented rules for the legal edge cases."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from trainer_testkit import PerturbedRollout, make_trainer
+
+
+@pytest.fixture(scope="module")
+def trainer(tiny_model_dir, tmp_path_factory):
+    trainer = make_trainer(tiny_model_dir, tmp_path_factory.mktemp("inputs"))
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    return trainer
+
+
+def _rows(trainer, n_prompts=2):
+    rows = [trainer.train_dataset[i] for i in range(n_prompts)]
+    return [r for r in rows for _ in range(trainer.num_generations)]
+
+
+def _set(index, position, value):
+    def corrupt(out):
+        out["logprobs"][index][position] = value
+
+    return corrupt
+
+
+BAD = {
+    "nan": (_set(1, 0, float("nan")), r"sample 1 .*position 0.*NaN"),
+    "none": (_set(1, 0, None), r"sample 1 .*None"),
+    "+inf": (_set(2, 0, math.inf), r"sample 2 .*\+inf"),
+    "-inf": (_set(2, 0, -math.inf), r"sample 2 .*-inf"),
+    "positive": (_set(3, 0, 0.5), r"sample 3 .*must be <= 0"),
+    "length mismatch": (lambda out: out["logprobs"][1].append(-1.0), r"sample 1 .*log-probs"),
+    "empty completion": (
+        lambda out: (out["completion_ids"].__setitem__(0, []), out["logprobs"].__setitem__(0, [])),
+        r"sample 0 .*empty",
+    ),
+    "token outside vocab": (
+        lambda out: out["completion_ids"][2].__setitem__(0, 10**6),
+        r"sample 2 .*not in \[0",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_rollouts_name_the_sample(trainer, case):
+    corrupt, pattern = BAD[case]
+    trainer.rollout_func = trainer._validated(PerturbedRollout(corrupt=corrupt))
+    with pytest.raises(ValueError, match=pattern):
+        trainer._generate_and_score_completions(_rows(trainer))
+
+
+def test_missing_logprobs_key_is_an_error(trainer):
+    trainer.rollout_func = trainer._validated(PerturbedRollout(corrupt=lambda out: out.pop("logprobs")))
+    with pytest.raises(ValueError, match="logprobs"):
+        trainer._generate_and_score_completions(_rows(trainer))
+
+
+def test_nan_sampler_logprob_reaching_the_loss_is_named(trainer):
+    """A batch built elsewhere (bypassing the rollout checks) still fails loudly, naming row and position."""
+    trainer.rollout_func = trainer._validated(PerturbedRollout())
+    inputs = trainer._generate_and_score_completions(_rows(trainer))
+    inputs["sampling_per_token_logps"][1, 0] = float("nan")
+    with pytest.raises(ValueError, match="row 1, position 0"):
+        trainer.compute_loss(trainer.model, inputs)
+
+
+def test_group_with_equal_rewards_is_inert(tiny_model_dir, tmp_path):
+    """Rule: equal rewards in a group → advantage 0 → every token 'inert': no gradient, weight irrelevant."""
+    trainer = make_trainer(
+        tiny_model_dir, tmp_path, reward=lambda completions, **kw: [1.0] * len(completions)
+    )
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    inputs = trainer._generate_and_score_completions(_rows(trainer))
+    assert torch.all(inputs["advantages"] == 0)
+    trainer._metrics["train"].clear()
+    loss = trainer.compute_loss(trainer.model, inputs)
+    assert loss.item() == 0.0
+    loss.backward()
+    assert all(p.grad is None or torch.all(p.grad == 0) for p in trainer.model.parameters())
+    assert trainer._metrics["train"]["triage/inert/share"][-1] == 1.0
+    assert trainer._metrics["train"]["triage/suppressed_frac"][-1] == 0.0
