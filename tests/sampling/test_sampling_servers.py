@@ -51,7 +51,9 @@ def test_sglang_request_follows_the_native_schema(fake_server, fake_trainer):
     client = SGLangClient(fake_server.url + "/", http=FAST)  # trailing slash tolerated
     client(PROMPTS, fake_trainer)
     assert [path for path, _ in fake_server.requests] == ["/generate", "/generate"]  # 6 entries, batches of 4
-    body = fake_server.requests[0][1]
+    body = max(
+        (b for _, b in fake_server.requests), key=lambda b: len(b["input_ids"])
+    )  # arrival order varies
     assert body["return_logprob"] is True and len(body["input_ids"]) == 4
     assert body["sampling_params"] == {
         "max_new_tokens": 6,
@@ -85,12 +87,36 @@ def test_seeds_are_deterministic_and_distinct(fake_server, fake_trainer):
         assert len({tuple(c) for c in out["completion_ids"][:3]}) >= 2
         bodies = [b for _, b in fake_server.requests]
         if isinstance(client, SGLangClient):
-            seeds = [sp["sampling_seed"] for b in bodies for sp in b["sampling_params"]]
+            seeds = sorted(sp["sampling_seed"] for b in bodies for sp in b["sampling_params"])
             assert bodies[0]["sampling_params"][0]["top_k"] == 20
         else:
             seeds = sorted(b["seed"] for b in bodies)
             assert all(b["n"] == 3 for b in bodies) and bodies[0]["min_p"] == 0.05
         assert seeds == list(range(100, 100 + len(seeds)))
+
+
+def test_seeds_are_offset_per_process(fake_server, fake_trainer):
+    from types import SimpleNamespace
+
+    fake_trainer.accelerator = SimpleNamespace(process_index=1, num_processes=2)
+    for client in clients(fake_server.url, seed=100):
+        fake_server.requests.clear()
+        client(PROMPTS[:3], fake_trainer)
+        body = fake_server.requests[0][1]
+        seed = (
+            body["sampling_params"][0]["sampling_seed"] if isinstance(client, SGLangClient) else body["seed"]
+        )
+        assert seed == 100 + 1_000_003
+
+
+def test_generation_kwargs_override_or_are_refused(fake_server, fake_trainer):
+    fake_trainer.args.generation_kwargs = {"top_k": 7, "max_tokens": 3}
+    SGLangClient(fake_server.url, http=FAST)(PROMPTS[:3], fake_trainer)
+    sampling = fake_server.requests[0][1]["sampling_params"]
+    assert sampling["top_k"] == 7 and sampling["max_new_tokens"] == 3
+    fake_trainer.args.generation_kwargs = {"stop": ["\\n"]}
+    with pytest.raises(ValueError, match="generation_kwargs \\['stop'\\] are not understood"):
+        SGLangClient(fake_server.url, http=FAST)(PROMPTS[:3], fake_trainer)
 
 
 @pytest.mark.parametrize("kind", ["sglang", "vllm"])

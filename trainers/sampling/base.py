@@ -55,8 +55,13 @@ class SamplingParams:
 
     @classmethod
     def from_args(cls, args: Any) -> SamplingParams:
-        """The sampling parameters of a TRL ``GRPOConfig`` (or any object with the same field names)."""
-        return cls(
+        """The sampling parameters of a TRL ``GRPOConfig`` (or any object with the same field names).
+
+        ``args.generation_kwargs`` overrides them like TRL does (``max_new_tokens``/``max_tokens``,
+        ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``); any other key is an error
+        rather than silently ignored: pass engine-specific options to the source itself.
+        """
+        values = dict(
             max_new_tokens=int(args.max_completion_length),
             temperature=float(args.temperature),
             top_p=float(getattr(args, "top_p", 1.0) or 1.0),
@@ -64,6 +69,17 @@ class SamplingParams:
             min_p=getattr(args, "min_p", None),
             repetition_penalty=float(getattr(args, "repetition_penalty", 1.0) or 1.0),
         )
+        extra = dict(getattr(args, "generation_kwargs", None) or {})
+        if "max_tokens" in extra:
+            extra["max_new_tokens"] = extra.pop("max_tokens")
+        unknown = sorted(k for k in extra if k not in values)
+        if unknown:
+            raise ValueError(
+                f"generation_kwargs {unknown} are not understood by the sampler sources (known: {sorted(values)}); "
+                "pass engine options to the source (extra_sampling_params / extra_body)"
+            )
+        values.update(extra)
+        return cls(**values)
 
     @property
     def truncates(self) -> bool:
@@ -138,6 +154,15 @@ def trainer_eos_ids(trainer: Any) -> list[int]:
     return [int(i) for i in ids if i is not None]
 
 
+def trainer_rank(trainer: Any) -> int:
+    """This process's index (0 without an accelerator); offsets seeds so ranks do not draw the same samples."""
+    accelerator = getattr(trainer, "accelerator", None)
+    return int(getattr(accelerator, "process_index", 0) or 0)
+
+
+RANK_SEED_STRIDE = 1_000_003  # seed offset between processes
+
+
 def trainer_vocab_size(trainer: Any) -> int:
     """Number of rows of the learner's embedding (the model config's ``vocab_size``; the tokenizer as fallback)."""
     model = getattr(trainer, "model", None)
@@ -173,6 +198,7 @@ class SamplerSource:
         self.weight_sync = weight_sync
         self.validate = validate
         self._synced_step: int | None = None
+        self.rank = 0  # process index, set from the trainer at every call (seed offsets)
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, eos_ids: Sequence[int]) -> dict:
         """Sample one completion per prompt: ``{"completion_ids": [...], "logprobs": [...]}``."""
@@ -201,6 +227,7 @@ class SamplerSource:
         return output
 
     def __call__(self, prompts: list, trainer: Any) -> dict:
+        self.rank = trainer_rank(trainer)
         self.maybe_sync_weights(trainer)
         prompt_ids = trainer_prompt_ids(prompts, trainer)
         out = self.generate(prompt_ids, self.params_for(trainer), trainer_eos_ids(trainer))

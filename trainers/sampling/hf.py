@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 import torch
 
-from .base import SamplerSource, SamplingParams
+from .base import RANK_SEED_STRIDE, SamplerSource, SamplingParams, trainer_rank
 
 
 def _logits_processors(params: SamplingParams):
@@ -177,7 +177,7 @@ class HFSampler(SamplerSource):
             converted model's parameters need not match the trainer's); without it, weights are copied in place.
         params: sampling parameters (``None``: from ``trainer.args``; required for :meth:`generate` alone).
         seed: seed of the sampler's own ``torch.Generator`` (``None``: drawn once from torch's global RNG, so
-            ``transformers.set_seed`` makes runs reproducible).
+            ``transformers.set_seed`` makes runs reproducible); offset by 1000003 × the process index.
         batch_size: rows per decode batch (``None``: all prompt entries at once).
         logprobs_mode: ``"temperature"`` (default, what TRL's learner computes) or ``"processed"``.
     """
@@ -221,6 +221,7 @@ class HFSampler(SamplerSource):
     def _generator_for(self, device: torch.device) -> torch.Generator:
         if self._generator is None or self._generator.device != device:
             seed = self.seed if self.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+            seed += RANK_SEED_STRIDE * self.rank  # processes of one run must not draw the same samples
             self._generator = torch.Generator(device=device)
             self._generator.manual_seed(seed)
         return self._generator
@@ -322,6 +323,7 @@ class HFSampler(SamplerSource):
     def __call__(self, prompts: list, trainer: Any) -> dict:
         from .base import trainer_eos_ids, trainer_prompt_ids
 
+        self.rank = trainer_rank(trainer)
         self.maybe_sync_weights(trainer)
         prompt_ids = trainer_prompt_ids(prompts, trainer)
         params, eos_ids = self.params_for(trainer), trainer_eos_ids(trainer)

@@ -7,6 +7,7 @@ Every request has a timeout; connection failures, timeouts and HTTP 502/503/504 
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
 import urllib.error
@@ -80,7 +81,7 @@ def post_json(url: str, payload: Any, options: HTTPOptions, engine: str) -> Any:
                 last = f"HTTP {e.code}: {message}"
                 continue
             raise EngineError(f"{engine} server at {url} answered HTTP {e.code}: {message}") from None
-        except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+        except (urllib.error.URLError, TimeoutError, ConnectionError, http.client.HTTPException) as e:
             reason = getattr(e, "reason", e)
             last = f"no answer within {options.timeout_s:g} s" if "timed out" in str(reason) else str(reason)
             continue

@@ -9,7 +9,7 @@ prefix of the ``num_generations`` repeats, and its docs recommend repeating prom
 
 All sampling parameters are sent explicitly: SGLang otherwise takes defaults from the model's
 ``generation_config.json``. With ``seed`` set, ``sampling_params`` is a per-entry list carrying
-``sampling_seed`` (seed + running entry counter); that field needs a recent SGLang.
+``sampling_seed`` (seed + 1000003 × process index + running entry counter); that field needs a recent SGLang.
 
 Response: a list with one object per entry; ``meta_info.output_token_logprobs`` is a list of
 ``[logprob, token_id, text-or-null]`` per generated token (the EOS included when it stopped there), and
@@ -27,7 +27,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .base import SamplerSource, SamplingParams
+from .base import RANK_SEED_STRIDE, SamplerSource, SamplingParams
 from .http_json import EngineError, HTTPOptions, map_concurrently, post_json, server_root
 
 
@@ -114,7 +114,8 @@ class SGLangClient(SamplerSource):
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, eos_ids: Sequence[int]) -> dict:
         sampling = self.sampling_params(params, eos_ids)
-        seeds = None if self.seed is None else [self.seed + next(self._entry_counter) for _ in prompt_ids]
+        base = None if self.seed is None else self.seed + RANK_SEED_STRIDE * self.rank
+        seeds = None if base is None else [base + next(self._entry_counter) for _ in prompt_ids]
         size = self.http.batch_size
         requests = [
             (prompt_ids[i : i + size], None if seeds is None else seeds[i : i + size])

@@ -13,7 +13,7 @@ sample ``s`` at index ``i * n + s``, with ``logprobs.tokens`` and ``logprobs.tok
 token, the EOS included); vLLM clamps ``-inf`` to ``-9999.0`` (validation reports it as ``-inf``). When the
 server also returns ``token_ids`` (``return_token_ids``, recent vLLM), they must equal the parsed ids.
 
-With ``seed`` set, every run is its own request with ``seed = seed + running run counter`` (vLLM's seed is per
+With ``seed`` set, every run is its own request with ``seed = seed + 1000003 × process index + running run counter`` (vLLM's seed is per
 request; sharing one seed across identical prompts would duplicate samples).
 
 Log-prob semantics: set by the server's ``--logprobs-mode``. The default ``raw_logprobs`` is the model's
@@ -28,7 +28,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .base import SamplerSource, SamplingParams
+from .base import RANK_SEED_STRIDE, SamplerSource, SamplingParams
 from .http_json import EngineError, HTTPOptions, map_concurrently, post_json, server_root
 
 TOKEN_PREFIX = "token_id:"
@@ -119,7 +119,8 @@ class VLLMServerClient(SamplerSource):
     def _plan(self, runs: list[tuple[list[int], int]]) -> list[tuple[list[list[int]], int, int | None]]:
         """Requests as ``(prompts, n, seed)``: equal-length runs packed up to ``batch_size`` entries."""
         if self.seed is not None:
-            return [([p], n, self.seed + next(self._run_counter)) for p, n in runs]
+            base = self.seed + RANK_SEED_STRIDE * self.rank
+            return [([p], n, base + next(self._run_counter)) for p, n in runs]
         plan: list[tuple[list[list[int]], int, int | None]] = []
         for p, n in runs:
             if plan and plan[-1][1] == n and (len(plan[-1][0]) + 1) * n <= self.http.batch_size:
