@@ -12,7 +12,7 @@ The log-prob of every sampled token is read from the same logits the token was s
   (renormalised over the top-k/top-p/min-p set; vLLM's ``processed_logprobs`` analogue).
 
 Why a decode loop instead of ``model.generate(output_logits=True)``: ``generate`` keeps one (B, V) tensor per
-step for the whole completion (a 150k vocabulary × 64 rows × 1k steps is ~39 GB in fp32) only to pick one value
+step for the whole completion (a 150k vocabulary × 64 rows × 1k steps is ~38 GB in fp32) only to pick one value
 per row; the loop keeps one float per token.
 
 ``sampler_model`` picks the weights: ``"shared"`` (default) samples with the trainer's own model (unwrapped
@@ -91,8 +91,8 @@ def sample_with_kv_cache(
     """Sample one completion per prompt with left padding and an incremental KV cache.
 
     Returns ``{"completion_ids", "logprobs"}``; a completion ends with (and includes) the first EOS id, or stops
-    at ``params.max_new_tokens``. Rows that finished keep being fed ``pad_id`` (masked out of nothing: they are
-    simply not recorded) until all rows finish.
+    at ``params.max_new_tokens``. A finished row keeps being fed ``pad_id`` until every row has finished; those
+    steps are not recorded.
     """
     if logprobs_mode not in ("temperature", "processed"):
         raise ValueError(f"logprobs_mode must be 'temperature' or 'processed', got {logprobs_mode!r}")
