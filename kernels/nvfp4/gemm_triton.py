@@ -30,6 +30,7 @@ INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "
 
 # 2**14 undoes the fp16 bit trick of one packed operand (see the module docstring).
 UNPACK_FACTOR = 16384.0
+_UNPACK_FACTOR_TL = tl.constexpr(UNPACK_FACTOR)  # kernels may only read constexpr globals
 
 _GA_NONE, _GA_SCALAR, _GA_ROW = 0, 1, 2
 
@@ -400,7 +401,7 @@ def _expand_kernel(
         data_ptr, scale_ptr, r2, k2, mask, stride_dr, stride_dk, stride_sr, stride_sk, True, tl.float32
     )
     tl.store(
-        out_ptr + r2 * stride_or + k2 * stride_ok, (v * UNPACK_FACTOR).to(out_ptr.dtype.element_ty), mask=mask
+        out_ptr + r2 * stride_or + k2 * stride_ok, (v * _UNPACK_FACTOR_TL).to(out_ptr.dtype.element_ty), mask=mask
     )
 
 
