@@ -113,3 +113,31 @@ def test_hf_sampler_logprobs_equal_trl_learner_logprobs(sampling_model_dir, tmp_
                 trainer.model, ids, torch.ones_like(ids), len(c)
             )
         torch.testing.assert_close(torch.tensor(lp), learner[0].float(), atol=2e-5, rtol=0)
+
+
+def test_hf_copy_runs_its_own_weights_not_the_trainers(sampling_model_dir, tmp_path):
+    """TRL patches the model's forward with a closure over the original model; the copy must not inherit it."""
+    import torch
+
+    source = make_sampler("hf", sampler_model="copy", dtype=torch.bfloat16, seed=3)
+    trainer = make_trainer(
+        source, lambda completions, **kw: [0.0] * len(completions), sampling_model_dir, tmp_path
+    )
+    assert "forward" in vars(trainer.model)  # TRL's fused-LM-head patch, the reason for this test
+    prompts = [chat(q) for q in QUESTIONS for _ in range(NUM_GENERATIONS)]
+    out = trainer.rollout_func(prompts, trainer)
+    assert next(source.copy.parameters()).dtype == torch.bfloat16 and "forward" not in vars(source.copy)
+    reference = type(trainer.model).from_pretrained(sampling_model_dir, dtype=torch.bfloat16).eval()
+    gaps = []
+    for p, c, lp in zip(out["prompt_ids"], out["completion_ids"], out["logprobs"]):
+        ids = torch.tensor([p + c])
+        with torch.no_grad():
+            bf16 = torch.log_softmax(reference(ids).logits[0, len(p) - 1 : -1].float(), -1)
+            learner, _, _ = trainer._get_per_token_logps_and_entropies(
+                trainer.model, ids, torch.ones_like(ids), len(c)
+            )
+        torch.testing.assert_close(
+            torch.tensor(lp), bf16.gather(1, torch.tensor(c)[:, None])[:, 0], atol=1e-2, rtol=0
+        )
+        gaps.append((torch.tensor(lp) - learner[0]).abs())
+    assert torch.cat(gaps).mean() > 1e-4  # a bf16 sampler against the fp32 learner: a real gap, not zero

@@ -297,6 +297,11 @@ class HFSampler(SamplerSource):
 
     def _build_copy(self, source: torch.nn.Module) -> torch.nn.Module:
         dup = copy.deepcopy(source)
+        # Instance-level ``forward`` overrides are closures over the *source* model (TRL's fused LM head keeps
+        # ``original_forward`` of the trainer's model; deepcopy cannot reach into closures), so the copy would
+        # silently run the trainer's weights. The sampler wants the class forward anyway: drop the overrides.
+        for module in dup.modules():
+            module.__dict__.pop("forward", None)
         for name in ("activation_checkpointing_disable", "gradient_checkpointing_disable"):  # new name first
             if hasattr(dup, name):
                 getattr(dup, name)()
