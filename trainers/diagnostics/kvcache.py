@@ -1,0 +1,72 @@
+"""Sampler KV-cache precision: a ``transformers`` cache that stores keys and values in FP8 (or bf16).
+
+An inference engine with an FP8 KV cache writes every key/value it computes through ``float8_e4m3fn``
+with a scale and reads them back for attention; the learner's full-sequence forward never does. This
+emulation rounds every stored state:
+
+    k̂ = clamp(k / s_k, ±448) → e4m3 → · s_k      (likewise v; s = amax / 448)
+
+with the scale ``s`` calibrated on the first ``update`` (the prefill) and then frozen, one per layer and
+``granularity``: ``"tensor"`` (one scale for K, one for V) or ``"head"`` (one per KV head). The states
+attention sees are the rounded ones, prefill included. ``fmt="bf16"`` rounds through bfloat16 instead
+(no scale): a bf16 cache under an fp32 model.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+__all__ = ["KV_FORMATS", "QuantizedKVLayer", "kv_cache"]
+
+KV_FORMATS = ("native", "bf16", "fp8")
+GRANULARITIES = ("tensor", "head")
+_FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
+
+
+class QuantizedKVLayer(DynamicLayer):
+    """A ``DynamicLayer`` whose stored keys/values are rounded through ``fmt`` (see the module docstring)."""
+
+    def __init__(self, fmt: str = "fp8", granularity: str = "tensor", **kwargs) -> None:
+        super().__init__(**kwargs)
+        if fmt not in ("bf16", "fp8"):
+            raise ValueError(f"QuantizedKVLayer: fmt must be 'bf16' or 'fp8', got {fmt!r}")
+        if granularity not in GRANULARITIES:
+            raise ValueError(
+                f"QuantizedKVLayer: granularity must be one of {GRANULARITIES}, got {granularity!r}"
+            )
+        self.fmt, self.granularity = fmt, granularity
+        self.scales: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _scale(self, x: torch.Tensor) -> torch.Tensor:
+        a = x.detach().float().abs()
+        amax = a.amax() if self.granularity == "tensor" else a.amax(dim=(0, 2, 3), keepdim=True)
+        if not torch.isfinite(amax).all():
+            raise ValueError(
+                "QuantizedKVLayer: the prefill keys/values hold NaN/Inf; cannot calibrate the FP8 scale"
+            )
+        return (amax / _FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+
+    def round(self, x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        if self.fmt == "bf16":
+            return x.to(torch.bfloat16).to(x.dtype)
+        q = (x.float() / scale).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
+        return (q.float() * scale).to(x.dtype)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.scales is None and self.fmt == "fp8":
+            self.scales = (self._scale(key_states), self._scale(value_states))
+        ks, vs = self.scales if self.scales is not None else (None, None)
+        return super().update(self.round(key_states, ks), self.round(value_states, vs), *args, **kwargs)
+
+
+def kv_cache(config, fmt: str = "native", granularity: str = "tensor") -> DynamicCache:
+    """A fresh cache for ``config``: ``DynamicCache`` for ``"native"``, else one ``QuantizedKVLayer`` per layer."""
+    if fmt not in KV_FORMATS:
+        raise ValueError(f"kv cache format must be one of {KV_FORMATS}, got {fmt!r}")
+    cache = DynamicCache(config=config)
+    if fmt != "native":
+        n = config.get_text_config(decoder=True).num_hidden_layers
+        cache.layers = [QuantizedKVLayer(fmt, granularity) for _ in range(n)]
+    return cache
