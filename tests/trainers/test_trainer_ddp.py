@@ -1,0 +1,38 @@
+"""A 2-process ``accelerate launch`` run on CPU (gloo): metrics are all-reduced, τ agrees across ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def test_two_process_accelerate_run(tiny_model_dir, tmp_path):
+    # `--multi_gpu` selects accelerate's torchrun launcher (2 processes); with no CUDA and use_cpu=True each
+    # process builds a CPU Accelerator and the process group runs on gloo. (`--cpu` would launch one process.)
+    env = dict(os.environ, OMP_NUM_THREADS="1", TRL_EXPERIMENTAL_SILENCE="1", HF_HUB_OFFLINE="1")
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch",
+        "--multi_gpu", "--num_processes", "2", "--mixed_precision", "no", "--num_machines", "1", "--dynamo_backend", "no",
+        os.path.join(HERE, "ddp_run.py"), tiny_model_dir, str(tmp_path),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        pytest.fail(
+            f"accelerate launch failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["world_size"] == 2
+    steps = [h for h in result["history"] if "loss" in h]
+    assert len(steps) == 2
+    for h in steps:
+        # 2 processes × 2 completions: the all-reduced token count covers both processes' completions
+        global_tokens = h["completions/mean_length"] * 4
+        assert h["triage/tokens"] == pytest.approx(global_tokens)
+        assert 0.0 <= h["triage/suppressed_frac"] <= 1.0
+    assert result["tau"]["steps"] == 2
