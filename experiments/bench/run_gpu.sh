@@ -14,8 +14,10 @@ python3 -m pip install -q --no-build-isolation --no-deps -e . >"$OUT/install.log
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 LIMIT=${BENCH_LIMIT:-150}
+i=0
 for spec in "$@"; do
-  name=$(echo "$spec" | awk '{print $1}' | sed 's/\.py$//')
+  i=$((i + 1))
+  name=$i-$(echo "$spec" | awk '{print $1}' | sed 's/\.py$//')
   echo "=== $spec (limit ${LIMIT}s)"
   # shellcheck disable=SC2086
   timeout "$LIMIT" python3 experiments/bench/$spec >"$OUT/$name.log" 2>&1
