@@ -52,7 +52,8 @@ class TriageGRPOConfig(GRPOConfig):
     Trainer fields:
         learner_precision: ``"bf16"`` (the model as loaded) or ``"nvfp4"`` (Linear layers converted with
             ``triage.kernels.convert_to_nvfp4`` and ``quant_recipe``).
-        quant_recipe: name of the NVFP4 recipe for the learner (``"nvfp4"`` only).
+        quant_recipe: the learner's ``QuantRecipe`` fields as a mapping (JSON string on the CLI); ``None``: the
+            Transformer Engine defaults of ``NVFP4LinearConfig``. ``"nvfp4"`` only.
         sampler: where completions and sampler log-probs come from when no ``rollout_func`` is passed —
             ``None`` (TRL's own generation: ``use_vllm`` or transformers), or a ``triage.trainers.sampling``
             source: ``"hf"``, ``"sglang"``, ``"vllm-server"``, ``"offline"``.
@@ -108,8 +109,11 @@ class TriageGRPOConfig(GRPOConfig):
     learner_precision: str = field(
         default="bf16", metadata=_help("learner numerics: the model as loaded, or NVFP4", LEARNER_PRECISIONS)
     )
-    quant_recipe: str | None = field(
-        default=None, metadata=_help("NVFP4 recipe name (learner_precision=nvfp4)")
+    quant_recipe: dict | str | None = field(
+        default=None,
+        metadata=_help(
+            "learner NVFP4 recipe: QuantRecipe fields (mapping, or JSON on the CLI); None: TE defaults"
+        ),
     )
     sampler: str | None = field(
         default=None,
@@ -158,6 +162,11 @@ class TriageGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"TriageGRPOConfig.learner_precision={self.learner_precision!r}: expected one of {LEARNER_PRECISIONS}"
             )
+        if isinstance(self.quant_recipe, str):
+            try:
+                self.quant_recipe = json.loads(self.quant_recipe)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"TriageGRPOConfig.quant_recipe is not valid JSON: {err}") from None
         if self.learner_precision == "bf16" and self.quant_recipe is not None:
             raise ValueError("quant_recipe is only used with learner_precision='nvfp4'")
         if self.sampler is not None and self.sampler not in SAMPLER_KINDS:

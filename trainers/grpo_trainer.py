@@ -55,18 +55,89 @@ from .sampling.validation import RolloutValidationError, validate_rollout
 TRIAGE_STATE_FILE = "triage_state.json"
 
 
-def _resolve_sampler_kwargs(kwargs: dict | None) -> dict:
-    """YAML/CLI-friendly ``sampler_kwargs``: a ``dtype`` given by name (``"bfloat16"``) becomes a torch dtype."""
+def _torch_dtype(value, where: str) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        return value
+    resolved = getattr(torch, str(value).removeprefix("torch."), None)
+    if not isinstance(resolved, torch.dtype):
+        raise ValueError(f"{where}={value!r} is not a torch dtype (e.g. 'bfloat16', 'float16')")
+    return resolved
+
+
+def _strip_patched_forward(model: torch.nn.Module) -> torch.nn.Module:
+    """Drop an instance-level ``forward`` from a deep copy of the learner.
+
+    TRL patches ``model.forward`` with a closure over the *original* model's forward (fused LM head); a deep
+    copy keeps that closure, so the copy would silently run the learner's weights. The class forward is the
+    right one for sampling.
+    """
+    model.__dict__.pop("forward", None)
+    return model
+
+
+def resolve_sampler_kwargs(kind: str, kwargs: dict | None) -> dict:
+    """``TriageGRPOConfig.sampler_kwargs`` (YAML-friendly) → keyword arguments of ``make_sampler(kind, ...)``.
+
+    * ``dtype`` by name (``"bfloat16"``) becomes a torch dtype.
+    * For ``kind="hf"``, the sampler-numerics keys of the recipes (docs/experiments.md) become an
+      ``HFSampler`` copy: ``precision: bf16`` (a bf16 copy) or ``precision: nvfp4`` with ``quant_recipe``
+      (``QuantRecipe`` fields; the copy is converted with ``triage.kernels.convert_to_nvfp4``);
+      ``kv_cache_dtype`` other than ``auto``/``bf16`` is not implemented by the HF sampler (error).
+    * An HF sampler copy always gets a ``prepare_model`` that removes TRL's patched ``forward``
+      (:func:`_strip_patched_forward`) before any user ``prepare_model``.
+    """
     kwargs = dict(kwargs or {})
-    dtype = kwargs.get("dtype")
-    if isinstance(dtype, str):
-        resolved = getattr(torch, dtype.removeprefix("torch."), None)
-        if not isinstance(resolved, torch.dtype):
-            raise ValueError(
-                f"sampler_kwargs.dtype={dtype!r} is not a torch dtype (e.g. 'bfloat16', 'float16')"
-            )
-        kwargs["dtype"] = resolved
+    if "dtype" in kwargs and kwargs["dtype"] is not None:
+        kwargs["dtype"] = _torch_dtype(kwargs["dtype"], "sampler_kwargs.dtype")
+    if kind != "hf":
+        return kwargs
+    precision = kwargs.pop("precision", None)
+    quant_recipe = kwargs.pop("quant_recipe", None)
+    kv_cache_dtype = kwargs.pop("kv_cache_dtype", None)
+    if kv_cache_dtype not in (None, "auto", "bf16"):
+        raise NotImplementedError(
+            f"sampler_kwargs.kv_cache_dtype={kv_cache_dtype!r}: the HF sampler keeps its KV cache in the model "
+            "dtype; an fp8 KV cache needs an engine that has one (use_vllm / sampler 'vllm-server' or 'sglang')"
+        )
+    if precision not in (None, "bf16", "nvfp4"):
+        raise ValueError(f"sampler_kwargs.precision must be 'bf16' or 'nvfp4', got {precision!r}")
+    if quant_recipe is not None and precision != "nvfp4":
+        raise ValueError("sampler_kwargs.quant_recipe needs sampler_kwargs.precision: nvfp4")
+    user_prepare = kwargs.pop("prepare_model", None)
+    steps = []
+    if precision is not None:
+        kwargs["sampler_model"] = "copy"
+        kwargs.setdefault("dtype", torch.bfloat16)
+    if precision == "nvfp4":
+        from triage.kernels import convert_to_nvfp4
+
+        recipe = _quant_recipe(quant_recipe)
+        steps.append(lambda m: convert_to_nvfp4(m, recipe))
+    if user_prepare is not None:
+        steps.append(user_prepare)
+    if kwargs.get("sampler_model") == "copy":
+
+        def prepare_model(model):
+            model = _strip_patched_forward(model)
+            for step in steps:
+                model = step(model) or model
+            return model
+
+        kwargs["prepare_model"] = prepare_model
     return kwargs
+
+
+def _quant_recipe(value):
+    """``QuantRecipe`` from a mapping of its fields (recipes), a JSON string, or None (the TE defaults)."""
+    from triage.kernels.nvfp4.recipe import QuantRecipe
+
+    if value is None or isinstance(value, QuantRecipe):
+        return value
+    if isinstance(value, str):
+        value = json.loads(value)
+    if not isinstance(value, dict):
+        raise ValueError(f"quant_recipe must be a mapping of QuantRecipe fields, got {value!r}")
+    return QuantRecipe(**value)
 
 
 class TriageGRPOTrainer(GRPOTrainer):
@@ -91,7 +162,9 @@ class TriageGRPOTrainer(GRPOTrainer):
             from triage.trainers.sampling import make_sampler
 
             os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # our sources are not experimental
-            rollout_func = make_sampler(args.sampler, **_resolve_sampler_kwargs(args.sampler_kwargs))
+            rollout_func = make_sampler(
+                args.sampler, **resolve_sampler_kwargs(args.sampler, args.sampler_kwargs)
+            )
         if rollout_func is None and not args.use_vllm and self.triage_config.correction != "none":
             raise ValueError(
                 f"correction={self.triage_config.correction!r} needs sampler log-probs, and TRL's transformers "
@@ -164,7 +237,8 @@ class TriageGRPOTrainer(GRPOTrainer):
 
     # --- NVFP4 learner -------------------------------------------------------------------------------------
 
-    def _convert_learner_to_nvfp4(self, recipe: str | None) -> None:
+    def _convert_learner_to_nvfp4(self, quant_recipe) -> None:
+        """Replace the learner's Linear layers by NVFP4 ones in place (``triage.kernels.convert_to_nvfp4``)."""
         try:
             from triage.kernels import convert_to_nvfp4
         except ImportError as err:
@@ -173,8 +247,8 @@ class TriageGRPOTrainer(GRPOTrainer):
                 f"not available in this install: {err}"
             ) from err
         model = self.accelerator.unwrap_model(self.model)
-        converted = convert_to_nvfp4(model, recipe) if recipe is not None else convert_to_nvfp4(model)
-        if converted is not None and converted is not model:
+        converted = convert_to_nvfp4(model, _quant_recipe(quant_recipe))
+        if converted is not model:
             raise RuntimeError(
                 "convert_to_nvfp4 must convert the learner in place (the optimizer holds its params)"
             )

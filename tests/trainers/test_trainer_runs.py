@@ -87,16 +87,9 @@ def fake_server():
     server.stop()
 
 
-HF_COPY_BUG = pytest.mark.xfail(
-    strict=True,
-    reason="HFSampler(sampler_model='copy') deep-copies a TRL-patched model whose instance `forward` closes over "
-    "the original model, so the bf16 copy still runs the fp32 learner (reported; fix belongs in sampling/hf.py)",
-)
-
-
 @pytest.mark.parametrize(
     "source",
-    ["hf-shared", pytest.param("hf-bf16-copy", marks=HF_COPY_BUG), "offline", "sglang", "vllm-server"],
+    ["hf-shared", "hf-bf16-copy", "offline", "sglang", "vllm-server"],
 )
 def test_two_steps_for_each_sampler_source(tiny_model_dir, tmp_path, dataset, source, request):
     """TriageGRPOConfig.sampler builds the source through make_sampler; 2 TRIAGE steps run on its log-probs."""
@@ -154,3 +147,31 @@ def test_rollout_wrapper_keeps_perturbed_rollout_deterministic(tiny_model_dir, t
     a = _train(make_trainer(tiny_model_dir, tmp_path / "a", rollout=PerturbedRollout()))
     b = _train(make_trainer(tiny_model_dir, tmp_path / "b", rollout=PerturbedRollout()))
     assert [h["loss"] for h in a] == [h["loss"] for h in b]
+
+
+def test_nvfp4_learner_and_nvfp4_sampler_copy(tiny_model_dir, tmp_path, monkeypatch):
+    """learner_precision='nvfp4' converts the learner's Linears; the recipes' hf sampler keys build an NVFP4 copy.
+
+    The kernels' torch reference twins run here (interpreter off): the Triton kernels have their own tests.
+    """
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    from triage.kernels import NVFP4Linear
+
+    trainer = make_trainer(
+        tiny_model_dir,
+        tmp_path,
+        max_steps=1,
+        per_device_train_batch_size=2,
+        max_completion_length=3,
+        learner_precision="nvfp4",
+        quant_recipe={"block": "1x16", "scale": "tensor", "profile": "te"},
+        sampler="hf",
+        sampler_kwargs={"seed": 0, "precision": "nvfp4", "quant_recipe": {"scale": "row"}},
+        rollout=None,
+    )
+    assert any(isinstance(m, NVFP4Linear) for m in trainer.model.modules())
+    logs = _train(trainer)
+    copy = trainer.rollout_func.copy
+    assert any(isinstance(m, NVFP4Linear) for m in copy.modules())
+    assert "forward" not in copy.__dict__  # runs its own (NVFP4) forward, not the learner's patched one
+    assert logs[0]["triage/mean_abs_delta"] > 1e-3  # two different NVFP4 recipes disagree
