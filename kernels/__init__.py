@@ -13,6 +13,14 @@ _LAZY = {
     "NVFP4LinearConfig": "triage.kernels.linear",
     "convert_to_nvfp4": "triage.kernels.linear",
     "convert_from_nvfp4": "triage.kernels.linear",
+    "token_logprobs": "triage.kernels.logprob",
+    "token_logprobs_reference": "triage.kernels.logprob",
+    "grouped_gemm": "triage.kernels.moe",
+    "grouped_gemm_reference": "triage.kernels.moe",
+    "offsets_from_expert_ids": "triage.kernels.moe",
+    "convert_moe_experts": "triage.kernels.moe.experts",
+    "NVFP4MoeExperts": "triage.kernels.moe.experts",
+    "MoEQuantConfig": "triage.kernels.moe.experts",
 }
 
 __all__ = sorted(_LAZY)
