@@ -5,6 +5,14 @@ and the format helpers. See docs/nvfp4.md.
 """
 
 from .api import dequantize, quantize
+from .export import (
+    ExportResult,
+    dequantized_state_dict,
+    detect_layout,
+    export_nvfp4_checkpoint,
+    load_activation_recipes,
+    load_nvfp4_checkpoint,
+)
 from .format import (
     BLOCK,
     E2M1_MAX,
@@ -29,19 +37,25 @@ __all__ = [
     "E2M1_MAX",
     "E2M1_VALUES",
     "E4M3_MAX",
+    "ExportResult",
     "PROFILES",
     "TE_SIGNS",
     "NVFP4Tensor",
     "QuantRecipe",
     "dequantize",
     "dequantize_reference",
+    "dequantized_state_dict",
+    "detect_layout",
     "e2m1_codes",
     "e2m1_decode",
     "e4m3_decode",
     "e4m3_encode",
+    "export_nvfp4_checkpoint",
     "hadamard16",
     "hadamard16_matrix",
     "inverse_hadamard16",
+    "load_activation_recipes",
+    "load_nvfp4_checkpoint",
     "pack_nibbles",
     "quantize",
     "quantize_reference",

@@ -1,0 +1,474 @@
+"""NVFP4 checkpoint export/import (ModelOpt and compressed-tensors layouts) on tiny Qwen3 models."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from triage.kernels.nvfp4 import (
+    QuantRecipe,
+    dequantized_state_dict,
+    detect_layout,
+    e2m1_decode,
+    export_nvfp4_checkpoint,
+    load_activation_recipes,
+    load_nvfp4_checkpoint,
+    quantize,
+)
+
+LAYOUTS = ("modelopt", "compressed-tensors")
+PROFILE = {"modelopt": "modelopt", "compressed-tensors": "compressed-tensors"}
+NAMES = {  # packed, block scale, weight outer, activation outer, outer shape
+    "modelopt": ("weight", "weight_scale", "weight_scale_2", "input_scale", ()),
+    "compressed-tensors": (
+        "weight_packed",
+        "weight_scale",
+        "weight_global_scale",
+        "input_global_scale",
+        (1,),
+    ),
+}
+F32 = torch.float32
+
+
+def f32(v: float) -> torch.Tensor:
+    return torch.tensor(v, dtype=F32)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from triage.trainers.tiny import build_tokenizer
+
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    """Tiny Qwen3 whose q/k/v and gate/up shards have very different amaxes (so sharing is visible)."""
+    from triage.trainers.tiny import build_model
+
+    m = build_model(tokenizer, seed=3)
+    with torch.no_grad():
+        for i, layer in enumerate(m.model.layers):
+            layer.self_attn.k_proj.weight.mul_(7.0 + i)
+            layer.self_attn.v_proj.weight.mul_(0.05)
+            layer.mlp.up_proj.weight.mul_(3.0)
+            layer.self_attn.o_proj.weight[:2, :16] = 0.0  # zero blocks: per-layout zero-block scale byte
+            layer.mlp.down_proj.weight[0, :16] *= 1e-6  # subnormal block scales
+    return m
+
+
+def linear_modules(model):
+    return [n for n, mod in model.named_modules() if isinstance(mod, torch.nn.Linear) and n != "lm_head"]
+
+
+@pytest.fixture(scope="module")
+def input_amax(model):
+    g = torch.Generator().manual_seed(0)
+    amax = {n: float(torch.rand((), generator=g)) * 10 + 0.5 for n in linear_modules(model)}
+    return amax
+
+
+@pytest.fixture(scope="module", params=LAYOUTS)
+def exported(request, model, tokenizer, input_amax, tmp_path_factory):
+    layout = request.param
+    path = tmp_path_factory.mktemp(layout)
+    res = export_nvfp4_checkpoint(model, path, layout=layout, input_amax=input_amax, tokenizer=tokenizer)
+    return layout, path, res
+
+
+def raw_bytes(t):
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+# ----------------------------------------------------------------------------------------- round trip
+
+
+def test_round_trip_bytes_scales_and_values(exported, model):
+    layout, path, res = exported
+    assert detect_layout(path) == layout
+    loaded = load_nvfp4_checkpoint(path)
+    expected = {f"{n}.weight" for n in linear_modules(model)}
+    assert set(loaded) == set(res.weights) == expected
+    for name, t in res.weights.items():
+        got = loaded[name]
+        assert torch.equal(got.data, t.data), name
+        assert torch.equal(raw_bytes(got.scale), raw_bytes(t.scale)), name
+        assert torch.equal(got.global_scale, t.global_scale), name  # decode multiplier, bit for bit
+        assert got.shape == t.shape and got.dtype == model.dtype == t.dtype
+        assert torch.equal(got.dequantize(), t.dequantize()), name
+        assert got.recipe.scale_source == "checkpoint" and got.recipe.profile == PROFILE[layout]
+
+
+def test_files_on_disk_have_engine_names_dtypes_and_shapes(exported, model):
+    layout, path, res = exported
+    packed, bscale, wglob, iglob, gshape = NAMES[layout]
+    disk = load_file(str(path / "model.safetensors"))
+    sd = model.state_dict()
+    for n in linear_modules(model):
+        w = sd[f"{n}.weight"]
+        N, K = w.shape
+        assert disk[f"{n}.{packed}"].dtype == torch.uint8 and disk[f"{n}.{packed}"].shape == (N, K // 2)
+        assert disk[f"{n}.{bscale}"].dtype == torch.float8_e4m3fn and disk[f"{n}.{bscale}"].shape == (
+            N,
+            K // 16,
+        )
+        for s in (wglob, iglob):
+            assert disk[f"{n}.{s}"].dtype == F32 and tuple(disk[f"{n}.{s}"].shape) == gshape
+        if layout == "compressed-tensors":
+            assert f"{n}.weight" not in disk
+    for name, t in sd.items():  # unquantized tensors (embeddings, norms, tied lm_head) as they were
+        if name.removesuffix(".weight") not in linear_modules(model):
+            assert torch.equal(disk[name], t), name
+
+
+def test_stored_outer_scales_follow_each_layout_convention(exported, model, input_amax):
+    """ModelOpt stores DECODE scales amax/2688, compressed-tensors ENCODE scales 2688/amax (survey §3.7)."""
+    layout, path, _ = exported
+    _, _, wglob, iglob, _ = NAMES[layout]
+    disk = load_file(str(path / "model.safetensors"))
+    sd = model.state_dict()
+    for n in ("model.layers.0.self_attn.o_proj", "model.layers.1.mlp.down_proj"):  # not fused: own amax
+        a = sd[f"{n}.weight"].abs().amax().float()
+        want = a / f32(2688.0) if layout == "modelopt" else f32(2688.0) / a
+        assert torch.equal(disk[f"{n}.{wglob}"].reshape(()), want)
+        ax = f32(input_amax[n])
+        want_in = ax / f32(2688.0) if layout == "modelopt" else f32(2688.0) / ax
+        assert torch.equal(disk[f"{n}.{iglob}"].reshape(()), want_in)
+
+
+def test_engine_dequantization_formula_matches(exported):
+    """What an engine computes from the files: ModelOpt q·s·weight_scale_2 (bit-exact with ours);
+    compressed-tensors q·s / weight_global_scale (ours multiplies by RN(1/gs): within 1 ulp)."""
+    layout, path, res = exported
+    packed, bscale, wglob, _, _ = NAMES[layout]
+    disk = load_file(str(path / "model.safetensors"))
+    for name, t in res.weights.items():
+        n = name.removesuffix(".weight")
+        b = disk[f"{n}.{packed}"]
+        codes = torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2)
+        qs = e2m1_decode(codes) * disk[f"{n}.{bscale}"].float().repeat_interleave(16, -1)
+        g = disk[f"{n}.{wglob}"].reshape(())
+        ours = t.dequantize(F32)
+        if layout == "modelopt":
+            assert torch.equal(qs * g, ours), name
+        else:
+            torch.testing.assert_close(qs / g, ours, rtol=2**-23, atol=0)
+
+
+def test_zero_block_scale_byte_is_the_producer_s(exported):
+    layout, _, res = exported
+    s = raw_bytes(res.weights["model.layers.0.self_attn.o_proj.weight"].scale)
+    assert int(s[0, 0]) == (0x38 if layout == "modelopt" else 0x20)  # survey §4 pitfall 5
+
+
+def test_dequantized_state_dict_loads_into_plain_and_nvfp4_models(exported, model, tokenizer):
+    from triage.kernels.linear import NVFP4Linear, convert_to_nvfp4
+    from triage.trainers.tiny import build_model
+
+    layout, path, res = exported
+    sd = dequantized_state_dict(path)
+    assert set(sd) == set(model.state_dict())
+    plain = build_model(tokenizer, seed=99)
+    plain.load_state_dict(sd)
+    for name, t in res.weights.items():
+        assert torch.equal(plain.get_parameter(name), t.dequantize())
+    conv = convert_to_nvfp4(build_model(tokenizer, seed=99), QuantRecipe(profile=PROFILE[layout]))
+    q = conv.model.layers[0].self_attn.q_proj
+    stale = q.quantized_weight()  # cache the pre-load W_q: load_state_dict must invalidate it
+    conv.load_state_dict(sd)
+    assert isinstance(q, NVFP4Linear)
+    assert torch.equal(q.weight, res.weights["model.layers.0.self_attn.q_proj.weight"].dequantize())
+    fresh = q.quantized_weight()  # NVFP4Linear re-quantizes the loaded (dequantized) master weight
+    assert fresh is not stale and torch.equal(
+        fresh.data, quantize(q.weight.detach(), q.config.weight_recipe).data
+    )
+
+
+def test_activation_recipes_reproduce_the_static_input_scale(exported, input_amax):
+    layout, path, _ = exported
+    recipes = load_activation_recipes(path)
+    assert set(recipes) == set(input_amax)
+    x = torch.randn(8, 64)
+    for n in ("model.layers.0.self_attn.o_proj", "model.layers.1.mlp.gate_proj"):
+        # gate/up are a fused group: their activation amaxes were unified to the max
+        a = input_amax[n]
+        if n.endswith("gate_proj"):
+            a = max(a, input_amax[n.replace("gate_proj", "up_proj")])
+        static = quantize(x, QuantRecipe(profile=PROFILE[layout], scale_source="static", static_amax=a))
+        got = quantize(x, recipes[n])
+        assert torch.equal(got.data, static.data) and torch.equal(got.global_scale, static.global_scale)
+
+
+# -------------------------------------------------------------------------------- shared fused scales
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fused_shards_share_one_outer_scale_equal_to_quantizing_the_fused_weight(layout, model, tmp_path):
+    """vLLM loads q/k/v (gate/up) as one tensor with one outer scale: the shards' bytes must be exactly the
+    quantization of the concatenated weight, i.e. quantized with amax = max of the shards' amaxes."""
+    res = export_nvfp4_checkpoint(model, tmp_path, layout=layout)
+    disk = load_file(str(tmp_path / "model.safetensors"))
+    wglob = NAMES[layout][2]
+    sd = model.state_dict()
+    recipe = QuantRecipe(profile=PROFILE[layout])
+    for i in range(len(model.model.layers)):
+        for parent, group in (
+            (f"model.layers.{i}.self_attn", "qkv"),
+            (f"model.layers.{i}.mlp", ("gate", "up")),
+        ):
+            shards = [f"{parent}.{s}_proj" for s in group]
+            fused = quantize(torch.cat([sd[f"{s}.weight"] for s in shards]), recipe)
+            stored = {float(disk[f"{s}.{wglob}"]) for s in shards}
+            assert len(stored) == 1
+            assert stored == {
+                float(fused.global_encode_scale if layout != "modelopt" else fused.global_scale)
+            }
+            rows = 0
+            for s in shards:
+                t = res.weights[f"{s}.weight"]
+                n = t.shape[0]
+                assert torch.equal(t.data, fused.data[rows : rows + n]), s
+                assert torch.equal(raw_bytes(t.scale), raw_bytes(fused.scale[rows : rows + n])), s
+                assert torch.equal(t.global_scale, fused.global_scale), s
+                rows += n
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_unshared_scales_are_per_shard(layout, model, tmp_path):
+    res = export_nvfp4_checkpoint(model, tmp_path, layout=layout, share_fused_scales=False)
+    sd = model.state_dict()
+    recipe = QuantRecipe(profile=PROFILE[layout])
+    shards = [f"model.layers.0.self_attn.{s}_proj.weight" for s in "qkv"]
+    scales = {float(res.weights[s].global_scale) for s in shards}
+    assert len(scales) == 3
+    for s in shards:
+        own = quantize(sd[s], recipe)
+        assert torch.equal(res.weights[s].data, own.data) and torch.equal(
+            res.weights[s].global_scale, own.global_scale
+        )
+
+
+# ------------------------------------------------------------------------------------- configs, skip
+
+
+def test_configs(exported, model, tokenizer):
+    layout, path, res = exported
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["model_type"] == "qwen3" and cfg["hidden_size"] == model.config.hidden_size
+    assert cfg["dtype"] == "float32"
+    qc = cfg["quantization_config"]
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(path)("1 + 2").input_ids == tokenizer("1 + 2").input_ids
+    if layout != "modelopt":
+        assert not (path / "hf_quant_config.json").exists()
+        check_compressed_tensors_config(qc, res)
+        return
+    hf = json.loads((path / "hf_quant_config.json").read_text())
+    assert hf["producer"]["name"] == "modelopt"
+    q = hf["quantization"]
+    assert q["quant_algo"] == "NVFP4" and q["group_size"] == 16
+    assert "kv_cache_quant_algo" in q and q["kv_cache_quant_algo"] is None  # vLLM requires the key
+    assert q["exclude_modules"] == res.excluded == ["model.embed_tokens", "lm_head"]
+    assert qc["quant_method"] == "modelopt" and qc["quant_algo"] == "NVFP4"
+    assert qc["ignore"] == res.excluded
+    g = qc["config_groups"]["group_0"]
+    assert (
+        g["weights"]
+        == g["input_activations"]
+        == {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16}
+    )
+
+
+def check_compressed_tensors_config(qc, res):
+    assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "nvfp4-pack-quantized"
+    assert qc["quantization_status"] == "compressed" and qc["ignore"] == res.excluded
+    g = qc["config_groups"]["group_0"]
+    assert g["targets"] == ["Linear"]
+    for args in (g["weights"], g["input_activations"]):  # vLLM's _is_fp4a4_nvfp4 checks these fields
+        assert (args["num_bits"], args["type"], args["strategy"], args["group_size"], args["symmetric"]) == (
+            4,
+            "float",
+            "tensor_group",
+            16,
+            True,
+        )
+    assert g["weights"]["dynamic"] is False and g["input_activations"]["dynamic"] == "local"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_weight_only_when_not_calibrated(layout, model, tmp_path):
+    export_nvfp4_checkpoint(model, tmp_path, layout=layout)
+    qc = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    if layout == "modelopt":
+        assert qc["quant_algo"] == "W4A16_NVFP4"
+        assert json.loads((tmp_path / "hf_quant_config.json").read_text())["quantization"]["quant_algo"] == (
+            "W4A16_NVFP4"
+        )
+    else:
+        assert qc["config_groups"]["group_0"]["input_activations"] is None
+    assert not any(k.endswith(NAMES[layout][3]) for k in load_file(str(tmp_path / "model.safetensors")))
+    assert load_activation_recipes(tmp_path) == {}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_skip_list_is_honoured(layout, model, tmp_path):
+    skip = ("lm_head", "*embed_tokens*", "*norm*", "*.mlp.down_proj", "model.layers.1.self_attn.o_proj")
+    res = export_nvfp4_checkpoint(model, tmp_path, layout=layout, skip=skip)
+    disk = load_file(str(tmp_path / "model.safetensors"))
+    kept = ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj", "model.layers.1.self_attn.o_proj"]
+    for n in kept:
+        assert torch.equal(disk[f"{n}.weight"], model.get_parameter(f"{n}.weight"))
+        assert not any(k.startswith(f"{n}.") and k != f"{n}.weight" for k in disk)
+        assert n in res.excluded and f"{n}.weight" not in res.weights
+    assert "model.layers.0.self_attn.o_proj.weight" in res.weights
+    qc = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert set(kept) <= set(qc["ignore"])
+    assert set(load_nvfp4_checkpoint(tmp_path)) == set(res.weights)
+
+
+def test_skipping_part_of_a_fused_group_is_an_error(model, tmp_path):
+    with pytest.raises(ValueError, match=r"fused group .*k_proj"):
+        export_nvfp4_checkpoint(model, tmp_path, skip=("lm_head", "*embed_tokens*", "*.k_proj"))
+
+
+# ------------------------------------------------------------------------------ recipes and sharding
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_te_16x16_recipe_round_trips(layout, model, tmp_path):
+    recipe = QuantRecipe(profile="te", block="16x16")
+    res = export_nvfp4_checkpoint(model, tmp_path, layout=layout, recipe=recipe, max_shard_bytes=20_000)
+    files = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    assert len(files) > 1 and (tmp_path / "model.safetensors.index.json").exists()
+    loaded = load_nvfp4_checkpoint(tmp_path)
+    for name, t in res.weights.items():
+        assert torch.equal(loaded[name].data, t.data) and torch.equal(
+            loaded[name].global_scale, t.global_scale
+        )
+        assert torch.equal(loaded[name].dequantize(), t.dequantize())
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+
+def small_state_dict(k: int = 32) -> dict:
+    g = torch.Generator().manual_seed(1)
+    return {
+        "layers.0.proj.weight": torch.randn(32, k, generator=g),
+        "layers.0.norm.weight": torch.ones(k),
+    }
+
+
+def test_state_dict_export_with_config(tmp_path):
+    sd = small_state_dict()
+    res = export_nvfp4_checkpoint(sd, tmp_path, layout="compressed-tensors", config={"model_type": "toy"})
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "toy"
+    assert torch.equal(
+        dequantized_state_dict(tmp_path)["layers.0.proj.weight"],
+        res.weights["layers.0.proj.weight"].dequantize(),
+    )
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_k_not_multiple_of_16_names_the_tensor(pad, tmp_path):
+    with pytest.raises(ValueError, match=r"layers\.0\.proj\.weight.*K=40"):
+        export_nvfp4_checkpoint(
+            small_state_dict(40), tmp_path, recipe=QuantRecipe(profile="modelopt", pad=pad)
+        )
+
+
+def test_bad_arguments(tmp_path):
+    sd = small_state_dict()
+    with pytest.raises(ValueError, match="unknown NVFP4 checkpoint layout"):
+        export_nvfp4_checkpoint(sd, tmp_path, layout="gguf")
+    with pytest.raises(ValueError, match="scale='tensor'"):
+        export_nvfp4_checkpoint(sd, tmp_path, recipe=QuantRecipe(scale="row"))
+    with pytest.raises(ValueError, match="Hadamard"):
+        export_nvfp4_checkpoint(sd, tmp_path, recipe=QuantRecipe(hadamard=True))
+    with pytest.raises(ValueError, match="ENCODE"):
+        export_nvfp4_checkpoint(
+            sd, tmp_path, layout="compressed-tensors", recipe=QuantRecipe(profile="torchao")
+        )
+    bad = dict(sd, **{"layers.0.proj.weight": sd["layers.0.proj.weight"].clone()})
+    bad["layers.0.proj.weight"][3, 5] = float("nan")
+    with pytest.raises(ValueError, match=r"'layers\.0\.proj\.weight' contains NaN"):
+        export_nvfp4_checkpoint(bad, tmp_path)
+    with pytest.raises(ValueError, match=r"experts\.w.*3 dims"):
+        export_nvfp4_checkpoint(dict(sd, **{"experts.w.weight": torch.randn(2, 16, 16)}), tmp_path)
+    with pytest.raises(ValueError, match=r"missing 1 quantized module.*layers\.0\.proj"):
+        export_nvfp4_checkpoint(sd, tmp_path, input_amax={})
+    with pytest.raises(ValueError, match=r"not quantized: \['nope'\]"):
+        export_nvfp4_checkpoint(sd, tmp_path, input_amax={"layers.0.proj": 1.0, "nope": 1.0})
+    with pytest.raises(ValueError, match=r"input_amax\['layers\.0\.proj'\] must be finite and > 0"):
+        export_nvfp4_checkpoint(sd, tmp_path, input_amax={"layers.0.proj": 0.0})
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("drop", [0, 1, 2])
+def test_missing_tensor_on_load_names_it(layout, drop, tmp_path):
+    export_nvfp4_checkpoint(small_state_dict(), tmp_path, layout=layout, input_amax={"layers.0.proj": 2.0})
+    f = str(tmp_path / "model.safetensors")
+    tensors = load_file(f)
+    victim = f"layers.0.proj.{NAMES[layout][drop]}"
+    del tensors[victim]
+    save_file(tensors, f, metadata={"format": "pt"})
+    with pytest.raises(KeyError, match=victim.replace(".", r"\.")):
+        load_nvfp4_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_missing_activation_scale_of_a_w4a4_checkpoint_names_it(layout, tmp_path):
+    export_nvfp4_checkpoint(small_state_dict(), tmp_path, layout=layout, input_amax={"layers.0.proj": 2.0})
+    f = str(tmp_path / "model.safetensors")
+    tensors = load_file(f)
+    victim = f"layers.0.proj.{NAMES[layout][3]}"
+    del tensors[victim]
+    save_file(tensors, f, metadata={"format": "pt"})
+    load_nvfp4_checkpoint(tmp_path)  # the weights are complete
+    with pytest.raises(KeyError, match=victim.replace(".", r"\.")):
+        load_activation_recipes(tmp_path)
+
+
+def test_malformed_checkpoints(tmp_path):
+    export_nvfp4_checkpoint(small_state_dict(), tmp_path)
+    f = str(tmp_path / "model.safetensors")
+    tensors = load_file(f)
+    save_file(dict(tensors, **{"layers.0.proj.weight_scale_2": torch.tensor(-1.0)}), f)
+    with pytest.raises(ValueError, match=r"weight_scale_2.*finite and > 0"):
+        load_nvfp4_checkpoint(tmp_path)
+    save_file(
+        dict(
+            tensors,
+            **{"layers.0.proj.weight_scale": tensors["layers.0.proj.weight_scale"][:, :1].contiguous()},
+        ),
+        f,
+    )
+    with pytest.raises(ValueError, match=r"'layers\.0\.proj'.*\[N, K/16\]"):
+        load_nvfp4_checkpoint(tmp_path)
+    save_file(
+        dict(tensors, **{"layers.0.proj.weight_scale": tensors["layers.0.proj.weight_scale"].float()}), f
+    )
+    with pytest.raises(ValueError, match=r"weight_scale' has dtype torch\.float32"):
+        load_nvfp4_checkpoint(tmp_path)
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "hf_quant_config.json").unlink()
+    with pytest.raises(ValueError, match="no NVFP4 quantization config"):
+        load_nvfp4_checkpoint(tmp_path)
+
+
+def test_recipe_replace_does_not_leak_static_amax(model, tmp_path):
+    """The in-memory tensors of shared shards record the shared amax they were quantized with."""
+    res = export_nvfp4_checkpoint(model, tmp_path)
+    sd = model.state_dict()
+    shards = [f"model.layers.0.self_attn.{s}_proj.weight" for s in "qkv"]
+    a = max(float(sd[s].abs().amax()) for s in shards)
+    for s in shards:
+        assert res.weights[s].recipe == replace(
+            QuantRecipe(profile="modelopt"), scale_source="static", static_amax=a
+        )
