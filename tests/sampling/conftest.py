@@ -13,10 +13,8 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 
-from types import SimpleNamespace  # noqa: E402
-
 import pytest  # noqa: E402
-from sampling_fakes import FakeEngineServer  # noqa: E402
+from sampling_fakes import FakeEngineServer, make_fake_trainer  # noqa: E402
 from triage.trainers.tiny import TinyModelSpec, build_model, build_tokenizer, save_tiny_model  # noqa: E402
 
 
@@ -41,28 +39,6 @@ def fake_server():
     server.start()
     yield server
     server.stop()
-
-
-def make_fake_trainer(tokenizer, model, max_completion_length=6, temperature=1.0, **args):
-    """The attributes of a TRL ``GRPOTrainer`` that the sources read, without TRL."""
-    values = dict(
-        max_completion_length=max_completion_length,
-        temperature=temperature,
-        top_p=1.0,
-        top_k=0,
-        min_p=None,
-        repetition_penalty=1.0,
-        chat_template_kwargs=None,
-    )
-    values.update(args)
-    return SimpleNamespace(
-        processing_class=tokenizer,
-        args=SimpleNamespace(**values),
-        eos_token_ids=[tokenizer.eos_token_id],
-        state=SimpleNamespace(global_step=0),
-        model=model,
-        accelerator=None,
-    )
 
 
 @pytest.fixture

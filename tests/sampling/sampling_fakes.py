@@ -1,4 +1,4 @@
-"""A fake inference server on 127.0.0.1 answering SGLang's ``/generate`` and vLLM's ``/v1/completions``.
+"""Test helpers: a fake trainer, and a fake inference server on 127.0.0.1 answering SGLang's ``/generate`` and vLLM's ``/v1/completions``.
 
 Responses follow each engine's documented schema with deterministic fake completions; ``mode`` switches on one
 misbehaviour at a time for the error tests. Every request body is recorded in ``requests``.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
 
 EOS = 2  # <|im_end|> in triage.trainers.tiny's tokenizer
 VOCAB = 400  # below the tiny tokenizer's 450 ids
@@ -194,3 +195,25 @@ class FakeEngineServer:
             "choices": choices,
             "usage": usage,
         }
+
+
+def make_fake_trainer(tokenizer, model, max_completion_length=6, temperature=1.0, **args):
+    """The attributes of a TRL ``GRPOTrainer`` that the sources read, without TRL."""
+    values = dict(
+        max_completion_length=max_completion_length,
+        temperature=temperature,
+        top_p=1.0,
+        top_k=0,
+        min_p=None,
+        repetition_penalty=1.0,
+        chat_template_kwargs=None,
+    )
+    values.update(args)
+    return SimpleNamespace(
+        processing_class=tokenizer,
+        args=SimpleNamespace(**values),
+        eos_token_ids=[tokenizer.eos_token_id],
+        state=SimpleNamespace(global_step=0),
+        model=model,
+        accelerator=None,
+    )
