@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import re
 import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -151,7 +152,7 @@ def export_nvfp4_checkpoint(
     """
     lay = get_layout(layout)
     recipe = _check_recipe(recipe or QuantRecipe(profile=lay.profile), lay)
-    state = _state_dict(model_or_state_dict)
+    state = _unfuse_experts(_state_dict(model_or_state_dict))
     targets, excluded = _plan(state, skip)
     groups = _fused_groups(targets, excluded, fused_groups) if share_fused_scales else {}
     amax = {m: _weight_amax(m, state[f"{m}.weight"], recipe) for m in targets}
@@ -234,6 +235,61 @@ def _state_dict(obj) -> dict[str, torch.Tensor]:
     )
 
 
+def _unfuse_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers-5 fused MoE experts -> the per-expert Linear weights checkpoints and engines use:
+    ``<p>.experts.gate_up_proj`` [E, 2I, H] (gate rows first, as Qwen3-MoE's forward ``chunk(2)`` reads them)
+    -> ``<p>.experts.{e}.gate_proj.weight`` = ``[e, :I]`` and ``up_proj`` = ``[e, I:]``;
+    ``<p>.experts.down_proj`` [E, H, I] -> ``<p>.experts.{e}.down_proj.weight``."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        prefix, _, leaf = name.rpartition(".")
+        if not (prefix.endswith("experts") and leaf in ("gate_up_proj", "down_proj") and t.dim() == 3):
+            out[name] = t
+            continue
+        down = state.get(f"{prefix}.down_proj")
+        if leaf == "gate_up_proj" and (
+            down is None or down.dim() != 3 or t.shape[1] != 2 * down.shape[2] or t.shape[2] != down.shape[1]
+        ):
+            raise ValueError(
+                f"export_nvfp4_checkpoint: {name!r} {tuple(t.shape)} is not [E, 2I, H] next to a down_proj "
+                "[E, H, I]; this fused-expert layout is not supported (add it to skip=)"
+            )
+        half = t.shape[1] // 2
+        for e in range(t.shape[0]):
+            if leaf == "gate_up_proj":
+                out[f"{prefix}.{e}.gate_proj.weight"] = t[e, :half]
+                out[f"{prefix}.{e}.up_proj.weight"] = t[e, half:]
+            else:
+                out[f"{prefix}.{e}.down_proj.weight"] = t[e]
+    return out
+
+
+def _fuse_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`_unfuse_experts` (per-expert weights -> stacked ``gate_up_proj`` / ``down_proj``)."""
+    pattern = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        m = pattern.match(name)
+        if m is None:
+            out[name] = t
+            continue
+        experts.setdefault(m[1], {}).setdefault(int(m[2]), {})[m[3]] = t
+    for prefix, per in experts.items():
+        n = len(per)
+        for e in range(n):
+            missing = {"gate_proj", "up_proj", "down_proj"} - set(per.get(e, {}))
+            if missing:
+                raise KeyError(
+                    f"NVFP4 checkpoint: expert {prefix}.{e} lacks {sorted(missing)} (experts 0..{n - 1})"
+                )
+        out[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat((per[e]["gate_proj"], per[e]["up_proj"])) for e in range(n)]
+        )
+        out[f"{prefix}.down_proj"] = torch.stack([per[e]["down_proj"] for e in range(n)])
+    return out
+
+
 def _skipped(module: str, skip) -> bool:
     return any(fnmatch.fnmatchcase(module, p) for p in skip)
 
@@ -244,15 +300,15 @@ def _plan(state: dict[str, torch.Tensor], skip) -> tuple[list[str], list[str]]:
         skip = (skip,)
     targets, excluded = [], []
     for name, t in state.items():
-        if not name.endswith(".weight") or not t.is_floating_point():
+        if not t.is_floating_point():
             continue
-        module = name[: -len(".weight")]
-        if t.dim() == 2:
+        module = name.rpartition(".")[0]
+        if t.dim() == 2 and name.endswith(".weight"):
             (excluded if _skipped(module, skip) else targets).append(module)
         elif t.dim() > 2 and not _skipped(module, skip):
             raise ValueError(
                 f"export_nvfp4_checkpoint: tensor {name!r} has {t.dim()} dims {tuple(t.shape)}; only 2-D Linear "
-                "weights are exported (fused 3-D MoE experts are not supported yet): add it to skip="
+                "weights (and transformers' fused experts gate_up_proj/down_proj) are exported: add it to skip="
             )
     return targets, excluded
 
@@ -589,11 +645,15 @@ def load_activation_recipes(path) -> dict[str, QuantRecipe]:
     return recipes
 
 
-def dequantized_state_dict(path, dtype: torch.dtype | None = None, device="cpu") -> dict[str, torch.Tensor]:
+def dequantized_state_dict(
+    path, dtype: torch.dtype | None = None, device="cpu", *, fuse_experts: bool = False
+) -> dict[str, torch.Tensor]:
     """The checkpoint as a plain state dict: quantized weights dequantized (``e2m1·s·g``, exact in fp32,
     then cast to ``dtype``, default config.json's dtype), other tensors as stored; scale tensors dropped.
     Load it with ``model.load_state_dict(...)`` (also into a ``convert_to_nvfp4`` model: ``NVFP4Linear``
-    keeps the dequantized values as its master weight and re-quantizes them with its own recipe)."""
+    keeps the dequantized values as its master weight and re-quantizes them with its own recipe).
+    ``fuse_experts=True`` stacks per-expert ``experts.{e}.{gate,up,down}_proj.weight`` back into the
+    transformers-5 ``experts.gate_up_proj`` / ``experts.down_proj`` parameters."""
     lay, tensors, weights, modules = _load(path, dtype, device)
     nvfp4_names = {
         f"{m}.{s}"
@@ -603,4 +663,4 @@ def dequantized_state_dict(path, dtype: torch.dtype | None = None, device="cpu")
     out = {name: t.to(device) for name, t in tensors.items() if name not in nvfp4_names}
     for name, t in weights.items():
         out[name] = t.dequantize()
-    return out
+    return _fuse_experts(out) if fuse_experts else out

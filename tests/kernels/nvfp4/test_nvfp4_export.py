@@ -472,3 +472,77 @@ def test_recipe_replace_does_not_leak_static_amax(model, tmp_path):
         assert res.weights[s].recipe == replace(
             QuantRecipe(profile="modelopt"), scale_source="static", static_amax=a
         )
+
+
+# ------------------------------------------------------------------------------ MoE (fused 3-D experts)
+
+
+@pytest.fixture(scope="module")
+def moe_model():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
+    torch.manual_seed(5)
+    m = Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_()
+        m.model.layers[0].mlp.experts.gate_up_proj[:, 32:] *= 4.0  # up rows: larger amax than gate rows
+    return m
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_moe_experts_are_split_per_expert_with_shared_gate_up_scale(layout, moe_model, tmp_path):
+    res = export_nvfp4_checkpoint(moe_model, tmp_path, layout=layout)
+    disk = load_file(str(tmp_path / "model.safetensors"))
+    experts = moe_model.model.layers[0].mlp.experts
+    recipe = QuantRecipe(profile=PROFILE[layout])
+    assert "model.layers.0.mlp.experts.gate_up_proj" not in disk
+    assert "model.layers.0.mlp.gate" in res.excluded  # the router stays high precision
+    assert torch.equal(disk["model.layers.0.mlp.gate.weight"], moe_model.model.layers[0].mlp.gate.weight)
+    for e in range(4):
+        p = f"model.layers.0.mlp.experts.{e}"
+        fused = quantize(experts.gate_up_proj[e].detach(), recipe)  # the engine's w13 of expert e
+        gate, up = res.weights[f"{p}.gate_proj.weight"], res.weights[f"{p}.up_proj.weight"]
+        assert torch.equal(torch.cat((gate.data, up.data)), fused.data)
+        assert torch.equal(gate.global_scale, fused.global_scale) and torch.equal(
+            up.global_scale, fused.global_scale
+        )
+        down = quantize(experts.down_proj[e].detach(), recipe)
+        assert torch.equal(res.weights[f"{p}.down_proj.weight"].data, down.data)
+        assert disk[f"{p}.gate_proj.{NAMES[layout][0]}"].shape == (32, 16)
+    loaded = load_nvfp4_checkpoint(tmp_path)
+    for name, t in res.weights.items():
+        assert torch.equal(loaded[name].data, t.data) and torch.equal(
+            loaded[name].global_scale, t.global_scale
+        )
+    sd = dequantized_state_dict(tmp_path, fuse_experts=True)
+    assert set(sd) == set(moe_model.state_dict())
+    gate_up = sd["model.layers.0.mlp.experts.gate_up_proj"]
+    for e in range(4):
+        p = f"model.layers.0.mlp.experts.{e}"
+        want = torch.cat(
+            (
+                res.weights[f"{p}.gate_proj.weight"].dequantize(),
+                res.weights[f"{p}.up_proj.weight"].dequantize(),
+            )
+        )
+        assert torch.equal(gate_up[e], want)
+    type(moe_model)(moe_model.config).load_state_dict(sd)
+
+
+def test_unsupported_fused_expert_layout_is_an_error(tmp_path):
+    sd = {"m.experts.gate_up_proj": torch.randn(2, 32, 64), "m.experts.down_proj": torch.randn(2, 64, 32)}
+    with pytest.raises(ValueError, match=r"m\.experts\.gate_up_proj.*not \[E, 2I, H\]"):
+        export_nvfp4_checkpoint(sd, tmp_path)
