@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 from trainer_testkit import arithmetic_dataset  # noqa: E402
+
 from triage.trainers.tiny import save_tiny_model  # noqa: E402
 
 

@@ -7,6 +7,7 @@ import os
 
 import pytest
 from trainer_testkit import make_trainer
+
 from triage.trainers.grpo_trainer import TRIAGE_STATE_FILE
 
 

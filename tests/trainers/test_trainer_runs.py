@@ -122,6 +122,7 @@ def test_two_steps_for_each_sampler_source(tiny_model_dir, tmp_path, dataset, so
 
 def test_plain_generation_without_logprobs_is_rejected_for_a_correction(tiny_model_dir, tmp_path):
     from trainer_testkit import arithmetic_dataset, length_reward, make_args
+
     from triage.trainers import TriageGRPOTrainer
 
     with pytest.raises(ValueError, match="needs sampler log-probs"):

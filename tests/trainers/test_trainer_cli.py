@@ -1,0 +1,97 @@
+"""`triage demo`, `triage train --config`, and the run report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from triage.cli import main
+from triage.trainers.report import CLASSES, format_summary, summarize, write_report
+
+
+def _fake_history():
+    history = []
+    for step, (n, consistent, reward) in enumerate([(10, 0.5, -1.0), (30, 0.9, -0.5)], start=1):
+        entry = {"step": step, "loss": 0.1, "reward": reward, "triage/tokens": n, "triage/tau": 0.05}
+        entry["triage/mean_abs_delta"] = 0.01 * step
+        for c in CLASSES:
+            entry[f"triage/{c}/share"] = consistent if c == "consistent" else (1 - consistent) / 5
+            entry[f"triage/{c}/mean_weight"] = 0.5 if c == "amplify_down" else 1.0
+        history.append(entry)
+    history.append({"step": 2, "train_runtime": 1.0, "train_loss": 0.1})
+    return history
+
+
+def test_report_is_token_weighted_and_writes_files(tmp_path):
+    report = write_report(_fake_history(), tmp_path, config={"correction": "triage"})
+    s = report["summary"]
+    assert s["steps"] == 2 and s["reward_first"] == -1.0 and s["reward_last"] == -0.5
+    assert s["class_share"]["consistent"] == pytest.approx((10 * 0.5 + 30 * 0.9) / 40)
+    assert s["class_weight"]["amplify_down"] == pytest.approx(0.5)
+    assert sum(s["class_share"].values()) == pytest.approx(1.0)
+    assert json.loads((tmp_path / "report.json").read_text())["summary"] == json.loads(json.dumps(s))
+    for name in ("reward.png", "mismatch.png", "classes.png", "weights.png"):
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+    assert "consistent" in format_summary(report)
+    assert summarize([]) == {"steps": 0}
+
+
+def test_demo_writes_report_and_summary(tmp_path, capsys):
+    out = tmp_path / "demo"
+    rc = main(["demo", "--output", str(out), "--steps", "2", "--prompts", "2", "--generations", "2",
+               "--max-completion-length", "6"])  # fmt: skip
+    assert rc == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["summary"]["steps"] == 2
+    assert report["summary"]["mean_abs_delta"] > 0  # the bf16 sampler copy disagrees with the fp32 learner
+    assert {"reward.png", "mismatch.png", "classes.png", "weights.png"} <= {p.name for p in out.iterdir()}
+    printed = capsys.readouterr().out
+    assert "mean |δ|" in printed and "token classes" in printed and "report.json" in printed
+
+
+def _tiny_recipe(tmp_path):
+    recipe = {
+        "model_name_or_path": "tiny",
+        "dataset": {"source": "synthetic", "n": 8, "difficulty": 1},
+        "reward_funcs": ["dapo_accuracy", {"soft_overlong": {"cache_length": 4}}],
+        "learner_precision": "bf16",
+        "quant_recipe": None,
+        "use_cpu": True,
+        "bf16": False,
+        "gradient_checkpointing": False,
+        "max_steps": 2,
+        "per_device_train_batch_size": 4,
+        "num_generations": 2,
+        "max_completion_length": 8,
+        "save_strategy": "no",
+        "sampler": "hf",
+        "sampler_kwargs": {"seed": 0, "precision": "bf16"},
+        "correction": "triage",
+        "tau": "auto",
+    }
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def test_train_from_a_recipe_with_overrides(tmp_path):
+    path = _tiny_recipe(tmp_path)
+    out = tmp_path / "run"
+    rc = main(
+        ["train", "--config", str(path), "--output_dir", str(out), "correction=tis", "learning_rate=0.01"]
+    )
+    assert rc == 0
+    saved = yaml.safe_load((out / "recipe.yaml").read_text())
+    assert saved["correction"] == "tis" and saved["learning_rate"] == 0.01
+    assert saved["num_generations"] == 2  # the file wins over base.yaml's 16
+    report = json.loads((out / "report.json").read_text())
+    assert report["summary"]["steps"] == 2
+    assert (out / "model.safetensors").is_file()
+
+
+def test_train_rejects_an_unknown_key(tmp_path):
+    path = _tiny_recipe(tmp_path)
+    with pytest.raises(ValueError, match="unknown recipe key 'corection'"):
+        main(["train", "--config", str(path), "corection=tis"])

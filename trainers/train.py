@@ -1,0 +1,110 @@
+"""``triage train --config recipe.yaml``: train with ``TriageGRPOTrainer`` from a recipe, single- or multi-process.
+
+A recipe is TRL's YAML convention — a flat mapping of ``GRPOConfig`` field names (here ``TriageGRPOConfig``:
+TRL's fields plus the TRIAGE fields) — plus a few sections (``triage.experiments.recipes``)::
+
+    model_name_or_path: Qwen/Qwen3-4B-Base     # or a local folder, or "tiny" (built locally, no hub)
+    dataset: {source: synthetic, n: 512, difficulty: [1, 2]}   # triage.experiments.data spec
+    eval_dataset: {...}                                         # optional
+    reward_funcs: [dapo_accuracy, {soft_overlong: {cache_length: 16}}]   # triage.trainers.rewards names
+    correction: triage                                          # TRIAGE fields ...
+    tau: 0.05
+    learning_rate: 1.0e-6                                       # ... and any GRPOConfig field
+    sampler: hf                                                 # or use_vllm: true, ...
+
+``load_recipe`` layers ``base.yaml`` ← ``preset:`` ← ``arm:`` ← the file ← ``KEY=VALUE`` overrides given after
+the options (``triage train --config r.yaml max_steps=5 dataset.n=64``), validates every key, and the
+trainer runs under ``accelerate launch``::
+
+    accelerate launch --config_file experiments/accelerate/ddp.yaml -m triage train --config recipe.yaml
+
+At the end the model is saved to ``output_dir`` and the main process writes ``report.json`` and the plots
+(``triage.trainers.report``) there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+TINY_MODEL = "tiny"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="recipe YAML, or PRESET/ARM (e.g. tiny/triage)")
+    parser.add_argument(
+        "--output_dir", "--output-dir", default=None, help="overrides the recipe's output_dir"
+    )
+    parser.add_argument(
+        "--resume_from_checkpoint",
+        "--resume-from-checkpoint",
+        default=None,
+        help="a checkpoint folder, or 'latest' for the newest checkpoint in output_dir",
+    )
+    parser.add_argument("--no-report", action="store_true", help="skip report.json and the plots")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides (YAML values)")
+
+
+def _model_path(name: str, output_dir: Path) -> str:
+    """``"tiny"`` → a tiny Qwen3 + tokenizer saved under ``output_dir/tiny-model`` (main process first)."""
+    if name != TINY_MODEL:
+        return name
+    from accelerate import PartialState
+
+    from triage.trainers.tiny import save_tiny_model
+
+    path = output_dir / "tiny-model"
+    with PartialState().main_process_first():
+        if not (path / "config.json").is_file():
+            save_tiny_model(path)
+    return str(path)
+
+
+def build_trainer(recipe: dict, output_dir: str | os.PathLike):
+    """``TriageGRPOTrainer`` for a validated flat recipe (model, datasets, rewards, config)."""
+    from triage.experiments.data import load_from_spec
+    from triage.experiments.recipes import build_config, split_recipe
+    from triage.trainers.grpo_trainer import TriageGRPOTrainer
+    from triage.trainers.rewards import build_reward_funcs
+
+    _, sections = split_recipe(recipe)
+    output_dir = Path(output_dir)
+    args = build_config(recipe, output_dir=str(output_dir))
+    train_dataset = load_from_spec(sections["dataset"])
+    eval_dataset = load_from_spec(sections["eval_dataset"]) if sections.get("eval_dataset") else None
+    rewards = build_reward_funcs(sections["reward_funcs"], args.max_completion_length)
+    return TriageGRPOTrainer(
+        model=_model_path(sections["model_name_or_path"], output_dir),
+        reward_funcs=rewards,
+        args=args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    from triage.experiments.recipes import dump_recipe, load_recipe
+    from triage.trainers.report import format_summary, write_report
+
+    recipe = load_recipe(args.config, args.overrides)
+    output_dir = Path(
+        args.output_dir or recipe.get("output_dir") or Path("runs") / Path(str(args.config)).stem
+    )
+    recipe["output_dir"] = str(output_dir)
+    trainer = build_trainer(recipe, output_dir)
+    if trainer.accelerator.is_main_process:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "recipe.yaml").write_text(dump_recipe(recipe))
+    resume = args.resume_from_checkpoint
+    if resume == "latest":
+        resume = True
+    trainer.train(resume_from_checkpoint=resume)
+    trainer.save_model(str(output_dir))
+    if trainer.accelerator.is_main_process and not args.no_report:
+        report = write_report(trainer.state.log_history, output_dir, config=recipe)
+        print(format_summary(report))
+        print(f"model, recipe.yaml and report.json written to {output_dir.resolve()}")
+    trainer.accelerator.wait_for_everyone()
+    return 0
