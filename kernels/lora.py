@@ -1,0 +1,686 @@
+"""``FrozenNVFP4Linear``: a frozen Linear that stores ONLY its NVFP4 weight — the base layer for LoRA.
+
+The QeRL setting (NVFP4 weights + LoRA adapters): the base weight never changes, so no high-precision
+master copy is kept. The module holds, per ``[N, K]`` weight (Kp = K rounded up to 16):
+
+==================  ======================  ==========================  ===============
+buffer              dtype                   shape                       bytes / param
+==================  ======================  ==========================  ===============
+``qweight``         uint8                   [N, Kp/2] (2 E2M1 codes)    0.5
+``weight_scale``    float8_e4m3fn           [N, Kp/16] (linear layout)  0.0625
+``weight_scale_2``  float32 (DECODE scale)  [] or [N, 1] (per row)      ~0
+``bias``            the model dtype         [N] or None                 ~0
+==================  ======================  ==========================  ===============
+
+so ~0.5625 byte per base parameter (the names follow the ModelOpt checkpoint layout; the packed codes are
+``qweight`` so that nothing mistakes them for a dense ``weight``). ``weight_encode_scale`` (fp32, the
+outer ENCODE scale the quantizer used, needed by encode-scale checkpoint layouts) is kept when known.
+Optionally (``NVFP4BaseConfig.cache_expanded``) the exact expansion ``E = q·s`` (bf16 [N, Kp], 2 bytes per
+parameter, not a buffer) is cached for speed: the cuBLAS large-M path and the input gradient reuse it.
+
+Forward, ``y = x·Ŵᵀ + b`` with ``Ŵ = q·s·g`` (``g`` = ``weight_scale_2``)::
+
+    mode="w4a4":   y = gemm(quantize(x, input_recipe), W_q)      # both operands NVFP4, fp32 accumulation
+    mode="w4a16":  y = gemm_w4a16(x, W_q)                        # weight-only; x stays bf16/fp16
+                                                                 # (fp32 x: fp32 matmul with Ŵ, exact)
+
+Backward: only the input gradient (the weight and bias are frozen), straight-through for the activation
+quantizer of W4A4 (∂Q(x)/∂x ≈ I, as :class:`~triage.kernels.NVFP4Linear` does)::
+
+    dx = dy · Ŵ = (dy · E) · g        # E exact in bf16/fp16, fp32 accumulation, g in the epilogue
+
+computed from the cached expansion, or from a temporary one (freed right after) when nothing is cached.
+
+Immutability. The quantized bytes never change in place: :meth:`FrozenNVFP4Linear.load_state_dict` and
+PEFT's merge replace the tensors, ``.to(dtype)`` / ``.half()`` move them between devices but never cast
+them, and ``copy.deepcopy`` SHARES them. So a sampler copy of a LoRA model (``HFSampler(sampler_model=
+"copy")``) holds no second base: only the adapters are copied.
+
+Conversion: :func:`freeze_nvfp4_base` turns every :class:`~triage.kernels.NVFP4Linear` of a model into a
+``FrozenNVFP4Linear`` holding the very bytes the NVFP4Linear computed with (so outputs are unchanged in
+``w4a4`` mode) and drops the master weight. :func:`write_nvfp4_base` / :func:`load_nvfp4_base` keep the base
+in the NVFP4 checkpoint layouts of :mod:`triage.kernels.nvfp4.export` (ModelOpt, compressed-tensors) bit
+for bit. PEFT integration (the LoRA layer class, AQN, adapter export) is in ``triage.trainers.lora``.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from triage.kernels.nvfp4.recipe import QuantRecipe
+from triage.kernels.nvfp4.tensor import NVFP4Tensor
+
+__all__ = [
+    "BASE_MODES",
+    "FrozenNVFP4Linear",
+    "NVFP4BaseConfig",
+    "base_nbytes",
+    "freeze_nvfp4_base",
+    "load_nvfp4_base",
+    "write_nvfp4_base",
+]
+
+BASE_MODES = ("w4a4", "w4a16")
+#: Buffers holding the quantized weight: shared by deepcopy, never cast by ``.to(dtype)``.
+QUANT_BUFFERS = ("qweight", "weight_scale", "weight_scale_2", "weight_encode_scale")
+#: Module-name patterns (fnmatch) that :func:`freeze_nvfp4_base` leaves alone (same as convert_to_nvfp4).
+DEFAULT_SKIP = ("lm_head", "*.lm_head", "*embed*", "*score", "*classifier*")
+
+
+@dataclass(frozen=True)
+class NVFP4BaseConfig:
+    """How a :class:`FrozenNVFP4Linear` computes.
+
+    Attributes:
+        mode: ``"w4a4"`` (activations quantized with ``input_recipe`` per call, NVFP4 × NVFP4 GEMM) or
+            ``"w4a16"`` (weight-only: activations stay in their dtype).
+        input_recipe: activation quantizer for ``w4a4`` (1×16 blocks along K; no Hadamard).
+        cache_expanded: keep the exact bf16 expansion ``q·s`` of the weight (+2 bytes/param) for the
+            cuBLAS large-M path and the input gradient; off by default (memory first).
+        gemm_backend / quant_backend: passed to :func:`~triage.kernels.nvfp4.gemm.gemm` /
+            :func:`~triage.kernels.nvfp4.gemm.gemm_w4a16` and :func:`~triage.kernels.nvfp4.quantize`.
+    """
+
+    mode: str = "w4a4"
+    input_recipe: QuantRecipe = field(default_factory=QuantRecipe)
+    cache_expanded: bool = False
+    gemm_backend: str = "auto"
+    quant_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.mode not in BASE_MODES:
+            raise ValueError(f"NVFP4BaseConfig.mode must be one of {BASE_MODES}, got {self.mode!r}")
+        if not isinstance(self.input_recipe, QuantRecipe):
+            raise TypeError(
+                f"NVFP4BaseConfig.input_recipe must be a QuantRecipe, got {type(self.input_recipe).__name__}"
+            )
+        if self.input_recipe.hadamard:
+            raise ValueError(
+                "NVFP4BaseConfig.input_recipe cannot use the Hadamard transform (forward operand)"
+            )
+        if self.input_recipe.scale == "expert":
+            raise ValueError("NVFP4BaseConfig.input_recipe: per-expert scales belong to the MoE layer")
+
+
+class _FrozenNVFP4Fn(torch.autograd.Function):
+    """``y = f(x)`` with ``dx = dy·Ŵ`` (the frozen weight gets no gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, layer):
+        ctx.layer = layer
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        return layer._compute(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return ctx.layer._input_grad(dy, ctx.x_shape, ctx.x_dtype), None
+
+
+class FrozenNVFP4Linear(nn.Module):
+    """A frozen Linear layer storing only its NVFP4 weight (module docstring). No trainable parameters.
+
+    Build it with :meth:`from_linear` (an ``nn.Linear`` or an ``NVFP4Linear``) or :meth:`from_quantized`
+    (an ``NVFP4Tensor``, e.g. from :func:`~triage.kernels.nvfp4.load_nvfp4_checkpoint`).
+    """
+
+    def __init__(
+        self,
+        weight: NVFP4Tensor,
+        bias: torch.Tensor | None = None,
+        config: NVFP4BaseConfig | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config or NVFP4BaseConfig()
+        _check_weight(weight)
+        out_features, in_features = tuple(weight.shape)
+        self.in_features, self.out_features = in_features, out_features
+        self.weight_recipe: QuantRecipe = weight.recipe
+        self.weight_dtype: torch.dtype = weight.dtype
+        _check_mode_fits(self.config, weight.recipe, in_features)
+        gs = weight.global_scale
+        if not isinstance(gs, torch.Tensor):
+            gs = torch.tensor(float(gs), dtype=torch.float32)
+        self.register_buffer("qweight", weight.data.detach())
+        self.register_buffer("weight_scale", weight.scale.detach())
+        self.register_buffer("weight_scale_2", gs.detach().float().to(weight.data.device))
+        enc = weight.global_encode_scale
+        self.register_buffer(
+            "weight_encode_scale", None if enc is None else enc.detach().float().to(weight.data.device)
+        )
+        if bias is not None:
+            if tuple(bias.shape) != (out_features,):
+                raise ValueError(
+                    f"FrozenNVFP4Linear: bias has shape {tuple(bias.shape)}, expected ({out_features},)"
+                )
+            bias = bias.detach().to(weight.data.device)
+        self.register_buffer("bias", bias)
+        self._expanded: torch.Tensor | None = None
+
+    # -- construction -----------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_quantized(
+        cls, weight: NVFP4Tensor, bias: torch.Tensor | None = None, config: NVFP4BaseConfig | None = None
+    ) -> FrozenNVFP4Linear:
+        """Wrap an already-quantized weight (its bytes are used as they are, not copied)."""
+        return cls(weight, bias, config)
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        config: NVFP4BaseConfig | None = None,
+        *,
+        recipe: QuantRecipe | None = None,
+        quant_backend: str = "auto",
+    ) -> FrozenNVFP4Linear:
+        """Freeze ``linear``. An ``NVFP4Linear`` gives its cached ``W_q`` (the bytes its forward used) and,
+        when ``config`` is None, ``mode="w4a4"`` with its own input recipe and backends; a plain
+        ``nn.Linear`` is quantized with ``recipe`` (default ``QuantRecipe()``: 1×16 blocks, TE formulas)."""
+        from triage.kernels.linear import NVFP4Linear
+
+        bias = None if linear.bias is None else linear.bias.detach()
+        if isinstance(linear, NVFP4Linear):
+            if recipe is not None:
+                raise ValueError(
+                    "FrozenNVFP4Linear.from_linear: an NVFP4Linear keeps its own weight recipe "
+                    f"({linear.config.weight_recipe}); recipe= applies to plain nn.Linear only"
+                )
+            if config is None:
+                c = linear.config
+                config = NVFP4BaseConfig(
+                    input_recipe=c.input_recipe, gemm_backend=c.gemm_backend, quant_backend=c.quant_backend
+                )
+            return cls(_detached(linear.quantized_weight()), bias, config)
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(
+                f"FrozenNVFP4Linear.from_linear expects an nn.Linear, got {type(linear).__name__}"
+            )
+        from triage.kernels.nvfp4 import quantize
+
+        with torch.no_grad():
+            w = quantize(linear.weight.detach(), recipe or QuantRecipe(), backend=quant_backend)
+        return cls(w, bias, config)
+
+    # -- views ------------------------------------------------------------------------------------------------
+
+    def quantized_weight(self) -> NVFP4Tensor:
+        """The stored weight as an ``NVFP4Tensor`` (a view: no copy)."""
+        return NVFP4Tensor(
+            data=self.qweight,
+            scale=self.weight_scale,
+            global_scale=self.weight_scale_2,
+            recipe=self.weight_recipe,
+            shape=torch.Size((self.out_features, self.in_features)),
+            dtype=self.weight_dtype,
+            global_encode_scale=self.weight_encode_scale,
+        )
+
+    def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``Ŵ = q·s·g`` as a dense [N, K] tensor (exact in fp32; cast to ``dtype``, default the original)."""
+        return self.quantized_weight().dequantize(dtype)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of the weight that was quantized (the model's dtype); LoRA adapters follow it."""
+        return self.weight_dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.qweight.device
+
+    def nbytes(self) -> int:
+        """Bytes of every tensor this module holds (buffers and the expansion cache, if filled)."""
+        tensors = [t for t in self._buffers.values() if t is not None]
+        if self._expanded is not None:
+            tensors.append(self._expanded)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def expansion(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """The exact ``q·s`` [N, Kp] (outer scale NOT applied) in ``dtype`` (bf16, fp16 and fp32 all hold it
+        exactly). With ``config.cache_expanded`` a bf16 copy is kept and reused; otherwise it is temporary."""
+        from triage.kernels.nvfp4.gemm import expand
+
+        cached = self._expanded
+        if cached is not None and cached.device != self.qweight.device:
+            cached = self._expanded = None
+        if cached is None and self.config.cache_expanded:
+            cached = self._expanded = expand(self.quantized_weight(), torch.bfloat16)
+        if cached is not None:
+            return cached if cached.dtype == dtype else cached.to(dtype)
+        return expand(self.quantized_weight(), dtype)
+
+    # -- compute ----------------------------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"FrozenNVFP4Linear: input has last dim {x.shape[-1]}, expected in_features={self.in_features}"
+            )
+        if x.device != self.qweight.device:
+            raise ValueError(
+                f"FrozenNVFP4Linear: input is on {x.device} but the weight is on {self.qweight.device}"
+            )
+        if not x.is_floating_point():
+            raise TypeError(f"FrozenNVFP4Linear: input must be floating point, got {x.dtype}")
+        if torch.is_grad_enabled() and x.requires_grad:
+            return _FrozenNVFP4Fn.apply(x, self)
+        return self._compute(x)
+
+    def _outer(self) -> torch.Tensor:
+        """``g`` as fp32: 1 element or [N]."""
+        return self.weight_scale_2.float().reshape(-1)
+
+    def _compute(self, x: torch.Tensor) -> torch.Tensor:
+        from triage.kernels.nvfp4.gemm import gemm, gemm_w4a16
+
+        cfg = self.config
+        K, N = self.in_features, self.out_features
+        x2 = x.reshape(-1, K)
+        w = self.quantized_weight()
+        if cfg.mode == "w4a4":
+            from triage.kernels.nvfp4 import quantize
+
+            xq = quantize(x2, cfg.input_recipe, backend=cfg.quant_backend)
+            cached = self._expanded if cfg.cache_expanded else None
+            if cached is None and cfg.cache_expanded and self._uses_cublas(x2.shape[0]):
+                cached = self.expansion()
+            y = gemm(xq, w, out_dtype=x.dtype, bias=self.bias, backend=cfg.gemm_backend, b_expanded=cached)
+        elif x.dtype in (torch.bfloat16, torch.float16) and not (
+            cfg.cache_expanded and self._uses_cublas(x2.shape[0])
+        ):
+            y = gemm_w4a16(x2, w, bias=self.bias, backend=cfg.gemm_backend)
+        else:  # weight-only with fp32 activations, or the cached-expansion cuBLAS path
+            y = self._dense_matmul(x2)
+        return y.reshape(*x.shape[:-1], N)
+
+    def _uses_cublas(self, m: int) -> bool:
+        from triage.kernels.nvfp4 import gemm as g
+
+        b = self.config.gemm_backend
+        on_gpu = self.qweight.device.type == "cuda"
+        return b == "cublas" or (b == "auto" and on_gpu and m > g.SMALL_M and g.LARGE_M_BACKEND == "cublas")
+
+    def _dense_matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        """``x·Ŵᵀ + b`` on the exact expansion: fp32 accumulation, outer scale and bias in fp32, one cast."""
+        K = self.in_features
+        if x2.is_cuda and x2.dtype in (torch.bfloat16, torch.float16):
+            acc = torch.mm(x2, self.expansion(x2.dtype)[:, :K].T, out_dtype=torch.float32)
+        else:
+            acc = x2.float() @ self.expansion(torch.float32)[:, :K].T
+        g = self._outer()
+        y = acc * (g if g.numel() == 1 else g[None, :])
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x2.dtype)
+
+    def _input_grad(self, dy: torch.Tensor, x_shape, x_dtype) -> torch.Tensor:
+        """``dx = dy·Ŵ = (dy·E)·g``: exact products, fp32 accumulation (per-row g scales dy's columns)."""
+        K, N = self.in_features, self.out_features
+        dy2 = dy.reshape(-1, N)
+        g = self._outer()
+        if g.numel() == 1 and dy2.is_cuda and dy2.dtype in (torch.bfloat16, torch.float16):
+            dx = torch.mm(dy2, self.expansion(dy2.dtype), out_dtype=torch.float32) * g
+        else:
+            dyf = dy2.float() if g.numel() == 1 else dy2.float() * g[None, :]
+            dx = dyf @ self.expansion(torch.float32)
+            if g.numel() == 1:
+                dx = dx * g
+        return dx[:, :K].to(x_dtype).reshape(x_shape)
+
+    # -- immutability -----------------------------------------------------------------------------------------
+
+    def replace_weight(self, weight: NVFP4Tensor) -> None:
+        """Swap in another quantized weight of the same shape (new tensors; the old ones are not touched)."""
+        _check_weight(weight)
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(
+                f"FrozenNVFP4Linear.replace_weight: shape {tuple(weight.shape)} != "
+                f"{(self.out_features, self.in_features)}"
+            )
+        dev = self.qweight.device
+        self.qweight = weight.data.detach().to(dev)
+        self.weight_scale = weight.scale.detach().to(dev)
+        gs = weight.global_scale
+        self.weight_scale_2 = (
+            (gs if isinstance(gs, torch.Tensor) else torch.tensor(float(gs))).float().to(dev)
+        )
+        enc = weight.global_encode_scale
+        self.weight_encode_scale = None if enc is None else enc.detach().float().to(dev)
+        self.weight_recipe = weight.recipe
+        self._expanded = None
+
+    def _apply(self, fn, recurse=True):
+        before = {n: self._buffers.get(n) for n in QUANT_BUFFERS}
+        super()._apply(fn, recurse)
+        for name, old in before.items():
+            new = self._buffers.get(name)
+            if old is not None and new is not None and new.dtype != old.dtype:
+                self._buffers[name] = old.to(new.device)  # move, never cast the quantized bytes
+        if self._expanded is not None and self._expanded.device != self.qweight.device:
+            self._expanded = None
+        return self
+
+    def __deepcopy__(self, memo):
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            if key == "_buffers":
+                new.__dict__[key] = {
+                    n: (t if n in QUANT_BUFFERS else copy.deepcopy(t, memo)) for n, t in value.items()
+                }
+            elif key == "_expanded":
+                new.__dict__[key] = value  # immutable: shared like the bytes it expands
+            else:
+                new.__dict__[key] = copy.deepcopy(value, memo)
+        return new
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
+        # Replace (never write into) the quantized tensors: they may be shared with a sampler copy.
+        for name, current in list(self._buffers.items()):
+            key = prefix + name
+            if key not in state_dict:
+                if current is not None:
+                    missing_keys.append(key)
+                continue
+            t = state_dict[key]
+            if current is None:
+                error_msgs.append(f"{key}: this FrozenNVFP4Linear has no {name} (got a tensor)")
+                continue
+            if t.dtype != current.dtype or tuple(t.shape) != tuple(current.shape):
+                error_msgs.append(
+                    f"{key}: expected {current.dtype} {tuple(current.shape)}, got {t.dtype} {tuple(t.shape)}"
+                )
+                continue
+            if t is not current:
+                self._buffers[name] = t.detach().to(current.device)
+                self._expanded = None
+        if strict:
+            known = {prefix + n for n in self._buffers}
+            for key in state_dict:
+                if key.startswith(prefix) and "." not in key[len(prefix) :] and key not in known:
+                    unexpected_keys.append(key)
+
+    def extra_repr(self) -> str:
+        r = self.weight_recipe
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"mode={self.config.mode!r}, weight_block={r.block!r}, profile={r.profile!r}"
+        )
+
+
+def _detached(t: NVFP4Tensor) -> NVFP4Tensor:
+    def d(v):
+        return v.detach() if isinstance(v, torch.Tensor) else v
+
+    return NVFP4Tensor(
+        data=d(t.data),
+        scale=d(t.scale),
+        global_scale=d(t.global_scale),
+        recipe=t.recipe,
+        shape=torch.Size(tuple(t.shape)),
+        dtype=t.dtype,
+        global_encode_scale=d(t.global_encode_scale),
+        amax=d(t.amax),
+    )
+
+
+def _check_weight(w: NVFP4Tensor) -> None:
+    if not isinstance(w, NVFP4Tensor):
+        raise TypeError(f"FrozenNVFP4Linear needs an NVFP4Tensor weight, got {type(w).__name__}")
+    if len(tuple(w.shape)) != 2:
+        raise ValueError(f"FrozenNVFP4Linear: the weight must be 2-D [N, K], got shape {tuple(w.shape)}")
+    if w.recipe.hadamard:
+        raise ValueError("FrozenNVFP4Linear: a Hadamard-rotated weight cannot be used in a plain forward")
+    if w.recipe.scale == "expert":
+        raise ValueError("FrozenNVFP4Linear: per-expert outer scales belong to the MoE layer")
+    n, k = tuple(w.shape)
+    kp = -(-k // 16) * 16
+    if w.data.dtype != torch.uint8 or tuple(w.data.shape) != (n, kp // 2):
+        raise ValueError(
+            f"FrozenNVFP4Linear: weight.data must be uint8 [{n}, {kp // 2}], got {w.data.dtype} {tuple(w.data.shape)}"
+        )
+    if w.scale.dtype != torch.float8_e4m3fn or tuple(w.scale.shape) != (n, kp // 16):
+        raise ValueError(
+            f"FrozenNVFP4Linear: weight.scale must be float8_e4m3fn [{n}, {kp // 16}], got "
+            f"{w.scale.dtype} {tuple(w.scale.shape)}"
+        )
+
+
+def _check_mode_fits(config: NVFP4BaseConfig, weight_recipe: QuantRecipe, k: int) -> None:
+    if k % 16 and config.mode == "w4a4" and not (config.input_recipe.pad and weight_recipe.pad):
+        raise ValueError(
+            f"FrozenNVFP4Linear: in_features={k} is not a multiple of 16; w4a4 needs pad=True in both recipes"
+        )
+
+
+def _skipped(name: str, skip) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in ((skip,) if isinstance(skip, str) else skip))
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)
+
+
+def freeze_nvfp4_base(
+    model: nn.Module,
+    config: NVFP4BaseConfig | None = None,
+    *,
+    quantize_linear: bool = False,
+    recipe: QuantRecipe | None = None,
+    skip=DEFAULT_SKIP,
+) -> nn.Module:
+    """Replace (in place) every ``NVFP4Linear`` of ``model`` by a :class:`FrozenNVFP4Linear` holding its
+    ``W_q``, dropping the master weight; returns the model.
+
+    ``config``: the frozen layers' :class:`NVFP4BaseConfig` (None: each NVFP4Linear's own input recipe and
+    backends, ``mode="w4a4"`` — the same forward as before). ``quantize_linear=True`` also freezes the plain
+    ``nn.Linear`` layers whose qualified name matches none of ``skip`` (quantized with ``recipe``). Layers
+    already frozen are left as they are. Call it before building the optimizer.
+    """
+    from triage.kernels.linear import NVFP4Linear
+
+    targets = []
+    for name, m in model.named_modules():
+        if not name:
+            continue
+        if isinstance(m, NVFP4Linear) or (
+            quantize_linear and type(m) is nn.Linear and not _skipped(name, skip)
+        ):
+            targets.append((name, m))
+    for name, m in targets:
+        try:
+            frozen = FrozenNVFP4Linear.from_linear(
+                m, config, recipe=None if isinstance(m, NVFP4Linear) else recipe
+            )
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"freeze_nvfp4_base: layer {name!r}: {e}") from None
+        _set_submodule(model, name, frozen)
+    return model
+
+
+def base_nbytes(model: nn.Module) -> tuple[int, int]:
+    """``(bytes, parameters)`` of the frozen NVFP4 base layers of ``model`` (every tensor they hold)."""
+    layers = [m for m in model.modules() if isinstance(m, FrozenNVFP4Linear)]
+    return sum(m.nbytes() for m in layers), sum(m.in_features * m.out_features for m in layers)
+
+
+# ------------------------------------------------------------------------------------------- checkpoints
+
+
+def write_nvfp4_base(
+    out_dir,
+    quantized: Mapping[str, NVFP4Tensor],
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    layout: str = "modelopt",
+    config=None,
+) -> Path:
+    """Write already-quantized weights (bytes as they are) and other tensors as an NVFP4 checkpoint.
+
+    ``quantized``: ``{"<module>.weight": NVFP4Tensor}`` (K % 16 == 0, per-tensor outer scale); ``tensors``:
+    every other tensor (norms, embeddings, biases, skipped layers) by state-dict name. The layout is one of
+    :data:`triage.kernels.nvfp4.checkpoint_layouts.LAYOUTS`; the config is weight-only (``W4A16_NVFP4`` /
+    no ``input_activations``): the activation scales of a W4A4 engine need calibration (see
+    :func:`~triage.kernels.nvfp4.export_nvfp4_checkpoint`). ``load_nvfp4_checkpoint`` reads the same bytes
+    and decode scales back. ``config``: the model config (a ``PretrainedConfig`` or a dict) for config.json.
+    """
+    from safetensors.torch import save_file
+
+    from triage.kernels.nvfp4.checkpoint_layouts import (
+        compressed_tensors_config,
+        get_layout,
+        modelopt_configs,
+    )
+
+    lay = get_layout(layout)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in quantized.items():
+        if not name.endswith(".weight"):
+            raise ValueError(f"write_nvfp4_base: quantized entry {name!r} must be a '<module>.weight' name")
+        module = name[: -len(".weight")]
+        if t.shape[-1] % 16:
+            raise ValueError(
+                f"write_nvfp4_base: {name!r} has K={t.shape[-1]}, not a multiple of 16 (engines need it)"
+            )
+        if t.global_scale.numel() != 1:
+            raise ValueError(
+                f"write_nvfp4_base: {name!r} has a per-row outer scale; checkpoints store one per tensor"
+            )
+        if lay.stores_encode:
+            if t.global_encode_scale is None or t.recipe.profile not in lay.profiles:
+                raise ValueError(
+                    f"write_nvfp4_base: {name!r} (profile {t.recipe.profile!r}) cannot be stored in the {lay.name!r} "
+                    "layout, which keeps the ENCODE scale; use layout='modelopt'"
+                )
+            stored = t.global_encode_scale
+        else:
+            stored = t.global_scale
+        out[f"{module}.{lay.weight}"] = t.data.detach().cpu().contiguous()
+        out[f"{module}.{lay.weight_scale}"] = t.scale.detach().cpu().contiguous()
+        out[f"{module}.{lay.weight_global}"] = stored.detach().float().cpu().reshape(lay.global_shape).clone()
+    seen: set[int] = set()
+    for name, t in tensors.items():
+        if name in out:
+            raise ValueError(f"write_nvfp4_base: tensor {name!r} collides with a quantized tensor name")
+        t = t.detach().cpu()
+        ptr = t.untyped_storage().data_ptr()
+        out[name] = t.clone() if ptr in seen or not t.is_contiguous() else t  # safetensors refuses sharing
+        seen.add(ptr)
+    path = Path(out_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(out, str(path / "model.safetensors"), metadata={"format": "pt"})
+    excluded = sorted(
+        {n.rsplit(".", 1)[0] for n, t in tensors.items() if n.endswith(".weight") and t.dim() == 2}
+    )
+    if lay.name == "modelopt":
+        from triage._version import __version__
+
+        hf_quant, qconfig = modelopt_configs(excluded, True, f"triage-rl-{__version__}")
+        (path / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=2))
+    else:
+        qconfig = compressed_tensors_config(excluded, True)
+    cfg = {} if config is None else (dict(config) if isinstance(config, Mapping) else config.to_dict())
+    dtypes = {t.dtype for t in quantized.values()}
+    if len(dtypes) == 1 and cfg.get("dtype") is None and cfg.get("torch_dtype") is None:
+        cfg["dtype"] = str(dtypes.pop()).removeprefix("torch.")
+    cfg["quantization_config"] = qconfig
+    (path / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))
+    return path
+
+
+def load_nvfp4_base(
+    model: nn.Module, path, config: NVFP4BaseConfig | None = None, *, device=None
+) -> nn.Module:
+    """Load an NVFP4 checkpoint (ModelOpt or compressed-tensors) into ``model`` (in place): every quantized
+    ``<module>.weight`` becomes a :class:`FrozenNVFP4Linear` holding the stored bytes; every other tensor is
+    loaded into the model as stored. ``model`` is a skeleton of the same architecture (e.g.
+    ``AutoModelForCausalLM.from_config(...)``). Raises naming the module or tensor that does not fit."""
+    from safetensors import safe_open
+
+    from triage.kernels.nvfp4 import load_nvfp4_checkpoint
+    from triage.kernels.nvfp4.checkpoint_layouts import LAYOUTS
+    from triage.kernels.nvfp4.export import detect_layout
+
+    path = Path(path)
+    device = torch.device(device) if device is not None else _model_device(model)
+    weights = load_nvfp4_checkpoint(path, device=device)
+    lay = LAYOUTS[detect_layout(path)]
+    modules = {name[: -len(".weight")] for name in weights}
+    suffixes = (lay.weight, lay.weight_scale, lay.weight_global, lay.input_global)
+    drop = {f"{m}.{s}" for m in modules for s in suffixes}
+    rest: dict[str, torch.Tensor] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as sf:
+            for key in sf.keys():
+                if key not in drop:
+                    rest[key] = sf.get_tensor(key)
+    for m in sorted(modules):
+        try:
+            old = model.get_submodule(m)
+        except AttributeError:
+            raise ValueError(
+                f"load_nvfp4_base: the checkpoint quantizes {m!r}, which the model does not have"
+            ) from None
+        w = weights[f"{m}.weight"]
+        n, k = tuple(w.shape)
+        if (getattr(old, "out_features", None), getattr(old, "in_features", None)) != (n, k):
+            raise ValueError(
+                f"load_nvfp4_base: {m!r} is {type(old).__name__} "
+                f"({getattr(old, 'out_features', '?')}×{getattr(old, 'in_features', '?')}), checkpoint has {n}×{k}"
+            )
+        bias = rest.pop(f"{m}.bias", None)
+        if (bias is None) != (getattr(old, "bias", None) is None):
+            raise ValueError(
+                f"load_nvfp4_base: {m!r}: the model and the checkpoint disagree on having a bias"
+            )
+        cfg = config if config is not None else getattr(old, "config", None)
+        cfg = cfg if isinstance(cfg, NVFP4BaseConfig) else None
+        if bias is not None:
+            bias = bias.to(device, old.bias.dtype)
+        frozen = FrozenNVFP4Linear(w, bias, cfg)
+        _set_submodule(model, m, frozen)
+    missing, unexpected = model.load_state_dict({k: v.to(device) for k, v in rest.items()}, strict=False)
+    if unexpected:
+        raise ValueError(f"load_nvfp4_base: checkpoint tensors the model does not have: {unexpected[:5]}")
+    frozen_keys = {f"{m}.{b}" for m in modules for b in (*QUANT_BUFFERS, "bias")}
+    tied = _tied_keys(model)
+    really_missing = [k for k in missing if k not in frozen_keys and k not in tied]
+    if really_missing:
+        raise ValueError(f"load_nvfp4_base: model tensors missing from the checkpoint: {really_missing[:5]}")
+    return model
+
+
+def _tied_keys(model: nn.Module) -> set[str]:
+    """State-dict names that alias another entry (tied weights: saved once)."""
+    seen: dict[int, str] = {}
+    tied = set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        if t is None:
+            continue
+        key = id(t)
+        if key in seen:
+            tied.add(name)
+        else:
+            seen[key] = name
+    return tied
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for t in model.parameters():
+        return t.device
+    for t in model.buffers():
+        return t.device
+    return torch.device("cpu")
