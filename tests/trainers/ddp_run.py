@@ -1,7 +1,8 @@
-"""Run by ``accelerate launch --multi_gpu --num_processes 2`` (CPU, gloo) from test_trainer_ddp.py: 2 TRIAGE steps.
+"""Run by ``accelerate launch --multi_gpu --num_processes 2`` (CPU, gloo) from test_trainer_ddp.py.
 
-argv: model_dir output_dir. Rank 0 writes ``result.json``: the log history and, per step, the global number of
-completion tokens counted independently from TRL's gathered completion lengths.
+2 TRIAGE steps built the way ``triage train --config`` builds them (recipe → ``build_trainer``), with the
+built-in HF sampler on a bf16 copy. argv: model_dir output_dir. Rank 0 writes ``result.json`` (log history,
+τ state); every rank checks that all ranks hold the same τ.
 """
 
 from __future__ import annotations
@@ -11,13 +12,38 @@ import os
 import sys
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from triage.trainers.train import build_trainer  # noqa: E402
 
-from trainer_testkit import make_trainer  # noqa: E402
+RECIPE = {  # a `triage train` recipe (base.yaml is layered under it by load_recipe)
+    "model_name_or_path": "tiny",  # replaced by the test's saved tiny model
+    "dataset": {"source": "synthetic", "n": 16, "difficulty": 1},
+    "reward_funcs": ["dapo_accuracy", {"soft_overlong": {"cache_length": 4}}],
+    "learner_precision": "bf16",
+    "quant_recipe": None,
+    "use_cpu": True,
+    "bf16": False,
+    "gradient_checkpointing": False,
+    "max_steps": 2,
+    "per_device_train_batch_size": 2,
+    "num_generations": 2,
+    "max_completion_length": 8,
+    "save_strategy": "no",
+    "sampler": "hf",
+    "sampler_kwargs": {"seed": 0, "precision": "bf16"},  # a bf16 sampler copy vs the fp32 learner
+    "tau": "auto",
+}
 
 
 def main(model_dir: str, output_dir: str) -> None:
-    trainer = make_trainer(model_dir, output_dir, tau="auto", per_device_train_batch_size=2, max_steps=2)
+    import yaml
+
+    from triage.experiments.recipes import load_recipe
+
+    path = os.path.join(output_dir, f"recipe-rank{os.environ.get('RANK', '0')}.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump({**RECIPE, "model_name_or_path": model_dir}, f)
+    recipe = load_recipe(path)  # base.yaml <- this file, validated, as `triage train --config` does
+    trainer = build_trainer(recipe, output_dir)
     trainer.train()
     if trainer.accelerator.is_main_process:
         result = {

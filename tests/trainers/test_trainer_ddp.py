@@ -1,4 +1,4 @@
-"""A 2-process ``accelerate launch`` run on CPU (gloo): metrics are all-reduced, τ agrees across ranks."""
+"""A 2-process ``accelerate launch`` run on CPU (gloo) of a recipe-built trainer: metrics all-reduced, one τ."""
 
 from __future__ import annotations
 
@@ -35,4 +35,5 @@ def test_two_process_accelerate_run(tiny_model_dir, tmp_path):
         global_tokens = h["completions/mean_length"] * 4
         assert h["triage/tokens"] == pytest.approx(global_tokens)
         assert 0.0 <= h["triage/suppressed_frac"] <= 1.0
+        assert h["triage/mean_abs_delta"] > 0  # the bf16 sampler copy vs the fp32 learner
     assert result["tau"]["steps"] == 2
