@@ -176,3 +176,15 @@ def test_nvfp4_learner_and_nvfp4_sampler_copy(tiny_model_dir, tmp_path, monkeypa
     assert any(isinstance(m, NVFP4Linear) for m in copy.modules())
     assert "forward" not in copy.__dict__  # runs its own (NVFP4) forward, not the learner's patched one
     assert logs[0]["triage/mean_abs_delta"] > 1e-3  # two different NVFP4 recipes disagree
+
+
+def test_sequence_level_importance_sampling_and_trl_opsm_compose(tiny_model_dir, tmp_path):
+    """importance_sampling_level='sequence' ((B,1) surrogate × (B,T) weights) and TRL's own OPSM with TRIAGE."""
+    trainer = make_trainer(
+        tiny_model_dir,
+        tmp_path,
+        max_steps=1,
+        importance_sampling_level="sequence",
+        off_policy_mask_threshold=0.1,
+    )
+    _train(trainer)
