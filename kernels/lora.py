@@ -148,6 +148,7 @@ class FrozenNVFP4Linear(nn.Module):
         gs = weight.global_scale
         if not isinstance(gs, torch.Tensor):
             gs = torch.tensor(float(gs), dtype=torch.float32)
+        _check_finite_scales(weight.scale, gs)
         self.register_buffer("qweight", weight.data.detach())
         self.register_buffer("weight_scale", weight.scale.detach())
         self.register_buffer("weight_scale_2", gs.detach().float().to(weight.data.device))
@@ -206,6 +207,13 @@ class FrozenNVFP4Linear(nn.Module):
             )
         from triage.kernels.nvfp4 import quantize
 
+        bad = ~torch.isfinite(linear.weight.detach())
+        if bad.any():
+            row, col = bad.nonzero()[0].tolist()
+            raise ValueError(
+                f"FrozenNVFP4Linear.from_linear: the weight has {int(bad.sum())} NaN/Inf value(s), first at "
+                f"[{row}, {col}]; refusing to quantize it"
+            )
         with torch.no_grad():
             w = quantize(linear.weight.detach(), recipe or QuantRecipe(), backend=quant_backend)
         return cls(w, bias, config)
@@ -249,14 +257,19 @@ class FrozenNVFP4Linear(nn.Module):
         exactly). With ``config.cache_expanded`` a bf16 copy is kept and reused; otherwise it is temporary."""
         from triage.kernels.nvfp4.gemm import expand
 
+        def expanded(dt: torch.dtype) -> torch.Tensor:
+            if self.config.gemm_backend == "reference":  # the torch twin of ``expand``
+                return self.quantized_weight().block_values().to(dt)
+            return expand(self.quantized_weight(), dt)
+
         cached = self._expanded
         if cached is not None and cached.device != self.qweight.device:
             cached = self._expanded = None
         if cached is None and self.config.cache_expanded:
-            cached = self._expanded = expand(self.quantized_weight(), torch.bfloat16)
+            cached = self._expanded = expanded(torch.bfloat16)
         if cached is not None:
             return cached if cached.dtype == dtype else cached.to(dtype)
-        return expand(self.quantized_weight(), dtype)
+        return expanded(dtype)
 
     # -- compute ----------------------------------------------------------------------------------------------
 
@@ -346,6 +359,9 @@ class FrozenNVFP4Linear(nn.Module):
                 f"FrozenNVFP4Linear.replace_weight: shape {tuple(weight.shape)} != "
                 f"{(self.out_features, self.in_features)}"
             )
+        gs = weight.global_scale
+        gs = gs if isinstance(gs, torch.Tensor) else torch.tensor(float(gs))
+        _check_finite_scales(weight.scale, gs)
         dev = self.qweight.device
         self.qweight = weight.data.detach().to(dev)
         self.weight_scale = weight.scale.detach().to(dev)
@@ -454,6 +470,21 @@ def _check_weight(w: NVFP4Tensor) -> None:
         raise ValueError(
             f"FrozenNVFP4Linear: weight.scale must be float8_e4m3fn [{n}, {kp // 16}], got "
             f"{w.scale.dtype} {tuple(w.scale.shape)}"
+        )
+
+
+def _check_finite_scales(scale: torch.Tensor, global_scale: torch.Tensor) -> None:
+    bad = torch.isnan(scale.float())
+    if bad.any():
+        row, col = bad.nonzero()[0].tolist()
+        raise ValueError(
+            f"FrozenNVFP4Linear: weight.scale has {int(bad.sum())} NaN block scale(s) (e4m3 0x7F), first at "
+            f"[{row}, {col}]: the weight held NaN when it was quantized"
+        )
+    g = global_scale.float()
+    if not (torch.isfinite(g).all() and (g > 0).all()):
+        raise ValueError(
+            f"FrozenNVFP4Linear: the outer (decode) scale must be finite and > 0, got {g.flatten()[:4]}"
         )
 
 

@@ -1,0 +1,38 @@
+"""Fixtures for the LoRA-on-NVFP4 tests: a tiny local Qwen3 converted to NVFP4, no hub, CPU.
+
+Triton kernels run in the interpreter when there is no GPU (set before anything imports triton).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+#: Torch reference kernels for whole-model tests (the interpreter is exercised by the layer tests).
+FAST = dict(gemm_backend="reference", quant_backend="torch")
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from triage.trainers.tiny import build_tokenizer
+
+    return build_tokenizer()
+
+
+@pytest.fixture
+def nvfp4_model(tokenizer):
+    """A tiny Qwen3 (fp32) with its Linear layers converted to NVFP4Linear (torch reference backends)."""
+    from triage.kernels import NVFP4LinearConfig, convert_to_nvfp4
+    from triage.trainers.tiny import build_model
+
+    model = build_model(tokenizer, seed=0)
+    return convert_to_nvfp4(model, NVFP4LinearConfig(**FAST))

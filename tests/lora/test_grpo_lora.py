@@ -1,0 +1,107 @@
+"""Two TRIAGE GRPO steps of a tiny Qwen3 converted to NVFP4 + LoRA, with the built-in HF sampler."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import FAST
+from datasets import Dataset
+from peft import LoraConfig
+
+from triage.kernels import NVFP4LinearConfig, convert_to_nvfp4
+from triage.kernels.lora import FrozenNVFP4Linear, NVFP4BaseConfig
+from triage.trainers.lora import AQNCallback, AQNConfig, load_nvfp4_lora, nvfp4_lora, save_nvfp4_lora
+
+
+def _dataset(n: int = 8) -> Dataset:
+    return Dataset.from_list(
+        [
+            {"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}]}
+            for a, b in [(i, 3 * i % 5) for i in range(n)]
+        ]
+    )
+
+
+def _reward(completions, completion_ids, **kwargs):
+    return [float(sum(ids) % 5) for ids in completion_ids]  # varies within a group: non-zero advantages
+
+
+def _frozen_buffers(model) -> dict[str, torch.Tensor]:
+    return {
+        f"{n}.{b}": getattr(m, b)
+        for n, m in model.named_modules()
+        if isinstance(m, FrozenNVFP4Linear)
+        for b in ("qweight", "weight_scale", "weight_scale_2")
+    }
+
+
+@pytest.mark.parametrize(
+    "sampler_model, mode", [("shared", "w4a4"), ("copy", "w4a16")], ids=["shared-w4a4", "copy-w4a16"]
+)
+def test_two_grpo_steps_train_only_the_adapters(tokenizer, tmp_path, sampler_model, mode):
+    from triage.trainers import TriageGRPOConfig, TriageGRPOTrainer
+    from triage.trainers.tiny import build_model
+
+    model = convert_to_nvfp4(build_model(tokenizer, seed=0), NVFP4LinearConfig(**FAST))
+    model, peft_config = nvfp4_lora(
+        model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"), NVFP4BaseConfig(mode=mode, **FAST)
+    )
+    args = TriageGRPOConfig(
+        output_dir=str(tmp_path / "run"),
+        use_cpu=True,
+        bf16=False,
+        max_steps=2,
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=6,
+        learning_rate=5e-2,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+        sampler="hf",
+        sampler_kwargs={"sampler_model": sampler_model},
+    )
+    aqn = AQNCallback(AQNConfig(num_stages=2, sigma_start=1e-2, sigma_end=1e-2))
+    trainer = TriageGRPOTrainer(
+        model=model,
+        reward_funcs=_reward,
+        args=args,
+        train_dataset=_dataset(),
+        processing_class=tokenizer,
+        peft_config=peft_config,
+        callbacks=[aqn],
+    )
+    learner = trainer.model
+    bytes_before = {k: v.clone() for k, v in _frozen_buffers(learner).items()}
+    params_before = {n: p.detach().clone() for n, p in learner.named_parameters()}
+    trainer.train()
+
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 2 and all(math.isfinite(h["loss"]) and h["triage/tokens"] > 0 for h in logs)
+    assert any(h["grad_norm"] > 0 for h in logs)
+    changed = {n for n, p in learner.named_parameters() if not torch.equal(params_before[n], p)}
+    trainable = {n for n, p in learner.named_parameters() if p.requires_grad}
+    assert changed and changed <= trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    after = _frozen_buffers(learner)
+    assert all(torch.equal(after[k], v) for k, v in bytes_before.items())  # base bytes identical
+    assert aqn.history == [(0, 0.0), (1, 1e-2)]  # noise-free first stage, then σ; removed after training
+    sampler = trainer.rollout_func
+    if sampler_model == "copy":  # a separate sampler model, but the SAME frozen NVFP4 base in memory
+        copy_buffers = _frozen_buffers(sampler.copy)
+        assert copy_buffers.keys() == after.keys()
+        assert all(copy_buffers[k].data_ptr() == after[k].data_ptr() for k in after)
+    else:
+        assert sampler.copy is None
+
+    save_nvfp4_lora(learner, tmp_path / "out")
+    ids = torch.randint(3, 400, (1, 7))
+    reloaded = load_nvfp4_lora(
+        build_model(tokenizer, seed=1), tmp_path / "out", NVFP4BaseConfig(mode=mode, **FAST)
+    )
+    learner.eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, learner(ids).logits)

@@ -1,0 +1,178 @@
+"""PEFT LoRA over frozen NVFP4 layers: what trains, merge/unmerge, export/import round trips, AQN."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import FAST
+from peft import LoraConfig, get_peft_model
+
+from triage.kernels.lora import FrozenNVFP4Linear, NVFP4BaseConfig
+from triage.kernels.nvfp4 import load_nvfp4_checkpoint
+from triage.trainers.lora import (
+    BASE_SUBDIR,
+    AdaptiveQuantizationNoise,
+    AQNConfig,
+    NVFP4LoraLinear,
+    adapter_parameters,
+    aqn_sigma,
+    describe,
+    load_nvfp4_lora,
+    merged_state_dict,
+    nvfp4_lora,
+    save_nvfp4_lora,
+)
+
+
+def _lora(model, mode="w4a4", **lora):
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", **lora)
+    base = NVFP4BaseConfig(mode=mode, **FAST)
+    model, cfg = nvfp4_lora(model, cfg, base)
+    peft_model = get_peft_model(model, cfg)
+    with torch.no_grad():  # non-zero B so that the adapters change the output
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(hash(name) % 2**31))
+    return peft_model
+
+
+def _base_bytes(model) -> dict[str, bytes]:
+    return {
+        f"{n}.{b}": getattr(m, b).cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+        for n, m in model.named_modules()
+        if isinstance(m, FrozenNVFP4Linear)
+        for b in ("qweight", "weight_scale", "weight_scale_2")
+    }
+
+
+def test_only_adapters_train_and_the_base_bytes_do_not_change(nvfp4_model):
+    model = _lora(nvfp4_model)
+    assert all(
+        isinstance(m.base_layer, FrozenNVFP4Linear) for m in model.modules() if isinstance(m, NVFP4LoraLinear)
+    )
+    assert sum(isinstance(m, NVFP4LoraLinear) for m in model.modules()) == 14  # 7 projections × 2 layers
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and trainable == [n for n, _ in adapter_parameters(model)]
+    info = describe(model)
+    assert info["base_bytes_per_param"] == pytest.approx(0.5625, abs=2e-3)
+    before_bytes = _base_bytes(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    ids = torch.randint(3, 400, (2, 10))
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    first_a = model.base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"].weight
+    assert (
+        first_a.grad is not None and first_a.grad.abs().sum() > 0
+    )  # dx flowed back through the frozen bases
+    opt.step()
+    changed = {n for n, p in model.named_parameters() if not torch.equal(before[n], p)}
+    assert changed == set(trainable)
+    assert _base_bytes(model) == before_bytes
+
+
+def test_merge_requantizes_and_unmerge_restores_the_exact_bytes(nvfp4_model):
+    model = _lora(nvfp4_model, mode="w4a16")
+    ids = torch.randint(3, 400, (2, 7))
+    before_bytes = _base_bytes(model)
+    with torch.no_grad():
+        y = model(ids).logits
+        model.merge_adapter()
+        merged = model(ids).logits
+        model.unmerge_adapter()
+        again = model(ids).logits
+    assert _base_bytes(model) == before_bytes and torch.equal(again, y)
+    # the merged layer is Q(Ŵ + ΔW): close to the unmerged output, not equal (a new rounding)
+    assert 0 < (merged - y).abs().max() < 0.25 * y.abs().max()
+
+
+@pytest.mark.parametrize("layout", ["modelopt", "compressed-tensors"])
+def test_unmerged_save_load_round_trip_is_bit_exact(nvfp4_model, tokenizer, tmp_path, layout):
+    from triage.trainers.tiny import build_model
+
+    model = _lora(nvfp4_model)
+    noise = AdaptiveQuantizationNoise(AQNConfig(num_stages=2)).attach(model)
+    noise.apply(1, 2)  # the export must write the clean norm weights, not the noisy ones
+    ids = torch.randint(3, 400, (2, 9))
+    save_nvfp4_lora(model, tmp_path, layout=layout, tokenizer=tokenizer)
+    assert (tmp_path / "adapter_config.json").is_file() and (tmp_path / "adapter_model.safetensors").is_file()
+    stored = load_nvfp4_checkpoint(tmp_path / BASE_SUBDIR)
+    frozen = model.base_model.model.model.layers[1].mlp.up_proj.base_layer
+    t = stored["model.layers.1.mlp.up_proj.weight"]
+    assert torch.equal(t.data, frozen.qweight) and torch.equal(
+        t.global_scale.reshape(()), frozen.weight_scale_2.reshape(())
+    )
+    noise.remove()
+    with torch.no_grad():
+        y = model(ids).logits
+    loaded = load_nvfp4_lora(build_model(tokenizer, seed=3), tmp_path, NVFP4BaseConfig(**FAST))
+    assert _base_bytes(loaded) == _base_bytes(model)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, y)
+
+
+def test_merged_exports_plain_and_requantized(nvfp4_model, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = _lora(nvfp4_model, mode="w4a16")
+    ids = torch.randint(3, 400, (1, 8))
+    state = merged_state_dict(model)
+    q = model.base_model.model.model.layers[0].self_attn.o_proj
+    expect = q.base_layer.dequantized_weight(torch.float32) + q.get_delta_weight("default")
+    assert torch.equal(state["model.layers.0.self_attn.o_proj.weight"], expect)
+    save_nvfp4_lora(model, tmp_path / "plain", merged=True, layout=None)
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "plain")
+    with torch.no_grad():  # fp32 activations: the weight-only forward of Ŵ + ΔW, up to fp32 rounding
+        torch.testing.assert_close(plain(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
+    save_nvfp4_lora(model, tmp_path / "nvfp4", merged=True, layout="modelopt")
+    assert "model.layers.0.self_attn.o_proj.weight" in load_nvfp4_checkpoint(tmp_path / "nvfp4")
+
+
+def test_bad_configurations_are_refused(nvfp4_model, tokenizer):
+    from triage.trainers.tiny import build_model
+
+    with pytest.raises(ValueError, match="DoRA"):
+        nvfp4_lora(nvfp4_model, LoraConfig(use_dora=True, target_modules="all-linear"))
+    with pytest.raises(ValueError, match="pissa"):
+        nvfp4_lora(nvfp4_model, LoraConfig(init_lora_weights="pissa", target_modules="all-linear"))
+    with pytest.raises(ValueError, match="no NVFP4 layer"):
+        nvfp4_lora(build_model(tokenizer), LoraConfig(target_modules="all-linear"))
+    with pytest.raises(TypeError, match="merged=False\\) needs a PeftModel"):
+        save_nvfp4_lora(nvfp4_model, "/nonexistent")
+
+
+def test_aqn_schedule_is_qerl_eq8_with_a_noise_free_first_stage():
+    cfg = AQNConfig(sigma_start=1e-2, sigma_end=1e-4, num_stages=5)
+    sigmas = [aqn_sigma(s, 100, cfg) for s in range(0, 100, 20)]
+    # stage 0: quantization noise only; stages 1..4: 1e-2 · (1e-2)^((k-1)/3)
+    expect = [0.0] + [1e-2 * (1e-2) ** (j / 3) for j in range(4)]
+    assert sigmas == pytest.approx(expect, rel=1e-12)
+    assert aqn_sigma(99, 100, cfg) == pytest.approx(1e-4) and aqn_sigma(500, 100, cfg) == pytest.approx(1e-4)
+    plain = AQNConfig(num_stages=3, quant_noise_first_stage=False)
+    assert [aqn_sigma(s, 3, plain) for s in range(3)] == pytest.approx([1e-2, 1e-3, 1e-4])
+    with pytest.raises(ValueError, match="sigma_end"):
+        AQNConfig(sigma_end=0.0)
+    with pytest.raises(ValueError, match="num_stages >= 2"):
+        AQNConfig(num_stages=1)
+
+
+def test_aqn_folds_channel_noise_into_the_norms_and_restores_them_exactly(nvfp4_model):
+    model = _lora(nvfp4_model)
+    norms = {n: m.weight.detach().clone() for n, m in model.named_modules() if n.endswith("layernorm")}
+    assert len(norms) == 4
+    noise = AdaptiveQuantizationNoise(AQNConfig(sigma_start=0.5, sigma_end=0.5, num_stages=2)).attach(model)
+    assert noise.apply(0, 10) == 0.0 and all(
+        torch.equal(model.get_submodule(n).weight, w) for n, w in norms.items()
+    )
+    assert noise.apply(7, 10) == 0.5
+    deltas = torch.stack([model.get_submodule(n).weight - w for n, w in norms.items()])
+    assert deltas.std().item() == pytest.approx(0.5, rel=0.3) and (deltas != 0).all()
+    first = deltas.clone()
+    noise.apply(7, 10)  # same step, same draw (every process draws the same noise)
+    assert torch.equal(torch.stack([model.get_submodule(n).weight - w for n, w in norms.items()]), first)
+    assert [n for n, _ in noise.norms] == sorted(norms)
+    noise.remove()
+    assert all(torch.equal(model.get_submodule(n).weight, w) for n, w in norms.items())
+    model.get_submodule(sorted(norms)[0]).weight.requires_grad_(True)
+    with pytest.raises(ValueError, match="trainable"):
+        AdaptiveQuantizationNoise().attach(model)
