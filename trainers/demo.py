@@ -47,8 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sampler-precision",
         choices=("bf16", "nvfp4"),
-        default="bf16",
-        help="numerics of the sampler's copy of the model (the learner is fp32 on CPU, bf16 on GPU)",
+        default=None,
+        help="numerics of the sampler's copy of the model; default bf16 on CPU (the learner is fp32 there) and "
+        "nvfp4 on GPU (the learner is bf16 there)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-plots", action="store_true", help="write report.json only")
@@ -179,7 +180,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    import torch
+
     from triage.trainers.report import format_summary, write_report
+
+    if args.sampler_precision is None:
+        args.sampler_precision = "nvfp4" if torch.cuda.is_available() else "bf16"
 
     start = time.perf_counter()
     print(
