@@ -64,7 +64,9 @@ def build_model(shape: dict, dtype: torch.dtype, device: str, seed: int = 0):
 
     torch.manual_seed(seed)
     config = Qwen3Config(**shape, bos_token_id=None, eos_token_id=2, pad_token_id=0)
-    return Qwen3ForCausalLM(config).to(device=device, dtype=dtype)
+    with torch.device(device):  # random init directly on the GPU (0.6B params: seconds, not a minute)
+        model = Qwen3ForCausalLM(config)
+    return model.to(dtype=dtype)
 
 
 class RandomRollout:
