@@ -141,8 +141,6 @@ def section_check(lines: list[str], results: dict) -> None:
 
 
 def section_memory(args, lines: list[str], results: dict) -> None:
-    import triton
-
     lines += ["", f"## memory and step time: {args.batch}×{args.seq} tokens, LoRA r={args.rank}, AdamW", ""]
     lines += [
         "| variant | decoder Linear weights | allocated after build | peak in step | step (median) | tok/s |",
@@ -167,37 +165,41 @@ def section_memory(args, lines: list[str], results: dict) -> None:
             pm.enable_input_require_grads()
         free()
         allocated = torch.cuda.memory_allocated()
-        opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=1e-5)
-        ids = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda")
-
-        def step():
-            pm(input_ids=ids, labels=ids).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        step()
-        torch.cuda.reset_peak_memory_stats()
-        step()
-        peak = torch.cuda.max_memory_allocated()
-        ms = triton.testing.do_bench(step, warmup=200, rep=1000, return_mode="median")
+        peak, ms = _step_peak_and_time(pm, args)
         tok_s = args.batch * args.seq / (ms / 1e3)
         lines.append(
             f"| {name} | {linear_bytes / 2**20:,.0f} MiB | {allocated / 2**30:.2f} GiB | {peak / 2**30:.2f} GiB | "
             f"{ms:.1f} ms | {tok_s:,.0f} |"
         )
         out.append(dict(variant=name, linear_bytes=linear_bytes, allocated=allocated, peak=peak, step_ms=ms))
-        del pm, model, opt
+        del pm, model
     results["memory"] = out
+
+
+def _step_peak_and_time(pm, args) -> tuple[int, float]:
+    """(peak bytes, median ms) of one LoRA step: forward + backward + AdamW on the trainable parameters."""
+    import triton
+
+    opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=1e-5)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda")
+
+    def step():
+        pm(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    peak = torch.cuda.max_memory_allocated()
+    return peak, triton.testing.do_bench(step, warmup=200, rep=1000, return_mode="median")
 
 
 # ---------------------------------------------------------------------------------------------- decode
 
 
 def section_decode(args, lines: list[str], results: dict) -> None:
-    import triton
-
     from triage.trainers.sampling.base import SamplingParams
-    from triage.trainers.sampling.hf import sample_with_kv_cache
 
     lines += ["", f"## decode: prompt 128 + {args.new} new tokens, KV cache (HF sampler loop), tokens/s", ""]
     batches = (1, 16, 64)
@@ -212,20 +214,29 @@ def section_decode(args, lines: list[str], results: dict) -> None:
         pm = variant(name, build("0.6b", args.layers, args.vocab, torch.bfloat16, "cuda"), args.rank).eval()
         row = []
         for b in batches:
-            prompts = torch.randint(0, args.vocab, (b, 128)).tolist()
-            gen = torch.Generator(device="cuda").manual_seed(0)
-            ms = triton.testing.do_bench(
-                lambda: sample_with_kv_cache(pm, prompts, params, [], generator=gen),  # noqa: B023
-                warmup=1,
-                rep=1,
-                return_mode="median",
-            )
+            ms = _decode_ms(pm, b, args, params)
             tps = b * args.new / (ms / 1e3)
             row.append(f"{tps:,.0f}")
             out.append(dict(variant=name, batch=b, ms=ms, tokens_per_s=tps))
         lines.append(f"| {name} | " + " | ".join(row) + " |")
         del pm
     results["decode"] = out
+
+
+def _decode_ms(pm, batch: int, args, params) -> float:
+    """Median ms of one generation (``do_bench``; a few whole generations) of ``batch`` random prompts."""
+    import triton
+
+    from triage.trainers.sampling.hf import sample_with_kv_cache
+
+    prompts = torch.randint(0, args.vocab, (batch, 128)).tolist()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    return triton.testing.do_bench(
+        lambda: sample_with_kv_cache(pm, prompts, params, [], generator=gen),
+        warmup=1,
+        rep=1,
+        return_mode="median",
+    )
 
 
 # ----------------------------------------------------------------------------------------------- delta
