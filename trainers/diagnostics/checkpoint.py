@@ -27,6 +27,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+
 from triage.kernels.nvfp4 import NVFP4Tensor
 
 __all__ = ["load_nvfp4_checkpoint", "roundtrip", "save_nvfp4_checkpoint"]

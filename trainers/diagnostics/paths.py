@@ -144,7 +144,9 @@ def prepare_model(
     """A copy of ``master`` in ``path.dtype`` with its Linear layers converted (master untouched)."""
     model = copy.deepcopy(master).to(path.dtype).eval()
     model.requires_grad_(False)
-    return convert_linears(model, path.precision, calibration=calibration, master=master)
+    return convert_linears(
+        model, path.precision, calibration=calibration, master=master, learner=path.kind == "learner"
+    )
 
 
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:

@@ -28,8 +28,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
 from triage.kernels.nvfp4 import NVFP4Tensor, QuantRecipe, quantize
-from triage.kernels.nvfp4.gemm import expand, gemm, gemm_w4a16
+from triage.kernels.nvfp4.gemm import gemm, gemm_w4a16
 
 __all__ = [
     "ACT_SCALES",
@@ -134,7 +135,8 @@ class QuantLinear(nn.Module):
 
     * CUDA: :func:`~triage.kernels.nvfp4.gemm.gemm` / ``gemm_w4a16`` with ``backend="auto"`` (Triton for
       small M, expand + cuBLAS for large M — the reduction order depends on M);
-    * CPU: the same expand + GEMM recipe on the CPU BLAS: ``expand`` both operands to their exact ``q·s``,
+    * CPU: the same expand + GEMM recipe on the CPU BLAS: expand both operands to their exact ``q·s``
+      (``NVFP4Tensor.block_values``),
       one fp32 (W4A4) or x-dtype (W4A16) matmul, outer scales in the epilogue (order depends on M, too);
     * ``reference_gemm=True`` (strict alignment): the fp64 reference GEMM, rounded once — batch-invariant.
     """
@@ -158,7 +160,7 @@ class QuantLinear(nn.Module):
 
     def _weight_expanded(self, dtype: torch.dtype) -> torch.Tensor:
         if dtype not in self._expanded:
-            self._expanded[dtype] = expand(self.weight_q, dtype)[:, : self.in_features]
+            self._expanded[dtype] = self.weight_q.block_values().to(dtype)[:, : self.in_features]
         return self._expanded[dtype]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -186,7 +188,7 @@ class QuantLinear(nn.Module):
                 backend = "reference" if strict else "auto"
                 y = gemm(xq, self.weight_q, out_dtype=x.dtype, bias=bias, backend=backend)
             else:
-                acc = expand(xq, torch.float32)[:, :k] @ self._weight_expanded(torch.float32).T
+                acc = xq.block_values()[:, :k] @ self._weight_expanded(torch.float32).T
                 y = acc * xq.global_scale.float().reshape(-1, 1) * self.weight_q.global_scale.float()
                 y = (y if bias is None else y + bias.float()).to(x.dtype)
         return y.reshape(*lead, self.out_features)
@@ -280,11 +282,14 @@ def convert_linears(
     precision: Precision,
     calibration: dict[str, float] | None = None,
     master: nn.Module | None = None,
+    learner: bool = False,
 ) -> nn.Module:
     """Replace (in place) the decoder Linear layers of ``model`` as ``precision`` says; returns ``model``.
 
     ``calibration``: per-layer activation amax (``act_scale="static"``); ``master``: the model whose
     weights are quantized (default ``model``; pass the fp32 master when ``model`` is a bf16 copy).
+    ``learner=True`` with online W4A4 uses the trainer's own ``triage.kernels.NVFP4Linear`` (sharing the
+    master's weight, quantized by the layer's cache, as in training); everything else a :class:`QuantLinear`.
     """
     if not precision.quantized:
         return model
@@ -303,10 +308,39 @@ def convert_linears(
         missing = [n for n, _, _ in targets if calibration is None or n not in calibration]
         if missing:
             raise ValueError(f"act_scale='static' needs a calibrated amax for {missing[:3]} (calibration=)")
+    if learner and precision.mode == "w4a4" and precision.weights_from == "online":
+        return _convert_learner(model, targets, precision, calibration, master)
     qweights = _quantized_weights(model, targets, precision, master)
     for name, _, module in targets:
         amax = calibration.get(name) if calibration else None
         new = QuantLinear(qweights[name], module.bias, activation_recipe(precision, amax))
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, new)
+    return model
+
+
+def _convert_learner(model, targets, precision: Precision, calibration, master) -> nn.Module:
+    """Online W4A4 learner: ``NVFP4Linear`` layers over the master's (fp32) weights, one config per layer."""
+    from triage.kernels.linear import NVFP4Linear, NVFP4LinearConfig
+
+    source = dict((master or model).named_modules())
+    cuda = next(model.parameters()).device.type == "cuda"
+    group_amax: dict[tuple[str, int], float] = {}
+    if precision.fused_scales == "shared":
+        for name, _, _ in targets:
+            key = _group_key(name)
+            if key is not None:
+                amax = float(source[name].weight.detach().float().abs().amax())
+                group_amax[key] = max(group_amax.get(key, 0.0), amax)
+    for name, _, _ in targets:
+        key = _group_key(name)
+        config = NVFP4LinearConfig(
+            input_recipe=activation_recipe(precision, calibration.get(name) if calibration else None),
+            weight_recipe=weight_recipe(precision, amax=group_amax.get(key) if key is not None else None),
+            gemm_backend="auto" if cuda else "reference",
+            quant_backend="auto" if cuda else "torch",
+        )
+        new = NVFP4Linear.from_linear(source[name], config)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, new)
     return model

@@ -11,7 +11,8 @@ on M and on the sequence length, so the two engines round differently and δ ≠
 * Linear (``nn.Linear``): ``y = RN_dtype(Σ_k x_k·w_k)`` accumulated in fp64. Each product of fp32 (or
   bf16) operands is exact in fp64 and the fp64 sum is rounded once to the model dtype, so the result does
   not depend on the summation order (up to an fp64-ulp tie at an fp32 rounding boundary, probability
-  ~K·2⁻²⁹ per output). NVFP4 Linear layers (:class:`~.precision.QuantLinear`) use the fp64 reference GEMM.
+  ~K·2⁻²⁹ per output). NVFP4 Linear layers (:class:`~.precision.QuantLinear`, the kernels'
+  ``NVFP4Linear``) switch to the fp64 reference GEMM.
 * Attention: registered as ``attn_implementation="triage_strict"``: scores, softmax and the weighted sum of
   values in fp64 per query row; masked keys contribute exact zeros, so a query sees the same sum whether
   the keys come from a full causal block or from a cache.
@@ -30,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import types
 from collections.abc import Iterator
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -120,6 +122,10 @@ def strict_alignment(model: nn.Module) -> Iterator[nn.Module]:
             name = type(module).__name__
             if type(module) is nn.Linear:
                 _patch(module, _linear_forward, undo)
+            elif name == "NVFP4Linear" and hasattr(module, "config"):
+                old_cfg = module.config
+                module.config = replace(old_cfg, gemm_backend="reference")
+                undo.append(lambda m=module, c=old_cfg: setattr(m, "config", c))
             elif isinstance(module, QuantLinear):
                 old_ref = module.reference_gemm
                 module.reference_gemm = True
