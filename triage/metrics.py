@@ -19,7 +19,7 @@ Two steps so a multi-process trainer can aggregate exactly:
                                    sampler's own samples (verl's ``k3_kl``)
 * ``triage/kl_learner_sampler``  = mean(e^δ·δ − e^δ + 1): the importance-weighted estimate of
                                    KL(π_learner ‖ π_sampler)
-* ``triage/suppressed_frac``     = share of valid tokens whose weight the correction made < 1
+* ``triage/suppressed_frac``     = share of valid tokens the correction cut by more than 1 % (w < 0.99)
 * ``triage/guarded_frac``        = share of responses scaled down by the TRIAGE sequence guard
 * ``triage/delta_p0.1`` … ``triage/delta_p99.9``: quantiles 0.1 %, 1 %, 50 %, 99 %, 99.9 % of δ
 
@@ -37,7 +37,9 @@ from triage.weights import guarded_sequences
 
 QUANTILES = {"p0.1": 0.001, "p1": 0.01, "p50": 0.5, "p99": 0.99, "p99.9": 0.999}
 STAT_CLASSES = tuple(c for c in TokenClass if c != TokenClass.PAD)
-_REDUCED_TOL = 1e-6
+# A weight counts as suppressed when the correction cut it by more than 1 % (an IS weight of 0.9999 on a
+# consistent token is not a suppression).
+SUPPRESSED_BELOW = 0.99
 
 
 def mismatch_sums(
@@ -71,7 +73,7 @@ def mismatch_sums(
         "sum_abs_delta": d.abs().sum(),
         "sum_k3": ((ratio - 1.0 - d) * v).sum(),
         "sum_kl_learner_sampler": ((ratio * d - ratio + 1.0) * v).sum(),
-        "suppressed": ((w < 1.0 - _REDUCED_TOL) & valid).double().sum(),
+        "suppressed": ((w < SUPPRESSED_BELOW) & valid).double().sum(),
         "guarded": guarded_sequences(d, adv, valid, config, tau=t).double().sum(),
         "mass": mass.sum(),
     }
