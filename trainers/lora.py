@@ -69,6 +69,7 @@ __all__ = [
     "load_nvfp4_lora",
     "merged_state_dict",
     "nvfp4_lora",
+    "nvfp4_lora_model",
     "save_nvfp4_lora",
 ]
 
@@ -176,6 +177,34 @@ def nvfp4_lora(
     return model, lora_config
 
 
+def nvfp4_lora_model(
+    model,
+    lora_config: LoraConfig,
+    *,
+    quant_recipe=None,
+    base_config: NVFP4BaseConfig | None = None,
+    model_init_kwargs: dict | None = None,
+) -> tuple[nn.Module, LoraConfig]:
+    """:func:`nvfp4_lora` from a model id/path or a model: load it (``AutoModelForCausalLM.from_pretrained``
+    with ``model_init_kwargs``), convert its Linear layers with ``convert_to_nvfp4(model, quant_recipe)``
+    (a ``QuantRecipe``, an ``NVFP4LinearConfig`` or None)
+    unless it already has NVFP4 layers, then freeze the base and register the LoRA layer. The one call a
+    trainer needs for ``learner_precision="nvfp4"`` + ``peft_config`` (before ``get_peft_model``)."""
+    from triage.kernels import NVFP4Linear, convert_to_nvfp4
+
+    if isinstance(model, (str, Path)):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(model), **(model_init_kwargs or {}))
+    elif model_init_kwargs:
+        raise ValueError(
+            "nvfp4_lora_model: model_init_kwargs only apply when the model is given by name/path"
+        )
+    if not any(isinstance(m, (NVFP4Linear, FrozenNVFP4Linear)) for m in model.modules()):
+        convert_to_nvfp4(model, quant_recipe)
+    return nvfp4_lora(model, lora_config, base_config)
+
+
 # ------------------------------------------------------------------------------------------------------ AQN
 
 
@@ -201,6 +230,8 @@ class AQNConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if isinstance(self.targets, list):  # from YAML / JSON
+            object.__setattr__(self, "targets", tuple(self.targets))
         for name in ("sigma_start", "sigma_end"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):

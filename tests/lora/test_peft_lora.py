@@ -176,3 +176,24 @@ def test_aqn_folds_channel_noise_into_the_norms_and_restores_them_exactly(nvfp4_
     model.get_submodule(sorted(norms)[0]).weight.requires_grad_(True)
     with pytest.raises(ValueError, match="trainable"):
         AdaptiveQuantizationNoise().attach(model)
+
+
+def test_nvfp4_lora_model_loads_converts_and_freezes_a_saved_model(tmp_path):
+    from triage.kernels import NVFP4LinearConfig
+    from triage.trainers.lora import nvfp4_lora_model
+    from triage.trainers.tiny import save_tiny_model
+
+    path = save_tiny_model(tmp_path / "tiny")
+    model, cfg = nvfp4_lora_model(
+        str(path),
+        LoraConfig(r=2, target_modules=["q_proj", "v_proj"]),
+        quant_recipe=NVFP4LinearConfig(**FAST),
+        base_config=NVFP4BaseConfig(mode="w4a16", **FAST),
+    )
+    peft_model = get_peft_model(model, cfg)
+    wrapped = [n for n, m in peft_model.named_modules() if isinstance(m, NVFP4LoraLinear)]
+    assert len(wrapped) == 4 and all(n.endswith(("q_proj", "v_proj")) for n in wrapped)
+    frozen = [m for m in peft_model.modules() if isinstance(m, FrozenNVFP4Linear)]
+    assert len(frozen) == 14 and all(m.config.mode == "w4a16" for m in frozen)
+    with pytest.raises(ValueError, match="model_init_kwargs"):
+        nvfp4_lora_model(model, LoraConfig(), model_init_kwargs={"dtype": "bfloat16"})
