@@ -202,3 +202,24 @@ def test_nvfp4linear_config_is_inherited_when_freezing():
     assert torch.equal(frozen(x), lin(x).detach())
     with pytest.raises(ValueError, match="keeps its own weight recipe"):
         FrozenNVFP4Linear.from_linear(lin, recipe=QuantRecipe())
+
+
+@pytest.mark.parametrize("mode", ["w4a4", "w4a16"])
+def test_k_not_a_multiple_of_16_with_padded_recipes(mode):
+    pad = QuantRecipe(pad=True)
+    lin = nn.Linear(40, 24, bias=False)
+    layer = FrozenNVFP4Linear.from_linear(
+        lin, NVFP4BaseConfig(mode=mode, input_recipe=pad, **FAST), recipe=pad
+    )
+    assert layer.qweight.shape == (24, 24)  # Kp = 48
+    x = torch.randn(2, 5, 40, requires_grad=True)
+    y = layer(x)
+    if mode == "w4a16":
+        torch.testing.assert_close(y.double(), x.detach().double() @ _dense64(layer).T, rtol=1e-6, atol=1e-6)
+    else:
+        xq = quantize(x.detach().reshape(-1, 40), pad)
+        assert torch.equal(
+            y.detach().reshape(-1, 24), gemm_reference(xq, layer.quantized_weight(), out_dtype=x.dtype)
+        )
+    y.sum().backward()
+    torch.testing.assert_close(x.grad.double(), torch.ones(2, 5, 24, dtype=torch.float64) @ _dense64(layer))
