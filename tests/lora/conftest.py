@@ -16,9 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-
-#: Torch reference kernels for whole-model tests (the interpreter is exercised by the layer tests).
-FAST = dict(gemm_backend="reference", quant_backend="torch")
+from lora_testkit import FAST  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from conftest import FAST
+from lora_testkit import FAST
 from torch import nn
 
 from triage.kernels import NVFP4Linear, NVFP4LinearConfig

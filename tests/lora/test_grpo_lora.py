@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-from conftest import FAST
 from datasets import Dataset
+from lora_testkit import FAST
 from peft import LoraConfig
 
 from triage.kernels import NVFP4LinearConfig, convert_to_nvfp4

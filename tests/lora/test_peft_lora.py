@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FAST
+from lora_testkit import FAST
 from peft import LoraConfig, get_peft_model
 
 from triage.kernels.lora import FrozenNVFP4Linear, NVFP4BaseConfig
