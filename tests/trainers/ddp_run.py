@@ -12,7 +12,7 @@ import os
 import sys
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-from triage.trainers.train import build_trainer  # noqa: E402
+from triage.experiments.train import build_trainer  # noqa: E402
 
 RECIPE = {  # a `triage train` recipe (base.yaml is layered under it by load_recipe)
     "model_name_or_path": "tiny",  # replaced by the test's saved tiny model
