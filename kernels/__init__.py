@@ -21,6 +21,9 @@ _LAZY = {
     "convert_moe_experts": "triage.kernels.moe.experts",
     "NVFP4MoeExperts": "triage.kernels.moe.experts",
     "MoEQuantConfig": "triage.kernels.moe.experts",
+    "FrozenNVFP4Linear": "triage.kernels.lora",
+    "NVFP4BaseConfig": "triage.kernels.lora",
+    "freeze_nvfp4_base": "triage.kernels.lora",
 }
 
 __all__ = sorted(_LAZY)

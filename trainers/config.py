@@ -115,6 +115,18 @@ class TriageGRPOConfig(GRPOConfig):
             "learner NVFP4 recipe: QuantRecipe fields (mapping, or JSON on the CLI); None: TE defaults"
         ),
     )
+    lora_base_mode: str = field(
+        default="w4a4",
+        metadata=_help(
+            "LoRA on NVFP4 (peft_config + learner_precision nvfp4): frozen base numerics", ("w4a4", "w4a16")
+        ),
+    )
+    aqn: dict | str | None = field(
+        default=None,
+        metadata=_help(
+            "adaptive quantization noise (QeRL): AQNConfig fields as a mapping (JSON on the CLI); None: off"
+        ),
+    )
     sampler: str | None = field(
         default=None,
         metadata=_help("sampler source when no rollout_func is given (None: TRL's own generation)"),
@@ -167,6 +179,17 @@ class TriageGRPOConfig(GRPOConfig):
                 self.quant_recipe = json.loads(self.quant_recipe)
             except json.JSONDecodeError as err:
                 raise ValueError(f"TriageGRPOConfig.quant_recipe is not valid JSON: {err}") from None
+        if self.lora_base_mode not in ("w4a4", "w4a16"):
+            raise ValueError(
+                f"TriageGRPOConfig.lora_base_mode={self.lora_base_mode!r}: expected 'w4a4' or 'w4a16'"
+            )
+        if isinstance(self.aqn, str):
+            try:
+                self.aqn = json.loads(self.aqn)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"TriageGRPOConfig.aqn is not valid JSON: {err}") from None
+        if self.aqn is not None and not isinstance(self.aqn, dict):
+            raise ValueError(f"TriageGRPOConfig.aqn must be a mapping of AQNConfig fields, got {self.aqn!r}")
         if self.learner_precision == "bf16" and self.quant_recipe is not None:
             raise ValueError("quant_recipe is only used with learner_precision='nvfp4'")
         if self.sampler is not None and self.sampler not in SAMPLER_KINDS:

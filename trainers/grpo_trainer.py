@@ -82,7 +82,8 @@ def resolve_sampler_kwargs(kind: str, kwargs: dict | None) -> dict:
     * For ``kind="hf"``, the sampler-numerics keys of the recipes (docs/experiments.md) become an
       ``HFSampler`` copy: ``precision: bf16`` (a bf16 copy) or ``precision: nvfp4`` with ``quant_recipe``
       (``QuantRecipe`` fields; the copy is converted with ``triage.kernels.convert_to_nvfp4``);
-      ``kv_cache_dtype`` other than ``auto``/``bf16`` is not implemented by the HF sampler (error).
+      ``kv_cache_dtype`` (``auto``/``native``/``bf16``/``fp8_e4m3``) goes to ``HFSampler`` (an emulated fp8 cache,
+      see ``triage.trainers.sampling.hf``).
     * An HF sampler copy always gets a ``prepare_model`` that removes TRL's patched ``forward``
       (:func:`_strip_patched_forward`) before any user ``prepare_model``.
     """
@@ -93,12 +94,15 @@ def resolve_sampler_kwargs(kind: str, kwargs: dict | None) -> dict:
         return kwargs
     precision = kwargs.pop("precision", None)
     quant_recipe = kwargs.pop("quant_recipe", None)
-    kv_cache_dtype = kwargs.pop("kv_cache_dtype", None)
-    if kv_cache_dtype not in (None, "auto", "bf16"):
-        raise NotImplementedError(
-            f"sampler_kwargs.kv_cache_dtype={kv_cache_dtype!r}: the HF sampler keeps its KV cache in the model "
-            "dtype; an fp8 KV cache needs an engine that has one (use_vllm / sampler 'vllm-server' or 'sglang')"
-        )
+    kv_cache_dtype = kwargs.get("kv_cache_dtype")
+    if kv_cache_dtype is not None:
+        from .sampling.hf import KV_CACHE_DTYPES
+
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"sampler_kwargs.kv_cache_dtype={kv_cache_dtype!r}: the HF sampler supports {KV_CACHE_DTYPES} "
+                "(its fp8 cache is e4m3 with per-layer scales calibrated on the prefill)"
+            )
     if precision not in (None, "bf16", "nvfp4"):
         raise ValueError(f"sampler_kwargs.precision must be 'bf16' or 'nvfp4', got {precision!r}")
     if quant_recipe is not None and precision != "nvfp4":
@@ -174,9 +178,27 @@ class TriageGRPOTrainer(GRPOTrainer):
         if rollout_func is not None:
             rollout_func = self._validated(rollout_func)
 
+        lora_on_nvfp4 = kwargs.get("peft_config") is not None and args.learner_precision == "nvfp4"
+        if lora_on_nvfp4:
+            # QeRL setting: frozen NVFP4 base (quantized bytes only) + PEFT LoRA adapters (docs/trainer.md).
+            from triage.kernels.lora import NVFP4BaseConfig
+            from triage.trainers.lora import nvfp4_lora_model
+
+            model, kwargs["peft_config"] = nvfp4_lora_model(
+                model,
+                kwargs["peft_config"],
+                quant_recipe=_quant_recipe(args.quant_recipe),
+                base_config=NVFP4BaseConfig(mode=args.lora_base_mode),
+                model_init_kwargs=args.model_init_kwargs if isinstance(model, str) else None,
+            )
+        if args.aqn is not None:
+            from triage.trainers.lora import AQNCallback, AQNConfig
+
+            kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), AQNCallback(AQNConfig(**args.aqn))]
+
         super().__init__(model, reward_funcs, args, rollout_func=rollout_func, **kwargs)
 
-        if args.learner_precision == "nvfp4":
+        if args.learner_precision == "nvfp4" and not lora_on_nvfp4:
             self._convert_learner_to_nvfp4(args.quant_recipe)
         self._triage_inputs: dict[str, Any] | None = None
         self._tau_window: list[torch.Tensor] = []

@@ -105,3 +105,54 @@ def test_two_grpo_steps_train_only_the_adapters(tokenizer, tmp_path, sampler_mod
     learner.eval()
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, learner(ids).logits)
+
+
+def test_trainer_wires_peft_config_on_an_nvfp4_learner(tokenizer, tmp_path):
+    """`peft_config` + learner_precision="nvfp4": the trainer freezes an NVFP4 base itself (QeRL setting)."""
+    from triage.trainers import TriageGRPOConfig, TriageGRPOTrainer
+    from triage.trainers.tiny import build_model
+
+    args = TriageGRPOConfig(
+        output_dir=str(tmp_path / "run"),
+        use_cpu=True,
+        bf16=False,
+        max_steps=1,
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=4,
+        learning_rate=5e-2,
+        report_to="none",
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+        sampler="hf",
+        learner_precision="nvfp4",
+        lora_base_mode="w4a16",
+        aqn={"num_stages": 2, "sigma_start": 1e-2, "sigma_end": 1e-2},
+    )
+    trainer = TriageGRPOTrainer(
+        model=build_model(tokenizer, seed=0),
+        reward_funcs=_reward,
+        args=args,
+        train_dataset=_dataset(),
+        processing_class=tokenizer,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"),
+    )
+    frozen = [m for m in trainer.model.modules() if isinstance(m, FrozenNVFP4Linear)]
+    assert frozen and all(m.config.mode == "w4a16" for m in frozen)
+    trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    assert any(isinstance(cb, AQNCallback) for cb in trainer.callback_handler.callbacks)
+    before = {k: v.clone() for k, v in _frozen_buffers(trainer.model).items()}
+    trainer.train()
+    after = _frozen_buffers(trainer.model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_lora_config_fields_are_validated():
+    from triage.trainers import TriageGRPOConfig
+
+    with pytest.raises(ValueError, match="lora_base_mode"):
+        TriageGRPOConfig(output_dir="x", lora_base_mode="w8a8")
+    with pytest.raises(ValueError, match="aqn"):
+        TriageGRPOConfig(output_dir="x", aqn="{not json")
