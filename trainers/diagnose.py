@@ -42,6 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _load(args, device):
     import torch
+
     from triage.trainers.diagnostics.preset import TinyPreset, train_tiny_model
 
     if args.preset == "tiny":
@@ -60,6 +61,7 @@ def _load(args, device):
 
 def _run_table(args) -> int:
     import torch
+
     from triage.trainers.diagnostics.gap_table import default_rows, format_table, gap_table, write_gap_table
     from triage.trainers.diagnostics.preset import sample_batch
 

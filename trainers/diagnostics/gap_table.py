@@ -218,13 +218,21 @@ def plot_gap_table(table: dict, out_dir: Path) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(8, 5))
     floor = 1e-12
-    for r in rows:
+    for i, r in enumerate(rows):
         div = [max(v, floor) for v in r["layers"]["divergence"]]
-        ax.plot(range(len(div)), div, marker="o", label=f"{r['axis']}: {r['setting']}")
+        style = ("-", "--", ":")[i % 3]
+        ax.plot(
+            range(len(div)),
+            div,
+            style,
+            marker="o",
+            color=plt.cm.tab20(i % 20),
+            label=f"{r['axis']}: {r['setting']}",
+        )
     ax.axhline(table["layer_threshold"], color="gray", linestyle="--", linewidth=1)
     ax.set_yscale("log")
     ax.set_xlabel("decoder layer")
-    ax.set_ylabel("relative divergence ‖h_l − g_l‖ / ‖g_l‖")
+    ax.set_ylabel(f"relative divergence ‖h_l − g_l‖ / ‖g_l‖ (0 drawn at {floor:g})")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     layers = out_dir / "layer_divergence.png"
