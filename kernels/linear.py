@@ -28,8 +28,12 @@ the contraction dim, so H·Hᵀ = I cancels inside the product; it spreads outli
 Stochastic rounding keeps the gradient estimator unbiased; its seed is ``grad_recipe.seed`` plus a per-
 module call counter (deterministic run to run, different every step).
 
-Weight cache. ``W_q`` (and, for the cuBLAS backend, its exact bf16 expansion ``q·s``) is cached on the
-module and reused until the weight changes. The key is ``(W._version, W.data_ptr(), W.dtype, W.shape)``:
+Forward GEMM: for more than ``SMALL_M`` rows the activation quantizer also writes the exact bf16 ``q·s``
+(``emit_expanded``) and the GEMM runs on expansions (see :mod:`triage.kernels.nvfp4.gemm`); decode-sized
+inputs stream the packed weight instead.
+
+Weight cache. ``W_q`` (and, for the large-M path, its exact bf16 expansion ``q·s`` and its per-tensor decode
+scale as a host float) is cached on the module and reused until the weight changes. The key is ``(W._version, W.data_ptr(), W.dtype, W.shape)``:
 in-place updates through autograd-visible ops (``optimizer.step()``, ``param.copy_()`` under no_grad,
 ``load_state_dict``) bump ``_version``; replacing ``param.data`` changes ``data_ptr``. Writing through
 ``param.data.copy_(...)`` does NOT bump the version counter: call :meth:`NVFP4Linear.invalidate_cache`
@@ -111,10 +115,12 @@ class NVFP4LinearConfig:
                 raise ValueError("NVFP4LinearConfig.grad_recipe (dgrad dy) cannot use Hadamard: W_qᵀ did not")
 
 
-def _quantize(x: torch.Tensor, recipe: QuantRecipe, backend: str, seed: int | None = None) -> NVFP4Tensor:
+def _quantize(
+    x: torch.Tensor, recipe: QuantRecipe, backend: str, seed: int | None = None, expanded: bool = False
+) -> NVFP4Tensor:
     from triage.kernels.nvfp4 import quantize
 
-    return quantize(x, recipe, backend=backend, seed=seed)
+    return quantize(x, recipe, backend=backend, seed=seed, emit_expanded=torch.bfloat16 if expanded else None)
 
 
 def transpose_16x16(w: NVFP4Tensor) -> NVFP4Tensor:
@@ -134,7 +140,7 @@ def transpose_16x16(w: NVFP4Tensor) -> NVFP4Tensor:
     codes_t = unpack_nibbles(w.data).T.contiguous()  # [K, N]
     tile = w.scale.view(torch.uint8)[::16]  # [N/16, K/16]: one scale per tile (rows repeat it)
     scale_t = tile.T.repeat_interleave(16, dim=0).contiguous().view(torch.float8_e4m3fn)  # [K, N/16]
-    return replace(w, data=pack_nibbles(codes_t), scale=scale_t, shape=torch.Size((K, N)))
+    return replace(w, data=pack_nibbles(codes_t), scale=scale_t, shape=torch.Size((K, N)), expanded=None)
 
 
 class _WeightCache:
@@ -144,6 +150,7 @@ class _WeightCache:
         self.key: tuple | None = None
         self.quantized: NVFP4Tensor | None = None
         self.expanded: torch.Tensor | None = None
+        self.scale_host: float | None = None
         self.transposed: NVFP4Tensor | None = None
         self.hits = 0
         self.misses = 0
@@ -162,11 +169,14 @@ class _WeightCache:
             q = _quantize(weight.detach(), config.weight_recipe, config.quant_backend)
         self.quantized = q
         self.expanded = None
+        self.scale_host = None
         self.transposed = None
         if _uses_expanded_weight(config, weight.device):
-            from triage.kernels.nvfp4.gemm import expand
+            from triage.kernels.nvfp4.gemm import expand, host_decode_scale
 
             self.expanded = expand(q)
+            if q.global_scale.numel() == 1:  # one device read per weight update, not per GEMM
+                self.scale_host = host_decode_scale(q)
         if config.mode == "nvfp4-backward":
             self.transposed = transpose_16x16(q)
         self.key = key
@@ -177,11 +187,18 @@ class _WeightCache:
 
 
 def _uses_expanded_weight(config: NVFP4LinearConfig, device: torch.device) -> bool:
-    from triage.kernels.nvfp4 import gemm as g
+    """Whether large-M forwards run on the exact bf16 expansions (cached for the weight)."""
+    from triage.kernels.nvfp4.gemm_triton import interpreting
 
-    if config.gemm_backend == "cublas":
+    if config.gemm_backend in ("cublas", "triton"):
         return True
-    return config.gemm_backend == "auto" and device.type == "cuda" and g.LARGE_M_BACKEND == "cublas"
+    return config.gemm_backend == "auto" and (device.type == "cuda" or interpreting())
+
+
+def _large_m(config: NVFP4LinearConfig, rows: int, device: torch.device) -> bool:
+    from triage.kernels.nvfp4.gemm import SMALL_M
+
+    return rows > SMALL_M and _uses_expanded_weight(config, device)
 
 
 class _NVFP4LinearFn(torch.autograd.Function):
@@ -193,14 +210,16 @@ class _NVFP4LinearFn(torch.autograd.Function):
 
         K = x.shape[-1]
         x2 = x.reshape(-1, K)
-        xq = _quantize(x2, config.input_recipe, config.quant_backend)
+        large = _large_m(config, x2.shape[0], x.device)
+        xq = _quantize(x2, config.input_recipe, config.quant_backend, expanded=large)  # q·s in the same pass
         y = gemm(
             xq,
             cache.quantized,
             out_dtype=x.dtype,
             bias=bias,
             backend=config.gemm_backend,
-            b_expanded=cache.expanded,
+            b_expanded=cache.expanded if large else None,
+            b_scale_host=cache.scale_host,
         )
         ctx.save_for_backward(x, weight)
         ctx.config = config

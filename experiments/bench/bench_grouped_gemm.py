@@ -5,9 +5,10 @@
 Shapes (Qwen3-30B-A3B-like): gate_up [R, 2048] x [E, 1536, 2048]ᵀ and down [R, 768] x [E, 2048, 768]ᵀ with
 R = tokens x top_k rows routed by a random top-k (uneven counts). Compared side by side: a loop of bf16
 matmuls, ``torch._grouped_mm`` (bf16), and the NVFP4 backends (activation quantization included, weights
-quantized once outside the timing as in training). fwd+bwd: autograd of each path (NVFP4 = straight-through
-``bf16-backward``, the default). Times: ``triton.testing.do_bench`` medians in ms. Writes
-``$OUT/bench_grouped_gemm.txt`` when ``$OUT`` is set.
+quantized once outside the timing as in training). "tokens+gather": the NVFP4 path as the MoE layer runs it —
+the T un-routed tokens quantized once (with ``emit_expanded``), the top-k gather done inside the GEMM.
+fwd+bwd: autograd of each path (NVFP4 = straight-through ``bf16-backward``, the default). Times:
+``triton.testing.do_bench`` medians in ms. Writes ``$OUT/bench_grouped_gemm.txt`` when ``$OUT`` is set.
 """
 
 # ruff: noqa: B023  (the timed closures run inside the loop iteration that defines them)
@@ -52,6 +53,16 @@ def check(log, experts, top_k, k, n):
         good = err < (1e-2 if b == "grouped_mm" else 1e-5)
         ok &= good
         log(f"check  {b:<16s} max|err|/max|ref| = {err:.2e}  {'ok' if good else 'FAIL'}")
+    # tokens quantized once, gathered inside the kernel: same result as gathering first
+    xt = torch.randn(512, k, device="cuda", dtype=torch.bfloat16)
+    at = quantize(xt, emit_expanded=torch.bfloat16)
+    ref = grouped_gemm_reference(quantize(xt[token]), wq, offsets, out_dtype=torch.float32)
+    for b in ("triton", "triton_expanded"):
+        y = grouped_gemm(at, wq, offsets, out_dtype=torch.float32, backend=b, a_rows=token)
+        err = ((y - ref).abs().max() / ref.abs().max()).item()
+        good = err < 1e-5
+        ok &= good
+        log(f"check  {b:<16s} a_rows gather: max|err|/max|ref| = {err:.2e}  {'ok' if good else 'FAIL'}")
     return ok
 
 
@@ -63,6 +74,7 @@ def main():
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--expert-dim", type=int, default=768)
     p.add_argument("--sweep", action="store_true", help="also time a few Triton tile configs")
+    p.add_argument("--skip-fused", action="store_true", help="skip the (slow) fused-unpack backend")
     args = p.parse_args()
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     lines = []
@@ -105,14 +117,23 @@ def main():
             return torch._grouped_mm(x, w.transpose(1, 2), ends)
 
         wq = quantize(w.detach(), W_RECIPE)
-        w16 = expand_experts(wq, torch.float16)
         wbf = expand_experts(wq, torch.bfloat16)
         cache = _WeightCache()
+        # the MoE layer's view: T un-routed tokens, rows = token[order]
+        n_tok = rows // k_top if name == "gate_up" else rows
+        x_tok = x.detach()[:n_tok].contiguous()
+        gather = token if name == "gate_up" else None
 
         def nvfp4(backend, w_exp=None):
             return lambda: grouped_gemm(
                 quantize(x.detach()), wq, offsets, backend=backend, w_expanded=w_exp, validate=False
             )
+
+        def nvfp4_tokens():
+            return grouped_gemm(
+                quantize(x_tok, emit_expanded=torch.bfloat16), wq, offsets, backend="triton_expanded",
+                w_expanded=wbf, a_rows=gather, validate=False,
+            )  # fmt: skip
 
         def nvfp4_autograd(backend):
             cfg = MoEQuantConfig(backend=backend)
@@ -122,72 +143,62 @@ def main():
             ("bf16 loop", bf16_loop, bf16_loop_autograd),
             ("bf16 torch._grouped_mm", bf16_grouped, bf16_grouped),
             ("nvfp4 triton (fused)", nvfp4("triton"), nvfp4_autograd("triton")),
-            ("nvfp4 triton_expanded", nvfp4("triton_expanded", w16), nvfp4_autograd("triton_expanded")),
+            ("nvfp4 triton_expanded", nvfp4("triton_expanded", wbf), nvfp4_autograd("triton_expanded")),
+            ("nvfp4 tokens+gather (exp)", nvfp4_tokens, None),
             ("nvfp4 grouped_mm", nvfp4("grouped_mm", wbf), nvfp4_autograd("grouped_mm")),
         ]
-        xq = quantize(x.detach())
         for label, fwd, fwd_ag in impls:
+            if args.skip_fused and "fused" in label:
+                continue
             with torch.no_grad():
-                t_f = triton.testing.do_bench(fwd, rep=200)
+                t_f = triton.testing.do_bench(fwd, rep=100)
 
             def fb(fwd_ag=fwd_ag):
                 fwd_ag().backward(dy)
 
+            t_fb = f"{'-':>11s}"
             try:
-                t_fb = f"{triton.testing.do_bench(fb, rep=200, grad_to_none=[x, w]):11.3f}"
+                if fwd_ag is not None:
+                    t_fb = f"{triton.testing.do_bench(fb, rep=100, grad_to_none=[x, w]):11.3f}"
             except Exception as exc:  # noqa: BLE001 - e.g. no autograd formula in this torch
                 t_fb = f"{'n/a':>11s}"
                 log(f"  ({label} fwd+bwd failed: {type(exc).__name__}: {str(exc)[:100]})")
             x.grad = w.grad = None
             log(f"{name:<8s} {label:<26s} {t_f:8.3f} {t_fb} {flops / t_f / 1e9:12.1f}")
-        t_q = triton.testing.do_bench(lambda: quantize(x.detach()), rep=200)
+        t_q = triton.testing.do_bench(lambda: quantize(x_tok, emit_expanded=torch.bfloat16), rep=100)
+        xq_tok = quantize(x_tok, emit_expanded=torch.bfloat16)
         t_g = triton.testing.do_bench(
-            lambda: grouped_gemm(xq, wq, offsets, backend="triton", validate=False), rep=200
-        )
-        log(f"{name:<8s} {'  (activation quantize)':<26s} {t_q:8.3f}")
-        log(f"{name:<8s} {'  (fused GEMM, pre-quant)':<26s} {t_g:8.3f} {'':>11s} {flops / t_g / 1e9:12.1f}")
+            lambda: grouped_gemm(xq_tok, wq, offsets, backend="triton_expanded", w_expanded=wbf, a_rows=gather,
+                                 validate=False), rep=100)  # fmt: skip
+        log(f"{name:<8s} {'  (token quantize+expanded)':<26s} {t_q:8.3f}")
+        log(f"{name:<8s} {'  (expanded GEMM+gather)':<26s} {t_g:8.3f} {'':>11s} {flops / t_g / 1e9:12.1f}")
         if args.sweep:
             out = torch.empty(rows, N, device="cuda", dtype=torch.bfloat16)
-            K2 = xq.data.shape[-1] * 2
-            g_a = xq.global_scale.float().reshape(1)
+            K2 = xq_tok.data.shape[-1] * 2
+            g_a = xq_tok.global_scale.float().reshape(1)
             g_w = wq.global_scale.float().reshape(E)
-            from triage.kernels.nvfp4.gemm import expand
-
-            xe = expand(xq, torch.float16)
+            xe = xq_tok.expanded
             for bm, bn, bk, warps, stages in [
-                (64, 128, 64, 4, 4),
                 (128, 128, 64, 8, 4),
                 (128, 256, 64, 8, 3),
-                (128, 128, 128, 8, 3),
+                (128, 128, 64, 4, 4),
                 (64, 256, 64, 8, 4),
+                (128, 128, 128, 8, 3),
             ]:
                 cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
-                for packed in (True, False):
-                    args_ab = (xq.data, xq.scale, wq.data, wq.scale) if packed else (xe, None, w16, None)
-                    try:
-                        t = triton.testing.do_bench(
-                            lambda: launch_grouped_gemm(
-                                args_ab[0],
-                                args_ab[1],
-                                args_ab[2],
-                                args_ab[3],
-                                K2,
-                                offsets,
-                                out,
-                                g_a,
-                                g_w,
-                                config=cfg,
-                            ),
-                            rep=100,
-                        )
-                        log(
-                            f"{name:<8s} sweep {'fused' if packed else 'expanded':<8s} {bm}x{bn}x{bk} w{warps} "
-                            f"s{stages}: {t:.3f} ms  {flops / t / 1e9:.1f} TFLOP/s"
-                        )
-                    except Exception as exc:  # noqa: BLE001 - report and keep sweeping
-                        log(
-                            f"{name:<8s} sweep {bm}x{bn}x{bk}: failed ({type(exc).__name__}: {str(exc)[:80]})"
-                        )
+                try:
+                    t = triton.testing.do_bench(
+                        lambda: launch_grouped_gemm(
+                            xe, None, wbf, None, K2, offsets, out, g_a, g_w, rows=gather, config=cfg
+                        ),
+                        rep=100,
+                    )
+                    log(
+                        f"{name:<8s} sweep expanded {bm}x{bn}x{bk} w{warps} "
+                        f"s{stages}: {t:.3f} ms  {flops / t / 1e9:.1f} TFLOP/s"
+                    )
+                except Exception as exc:  # noqa: BLE001 - report and keep sweeping
+                    log(f"{name:<8s} sweep {bm}x{bn}x{bk}: failed ({type(exc).__name__}: {str(exc)[:80]})")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "bench_grouped_gemm.txt"), "w") as f:
             f.write("\n".join(lines) + "\n")

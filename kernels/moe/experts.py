@@ -78,7 +78,7 @@ def _gather_rows(t: NVFP4Tensor, idx: torch.Tensor | None) -> NVFP4Tensor:
 
 
 class _WeightCache:
-    """Quantized weights (and their fp16 expansion) keyed by the parameter's storage and version."""
+    """Quantized weights (and their exact bf16 expansion) keyed by the parameter's storage and version."""
 
     def __init__(self) -> None:
         self.key = None
@@ -88,7 +88,7 @@ class _WeightCache:
         key = (weight.data_ptr(), weight._version, weight.dtype, recipe, expanded)
         if key != self.key:
             wq = quantize(weight.detach(), recipe, backend=_qbackend(weight))
-            self.value = (wq, expand_experts(wq, torch.float16) if expanded else None)
+            self.value = (wq, expand_experts(wq, torch.bfloat16) if expanded else None)
             self.key = key
         return self.value
 
@@ -98,19 +98,31 @@ class _GroupedNVFP4Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, gather, offsets, cfg, cache):
-        xq = quantize(x.detach(), cfg.activation, backend=_qbackend(x))
-        a = _gather_rows(xq, gather)
         triton_expanded = cfg.backend == "triton_expanded" or (
             cfg.backend == "auto" and _auto_backend(x) == "triton_expanded"
         )
+        # tokens quantized once (before the top-k gather); their exact q·s written in the same pass
+        xq = quantize(
+            x.detach(),
+            cfg.activation,
+            backend=_qbackend(x),
+            emit_expanded=torch.bfloat16 if triton_expanded else None,
+        )
         wq, w_exp = cache.get(weight, cfg.weight, triton_expanded)
         y = grouped_gemm(
-            a, wq, offsets, out_dtype=x.dtype, backend=cfg.backend, w_expanded=w_exp, validate=False
+            xq,
+            wq,
+            offsets,
+            out_dtype=x.dtype,
+            backend=cfg.backend,
+            w_expanded=w_exp,
+            a_rows=gather,
+            validate=False,
         )
         ctx.cfg = cfg
         ctx.x_shape = x.shape
         if cfg.backward == "dequantized":
-            ctx.quantized = (a, wq)
+            ctx.quantized = (_gather_rows(xq, gather), wq)
             ctx.save_for_backward(gather, offsets)
         else:
             ctx.quantized = None

@@ -15,10 +15,16 @@ products exact, fp32 accumulation, outer scales in an fp32 epilogue, one final r
 
 Backends:
 * ``"triton"`` — one grouped Triton kernel (:mod:`.grouped_triton`) that unpacks both operands in registers.
-* ``"triton_expanded"`` — expand both operands to their exact fp16 ``q·s`` first (the weights' expansion
-  can be cached: ``w_expanded=``), then the same kernel on dense operands.
+* ``"triton_expanded"`` — the same kernel on the operands' exact bf16 ``q·s`` expansions: the activation's
+  from ``a.expanded`` when the quantizer wrote it (``quantize(..., emit_expanded=torch.bfloat16)``), the
+  weights' from ``w_expanded=`` (cached once per optimizer step). Tensor cores, fp32 accumulation, outer
+  scales in the epilogue: exact like the others, and no unpacking in the inner loop.
 * ``"grouped_mm"`` — exact bf16 expansion + ``torch._grouped_mm``. That op returns bf16, so the sum is
   rounded to bf16 *before* the fp32 outer-scale epilogue: one extra rounding (≤ 1 bf16 ulp); a baseline.
+
+Routing gather: ``a_rows`` (int [R]) makes row r of the product read row ``a_rows[r]`` of ``a`` (``a`` then
+holds the T un-routed tokens, quantized once); the Triton backends gather inside the kernel, so the
+top-k copy of the activations (packed or expanded) is never written.
 * ``"reference"`` — a loop of per-expert fp64 matmuls on dequantized values.
 * ``"auto"`` — reference on CPU (unless the Triton interpreter is on), :data:`LARGE_BACKEND` on CUDA.
 
@@ -97,7 +103,7 @@ def check_offsets(offsets: torch.Tensor, num_rows: int, num_experts: int) -> Non
 # ----- operands -----
 
 
-def _check_operands(a, w, offsets, out_dtype, validate):
+def _check_operands(a, w, offsets, out_dtype, validate, rows=None):
     Ka, Kw = _k_of(a, "a"), _k_of(w, "w")
     if len(tuple(a.shape)) != 2 or len(tuple(w.shape)) != 3:
         raise ValueError(f"a must be [T, K] and w [E, N, K], got {tuple(a.shape)} and {tuple(w.shape)}")
@@ -109,7 +115,7 @@ def _check_operands(a, w, offsets, out_dtype, validate):
         raise ValueError("a, w and offsets must be on one device")
     T, (E, N, _) = a.shape[0], tuple(w.shape)
     if validate:
-        check_offsets(offsets, T, E)
+        check_offsets(offsets, T if rows is None else rows, E)
     return T, E, N, _padded(Ka)
 
 
@@ -136,7 +142,7 @@ def _outer_w(w, E: int, N: int) -> torch.Tensor:
     )
 
 
-def expand_experts(w, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+def expand_experts(w, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Exact ``q·s`` of NVFP4 expert weights [E, N, K] as dense [E, N, Kp] (outer scale not applied)."""
     return expand(w, dtype)
 
@@ -231,35 +237,63 @@ def grouped_gemm(
     out_dtype: torch.dtype = torch.bfloat16,
     backend: str = "auto",
     w_expanded: torch.Tensor | None = None,
+    a_rows: torch.Tensor | None = None,
     validate: bool = True,
 ) -> torch.Tensor:
-    """W4A4 grouped ``y = a·w[e]ᵀ`` per expert segment: a NVFP4 [T, K], w NVFP4 [E, N, K] → [T, N].
+    """W4A4 grouped ``y = a·w[e]ᵀ`` per expert segment: a NVFP4 [T, K], w NVFP4 [E, N, K] → [R, N].
 
-    ``w_expanded``: an optional cached :func:`expand_experts` of ``w`` (fp16 for the Triton backends,
-    bf16 for ``grouped_mm``).
+    ``a_rows``: optional int [R] gather (row r uses ``a[a_rows[r]]``; R = T without it). ``w_expanded``: an
+    optional cached :func:`expand_experts` of ``w`` (bf16, or fp16 for ``triton_expanded``).
     """
-    T, E, N, K = _check_operands(a, w, offsets, out_dtype, validate)
+    if a_rows is not None:
+        if a_rows.dim() != 1 or a_rows.dtype.is_floating_point or a_rows.device != a.data.device:
+            raise ValueError("a_rows must be a 1-D integer tensor on a's device")
+        if validate and a_rows.numel() and (int(a_rows.min()) < 0 or int(a_rows.max()) >= a.shape[0]):
+            raise ValueError(f"a_rows has entries outside [0, {a.shape[0]}) (rows of a)")
     which = _pick(backend, a.data.device)
+    if which in ("reference", "grouped_mm") and a_rows is not None:
+        a = _gather(a, a_rows)
+        a_rows = None
+    R = a.shape[0] if a_rows is None else a_rows.numel()
+    T, E, N, K = _check_operands(a, w, offsets, out_dtype, validate, rows=R)
     if which == "reference":
         return grouped_gemm_reference(a, w, offsets, out_dtype=out_dtype, validate=False)
     g_a, g_w = _outer_a(a, T), _outer_w(w, E, N)
     if which == "grouped_mm":
         xa = expand(a, torch.bfloat16)
-        wb = w_expanded if w_expanded is not None else expand(w, torch.bfloat16)
+        wb = w_expanded if w_expanded is not None and w_expanded.dtype == torch.bfloat16 else None
+        wb = wb if wb is not None else expand(w, torch.bfloat16)
         acc = grouped_mm(xa, wb, offsets).float()
         e_of_row = torch.repeat_interleave(
-            torch.arange(E, device=xa.device), (offsets[1:] - offsets[:-1]).long(), output_size=T
+            torch.arange(E, device=xa.device), (offsets[1:] - offsets[:-1]).long(), output_size=R
         )
         acc = acc * (g_a if g_a.numel() == 1 else g_a[:, None])
         acc = acc * (g_w[e_of_row][:, None] if g_w.dim() == 1 else g_w[e_of_row])
         return acc.to(out_dtype)
     from .grouped_triton import launch_grouped_gemm
 
-    out = torch.empty((T, N), dtype=out_dtype, device=a.data.device)
+    out = torch.empty((R, N), dtype=out_dtype, device=a.data.device)
     offs = offsets.contiguous()
     if which == "triton":
         a_data, a_scale = a.data.reshape(T, K // 2), a.scale.reshape(T, K // 16)
-        return launch_grouped_gemm(a_data, a_scale, w.data, w.scale, K, offs, out, g_a, g_w)
-    xa = expand(a, torch.float16)
-    wb = w_expanded if w_expanded is not None else expand(w, torch.float16)
-    return launch_grouped_gemm(xa, None, wb, None, K, offs, out, g_a, g_w)
+        return launch_grouped_gemm(a_data, a_scale, w.data, w.scale, K, offs, out, g_a, g_w, rows=a_rows)
+    dtype = w_expanded.dtype if w_expanded is not None else torch.bfloat16
+    wb = w_expanded if w_expanded is not None else expand(w, dtype)
+    xa = expand(a, dtype).reshape(T, K)
+    return launch_grouped_gemm(xa, None, wb, None, K, offs, out, g_a, g_w, rows=a_rows)
+
+
+def _gather(t, idx: torch.Tensor):
+    """Rows ``idx`` of a 2-D NVFP4 operand (codes, scales, per-row outer scales, expansion)."""
+    from dataclasses import replace
+
+    g = t.global_scale
+    exp = getattr(t, "expanded", None)
+    return replace(
+        t,
+        data=t.data[idx],
+        scale=t.scale[idx],
+        global_scale=g.reshape(-1, 1)[idx] if g.numel() > 1 else g,
+        shape=torch.Size((idx.numel(), t.shape[-1])),
+        expanded=None if exp is None else exp[idx],
+    )

@@ -7,6 +7,8 @@ and experts with zero rows own zero tiles. Unused tiles exit at once.
 
 Operands are packed NVFP4 (uint8 codes + e4m3 block scales, unpacked and scaled exactly in registers by the
 dense GEMM's ``_load_tile``) or dense fp16/bf16 (for example the exact ``q·s`` expansion), each independently.
+``rows`` (optional, int32/int64 [R]): row r of the product reads row ``rows[r]`` of A (the MoE top-k gather),
+so the routed copy of the activations is never materialized; per-row ``g_a`` is indexed the same way.
 Epilogue in fp32: ``acc · 2¹⁴ per packed operand · g_a (none / scalar / per row) · g_b (per expert / per
 expert row)``, one cast to C's dtype.
 """
@@ -19,6 +21,8 @@ import triton.language as tl
 from triage.kernels.nvfp4.gemm_triton import UNPACK_FACTOR, _load_tile, interpreting
 
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+#: GPU tile of the grouped GEMM; set from the H200 sweep (bench_grouped_gemm.py --sweep).
+GROUPED_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4)
 
 
 @triton.jit
@@ -33,6 +37,7 @@ def _grouped_gemm_kernel(
     offs_ptr,
     tile_expert_ptr,
     tile_row0_ptr,
+    rows_ptr,
     E,
     N,
     K,
@@ -53,6 +58,8 @@ def _grouped_gemm_kernel(
     B_PACKED: tl.constexpr,
     GA_MODE: tl.constexpr,
     GB_ROW: tl.constexpr,
+    GATHER: tl.constexpr,
+    EVEN_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -69,18 +76,28 @@ def _grouped_gemm_kernel(
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_ok = offs_m < row_end
         n_ok = offs_n < N
+        if GATHER:
+            a_rows = tl.load(rows_ptr + offs_m, mask=m_ok, other=0).to(tl.int64)
+        else:
+            a_rows = offs_m.to(tl.int64)
         b_e = b_ptr + e.to(tl.int64) * stride_be
         bs_e = b_scale_ptr + e.to(tl.int64) * stride_bse
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < K
+            if EVEN_K:  # no K mask: rows / columns only
+                a_mask = m_ok[:, None]
+                b_mask = n_ok[None, :]
+            else:
+                k_ok = offs_k < K
+                a_mask = m_ok[:, None] & k_ok[None, :]
+                b_mask = k_ok[:, None] & n_ok[None, :]
             a = _load_tile(
                 a_ptr,
                 a_scale_ptr,
-                offs_m[:, None].to(tl.int64),
+                a_rows[:, None],
                 offs_k[None, :],
-                m_ok[:, None] & k_ok[None, :],
+                a_mask,
                 stride_am,
                 stride_ak,
                 stride_asm,
@@ -93,7 +110,7 @@ def _grouped_gemm_kernel(
                 bs_e,
                 offs_n[None, :],
                 offs_k[:, None],
-                k_ok[:, None] & n_ok[None, :],
+                b_mask,
                 stride_bn,
                 stride_bk,
                 stride_bsn,
@@ -106,7 +123,7 @@ def _grouped_gemm_kernel(
         if GA_MODE == 1:
             acc = acc * tl.load(ga_ptr)
         elif GA_MODE == 2:
-            acc = acc * tl.load(ga_ptr + offs_m, mask=m_ok, other=0.0)[:, None]
+            acc = acc * tl.load(ga_ptr + a_rows, mask=m_ok, other=0.0)[:, None]
         if GB_ROW:
             acc = acc * tl.load(gb_ptr + e * N + offs_n, mask=n_ok, other=0.0)[None, :]
         else:
@@ -134,11 +151,13 @@ def launch_grouped_gemm(
     g_a: torch.Tensor | None,
     g_b: torch.Tensor,
     *,
+    rows: torch.Tensor | None = None,
     config: dict | None = None,
 ) -> torch.Tensor:
-    """``out[T, N]``: A packed uint8 [T, K/2] (+ ``a_scale`` [T, K/16]) or dense [T, K] (any strides);
+    """``out[T, N]``: A packed uint8 [T_a, K/2] (+ ``a_scale`` [T_a, K/16]) or dense [T_a, K] (any
+    strides); row r of the product reads A row ``rows[r]`` (or r if ``rows`` is None, then T_a = T);
     B packed uint8 [E, N, K/2] (+ ``b_scale`` [E, N, K/16]) or dense [E, N, K] (any strides, so a
-    transposed view serves dgrad); ``g_a`` None / 1 element / [T]; ``g_b`` [E] or [E, N] fp32."""
+    transposed view serves dgrad); ``g_a`` None / 1 element / [T_a]; ``g_b`` [E] or [E, N] fp32."""
     T, N = out.shape
     E = offsets.numel() - 1
     a_packed, b_packed = a_scale is not None, b_scale is not None
@@ -155,7 +174,7 @@ def launch_grouped_gemm(
         if interpreting():
             config = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=1)
         else:
-            config = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4)
+            config = dict(GROUPED_CONFIG)
     cfg = dict(config)
     num_warps, num_stages = cfg.pop("num_warps"), cfg.pop("num_stages")
     bm = cfg["BLOCK_M"]
@@ -186,6 +205,7 @@ def launch_grouped_gemm(
         offsets,
         tile_expert,
         tile_row0,
+        rows if rows is not None else tile_row0,
         E,
         N,
         K,
@@ -206,6 +226,8 @@ def launch_grouped_gemm(
         B_PACKED=b_packed,
         GA_MODE=ga_mode,
         GB_ROW=gb_row,
+        GATHER=rows is not None,
+        EVEN_K=K % cfg["BLOCK_K"] == 0,
         DOT_DTYPE=_TL_DTYPE[dot_dtype],
         INPUT_PRECISION=precision,
         num_warps=num_warps,

@@ -20,7 +20,12 @@ def _triton_usable(x: torch.Tensor) -> bool:
 
 
 def quantize(
-    x: torch.Tensor, recipe: QuantRecipe | None = None, *, backend: str = "auto", seed: int | None = None
+    x: torch.Tensor,
+    recipe: QuantRecipe | None = None,
+    *,
+    backend: str = "auto",
+    seed: int | None = None,
+    emit_expanded: torch.dtype | None = None,
 ) -> NVFP4Tensor:
     """Quantize ``x`` (fp16/bf16/fp32, ``[..., K]``) to NVFP4 with ``recipe`` (default: ``QuantRecipe()``).
 
@@ -28,18 +33,30 @@ def quantize(
     ``"triton"`` forces Triton (on CPU only under ``TRITON_INTERPRET=1``); ``"torch"`` forces the reference.
     Both produce identical bytes. ``seed`` overrides ``recipe.seed`` for stochastic rounding. Non-contiguous
     input is accepted (the Triton path makes one contiguous copy first).
+
+    ``emit_expanded`` (``torch.bfloat16`` or ``torch.float16``): also return the exact block values ``q·s``
+    (outer scale not applied, ``[..., Kp]``) as ``t.expanded``; the Triton kernel writes them in the same
+    pass (bit-identical to ``expand(t, dtype)``), so a large-M GEMM can run on them without unpacking.
+    The Triton path never synchronizes with the host (outer scales stay on the device).
     """
     recipe = QuantRecipe() if recipe is None else recipe
     if backend not in BACKENDS:
         raise ValueError(f"quantize: backend must be one of {BACKENDS}, got {backend!r}")
     if seed is not None and (not isinstance(seed, int) or not 0 <= seed < 2**32):
         raise ValueError(f"quantize: seed must be an int in [0, 2**32), got {seed!r}")
+    if emit_expanded not in (None, torch.bfloat16, torch.float16):
+        raise ValueError(
+            f"quantize: emit_expanded must be None, torch.bfloat16 or torch.float16, got {emit_expanded}"
+        )
     check_input(x, recipe)
     if backend == "torch" or (backend == "auto" and not _triton_usable(x)):
-        return quantize_reference(x, recipe, seed=seed)
+        t = quantize_reference(x, recipe, seed=seed)
+        if emit_expanded is not None:
+            t.expanded = t.block_values().to(emit_expanded)
+        return t
     from .triton_quant import quantize_triton
 
-    return quantize_triton(x, recipe, seed=seed)
+    return quantize_triton(x, recipe, seed=seed, emit_expanded=emit_expanded)
 
 
 def dequantize(t: NVFP4Tensor, dtype: torch.dtype | None = None, *, backend: str = "auto") -> torch.Tensor:

@@ -6,32 +6,51 @@ scale and g the fp32 outer (global) scale, one per tensor or one per row. Then
     y[m, n] = g_a[m] · g_b[n] · Σ_k (q_a s_a)[m, k] · (q_b s_b)[n, k]   (+ bias[n])
 
 Every ``q·s`` is exact in fp16 and in bf16 (≤ 6 significant bits, |q·s| ∈ [2⁻¹⁰, 2688]), so each product
-``(q_a s_a)(q_b s_b)`` is exact in fp32: the only roundings are the fp32 accumulation, the two epilogue
+``(q_a s_a)(q_b s_b)`` is exact in fp32: the only roundings are the fp32 accumulation, the epilogue
 multiplies by the outer scales and the final cast to ``out_dtype``. The outer scales never enter the
 bf16/fp16 operands (that would round).
 
+Two regimes on Hopper (see docs/kernels.md for the H200 numbers):
+
+* small M (≤ :data:`SMALL_M`, decode; memory-bound): :func:`~.gemm_triton.launch_decode` streams the packed
+  weight once (0.5625 B/param), unpacks it in registers to the exact ``q·s`` and runs a swap-AB tensor-core
+  dot against the (few) activation rows; split-K with a deterministic reduction.
+* large M (training, prefill; compute-bound): no unpacking in the inner loop. The operands' exact
+  expansions ``q·s`` (bf16) — ``quantize(..., emit_expanded=torch.bfloat16)`` writes the activation's in
+  the same pass as its bytes, :class:`~triage.kernels.linear.NVFP4Linear` caches the weight's — go to a
+  stock tensor-core GEMM with fp32 accumulation and the outer scales in its epilogue.
+
 Backends (``backend=``), all computing the formula above:
 
-* ``"triton"`` — fused Hopper kernel: unpacks codes and scales in registers, fp16 tensor-core dot,
-  fp32 accumulation, outer scales + bias in the epilogue (:mod:`.gemm_triton`). Small M (≤ 64) uses
-  the same kernel with a decode tiling and a deterministic split-K.
-* ``"cublas"`` — expand each operand to its exact dense ``q·s`` (bf16) with a Triton kernel, then a
-  stock cuBLAS matmul with fp32 accumulation and fp32 output, then the outer-scale epilogue.
-  (:func:`expand` results can be cached: :class:`~triage.kernels.linear.NVFP4Linear` caches the weight's.)
+* ``"triton"`` — small M: the decode kernel; large M: a Triton tensor-core GEMM on the expanded operands
+  with the outer scales (per tensor or per row, read on the device: no host sync) and bias fused in its
+  epilogue.
+* ``"cublas"`` — the expanded operands through cuBLAS with fp32 accumulation. Per-tensor outer scales:
+  ``addmm(alpha = RN(g_a·g_b))`` writes ``out_dtype`` directly (cuBLAS scales the fp32 accumulator). The
+  alpha must be a host float: free when the recipe fixes the scale (static / checkpoint / none, or
+  ``b_scale_host`` for a cached weight), otherwise ONE device→host read of the activation's scale (a sync).
+  Per-row scales: fp32-output matmul + a torch epilogue.
+* ``"fused"`` — one Triton kernel that unpacks both packed operands in registers (no expansion); exact,
+  slow at large M (kept as a baseline and for tests of the unpack path).
 * ``"dot_scaled"`` — Blackwell (sm_100+) native block-scaled MMA; untested on hardware.
 * ``"reference"`` — the torch twin: dequantize, fp64 matmul (any device; slow).
 * ``"auto"`` — reference on CPU (unless the Triton interpreter is on), else ``dot_scaled`` on
-  sm_100+, else ``triton`` for M ≤ 64 and :data:`LARGE_M_BACKEND` otherwise (picked by measurement:
+  sm_100+, else ``triton`` for M ≤ SMALL_M and :data:`LARGE_M_BACKEND` otherwise (picked by measurement:
   ``experiments/bench/bench_gemm.py``).
+
+Epilogue rounding: ``triton``/``fused``/fp32-``cublas`` compute ``((acc·g_a)·g_b) + bias`` in fp32;
+``cublas`` with alpha computes ``RN(g_a·g_b)·acc + bias`` (cuBLAS's fp32 epilogue). Both are one fp32
+rounding away from the exact value before the final cast.
 
 Operands are duck-typed against the ``NVFP4Tensor`` contract: ``data`` uint8 [..., K/2] (element 2i in
 the low nibble), ``scale`` float8_e4m3fn [..., K/16] linear, ``global_scale`` fp32 (1 element, or one per
-row shaped [rows, 1]), ``recipe``, ``shape``, ``dtype``. Leading dims of ``a`` (and of ``x`` for W4A16)
-are flattened into M; ``b`` (the weight) is 2-D [N, K].
+row shaped [rows, 1]), ``recipe``, ``shape``, ``dtype``, optional ``expanded``. Leading dims of ``a`` (and
+of ``x`` for W4A16) are flattened into M; ``b`` (the weight) is 2-D [N, K].
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -53,7 +72,7 @@ SMALL_M = 64
 
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_BACKENDS = ("auto", "triton", "cublas", "dot_scaled", "reference")
+_BACKENDS = ("auto", "triton", "cublas", "fused", "dot_scaled", "reference")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -222,22 +241,69 @@ def expand(t, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Exact dense ``q·s`` of an NVFP4 operand (outer scale NOT applied) as [..., Kp] of ``dtype``.
 
     Kp is K rounded up to 16 (padding columns are zero). ``dtype`` bf16 or fp16 (both hold every ``q·s``
-    exactly) or fp32. Triton kernel on CUDA or under the interpreter, torch otherwise.
+    exactly) or fp32. Returns ``t.expanded`` when the quantizer already wrote it in ``dtype``; otherwise a
+    bandwidth-bound Triton kernel on CUDA or under the interpreter, torch elsewhere.
     """
     K = _padded(_k_of(t, "t"))
     if dtype not in _OUT_DTYPES:
         raise ValueError(f"dtype must be one of {_OUT_DTYPES}, got {dtype}")
+    cached = getattr(t, "expanded", None)
+    if cached is not None and cached.dtype == dtype and tuple(cached.shape) == tuple(t.shape)[:-1] + (K,):
+        return cached
     data = t.data.reshape(-1, K // 2)
     scale = t.scale.reshape(-1, K // 16)
     if _gpu_ready(data.device):
-        from triage.kernels.nvfp4.gemm_triton import launch_expand
+        from triage.kernels.nvfp4.triton_quant import expand_triton
 
-        out = launch_expand(data, scale, K, dtype)
+        out = expand_triton(data, scale, K, dtype)
     else:
         codes = torch.stack([data & 0xF, data >> 4], dim=-1).reshape(-1, K).long()
         q = torch.tensor(_E2M1, dtype=torch.float32, device=data.device)[codes]
         out = (q * scale.float().repeat_interleave(16, dim=1)).to(dtype)
     return out.reshape(*tuple(t.shape)[:-1], K)
+
+
+def host_decode_scale(t) -> float:
+    """The per-tensor outer decode scale of ``t`` as a Python float. Free (no device sync) when the recipe
+    fixes it (``scale="none"``, static or checkpoint source: the quantizer's own host computation);
+    otherwise one device→host read."""
+    recipe = getattr(t, "recipe", None)
+    if recipe is not None and (recipe.scale == "none" or recipe.scale_source != "dynamic"):
+        from triage.kernels.nvfp4.triton_quant import _given_outer
+
+        return _given_outer(recipe)[1]
+    return float(t.global_scale.reshape(-1)[0])
+
+
+@contextlib.contextmanager
+def _fp32_reduction():
+    """cuBLAS must accumulate in fp32 end to end (no reduced-precision split-K reduction)."""
+    m = torch.backends.cuda.matmul
+    old = (m.allow_bf16_reduced_precision_reduction, m.allow_fp16_reduced_precision_reduction)
+    m.allow_bf16_reduced_precision_reduction = m.allow_fp16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        m.allow_bf16_reduced_precision_reduction, m.allow_fp16_reduced_precision_reduction = old
+
+
+def _alpha_mm(x: torch.Tensor, w: torch.Tensor, alpha: float, bias, out: torch.Tensor) -> None:
+    """``out = RN(alpha·(x·wᵀ) + bias)`` with fp32 accumulation: cuBLAS's epilogue on CUDA."""
+    if x.device.type != "cuda":
+        y = torch.mm(x.float(), w.float().T) * alpha
+        out.copy_(y + bias.float() if bias is not None else y)
+        return
+    with _fp32_reduction():
+        if out.dtype == x.dtype:
+            if bias is None:  # beta = 0: ``out``'s old contents are never read
+                torch.addmm(out, x, w.T, beta=0, alpha=alpha, out=out)
+            elif bias.dtype == out.dtype:
+                torch.addmm(bias, x, w.T, alpha=alpha, out=out)
+            else:
+                out.copy_(torch.mm(x, w.T, out_dtype=torch.float32).mul_(alpha).add_(bias.float()))
+        else:  # fp32 (or another) output: fp32 matmul output, then the epilogue
+            y = torch.mm(x, w.T, out_dtype=torch.float32).mul_(alpha)
+            out.copy_(y.add_(bias.float()) if bias is not None else y)
 
 
 def _scaled_epilogue(acc32: torch.Tensor, g_a, g_b, bias, out_dtype) -> torch.Tensor:
@@ -263,14 +329,16 @@ def gemm(
     bias: torch.Tensor | None = None,
     backend: str = "auto",
     b_expanded: torch.Tensor | None = None,
+    b_scale_host: float | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """W4A4 ``y = a·bᵀ (+ bias)`` for NVFP4 operands a [..., K] and b [N, K]; returns [..., N].
 
     fp32 accumulation, outer scales in the epilogue (see the module docstring for the exactness
-    argument). ``b_expanded``: an optional cached :func:`expand` of ``b`` (bf16 [N, K]) that the
-    ``cublas`` backend uses instead of expanding b again. ``out``: optional [M, N] buffer (M = rows
-    of a) of ``out_dtype`` to write into.
+    argument). ``b_expanded``: an optional cached :func:`expand` of ``b`` (bf16 [N, Kp]) for the large-M
+    backends (``a.expanded``, if the quantizer wrote it, is used the same way). ``b_scale_host``: b's
+    per-tensor decode scale as a Python float (saves the ``cublas`` path a device read). ``out``:
+    optional [M, N] buffer (M = rows of a) of ``out_dtype`` to write into.
     """
     M, N, K = _check_pair(a, b, bias, out_dtype)
     K = _padded(K)  # both operands carry the same zero padding
@@ -282,18 +350,27 @@ def gemm(
         out.copy_(gemm_reference(a, b, out_dtype=out_dtype, bias=bias).reshape(M, N))
         return out.reshape(*lead, N)
     g_a, g_b = _outer_scale(a, "a"), _outer_scale(b, "b")
-    a_data, a_scale = a.data.reshape(M, K // 2), a.scale.reshape(M, K // 16)
-    if which == "cublas":
-        xa = expand(a).reshape(M, K)
-        wb = b_expanded if b_expanded is not None else expand(b)
-        out.copy_(_scaled_epilogue(_mm_fp32(xa, wb), g_a, g_b, bias, out_dtype))
-        return out.reshape(*lead, N)
     from triage.kernels.nvfp4 import gemm_triton as gt
 
+    a_data, a_scale = a.data.reshape(M, K // 2), a.scale.reshape(M, K // 16)
     if which == "dot_scaled":
         gt.launch_dot_scaled(a_data, a_scale, b.data, b.scale, K, out, g_a, g_b, bias)
-    else:
+    elif which == "fused":
         gt.launch_gemm(a_data, a_scale, b.data, b.scale, K, out, g_a, g_b, bias)
+    elif which == "triton" and M <= SMALL_M:  # decode: stream the packed weight
+        gt.launch_decode(expand(a, torch.float16).reshape(M, K), b.data, b.scale, K, out, g_a, g_b, bias)
+    else:
+        xa = expand(a).reshape(M, K)
+        wb = b_expanded if b_expanded is not None else expand(b)
+        if which == "triton":
+            gt.launch_gemm(xa, None, wb, None, K, out, g_a, g_b, bias)
+        elif g_a.numel() == 1 and g_b.numel() == 1:  # cuBLAS, scales folded into alpha
+            gb = host_decode_scale(b) if b_scale_host is None else b_scale_host
+            alpha = float(torch.tensor(host_decode_scale(a)) * torch.tensor(gb))  # RN(g_a·g_b) in fp32
+            _alpha_mm(xa, wb, alpha, bias, out)
+        else:
+            with _fp32_reduction():
+                out.copy_(_scaled_epilogue(_mm_fp32(xa, wb), g_a, g_b, bias, out_dtype))
     return out.reshape(*lead, N)
 
 
@@ -330,30 +407,42 @@ def gemm_w4a16(
     out_dtype: torch.dtype | None = None,
     bias: torch.Tensor | None = None,
     backend: str = "auto",
+    w_expanded: torch.Tensor | None = None,
+    w_scale_host: float | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Weight-only ``y = x·wᵀ (+ bias)``: x bf16/fp16 [..., K], w NVFP4 [N, K]; returns [..., N].
 
-    The weight is unpacked and scaled in registers (exact in x's dtype), the products are exact in fp32,
+    The weight's exact ``q·s`` (in x's dtype) meets x on the tensor cores, the products are exact in fp32,
     the accumulation is fp32 and w's outer scale is applied in the epilogue. ``out_dtype`` defaults to
-    x's dtype. Backends: ``triton`` (fused; the decode path for M ≤ 64), ``cublas`` (expand w, then
-    matmul) or ``reference``; ``auto`` as in :func:`gemm`.
+    x's dtype. Backends as in :func:`gemm`: ``triton`` (decode kernel for M ≤ SMALL_M, Triton GEMM on the
+    expanded weight above), ``cublas`` (expanded weight; ``w_expanded`` [N, Kp] in x's dtype may be
+    cached), ``fused`` or ``reference``; ``auto`` as in :func:`gemm`.
     """
     M, N, K = _check_w4a16(x, w, bias, out_dtype)
     out_dtype = out_dtype or x.dtype
     which = _pick(backend, M, x.device)
+    if which == "dot_scaled":  # no bf16-operand form of dot_scaled here
+        which = "triton"
     out = _out_buffer(out, M, N, out_dtype, x.device)
     if which == "reference":
         out.copy_(gemm_w4a16_reference(x, w, out_dtype=out_dtype, bias=bias).reshape(M, N))
         return out.reshape(*x.shape[:-1], N)
     g_w = _outer_scale(w, "w")
     x2 = x.reshape(M, K)
-    if which == "cublas":
-        wx = expand(w, x.dtype)[:, :K]
-        out.copy_(_scaled_epilogue(_mm_fp32(x2, wx), g_w.new_ones(1), g_w, bias, out_dtype))
-        return out.reshape(*x.shape[:-1], N)
-    # "triton" (also on sm_100+: dot_scaled has no bf16-operand form here)
     from triage.kernels.nvfp4 import gemm_triton as gt
 
-    gt.launch_gemm(x2, None, w.data, w.scale, K, out, None, g_w, bias)
+    if which == "fused":
+        gt.launch_gemm(x2, None, w.data, w.scale, K, out, None, g_w, bias)
+    elif which == "triton" and M <= SMALL_M:
+        gt.launch_decode(x2, w.data, w.scale, K, out, None, g_w, bias)
+    else:
+        wx = (w_expanded if w_expanded is not None else expand(w, x.dtype))[:, :K]
+        if which == "triton":
+            gt.launch_gemm(x2, None, wx, None, K, out, None, g_w, bias)
+        elif g_w.numel() == 1:
+            _alpha_mm(x2, wx, host_decode_scale(w) if w_scale_host is None else w_scale_host, bias, out)
+        else:
+            with _fp32_reduction():
+                out.copy_(_scaled_epilogue(_mm_fp32(x2, wx), g_w.new_ones(1), g_w, bias, out_dtype))
     return out.reshape(*x.shape[:-1], N)

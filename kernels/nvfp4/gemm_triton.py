@@ -376,33 +376,124 @@ def _dot_scaled_kernel(
 
 
 @triton.jit
-def _expand_kernel(
-    data_ptr,
-    scale_ptr,
-    out_ptr,
-    R,
-    K,
-    stride_dr,
-    stride_dk,
-    stride_sr,
-    stride_sk,
-    stride_or,
-    stride_ok,
-    BLOCK_R: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+def _e2m1_value32(q):
+    """E2M1 code (int32, low 4 bits) -> its fp32 value, exact (codes >= 2: bits ``(c << 22) + 0x3F000000``)."""
+    mag = q & 7
+    vb = tl.where(mag < 2, mag * 0x3F000000, (mag << 22) + 0x3F000000)
+    return (vb | ((q & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_value32(code):
+    """E4M3 byte (int32) -> fp32 value (exact); 0x7F/0xFF -> NaN (as the GPU's cvt)."""
+    c = code & 0x7F
+    sub = c.to(tl.float32) * 0.001953125
+    nb = (((c >> 3) + 120) << 23) | ((c & 7) << 20)
+    val = tl.where(c < 8, sub, nb.to(tl.float32, bitcast=True))
+    return tl.where(c == 0x7F, float("nan"), val)
+
+
+@triton.jit
+def _unpack_weight_tile(
+    w_ptr,
+    ws_ptr,
+    offs_n,
+    cb,
+    n_ok,
+    stride_wn,
+    stride_wsn,
+    KB,
+    DOT_DTYPE: tl.constexpr,
+    BN: tl.constexpr,
+    NB: tl.constexpr,
 ):
-    """``out[r, k] = e2m1(code[r, k]) · scale[r, k // 16]`` in out's dtype (bf16/fp16: exact)."""
-    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    r2 = offs_r[:, None]
-    k2 = offs_k[None, :]
-    mask = (r2 < R) & (k2 < K)
-    v = _load_tile(
-        data_ptr, scale_ptr, r2, k2, mask, stride_dr, stride_dk, stride_sr, stride_sk, True, tl.float32
-    )
-    tl.store(
-        out_ptr + r2 * stride_or + k2 * stride_ok, (v * _UNPACK_FACTOR_TL).to(out_ptr.dtype.element_ty), mask=mask
-    )
+    """Packed weight rows ``offs_n`` [BN], 16-blocks ``cb`` [NB] -> the exact ``q·s`` as ``DOT_DTYPE``
+    ``[BN, 16·NB]``: 8-byte code loads per block, one scale byte per block (no per-element gathers)."""
+    j8 = tl.arange(0, 8)
+    bmask = n_ok[:, None] & (cb[None, :] < KB)
+    packed = tl.load(
+        w_ptr + offs_n[:, None, None].to(tl.int64) * stride_wn + (cb[None, :, None] * 8 + j8[None, None, :]),
+        mask=bmask[:, :, None],
+        other=0,
+    ).to(tl.int32)
+    sc = tl.load(ws_ptr + offs_n[:, None].to(tl.int64) * stride_wsn + cb[None, :], mask=bmask, other=0)
+    q = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BN, NB, 16))
+    v = _e2m1_value32(q) * _e4m3_value32(sc.to(tl.int32))[:, :, None]  # exact: <= 6 significant bits
+    if DOT_DTYPE == tl.bfloat16:  # exact in bf16: the low 16 fp32 bits are zero
+        v = (v.to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        v = v.to(DOT_DTYPE)
+    return tl.reshape(v, (BN, 16 * NB))
+
+
+@triton.jit
+def _decode_kernel(
+    x_ptr,
+    w_ptr,
+    ws_ptr,
+    c_ptr,
+    part_ptr,
+    ga_ptr,
+    gb_ptr,
+    bias_ptr,
+    M,
+    N,
+    K,
+    KB,
+    stride_xm,
+    stride_wn,
+    stride_wsn,
+    stride_cm,
+    stride_cn,
+    GA_MODE: tl.constexpr,
+    GB_MODE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BF16_BY_HAND: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    NB: tl.constexpr,
+):
+    """Small-M (decode) ``C[M, N] = x[M, K]·Wᵀ`` streaming the packed weight once.
+
+    Swap-AB: the program computes ``Cᵀ`` tile ``[BN, BM] = W_tile[BN, BK] · xᵀ[BK, BM]``, so the unpacked
+    weight (the big operand, ``BN`` ≥ 64 rows) is the MMA's M side and the few activation rows (``BM``: M
+    padded to 16/32/64) its N side. ``x`` is dense (bf16/fp16 activations, or the exact fp16 expansion of an
+    NVFP4 activation). Program axis 1 splits K (in whole 16-blocks); with ``SPLIT_K > 1`` the fp32 partials go
+    to ``part[pid_k, M, N]`` and :func:`_splitk_reduce_kernel` sums them in a fixed order."""
+    BK: tl.constexpr = 16 * NB
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_m = tl.arange(0, BM)
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    span = tl.cdiv(tl.cdiv(KB, SPLIT_K), NB) * NB  # 16-blocks per split, a multiple of NB
+    kb0 = pid_k * span
+    kb1 = min(KB, kb0 + span)
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    j = tl.arange(0, BK)
+    for kb in range(kb0, kb1, NB):
+        cb = kb + tl.arange(0, NB)
+        w = _unpack_weight_tile(w_ptr, ws_ptr, offs_n, cb, n_ok, stride_wn, stride_wsn, KB, DOT_DTYPE, BN, NB)
+        kk = kb * 16 + j
+        xt = tl.load(
+            x_ptr + offs_m[None, :] * stride_xm + kk[:, None],
+            mask=m_ok[None, :] & (kk[:, None] < K),
+            other=0.0,
+        ).to(DOT_DTYPE)
+        acc = tl.dot(w, xt, acc, input_precision=INPUT_PRECISION)
+    acc = tl.trans(acc)  # [BM, BN]
+    if SPLIT_K == 1:
+        _epilogue(
+            acc, offs_m, offs_n, M, N, c_ptr, stride_cm, stride_cn, ga_ptr, gb_ptr, bias_ptr, 1.0,
+            GA_MODE, GB_MODE, HAS_BIAS, BF16_BY_HAND,
+        )  # fmt: skip
+    else:
+        mask = m_ok[:, None] & n_ok[None, :]
+        tl.store(part_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :], acc, mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -418,6 +509,14 @@ def _scale_mode(g: torch.Tensor | None) -> int:
     return _GA_SCALAR if g.numel() == 1 else _GA_ROW
 
 
+def _num_sms() -> int:
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
+#: Large-M tile of the dense (expanded-operand) GEMM; set from the H200 sweep in bench_gemm.py.
+DENSE_CONFIG = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+
+
 def _tile_config(M: int, N: int, K: int, split_k: int | None) -> dict:
     """Tile sizes: tiny and fast to interpret under TRITON_INTERPRET, tuned shapes on the GPU."""
     if interpreting():
@@ -429,15 +528,12 @@ def _tile_config(M: int, N: int, K: int, split_k: int | None) -> dict:
         bm = 16 if M <= 16 else (32 if M <= 32 else 64)
         bn, bk = 64, 256
         tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-        sm = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
         if split_k is None:
             split_k = 1
-            while tiles * split_k < 2 * sm and K // (split_k * 2) >= bk:
+            while tiles * split_k < 2 * _num_sms() and K // (split_k * 2) >= bk:
                 split_k *= 2
         return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, SPLIT_K=split_k, num_warps=4, num_stages=3)
-    return dict(
-        BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, SPLIT_K=split_k or 1, num_warps=8, num_stages=3
-    )
+    return dict(DENSE_CONFIG, SPLIT_K=split_k or 1)
 
 
 def launch_gemm(
@@ -515,27 +611,87 @@ def launch_gemm(
         **cfg,
     )
     if split > 1:
-        bm, bn = 32, 64
-        _splitk_reduce_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
-            ws,
-            out,
-            g_a if g_a is not None else dummy,
-            g_b if g_b is not None else dummy,
-            bias if bias is not None else dummy,
-            M,
-            N,
-            out.stride(0),
-            out.stride(1),
-            out_mult,
-            GA_MODE=_scale_mode(g_a),
-            GB_MODE=_scale_mode(g_b),
-            HAS_BIAS=bias is not None,
-            BF16_BY_HAND=by_hand,
-            SPLIT_K=split,
-            BLOCK_M=bm,
-            BLOCK_N=bn,
-        )
+        _splitk_reduce(ws, out, g_a, g_b, bias, out_mult, split)
     return out
+
+
+#: Decode tiling (rows of W per program, 16-blocks per K step, warps, stages); set from bench_gemm.py.
+DECODE_CONFIG = dict(BN=64, NB=8, num_warps=4, num_stages=1)
+
+
+def decode_config(M: int, N: int, K: int, split_k: int | None = None) -> dict:
+    """Tiles of :func:`_decode_kernel`: BM = M padded to 16/32/64; K split until ~2 waves of programs."""
+    bm = 16 if M <= 16 else (32 if M <= 32 else 64)
+    if interpreting():
+        return dict(BM=bm, BN=16, NB=2, SPLIT_K=split_k or 1, num_warps=4, num_stages=1)
+    cfg = dict(DECODE_CONFIG, BM=bm)
+    kb = -(-K // 16)
+    if split_k is None:
+        tiles = triton.cdiv(N, cfg["BN"])
+        split_k = 1
+        while tiles * split_k < 2 * _num_sms() and kb // (split_k * 2) >= 4 * cfg["NB"]:
+            split_k *= 2
+    cfg["SPLIT_K"] = split_k
+    return cfg
+
+
+def launch_decode(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    K: int,
+    out: torch.Tensor,
+    g_a: torch.Tensor | None,
+    g_b: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    *,
+    split_k: int | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """``out[M,N] = ((x·Wᵀ)·g_a)·g_b + bias`` for small M: x dense bf16/fp16 [M, K] (row stride any, unit
+    column stride), W packed uint8 [N, Kp/2] + e4m3 scales [N, Kp/16] (row-major rows)."""
+    M, N = out.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if w.stride(-1) != 1 or w_scale.stride(-1) != 1:
+        w, w_scale = w.contiguous(), w_scale.contiguous()
+    if M > 64:
+        raise ValueError(f"launch_decode handles M <= 64, got M={M}")
+    dot_dtype, precision = x.dtype, "tf32"
+    if interpreting() and dot_dtype == torch.bfloat16:
+        dot_dtype = torch.float32  # bf16 tl.dot is broken in the interpreter; fp32 holds q·s exactly
+    if dot_dtype == torch.float32:
+        precision = "ieee"
+    cfg = dict(config) if config else decode_config(M, N, K, split_k)
+    num_warps, num_stages = cfg.pop("num_warps"), cfg.pop("num_stages")
+    split = cfg["SPLIT_K"]
+    dummy = out
+    part = torch.empty((split, M, N), device=out.device, dtype=torch.float32) if split > 1 else dummy
+    by_hand = interpreting() and out.dtype == torch.bfloat16
+    kb = w_scale.shape[-1]
+    _decode_kernel[(triton.cdiv(N, cfg["BN"]), split)](
+        x, w, w_scale.view(torch.uint8), out, part,
+        g_a if g_a is not None else dummy, g_b if g_b is not None else dummy, bias if bias is not None else dummy,
+        M, N, K, kb, x.stride(0), w.stride(0), w_scale.stride(0), out.stride(0), out.stride(1),
+        GA_MODE=_scale_mode(g_a), GB_MODE=_scale_mode(g_b), HAS_BIAS=bias is not None, BF16_BY_HAND=by_hand,
+        DOT_DTYPE=_TL_DTYPE[dot_dtype], INPUT_PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
+        **cfg,
+    )  # fmt: skip
+    if split > 1:
+        _splitk_reduce(part, out, g_a, g_b, bias, 1.0, split)
+    return out
+
+
+def _splitk_reduce(ws, out, g_a, g_b, bias, out_mult, split) -> None:
+    M, N = out.shape
+    dummy = out
+    bm, bn = (16, 16) if interpreting() else (16, 128)
+    _splitk_reduce_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
+        ws, out, g_a if g_a is not None else dummy, g_b if g_b is not None else dummy,
+        bias if bias is not None else dummy, M, N, out.stride(0), out.stride(1), out_mult,
+        GA_MODE=_scale_mode(g_a), GB_MODE=_scale_mode(g_b), HAS_BIAS=bias is not None,
+        BF16_BY_HAND=interpreting() and out.dtype == torch.bfloat16, SPLIT_K=split, BLOCK_M=bm, BLOCK_N=bn,
+    )  # fmt: skip
 
 
 def launch_dot_scaled(
@@ -589,23 +745,7 @@ def launch_dot_scaled(
 
 
 def launch_expand(data: torch.Tensor, scale: torch.Tensor, K: int, dtype: torch.dtype) -> torch.Tensor:
-    """Exact ``q·s`` of a 2-D packed operand as a dense [R, K] tensor of ``dtype`` (bf16 or fp16)."""
-    R = data.shape[0]
-    out = torch.empty((R, K), device=data.device, dtype=dtype)
-    br, bk = (16, 32) if interpreting() else (32, 256)
-    _expand_kernel[(triton.cdiv(R, br), triton.cdiv(K, bk))](
-        data,
-        scale,
-        out,
-        R,
-        K,
-        data.stride(0),
-        data.stride(1),
-        scale.stride(0),
-        scale.stride(1),
-        out.stride(0),
-        out.stride(1),
-        BLOCK_R=br,
-        BLOCK_K=bk,
-    )
-    return out
+    """Exact ``q·s`` of a 2-D packed operand as a dense [R, K] tensor of ``dtype`` (bf16, fp16 or fp32)."""
+    from triage.kernels.nvfp4.triton_quant import expand_triton
+
+    return expand_triton(data, scale, K, dtype)

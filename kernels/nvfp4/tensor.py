@@ -30,6 +30,9 @@ class NVFP4Tensor:
             ``global_scale``): TE ``S_enc``, compressed-tensors ``global_scale``; for torchao/modelopt
             ``RN(1/decode)``. Export uses it where a format stores the encode scale.
         amax: the outer amax the scales came from (dynamic or static source; None for checkpoint/none).
+        expanded: optional exact ``q·s`` values ``[..., Kp]`` (bf16 or fp16, outer scale NOT applied), written
+            by ``quantize(..., emit_expanded=dtype)`` in the same pass as the bytes; a stock tensor-core GEMM
+            consumes it directly. Derived data: anything that changes ``data``/``scale`` must drop it.
 
     Value: ``dequantize() = e2m1(data) * f32(scale) * global_scale`` (the first product is exact).
     """
@@ -42,6 +45,7 @@ class NVFP4Tensor:
     dtype: torch.dtype
     global_encode_scale: torch.Tensor | None = None
     amax: torch.Tensor | None = None
+    expanded: torch.Tensor | None = None
 
     @property
     def padded_k(self) -> int:
@@ -87,4 +91,5 @@ class NVFP4Tensor:
             dtype=self.dtype,
             global_encode_scale=move(self.global_encode_scale),
             amax=move(self.amax),
+            expanded=move(self.expanded),
         )

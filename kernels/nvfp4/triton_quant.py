@@ -1,14 +1,19 @@
 """Triton NVFP4 quantize / dequantize kernels, bit-identical to ``reference.py`` for every profile.
 
-One program quantizes ``BR`` rows (a multiple of 16 for 16x16 tiles) across all of K, in ``BK``-wide chunks:
-load -> (Hadamard, rounded to the input dtype) -> block amax -> E4M3 block scale -> scaled values -> E2M1
-codes (nearest or stochastic) -> packed bytes. Outer scale:
+Tiles are 3-D ``[BR rows, NB blocks, 16]``, built straight from pointers, so every thread owns whole halves of
+16-element blocks: loads and stores are 16-byte vectors, the block amax is a register max plus one shuffle,
+and block scales broadcast back without a layout change. One program quantizes ``BR`` rows across all of K
+in ``BK = 16·NB`` chunks: load -> (Hadamard, rounded to the input dtype) -> block amax -> E4M3 block scale ->
+scaled values -> E2M1 codes (nearest or stochastic) -> packed bytes (+ optionally the exact ``q·s`` values,
+``emit_expanded``, for a stock tensor-core GEMM). Outer scale, never through the host (no device sync):
 
-* ``"row"`` (dynamic): one pass; the program first sweeps its rows for the row amax, then quantizes (the
-  second read mostly hits L2);
-* ``"tensor"`` / ``"expert"`` (dynamic): two passes, a partial-amax kernel then the quantize kernel, with the
-  outer scales computed from the amax by the same torch code as the reference;
-* static / checkpoint / none: one pass.
+* ``"row"`` (dynamic): one kernel; the program first sweeps its rows for the row amax, then quantizes (the
+  second read hits L2);
+* ``"tensor"`` / ``"expert"`` (dynamic): an amax kernel (flat 1-D sweep, integer max on the float bits,
+  one ``atomic_max`` per program into a zeroed buffer), then the quantize kernel, which turns the amax
+  into the outer scales itself (same formulas as the reference, ``div_rn``) and writes them out;
+* static / checkpoint / none: the outer scales come from the recipe alone, are computed once on the host
+  with the reference's own torch code (CPU, IEEE) and passed as fp32 kernel arguments; one pass.
 
 Exactness rules (Triton fp32 ``/`` is approximate, see docs): every division is ``tl.math.div_rn``; products
 feeding an add are exact (signs, powers of two) so FMA contraction cannot change a result; the E4M3 cast and
@@ -18,13 +23,14 @@ integer path is right on both).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 
 from .format import BLOCK
 from .recipe import QuantRecipe
-from .reference import OuterScale, _outer_from_amax, outer_scale_from_recipe
+from .reference import outer_scale_from_recipe
 from .rng import seed_key
 from .tensor import NVFP4Tensor
 
@@ -36,12 +42,15 @@ try:  # triton is a hard dependency, but keep the torch reference importable wit
 except ImportError:  # pragma: no cover
     HAVE_TRITON = False
 
-__all__ = ["available", "dequantize_triton", "quantize_triton"]
+__all__ = ["available", "dequantize_triton", "expand_triton", "quantize_triton"]
 
 PROFILE_ID = {"te": 0, "torchao": 1, "modelopt": 2, "compressed-tensors": 3}
 # TE_SIGNS as a bit mask of the negative positions: 3, 5, 6, 7, 8, 9, 10, 12, 14, 15
 SIGN_MASK = sum(1 << j for j in (3, 5, 6, 7, 8, 9, 10, 12, 14, 15))
-OUTER_SCALAR, OUTER_EXPERT, OUTER_ROW = 0, 1, 2
+#: outer-scale modes of the quantize kernel: fp32 arguments / per group from a reduced amax / per row
+OUTER_GIVEN, OUTER_GROUP, OUTER_ROW = 0, 1, 2
+#: dequantize kernel modes (global_scale layout)
+OUTER_SCALAR, OUTER_EXPERT = 0, 1
 
 
 def interpreting() -> bool:
@@ -64,6 +73,31 @@ def _check_runnable(t: torch.Tensor) -> None:
 
 
 if HAVE_TRITON:
+    #: the Triton interpreter's float casts and NaN-max rules differ from the GPU's: both paths are kept
+    INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+
+    @triton.jit
+    def _max_nan(a, b):
+        return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+    @triton.jit
+    def _block_amax(x3, IGNORE_NAN: tl.constexpr):
+        """[BR, NB, 16] -> [BR, NB]: max |x| of each block, NaN ignored (te) or propagated (other profiles).
+
+        GPU: ``max.f32`` already skips NaN and ``max.NaN.f32`` propagates it: one instruction per element.
+        The interpreter (numpy) propagates NaN in both, so there the NaNs are filtered explicitly."""
+        a = tl.abs(x3)
+        if INTERPRETED:
+            nan = a != a
+            b = tl.max(tl.where(nan, 0.0, a), axis=2)
+            if not IGNORE_NAN:
+                b = tl.where(tl.max(nan.to(tl.int32), axis=2) > 0, float("nan"), b)
+        elif IGNORE_NAN:
+            b = tl.max(a, axis=2)
+            b = tl.where(b != b, 0.0, b)  # an all-NaN block
+        else:
+            b = tl.reduce(a, 2, _max_nan)
+        return b
 
     @triton.jit
     def _bf16_rne(x):
@@ -123,43 +157,56 @@ if HAVE_TRITON:
         return h ^ (h >> 16)
 
     @triton.jit
-    def _e2m1_code(v, u24, STOCHASTIC: tl.constexpr, SIGNBIT: tl.constexpr):
-        """fp32 v -> E2M1 code (int32); see format.e2m1_codes / reference.stochastic_codes."""
-        a = tl.abs(v)
-        if STOCHASTIC:
-            lo = (
-                (a >= 0.5).to(tl.int32)
-                + (a >= 1.0).to(tl.int32)
-                + (a >= 1.5).to(tl.int32)
-                + (a >= 2.0).to(tl.int32)
-                + (a >= 3.0).to(tl.int32)
-                + (a >= 4.0).to(tl.int32)
-                + (a >= 6.0).to(tl.int32)
-            )
-            lo_val = tl.where(
-                lo < 4, lo.to(tl.float32) * 0.5, tl.where(lo == 7, 6.0, (lo - 2).to(tl.float32))
-            )
-            inv_step = tl.where(a < 2.0, 2.0, tl.where(a < 4.0, 1.0, 0.5))
-            frac24 = (a - lo_val) * (inv_step * 16777216.0)
-            up = (u24.to(tl.float32) < frac24) & (lo < 7)
-            mag = lo + up.to(tl.int32)
-        else:
-            mag = (
-                (a > 0.25).to(tl.int32)
-                + (a >= 0.75).to(tl.int32)
-                + (a > 1.25).to(tl.int32)
-                + (a >= 1.75).to(tl.int32)
-                + (a > 2.5).to(tl.int32)
-                + (a >= 3.5).to(tl.int32)
-                + (a > 5.0).to(tl.int32)
-            )
-        nan = v != v
+    def _e2m1_rn_code(v, SIGNBIT: tl.constexpr):
+        """fp32 v -> E2M1 code (int32), round to nearest even, saturating, NaN -> 0x7, in ~15 integer ops.
+
+        ``|v| >= 1``: RNE of the fp32 bits to one mantissa bit, ``(bits + 0x1FFFFF + lsb) >> 22``, is
+        ``(exponent, mantissa)`` of the rounded value, i.e. the code + 252 (carries into the exponent are
+        right: 1.75 -> 2); |v| is first clamped to 8.0 (Inf, NaN, huge -> code 7). ``|v| < 1``: the code is
+        RNE(2|v|) in {0, 1, 2}, read off the bits of ``2|v| + 2^23`` (one correctly rounded add; as an FMA
+        too, since 2|v| is exact)."""
+        bits = v.to(tl.int32, bitcast=True)
+        ab = bits & 0x7FFFFFFF
+        abc = tl.minimum(ab, 0x41000000)
+        big = tl.minimum((abc + ((abc >> 22) & 1) + (0x1FFFFF - 0x3F000000)) >> 22, 7)
+        small = (ab.to(tl.float32, bitcast=True) * 2.0 + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
+        mag = tl.where(abc < 0x3F800000, small, big)
         if SIGNBIT:
-            neg = v.to(tl.int32, bitcast=True) < 0
+            neg = (bits < 0) & (ab <= 0x7F800000)
         else:
             neg = v < 0.0
-        mag = tl.where(nan, 7, mag)
-        return mag | ((neg & (~nan)).to(tl.int32) << 3)
+        return mag | (neg.to(tl.int32) << 3)
+
+    @triton.jit
+    def _e2m1_sr_code(v, u24, SIGNBIT: tl.constexpr):
+        """fp32 v -> E2M1 code (int32), stochastic rounding: the grid point ``lo <= |v|`` below, plus one iff
+        ``u24 < (|v| - lo) / (hi - lo) · 2^24`` (see reference.stochastic_codes); |v| >= 6, Inf, NaN -> 6.
+
+        ``|v| >= 1``: ``lo``'s code is the fp32 bits truncated to one mantissa bit, and the fraction times
+        2^22 is the 22 mantissa bits below it, so the test is ``u24 >> 2 < bits & 0x3FFFFF`` (exact).
+        ``|v| < 1``: ``lo = 0.5·[|v| >= 0.5]`` and the fraction times 2^24 is ``(|v| - lo)·2^25`` (exact)."""
+        bits = v.to(tl.int32, bitcast=True)
+        ab = bits & 0x7FFFFFFF
+        abc = tl.minimum(ab, 0x41000000)
+        a = ab.to(tl.float32, bitcast=True)
+        half = (abc >= 0x3F000000).to(tl.int32)
+        small_up = u24.to(tl.float32) < (a - half.to(tl.float32) * 0.5) * 33554432.0
+        lo_big = tl.minimum((abc >> 22) - 252, 7)
+        big_up = ((u24 >> 2) < (abc & 0x3FFFFF)) & (lo_big < 7)
+        is_small = abc < 0x3F800000
+        mag = tl.where(is_small, half, lo_big) + tl.where(is_small, small_up, big_up).to(tl.int32)
+        if SIGNBIT:
+            neg = (bits < 0) & (ab <= 0x7F800000)
+        else:
+            neg = v < 0.0
+        return mag | (neg.to(tl.int32) << 3)
+
+    @triton.jit
+    def _e2m1_code(v, u24, STOCHASTIC: tl.constexpr, SIGNBIT: tl.constexpr):
+        """fp32 v -> E2M1 code (int32); see format.e2m1_codes / reference.stochastic_codes."""
+        if STOCHASTIC:
+            return _e2m1_sr_code(v, u24, SIGNBIT)
+        return _e2m1_rn_code(v, SIGNBIT)
 
     @triton.jit
     def _outer_from_row_amax(a, PROFILE: tl.constexpr):
@@ -182,102 +229,151 @@ if HAVE_TRITON:
         return enc, dec
 
     @triton.jit
-    def _load_tile(
-        x_ptr,
-        row0,
-        rows,
-        n_rows,
-        k0,
-        K,
-        BR: tl.constexpr,
-        BK: tl.constexpr,
-        HADAMARD: tl.constexpr,
-        ROUND: tl.constexpr,
-        SIGNS: tl.constexpr,
-    ):
-        cols = k0 + tl.arange(0, BK)
-        mask = (rows[:, None] < n_rows) & (cols[None, :] < K)
-        x = tl.load(x_ptr + (row0 + rows[:, None]).to(tl.int64) * K + cols[None, :], mask=mask, other=0)
+    def _load_blocks(
+        x_ptr, row0, rows, n_rows, k0, K,
+        BR: tl.constexpr, NB: tl.constexpr, HADAMARD: tl.constexpr, ROUND: tl.constexpr, SIGNS: tl.constexpr,
+    ):  # fmt: skip
+        """Rows ``row0 + rows`` ([BR]), columns ``k0 .. k0 + 16·NB`` of x as fp32 ``[BR, NB, 16]`` (0 outside)."""
+        j = tl.arange(0, 16)
+        cols = (k0 + 16 * tl.arange(0, NB))[None, :, None] + j[None, None, :]
+        r = rows[:, None, None]
+        ptrs = x_ptr + (row0 + r).to(tl.int64) * K + cols
+        x = tl.load(ptrs, mask=(r < n_rows) & (cols < K), other=0)
         if ROUND == 1:  # bf16 passed as int16 bits: widen exactly (the interpreter's bf16 cast is wrong)
-            x = ((x.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+            if INTERPRETED:
+                x = ((x.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+            else:
+                x = x.to(tl.bfloat16, bitcast=True).to(tl.float32)
         else:
             x = x.to(tl.float32)
         if HADAMARD:
-            x = _round_to(_rht16(x, BR, BK, SIGNS), ROUND)
+            M: tl.constexpr = BR * NB
+            x = tl.reshape(_round_to(_rht16(tl.reshape(x, (M, 16)), M, 16, SIGNS), ROUND), (BR, NB, 16))
         return x
 
     @triton.jit
-    def _amax_kernel(
-        x_ptr, part_ptr, rows_per_group, K, KP,
-        PROPAGATE_NAN: tl.constexpr, HADAMARD: tl.constexpr, ROUND: tl.constexpr, SIGNS: tl.constexpr,
-        BR: tl.constexpr, BK: tl.constexpr,
+    def _abs_bits(x, ROUND: tl.constexpr):
+        """|x| as the int32 bits of an fp32 (order-preserving for non-negative floats), NaN -> 0, and a NaN mask."""
+        if ROUND == 1:
+            b = (x.to(tl.int32) & 0x7FFF) << 16
+        elif ROUND == 2:
+            b = x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        else:
+            b = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        nan = b > 0x7F800000
+        return tl.where(nan, 0, b), nan
+
+    @triton.jit
+    def _amax_flat_kernel(
+        x_ptr, amax_ptr, n_per_group, CHUNK,
+        PROPAGATE_NAN: tl.constexpr, ROUND: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
-        """Partial amax of ``rows_per_group`` rows of group ``program_id(1)``: one value per program."""
+        """amax of elements ``[pid·CHUNK, (pid+1)·CHUNK)`` of group ``program_id(1)`` (a contiguous run of
+        ``n_per_group`` elements): integer max of the fp32 bits, one ``atomic_max`` into ``amax_ptr[2g]``
+        (zeroed by the caller); ``amax_ptr[2g+1]`` flags a NaN when ``PROPAGATE_NAN``."""
+        pid, g = tl.program_id(0), tl.program_id(1)
+        base = x_ptr + g.to(tl.int64) * n_per_group
+        start = pid.to(tl.int64) * CHUNK
+        m = tl.zeros((BLOCK,), tl.int32)
+        has_nan = tl.zeros((BLOCK,), tl.int32)
+        for i in range(0, CHUNK, BLOCK):
+            offs = start + i + tl.arange(0, BLOCK)
+            x = tl.load(base + offs, mask=offs < n_per_group, other=0)
+            b, nan = _abs_bits(x, ROUND)
+            m = tl.maximum(m, b)
+            has_nan = has_nan | nan.to(tl.int32)
+        tl.atomic_max(amax_ptr + 2 * g, tl.max(m, axis=0))
+        if PROPAGATE_NAN:
+            tl.atomic_max(amax_ptr + 2 * g + 1, tl.max(has_nan, axis=0))
+
+    @triton.jit
+    def _amax_tiled_kernel(
+        x_ptr, amax_ptr, rows_per_group, K, KP,
+        PROPAGATE_NAN: tl.constexpr, HADAMARD: tl.constexpr, ROUND: tl.constexpr, SIGNS: tl.constexpr,
+        BR: tl.constexpr, NB: tl.constexpr,
+    ):  # fmt: skip
+        """As :func:`_amax_flat_kernel` for ``BR`` rows of group ``program_id(1)``, through the Hadamard
+        transform (which needs whole 16-blocks of rows)."""
         pid, g = tl.program_id(0), tl.program_id(1)
         rows = pid * BR + tl.arange(0, BR)
         row0 = g.to(tl.int64) * rows_per_group
-        m = tl.zeros((BR, BK), tl.float32)
-        has_nan = tl.zeros((BR, BK), tl.int32)
-        for k0 in range(0, KP, BK):
-            x = _load_tile(x_ptr, row0, rows, rows_per_group, k0, K, BR, BK, HADAMARD, ROUND, SIGNS)
+        m = tl.zeros((BR, NB), tl.float32)
+        has_nan = tl.zeros((BR, NB), tl.int32)
+        for k0 in range(0, KP, 16 * NB):
+            x = _load_blocks(x_ptr, row0, rows, rows_per_group, k0, K, BR, NB, HADAMARD, ROUND, SIGNS)
             a = tl.abs(x)
             nan = a != a
-            m = tl.maximum(m, tl.where(nan, 0.0, a))
-            has_nan = has_nan | nan.to(tl.int32)
+            m = tl.maximum(m, tl.max(tl.where(nan, 0.0, a), axis=2))
+            has_nan = has_nan | tl.max(nan.to(tl.int32), axis=2)
         out = tl.max(tl.max(m, axis=1), axis=0)
+        tl.atomic_max(amax_ptr + 2 * g, out.to(tl.int32, bitcast=True))
         if PROPAGATE_NAN:
-            out = tl.where(tl.max(tl.max(has_nan, axis=1), axis=0) > 0, float("nan"), out)
-        tl.store(part_ptr + g * tl.num_programs(0) + pid, out)
+            tl.atomic_max(amax_ptr + 2 * g + 1, tl.max(tl.max(has_nan, axis=1), axis=0))
 
-    @triton.jit(do_not_specialize=["key"])
+    @triton.jit
+    def _e2m1_value(q):
+        """E2M1 code (int32) -> fp32 value (exact), -0 for code 8: the bits of codes >= 2 are
+        ``(code << 22) + 0x3F000000`` (the inverse of :func:`_e2m1_rn_code`), codes 0/1 are 0 and 0.5."""
+        mag = q & 7
+        vb = tl.where(mag < 2, mag * 0x3F000000, (mag << 22) + 0x3F000000)
+        return (vb | ((q & 8) << 28)).to(tl.float32, bitcast=True)
+
+    @triton.jit(do_not_specialize=["key", "enc_arg", "dec_arg", "amax_arg"])
     def _quantize_kernel(
-        x_ptr, data_ptr, scale_ptr, enc_ptr, dec_ptr, amax_ptr,
+        x_ptr, data_ptr, scale_ptr, exp_ptr, enc_ptr, dec_ptr, amax_ptr, group_amax_ptr,
+        enc_arg, dec_arg, amax_arg,
         N, K, KP, rows_per_outer, key,
         PROFILE: tl.constexpr, OUTER: tl.constexpr, TILE16: tl.constexpr, HADAMARD: tl.constexpr,
         ROUND: tl.constexpr, STOCHASTIC: tl.constexpr, SIGNBIT: tl.constexpr, SIGNS: tl.constexpr,
-        BR: tl.constexpr, BK: tl.constexpr,
+        WRITE_AMAX: tl.constexpr, EXPANDED: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr,
     ):  # fmt: skip
-        NB: tl.constexpr = BK // 16
+        """Quantize rows ``[pid·BR, pid·BR + BR)`` of slice ``program_id(1)`` (16x16 tiles never cross slices).
+
+        ``EXPANDED``: 0 none, 1 also write the exact ``q·s`` as bf16 (int16 bits), 2 as fp16, to ``exp_ptr``
+        ``[rows, KP]``."""
+        BK: tl.constexpr = 16 * NB
         pid, s = tl.program_id(0), tl.program_id(1)
         rows = pid * BR + tl.arange(0, BR)
-        row0 = s.to(tl.int64) * N  # first row of this slice (16x16 tiles never cross slices)
+        row0 = s.to(tl.int64) * N  # first row of this slice
         grow = row0 + rows  # global row index [BR]
         rmask = rows < N
         one = tl.full((BR, 1), 1.0, tl.float32)
         if OUTER == 2:  # per row, computed here: sweep K once for the row amax
-            m = tl.zeros((BR, BK), tl.float32)
-            has_nan = tl.zeros((BR, BK), tl.int32)
+            m = tl.zeros((BR, NB), tl.float32)
             for k0 in range(0, KP, BK):
-                x = _load_tile(x_ptr, row0, rows, N, k0, K, BR, BK, HADAMARD, ROUND, SIGNS)
-                a = tl.abs(x)
-                nan = a != a
-                m = tl.maximum(m, tl.where(nan, 0.0, a))
-                has_nan = has_nan | nan.to(tl.int32)
-            amax = tl.max(m, axis=1)
-            if PROFILE == 3:
-                amax = tl.where(tl.max(has_nan, axis=1) > 0, float("nan"), amax)
+                x = _load_blocks(x_ptr, row0, rows, N, k0, K, BR, NB, HADAMARD, ROUND, SIGNS)
+                m = _max_nan(m, _block_amax(x, PROFILE != 3))  # NaN-free unless compressed-tensors
+            amax = tl.reduce(m, 1, _max_nan)
             enc, dec = _outer_from_row_amax(amax[:, None], PROFILE)
             tl.store(amax_ptr + grow, amax, mask=rmask)
             tl.store(enc_ptr + grow, tl.reshape(enc, (BR,)), mask=rmask)
             tl.store(dec_ptr + grow, tl.reshape(dec, (BR,)), mask=rmask)
-        elif OUTER == 1:  # per expert
+        elif OUTER == 1:  # per group (tensor or expert) from the reduced amax bits
             e = grow // rows_per_outer
-            enc = tl.load(enc_ptr + e, mask=rmask, other=1.0)[:, None]
-            dec = tl.load(dec_ptr + e, mask=rmask, other=1.0)[:, None]
-        else:
-            enc = one * tl.load(enc_ptr)
-            dec = one * tl.load(dec_ptr)
+            amax = tl.load(group_amax_ptr + 2 * e, mask=rmask, other=0).to(tl.float32, bitcast=True)
+            if PROFILE == 3:
+                flag = tl.load(group_amax_ptr + 2 * e + 1, mask=rmask, other=0)
+                amax = tl.where(flag > 0, float("nan"), amax)
+            enc, dec = _outer_from_row_amax(amax[:, None], PROFILE)
+            first = rmask & (grow % rows_per_outer == 0)  # the group's first row reports its scales
+            tl.store(amax_ptr + e, amax, mask=first)
+            tl.store(enc_ptr + e, tl.reshape(enc, (BR,)), mask=first)
+            tl.store(dec_ptr + e, tl.reshape(dec, (BR,)), mask=first)
+        else:  # given as arguments (static / checkpoint / none)
+            enc = one * enc_arg
+            dec = one * dec_arg
+            first = rmask & (grow == 0)
+            tl.store(enc_ptr + rows * 0, tl.reshape(enc, (BR,)), mask=first)
+            tl.store(dec_ptr + rows * 0, tl.reshape(dec, (BR,)), mask=first)
+            if WRITE_AMAX:
+                tl.store(amax_ptr + rows * 0, tl.zeros((BR,), tl.float32) + amax_arg, mask=first)
         r6 = tl.math.div_rn(one, one * 6.0)  # RN(1/6)
         if STOCHASTIC:
             keyu = key.to(tl.uint32)
+        j = tl.arange(0, 16)
         for k0 in range(0, KP, BK):
-            x = _load_tile(x_ptr, row0, rows, N, k0, K, BR, BK, HADAMARD, ROUND, SIGNS)
-            x3 = tl.reshape(x, (BR, NB, 16))
-            a = tl.abs(x3)
-            nan = a != a
-            b = tl.max(tl.where(nan, 0.0, a), axis=2)  # [BR, NB]
-            if PROFILE != 0:
-                b = tl.where(tl.max(nan.to(tl.int32), axis=2) > 0, float("nan"), b)
+            x3 = _load_blocks(x_ptr, row0, rows, N, k0, K, BR, NB, HADAMARD, ROUND, SIGNS)
+            b = _block_amax(x3, PROFILE == 0)  # [BR, NB]
             if TILE16:
                 t = tl.reshape(b, (BR // 16, 16, NB))
                 tb = tl.max(tl.where(t != t, 0.0, t), axis=1)
@@ -311,85 +407,108 @@ if HAVE_TRITON:
             else:
                 v = tl.math.div_rn(x3, tl.math.div_rn(sval, enc)[:, :, None])
             # ---- E2M1 codes, packing, stores ----
+            cb = k0 // 16 + tl.arange(0, NB)  # block columns [NB]
             if STOCHASTIC:
-                idx = grow.to(tl.int64)[:, None, None] * KP + tl.reshape(k0 + tl.arange(0, BK), (1, NB, 16))
+                idx = grow.to(tl.int64)[:, None, None] * KP + (cb[None, :, None] * 16 + j[None, None, :])
                 u24 = _fmix32(idx.to(tl.uint32) ^ keyu) >> 8
             else:
                 u24 = 0
             q = _e2m1_code(v, u24, STOCHASTIC, SIGNBIT)
-            lo, hi = tl.split(tl.reshape(q, (BR, BK // 2, 2)))
+            lo, hi = tl.split(tl.reshape(q, (BR, NB, 8, 2)))
             packed = (lo | (hi << 4)).to(tl.uint8)
-            pcols = k0 // 2 + tl.arange(0, BK // 2)
+            bmask = rmask[:, None] & (cb[None, :] < KP // 16)  # [BR, NB]
+            j8 = tl.arange(0, 8)
             tl.store(
-                data_ptr + grow[:, None] * (KP // 2) + pcols[None, :],
+                data_ptr + grow[:, None, None] * (KP // 2) + (cb[None, :, None] * 8 + j8[None, None, :]),
                 packed,
-                mask=rmask[:, None] & (pcols[None, :] < KP // 2),
+                mask=bmask[:, :, None],
             )
-            scols = k0 // 16 + tl.arange(0, NB)
-            tl.store(
-                scale_ptr + grow[:, None] * (KP // 16) + scols[None, :],
-                code.to(tl.uint8),
-                mask=rmask[:, None] & (scols[None, :] < KP // 16),
-            )
+            tl.store(scale_ptr + grow[:, None] * (KP // 16) + cb[None, :], code.to(tl.uint8), mask=bmask)
+            if EXPANDED != 0:
+                y = _e2m1_value(q) * sval[:, :, None]  # exact: <= 6 significant bits
+                if EXPANDED == 1:  # bf16: the low 16 bits are zero, so truncating the fp32 bits is exact
+                    y = (y.to(tl.int32, bitcast=True) >> 16).to(tl.int16)
+                else:
+                    y = y.to(tl.float16)
+                tl.store(
+                    exp_ptr + grow[:, None, None] * KP + (cb[None, :, None] * 16 + j[None, None, :]),
+                    y,
+                    mask=bmask[:, :, None],
+                )
 
     @triton.jit
     def _dequantize_kernel(
         data_ptr, scale_ptr, gs_ptr, out_ptr, R, K, KP, rows_per_outer,
-        OUTER: tl.constexpr, ROUND: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
+        OUTER: tl.constexpr, ROUND: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr,
     ):  # fmt: skip
-        NB: tl.constexpr = BK // 16
+        """``out = e2m1(code) · f32(scale) · g`` over a ``[BR, NB, 16]`` tile; ``OUTER`` 0 scalar, 1 per
+        group of ``rows_per_outer`` rows, 2 per row."""
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
-        k0 = tl.program_id(1) * BK
+        cb = tl.program_id(1) * NB + tl.arange(0, NB)
         rmask = rows < R
         grow = rows.to(tl.int64)
-        pcols = k0 // 2 + tl.arange(0, BK // 2)
+        bmask = rmask[:, None] & (cb[None, :] < KP // 16)
+        j8 = tl.arange(0, 8)
         packed = tl.load(
-            data_ptr + grow[:, None] * (KP // 2) + pcols[None, :],
-            mask=rmask[:, None] & (pcols[None, :] < KP // 2),
+            data_ptr + grow[:, None, None] * (KP // 2) + (cb[None, :, None] * 8 + j8[None, None, :]),
+            mask=bmask[:, :, None],
             other=0,
         ).to(tl.int32)
         q = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BR, NB, 16))
-        mag = q & 7
-        val = tl.where(mag < 4, mag.to(tl.float32) * 0.5, tl.where(mag == 7, 6.0, (mag - 2).to(tl.float32)))
-        val = tl.where((q & 8) != 0, -val, val)
-        scols = k0 // 16 + tl.arange(0, NB)
-        sc = tl.load(
-            scale_ptr + grow[:, None] * (KP // 16) + scols[None, :],
-            mask=rmask[:, None] & (scols[None, :] < KP // 16),
-            other=0,
-        ).to(tl.int32)
-        y = val * _e4m3_value(sc)[:, :, None]
+        sc = tl.load(scale_ptr + grow[:, None] * (KP // 16) + cb[None, :], mask=bmask, other=0).to(tl.int32)
+        y = _e2m1_value(q) * _e4m3_value(sc)[:, :, None]
         if OUTER == 2:
             gs = tl.load(gs_ptr + grow, mask=rmask, other=1.0)[:, None, None]
         elif OUTER == 1:
             gs = tl.load(gs_ptr + grow // rows_per_outer, mask=rmask, other=1.0)[:, None, None]
         else:
             gs = tl.load(gs_ptr)
-        y = tl.reshape(y * gs, (BR, BK))
+        y = y * gs
         if ROUND == 1:  # bf16 output written as int16 bits of the nearest-even bf16
             y = (_bf16_rne(y).to(tl.int32, bitcast=True) >> 16).to(tl.int16)
         else:
             y = y.to(out_ptr.dtype.element_ty)
-        cols = k0 + tl.arange(0, BK)
-        tl.store(out_ptr + grow[:, None] * K + cols[None, :], y, mask=rmask[:, None] & (cols[None, :] < K))
+        cols = cb[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
+        tl.store(out_ptr + grow[:, None, None] * K + cols, y, mask=rmask[:, None, None] & (cols < K))
+
+    @triton.jit
+    def _expand_kernel(
+        data_ptr, scale_ptr, out_ptr, R, KP, stride_dr, stride_sr,
+        OUT_BF16: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr,
+    ):  # fmt: skip
+        """``out[r, k] = e2m1(code[r, k]) · f32(scale[r, k // 16])`` (exact in bf16/fp16), ``[BR, NB, 16]``
+        tiles: 8-byte code loads, 32-byte value stores per block."""
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        cb = tl.program_id(1) * NB + tl.arange(0, NB)
+        grow = rows.to(tl.int64)
+        bmask = (rows < R)[:, None] & (cb[None, :] < KP // 16)
+        j8 = tl.arange(0, 8)
+        packed = tl.load(
+            data_ptr + grow[:, None, None] * stride_dr + (cb[None, :, None] * 8 + j8[None, None, :]),
+            mask=bmask[:, :, None],
+            other=0,
+        ).to(tl.int32)
+        q = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BR, NB, 16))
+        sc = tl.load(scale_ptr + grow[:, None] * stride_sr + cb[None, :], mask=bmask, other=0).to(tl.int32)
+        y = _e2m1_value(q) * _e4m3_value(sc)[:, :, None]
+        if OUT_BF16:  # exact in bf16: the low 16 bits are zero
+            y = (y.to(tl.int32, bitcast=True) >> 16).to(tl.int16)
+        else:
+            y = y.to(out_ptr.dtype.element_ty)
+        cols = cb[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
+        tl.store(out_ptr + grow[:, None, None] * KP + cols, y, mask=bmask[:, :, None])
 
 
 ROUND_ID = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+#: dtypes ``emit_expanded`` can write (both hold every ``q·s`` exactly)
+EXPANDED_ID = {torch.bfloat16: 1, torch.float16: 2}
 
 
 def _default_tiles(recipe: QuantRecipe, kp: int) -> tuple[int, int]:
+    """(rows, blocks) per program. GPU: 16 rows x 256 columns (16 blocks), 4 warps."""
     if interpreting():  # big tiles: the interpreter's cost is per op, not per element
-        return 64, min(1024, triton.next_power_of_2(kp))
-    return 16, min(256, triton.next_power_of_2(kp))
-
-
-def _outer_index(recipe: QuantRecipe, shape: torch.Size, rows: int) -> tuple[int, int]:
-    """(OUTER mode, rows per outer scale)."""
-    if recipe.scale == "row" and recipe.scale_source == "dynamic":
-        return OUTER_ROW, 1
-    if recipe.scale == "expert":
-        return OUTER_EXPERT, rows // shape[0]
-    return OUTER_SCALAR, rows
+        return 64, min(64, triton.next_power_of_2(kp // 16))
+    return 16, min(16, triton.next_power_of_2(kp // 16))
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
@@ -397,18 +516,36 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.int16) if x.dtype == torch.bfloat16 else x
 
 
+@functools.lru_cache(maxsize=256)
+def _given_outer(recipe: QuantRecipe) -> tuple[float, float, float | None]:
+    """(encode, decode, amax) as Python floats (exact fp32 values) for data-independent outer scales,
+    computed by the reference's own torch code on the CPU (IEEE, so the same bits as on CUDA)."""
+    o = outer_scale_from_recipe(recipe, "cpu")
+    return float(o.encode), float(o.decode), None if o.amax is None else float(o.amax)
+
+
 def _group_amax(
-    x2: torch.Tensor, recipe: QuantRecipe, groups: int, kp: int, br: int, bk: int
+    x2: torch.Tensor, recipe: QuantRecipe, groups: int, kp: int, br: int, nb: int
 ) -> torch.Tensor:
-    rows_per_group = x2.shape[0] // groups
-    nprog = triton.cdiv(rows_per_group, br)
-    part = torch.empty((groups, nprog), dtype=torch.float32, device=x2.device)
-    _amax_kernel[(nprog, groups)](
-        _bits(x2), part, rows_per_group, x2.shape[1], kp,
-        PROPAGATE_NAN=recipe.profile == "compressed-tensors", HADAMARD=recipe.hadamard,
-        ROUND=ROUND_ID[x2.dtype], SIGNS=SIGN_MASK, BR=br, BK=bk,
+    """int32 ``[groups, 2]``: the bits of each group's NaN-free amax and a NaN flag (device only)."""
+    buf = torch.zeros((groups, 2), dtype=torch.int32, device=x2.device)
+    rows, k = x2.shape
+    rows_per_group = rows // groups
+    nan = recipe.profile == "compressed-tensors"
+    if recipe.hadamard:  # the transform needs whole 16-blocks of rows
+        _amax_tiled_kernel[(triton.cdiv(rows_per_group, br), groups)](
+            _bits(x2), buf, rows_per_group, k, kp,
+            PROPAGATE_NAN=nan, HADAMARD=True, ROUND=ROUND_ID[x2.dtype], SIGNS=SIGN_MASK, BR=br, NB=nb,
+        )  # fmt: skip
+        return buf
+    n = rows_per_group * k  # padding zeros never change an amax: sweep the real elements only
+    block = 4096 if not interpreting() else 1024
+    chunk = block * max(1, min(16, triton.cdiv(n, block * 1024)))  # ~1k programs, one atomic each
+    _amax_flat_kernel[(triton.cdiv(n, chunk), groups)](
+        _bits(x2), buf, n, chunk, PROPAGATE_NAN=nan, ROUND=ROUND_ID[x2.dtype], BLOCK=block,
+        num_warps=8 if not interpreting() else 4,
     )  # fmt: skip
-    return part.amax(dim=1)  # torch.amax propagates NaN, like the reference
+    return buf
 
 
 def quantize_triton(
@@ -417,9 +554,15 @@ def quantize_triton(
     seed: int | None = None,
     block_rows: int | None = None,
     block_k: int | None = None,
+    emit_expanded: torch.dtype | None = None,
+    num_warps: int | None = None,
 ) -> NVFP4Tensor:
-    """Triton twin of ``reference.quantize_reference`` (same bytes). ``block_rows``/``block_k`` tune tiles."""
+    """Triton twin of ``reference.quantize_reference`` (same bytes). ``block_rows``/``block_k`` (a multiple
+    of 16) tune tiles. ``emit_expanded`` (bf16 or fp16): also return the exact ``q·s`` as
+    ``NVFP4Tensor.expanded`` ``[..., Kp]``, written in the same pass. Never synchronizes with the host."""
     _check_runnable(x)
+    if emit_expanded is not None and emit_expanded not in EXPANDED_ID:
+        raise ValueError(f"emit_expanded must be torch.bfloat16 or torch.float16, got {emit_expanded}")
     shape, dtype = x.shape, x.dtype
     x = x.contiguous()
     k = shape[-1]
@@ -430,61 +573,71 @@ def quantize_triton(
         slices = rows // n
     else:
         n, slices = rows, 1
-    br_default, bk_default = _default_tiles(recipe, kp)
+    br_default, nb_default = _default_tiles(recipe, kp)
     br = block_rows or br_default
-    bk = block_k or bk_default
+    nb = block_k // 16 if block_k else nb_default
     if recipe.block == "16x16" and br % 16:
         raise ValueError(f"block_rows must be a multiple of 16 for 16x16 tiles, got {br}")
     x2 = x.reshape(rows, k)
     dev = x.device
-    outer_mode, rows_per_outer = _outer_index(recipe, shape, rows)
-    gshape = shape[:-1] + (1,)
-    amax_rows = enc_rows = dec_rows = None
-    if outer_mode == OUTER_ROW:
-        amax_rows = torch.empty(rows, dtype=torch.float32, device=dev)
-        enc_rows = torch.empty_like(amax_rows)
-        dec_rows = torch.empty_like(amax_rows)
-        enc_t, dec_t, amax_t = enc_rows, dec_rows, amax_rows
+    lead, gshape = shape[:-1], shape[:-1] + (1,)
+    enc_arg = dec_arg = amax_arg = 1.0
+    group_amax = None
+    write_amax = True
+    if recipe.scale == "row" and recipe.scale_source == "dynamic":
+        mode, rows_per_outer, n_outer, out_shape = OUTER_ROW, 1, rows, gshape
+    elif recipe.scale_source == "dynamic" and recipe.scale in ("tensor", "expert"):
+        groups = shape[0] if recipe.scale == "expert" else 1
+        group_amax = _group_amax(x2, recipe, groups, kp, br, nb)
+        mode, rows_per_outer, n_outer = OUTER_GROUP, rows // groups, groups
+        out_shape = (groups,) + (1,) * (len(shape) - 1) if recipe.scale == "expert" else ()
     else:
-        if recipe.scale_source == "dynamic" and recipe.scale in ("tensor", "expert"):
-            groups = shape[0] if recipe.scale == "expert" else 1
-            amax = _group_amax(x2, recipe, groups, kp, br, bk)
-            amax = amax.reshape((groups,) + (1,) * (len(shape) - 1)) if recipe.scale == "expert" else amax[0]
-            enc, dec = _outer_from_amax(amax, recipe.profile)
-            outer = OuterScale(enc, dec, amax)
-        else:
-            outer = outer_scale_from_recipe(recipe, dev)
-        enc_t, dec_t = outer.encode.contiguous(), outer.decode.contiguous()
-        amax_t = enc_t  # unused
+        enc_arg, dec_arg, amax_arg = _given_outer(recipe)
+        write_amax = amax_arg is not None
+        amax_arg = 1.0 if amax_arg is None else amax_arg
+        mode, rows_per_outer, n_outer, out_shape = OUTER_GIVEN, rows, 1, ()
+    enc_t = torch.empty(n_outer, dtype=torch.float32, device=dev)
+    dec_t = torch.empty_like(enc_t)
+    amax_t = torch.empty_like(enc_t) if write_amax else enc_t
     data = torch.empty((rows, kp // 2), dtype=torch.uint8, device=dev)
     scale = torch.empty((rows, kp // 16), dtype=torch.uint8, device=dev)
+    expanded = None if emit_expanded is None else torch.empty((rows, kp), dtype=emit_expanded, device=dev)
     key = seed_key(recipe.seed if seed is None else seed)
     key = key - 2**32 if key >= 2**31 else key  # passed as int32, reinterpreted as uint32 in the kernel
     grid = (triton.cdiv(n, br), slices)
+    extra = {} if num_warps is None else {"num_warps": num_warps}
     _quantize_kernel[grid](
-        _bits(x2), data, scale, enc_t, dec_t, amax_t,
+        _bits(x2), data, scale, data if expanded is None else _bits(expanded), enc_t, dec_t, amax_t,
+        enc_t if group_amax is None else group_amax, enc_arg, dec_arg, amax_arg,
         n, k, kp, rows_per_outer, key,
-        PROFILE=PROFILE_ID[recipe.profile], OUTER=outer_mode, TILE16=recipe.block == "16x16",
+        PROFILE=PROFILE_ID[recipe.profile], OUTER=mode, TILE16=recipe.block == "16x16",
         HADAMARD=recipe.hadamard, ROUND=ROUND_ID[dtype], STOCHASTIC=recipe.rounding == "stochastic",
-        SIGNBIT=recipe.profile in ("te", "torchao"), SIGNS=SIGN_MASK, BR=br, BK=bk,
+        SIGNBIT=recipe.profile in ("te", "torchao"), SIGNS=SIGN_MASK, WRITE_AMAX=write_amax,
+        EXPANDED=0 if expanded is None else EXPANDED_ID[emit_expanded], BR=br, NB=nb, **extra,
     )  # fmt: skip
-    lead = shape[:-1]
-    if outer_mode == OUTER_ROW:
-        outer = OuterScale(enc_rows.reshape(gshape), dec_rows.reshape(gshape), amax_rows.reshape(gshape))
     return NVFP4Tensor(
         data=data.reshape(*lead, kp // 2),
         scale=scale.view(torch.float8_e4m3fn).reshape(*lead, kp // 16),
-        global_scale=outer.decode,
+        global_scale=dec_t.reshape(out_shape),
         recipe=recipe,
         shape=shape,
         dtype=dtype,
-        global_encode_scale=outer.encode,
-        amax=outer.amax,
+        global_encode_scale=enc_t.reshape(out_shape),
+        amax=amax_t.reshape(out_shape) if write_amax else None,
+        expanded=None if expanded is None else expanded.reshape(*lead, kp),
     )
 
 
+def _outer_mode(gs: torch.Tensor, rows: int) -> tuple[int, int]:
+    if gs.numel() == 1:
+        return OUTER_SCALAR, rows
+    if gs.numel() == rows:
+        return OUTER_ROW, 1
+    return OUTER_EXPERT, rows // gs.numel()
+
+
 def dequantize_triton(
-    t: NVFP4Tensor, dtype: torch.dtype | None = None, block_rows: int = 16, block_k: int = 256
+    t: NVFP4Tensor, dtype: torch.dtype | None = None, block_rows: int = 16, block_k: int = 512
 ) -> torch.Tensor:
     """Triton twin of ``NVFP4Tensor.dequantize`` (same values)."""
     _check_runnable(t.data)
@@ -494,21 +647,36 @@ def dequantize_triton(
     k = t.shape[-1]
     kp = t.padded_k
     rows = t.data.numel() // (kp // 2)
-    recipe = t.recipe
     gs = t.global_scale.float().contiguous()
-    if gs.numel() == 1:
-        mode, rpo = OUTER_SCALAR, rows
-    elif gs.numel() == rows:
-        mode, rpo = OUTER_ROW, 1
-    else:
-        mode, rpo = OUTER_EXPERT, rows // gs.numel()
-    del recipe
+    mode, rpo = _outer_mode(gs, rows)
     out = torch.empty((rows, k), dtype=out_dtype, device=t.data.device)
-    bk = min(block_k, triton.next_power_of_2(kp))
+    nb = min(block_k // 16, triton.next_power_of_2(kp // 16))
     br = 64 if interpreting() else block_rows
-    grid = (triton.cdiv(rows, br), triton.cdiv(kp, bk))
+    grid = (triton.cdiv(rows, br), triton.cdiv(kp // 16, nb))
     _dequantize_kernel[grid](
         t.data.contiguous(), t.scale.view(torch.uint8).contiguous(), gs, _bits(out), rows, k, kp, rpo,
-        OUTER=mode, ROUND=ROUND_ID[out_dtype], BR=br, BK=bk,
+        OUTER=mode, ROUND=ROUND_ID[out_dtype], BR=br, NB=nb,
     )  # fmt: skip
     return out.reshape(t.shape)
+
+
+def expand_triton(data: torch.Tensor, scale: torch.Tensor, kp: int, dtype: torch.dtype) -> torch.Tensor:
+    """Exact ``q·s`` of packed codes ``data`` [R, Kp/2] and e4m3 scales [R, Kp/16] as a dense [R, Kp]
+    tensor of ``dtype`` (bf16, fp16 or fp32). Rows may be strided; each row must be contiguous."""
+    _check_runnable(data)
+    if data.stride(-1) != 1:
+        data = data.contiguous()
+    scale = scale.view(torch.uint8)
+    if scale.stride(-1) != 1:
+        scale = scale.contiguous()
+    R = data.shape[0]
+    out = torch.empty((R, kp), device=data.device, dtype=dtype)
+    if R == 0:
+        return out
+    br, nb = (16, 16) if interpreting() else (16, 32)
+    nb = min(nb, triton.next_power_of_2(kp // 16))
+    _expand_kernel[(triton.cdiv(R, br), triton.cdiv(kp // 16, nb))](
+        data, scale, _bits(out), R, kp, data.stride(0), scale.stride(0),
+        OUT_BF16=dtype == torch.bfloat16, BR=br, NB=nb,
+    )  # fmt: skip
+    return out
