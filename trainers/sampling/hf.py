@@ -19,6 +19,13 @@ per row; the loop keeps one float per token.
 like TRL does for ``generate``); ``"copy"`` keeps a separate copy (optionally cast to ``dtype`` and passed
 through ``prepare_model``, e.g. ``lambda m: triage.kernels.convert_to_nvfp4(m, recipe)``), rebuilt/synced from
 the trainer's weights whenever ``trainer.state.global_step`` changes.
+
+``kv_cache_dtype`` picks the precision of the stored keys/values, as an inference engine's KV cache would:
+``None``/``"auto"``/``"native"`` keep them in the model's dtype (transformers' ``DynamicCache``); ``"bf16"``
+rounds them through bfloat16 (a no-op on a bf16 model); ``"fp8"``/``"fp8_e4m3"`` store
+``e4m3(k / s_k) · s_k`` with one scale per layer for K and one for V, ``s = amax / 448`` calibrated on the
+prefill and then frozen (the emulation of :mod:`triage.trainers.diagnostics.kvcache`). The learner's
+full-sequence forward never rounds its keys/values, so an fp8 cache adds to the engine mismatch δ.
 """
 
 from __future__ import annotations
@@ -69,9 +76,35 @@ def _forward_kwarg_names(model: torch.nn.Module) -> tuple[str, bool]:
     return ("cache" if "cache" in names else "past_key_values"), "logits_to_keep" in names
 
 
-def _new_cache(model: torch.nn.Module):
+KV_CACHE_DTYPES = ("auto", "native", "bf16", "fp8", "fp8_e4m3")
+_KV_FORMAT = {
+    None: "native",
+    "auto": "native",
+    "native": "native",
+    "bf16": "bf16",
+    "fp8": "fp8",
+    "fp8_e4m3": "fp8",
+}
+
+
+def _kv_format(kv_cache_dtype: str | None) -> str:
+    """``kv_cache_dtype`` → the format name of :func:`triage.trainers.diagnostics.kvcache.kv_cache`."""
+    if not (kv_cache_dtype is None or isinstance(kv_cache_dtype, str)) or kv_cache_dtype not in _KV_FORMAT:
+        raise ValueError(
+            f"kv_cache_dtype must be None or one of {KV_CACHE_DTYPES} (the HF sampler emulates an fp8 e4m3 "
+            f"cache only), got {kv_cache_dtype!r}"
+        )
+    return _KV_FORMAT[kv_cache_dtype]
+
+
+def _new_cache(model: torch.nn.Module, kv_cache_dtype: str | None = None):
     from transformers import DynamicCache
 
+    fmt = _kv_format(kv_cache_dtype)
+    if fmt != "native":
+        from triage.trainers.diagnostics.kvcache import kv_cache
+
+        return kv_cache(model.config, fmt)
     try:
         return DynamicCache(config=model.config)
     except TypeError:  # older transformers
@@ -87,8 +120,11 @@ def sample_with_kv_cache(
     generator: torch.Generator | None = None,
     logprobs_mode: Literal["temperature", "processed"] = "temperature",
     pad_id: int = 0,
+    kv_cache_dtype: str | None = None,
 ) -> dict[str, list[list]]:
     """Sample one completion per prompt with left padding and an incremental KV cache.
+
+    ``kv_cache_dtype``: precision of the stored keys/values (module docstring; ``None`` = the model's).
 
     Returns ``{"completion_ids", "logprobs"}``; a completion ends with (and includes) the first EOS id, or stops
     at ``params.max_new_tokens``. A finished row keeps being fed ``pad_id`` until every row has finished; those
@@ -96,6 +132,7 @@ def sample_with_kv_cache(
     """
     if logprobs_mode not in ("temperature", "processed"):
         raise ValueError(f"logprobs_mode must be 'temperature' or 'processed', got {logprobs_mode!r}")
+    _kv_format(kv_cache_dtype)
     if not prompt_ids:
         return {"completion_ids": [], "logprobs": []}
     empty = [i for i, p in enumerate(prompt_ids) if len(p) == 0]
@@ -115,7 +152,7 @@ def sample_with_kv_cache(
     processors = _logits_processors(params)
     cache_name, has_keep = _forward_kwarg_names(model)
     keep = {"logits_to_keep": 1} if has_keep else {}
-    cache = _new_cache(model)
+    cache = _new_cache(model, kv_cache_dtype)
 
     out = model(
         input_ids=input_ids,
@@ -180,6 +217,8 @@ class HFSampler(SamplerSource):
             ``transformers.set_seed`` makes runs reproducible); offset by 1000003 × the process index.
         batch_size: rows per decode batch (``None``: all prompt entries at once).
         logprobs_mode: ``"temperature"`` (default, what TRL's learner computes) or ``"processed"``.
+        kv_cache_dtype: precision of the KV cache (module docstring): ``None`` (default: the model's dtype),
+            ``"bf16"`` or ``"fp8_e4m3"`` (alias ``"fp8"``).
     """
 
     name = "hf"
@@ -197,6 +236,7 @@ class HFSampler(SamplerSource):
         logprobs_mode: Literal["temperature", "processed"] = "temperature",
         weight_sync: Callable[[Any], None] | None = None,
         validate: bool = True,
+        kv_cache_dtype: str | None = None,
     ):
         super().__init__(params=params, weight_sync=weight_sync, validate=validate)
         if sampler_model not in ("shared", "copy"):
@@ -207,6 +247,7 @@ class HFSampler(SamplerSource):
             raise ValueError(f"logprobs_mode must be 'temperature' or 'processed', got {logprobs_mode!r}")
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        _kv_format(kv_cache_dtype)
         self.model = model
         self.sampler_model = sampler_model
         self.dtype = dtype
@@ -214,6 +255,7 @@ class HFSampler(SamplerSource):
         self.seed = seed
         self.batch_size = batch_size
         self.logprobs_mode = logprobs_mode
+        self.kv_cache_dtype = kv_cache_dtype
         self.copy: torch.nn.Module | None = None
         self._generator: torch.Generator | None = None
 
@@ -264,6 +306,7 @@ class HFSampler(SamplerSource):
                     generator=generator,
                     logprobs_mode=self.logprobs_mode,
                     pad_id=int(pad_id),
+                    kv_cache_dtype=self.kv_cache_dtype,
                 )
                 for k in result:
                     result[k].extend(part[k])

@@ -1,0 +1,113 @@
+"""HFSampler ``kv_cache_dtype``: an fp8 (e4m3) KV cache moves the log-probs slightly, a bf16 one on a bf16
+model does not; the trainer's ``sampler_kwargs`` pass it through; bad values are errors."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from triage.trainers.grpo_trainer import resolve_sampler_kwargs
+from triage.trainers.sampling import (
+    HFSampler,
+    SamplingParams,
+    encode_prompts,
+    make_sampler,
+    sample_with_kv_cache,
+)
+
+CHATS = [
+    [{"role": "user", "content": "What is 12 + 35?"}],
+    [{"role": "user", "content": "Let x be such that 3x + 4 = 19. Find x, then compute 7 * 8 - 3."}],
+    [{"role": "user", "content": "Compute 7 * 8 - 3."}],
+]
+PARAMS = SamplingParams(max_new_tokens=16, temperature=1.0)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tokenizer):
+    return encode_prompts(CHATS, tokenizer)
+
+
+def _sample(model, prompt_ids, tokenizer, kv_cache_dtype, params=PARAMS):
+    g = torch.Generator().manual_seed(7)
+    eos = [tokenizer.eos_token_id]
+    return sample_with_kv_cache(model, prompt_ids, params, eos, generator=g, kv_cache_dtype=kv_cache_dtype)
+
+
+def _reforward(model, prompt, completion):
+    """log_softmax of each completion token from one full cache-free fp32 forward (the learner's view)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + completion]), use_cache=False).logits[0].float()
+    logits = logits[len(prompt) - 1 : -1]
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(completion)[:, None])[:, 0]
+
+
+def _gap(model, prompt_ids, out):
+    """Token-mean |sampler log-prob − re-forward log-prob| over the batch."""
+    gaps = [
+        (torch.tensor(lp) - _reforward(model, p, c)).abs()
+        for p, c, lp in zip(prompt_ids, out["completion_ids"], out["logprobs"])
+    ]
+    return torch.cat(gaps)
+
+
+def test_bf16_cache_on_bf16_model_changes_nothing(tiny_model, tokenizer, prompt_ids):
+    model = copy.deepcopy(tiny_model).to(torch.bfloat16)
+    native = _sample(model, prompt_ids, tokenizer, None)
+    bf16 = _sample(model, prompt_ids, tokenizer, "bf16")
+    assert bf16["completion_ids"] == native["completion_ids"]
+    assert bf16["logprobs"] == native["logprobs"]  # bit for bit: rounding bf16 to bf16 is the identity
+    assert _sample(model, prompt_ids, tokenizer, "auto") == native
+
+
+def test_fp8_cache_moves_logprobs_slightly(tiny_model, tokenizer, prompt_ids):
+    native = _sample(tiny_model, prompt_ids, tokenizer, None)
+    fp8 = _sample(tiny_model, prompt_ids, tokenizer, "fp8_e4m3")
+    # fp32 model, native cache: the sampler's log-probs are the re-forward's (the HF sampler's own contract)
+    assert _gap(tiny_model, prompt_ids, native).max() < 2e-5
+    gap = _gap(tiny_model, prompt_ids, fp8)
+    assert gap.numel() >= 16
+    # fp8 keys/values: a small but real gap on most tokens (e4m3 has a 3-bit mantissa: ~3 % relative error)
+    assert gap.mean() > 1e-3, gap
+    assert (gap > 1e-5).float().mean() > 0.5
+    assert gap.mean() < 0.2 and torch.isfinite(gap).all(), gap
+    # the alias and the sampler class give the same numbers
+    assert _sample(tiny_model, prompt_ids, tokenizer, "fp8") == fp8
+    sampler = HFSampler(tiny_model, params=PARAMS, seed=7, kv_cache_dtype="fp8_e4m3")
+    assert sampler.generate(prompt_ids, eos_ids=[tokenizer.eos_token_id]) == fp8
+
+
+def test_fp8_cache_is_the_diagnostics_emulation(tiny_model, tokenizer, prompt_ids, monkeypatch):
+    """The sampler builds its cache with ``triage.trainers.diagnostics.kvcache.kv_cache`` (no copy of it)."""
+    from triage.trainers.diagnostics import kvcache
+
+    calls = []
+    real = kvcache.kv_cache
+
+    def spy(config, fmt="native", granularity="tensor"):
+        calls.append(fmt)
+        return real(config, fmt, granularity)
+
+    monkeypatch.setattr(kvcache, "kv_cache", spy)
+    _sample(tiny_model, prompt_ids[:1], tokenizer, "fp8_e4m3", SamplingParams(max_new_tokens=2))
+    _sample(tiny_model, prompt_ids[:1], tokenizer, None, SamplingParams(max_new_tokens=2))
+    assert calls == ["fp8"]
+
+
+def test_trainer_sampler_kwargs_pass_kv_cache_dtype_through():
+    kw = resolve_sampler_kwargs("hf", {"precision": "bf16", "kv_cache_dtype": "fp8_e4m3", "seed": 1})
+    assert kw["kv_cache_dtype"] == "fp8_e4m3" and kw["sampler_model"] == "copy"
+    sampler = make_sampler("hf", **kw)
+    assert sampler.kv_cache_dtype == "fp8_e4m3"
+    with pytest.raises(ValueError, match="fp8_e5m2"):
+        resolve_sampler_kwargs("hf", {"precision": "bf16", "kv_cache_dtype": "fp8_e5m2"})
+
+
+@pytest.mark.parametrize("bad", ["fp8_e5m2", "int8", 8, ["fp8"]])
+def test_bad_kv_cache_dtype_is_a_clear_error(tiny_model, tokenizer, prompt_ids, bad):
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        HFSampler(tiny_model, kv_cache_dtype=bad)
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        sample_with_kv_cache(tiny_model, prompt_ids, PARAMS, [0], kv_cache_dtype=bad)
