@@ -76,7 +76,9 @@ def check_exact(quick: bool) -> list[dict]:
             for dt in (torch.bfloat16, torch.float16):
                 t = quantize(x, recipe, backend="triton", emit_expanded=dt)
                 want = expand(quantize(x, recipe, backend="torch"), dt)
-                bad = int((t.expanded.view(torch.int16) != want.view(torch.int16)).sum())
+                nan = torch.isnan(want)  # a NaN block (scale 0x7F) only has to stay NaN
+                bad = int((torch.isnan(t.expanded) != nan).sum())
+                bad += int((t.expanded.view(torch.int16) != want.view(torch.int16))[~nan].sum())
                 results.append(
                     {"profile": profile, "variant": f"emit_expanded {dt} {v}", "blocks": x.numel() // 16,
                      "data_bytes_differ": bad, "scale_bytes_differ": 0, "outer_differ": 0}

@@ -177,3 +177,36 @@ def test_grouped_linear_gradients(mode):
         dw[ex] = dy[lo:hi].double().T @ xs[gather[lo:hi]]
     torch.testing.assert_close(x.grad.double(), dx, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(w.grad.double(), dw, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["triton", "triton_expanded", "grouped_mm", "reference"])
+@pytest.mark.parametrize("act", [QuantRecipe(), QuantRecipe(scale="row")], ids=["tensor", "row"])
+def test_in_kernel_gather_equals_gathering_first(backend, act):
+    """``a_rows``: tokens quantized once (with their expansion), the top-k gather done inside the GEMM."""
+    gen = torch.Generator().manual_seed(11)
+    counts = COUNTS["uneven+empty"]
+    tokens = 13
+    x = (torch.randn(tokens, 48, generator=gen) * 2).to(torch.bfloat16)
+    rows = torch.randint(0, tokens, (sum(counts),), generator=gen)
+    a_tok = quantize(x, act, backend="torch", emit_expanded=torch.bfloat16)
+    _, w, offs = _operands(counts, seed=2)
+    # gathering the quantized rows == quantizing per tensor/row then gathering (same bytes and scales)
+    ref = grouped_gemm_reference(
+        quantize(x, act, backend="torch").__class__(
+            data=a_tok.data[rows], scale=a_tok.scale[rows],
+            global_scale=a_tok.global_scale[rows] if act.scale == "row" else a_tok.global_scale,
+            recipe=act, shape=torch.Size((rows.numel(), 48)), dtype=torch.bfloat16,
+        ),
+        w, offs, out_dtype=torch.float32,
+    )  # fmt: skip
+    y = grouped_gemm(a_tok, w, offs, out_dtype=torch.float32, backend=backend, a_rows=rows)
+    tol = 1e-2 if backend == "grouped_mm" else 1e-5
+    torch.testing.assert_close(y, ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+def test_bad_gather_rows_are_rejected():
+    a, w, offs = _operands(COUNTS["uneven+empty"])
+    with pytest.raises(ValueError, match="outside"):
+        grouped_gemm(a, w, offs, a_rows=torch.full((25,), 99))
+    with pytest.raises(ValueError, match="1-D integer"):
+        grouped_gemm(a, w, offs, a_rows=torch.zeros(25))

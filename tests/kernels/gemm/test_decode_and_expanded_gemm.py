@@ -1,0 +1,130 @@
+"""The decode kernel (small M, packed weight streamed once), the large-M GEMMs on exact expansions (Triton
+and the cuBLAS alpha path), the ``fused`` baseline, and the quantizer's expansion feeding the GEMM."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from _dense_operands import device, random_nvfp4, rel_err
+from triage.kernels.nvfp4 import QuantRecipe, quantize
+from triage.kernels.nvfp4 import gemm_triton as gt
+from triage.kernels.nvfp4.gemm import (
+    SMALL_M,
+    expand,
+    gemm,
+    gemm_reference,
+    gemm_w4a16,
+    gemm_w4a16_reference,
+    host_decode_scale,
+)
+
+FP32_TOL = 2e-6
+
+
+def _poisoned(M, N, dtype=torch.float32):
+    return torch.full((M, N), float("nan"), dtype=dtype, device=device())
+
+
+@pytest.mark.parametrize("M", [1, 7, 16, 33, 64])
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("xdtype", [torch.bfloat16, torch.float16])
+def test_decode_kernel_w4a16(M, split_k, xdtype):
+    gen = torch.Generator().manual_seed(M * 10 + split_k)
+    N, K = 37, 208  # 13 blocks: not a multiple of the K step, N not a tile multiple
+    x = (torch.randn(M, K, generator=gen) * 2).to(xdtype).to(device())
+    w = random_nvfp4((N, K), gen=gen, scale="row", zero_block_frac=0.2)
+    bias = torch.randn(N, generator=gen).to(device())
+    out = _poisoned(M, N)
+    gt.launch_decode(x, w.data, w.scale, K, out, None, w.global_scale.reshape(-1), bias, split_k=split_k)
+    assert not torch.isnan(out).any(), "unwritten output"
+    ref = gemm_w4a16_reference(x, w, out_dtype=torch.float64, bias=bias)
+    assert rel_err(out, ref) < FP32_TOL
+    again = torch.empty_like(out)
+    gt.launch_decode(x, w.data, w.scale, K, again, None, w.global_scale.reshape(-1), bias, split_k=split_k)
+    assert torch.equal(out, again)  # deterministic split-K
+
+
+@pytest.mark.parametrize("M", [1, 16, 64])
+def test_decode_w4a4_through_gemm(M):
+    gen = torch.Generator().manual_seed(M)
+    a = random_nvfp4((M, 96), gen=gen, scale="row", zero_block_frac=0.1)
+    b = random_nvfp4((40, 96), gen=gen)
+    ref = gemm_reference(a, b, out_dtype=torch.float64)
+    assert M <= SMALL_M
+    y = gemm(a, b, out_dtype=torch.float32, backend="triton", out=_poisoned(M, 40))
+    assert rel_err(y, ref) < FP32_TOL
+
+
+def test_decode_nan_scale_gives_nan_row_only_and_padded_k():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 40, generator=gen).to(torch.bfloat16).to(device())
+    w = random_nvfp4((20, 40), gen=gen, pad=True)
+    ref = gemm_w4a16_reference(x, w, out_dtype=torch.float64)
+    assert rel_err(gemm_w4a16(x, w, out_dtype=torch.float32, backend="triton"), ref) < FP32_TOL
+    sc = w.scale.view(torch.uint8).clone()
+    sc[5, 1] = 0x7F  # NaN block scale in weight row 5
+    w2 = dataclasses.replace(w, scale=sc.view(torch.float8_e4m3fn))
+    y = gemm_w4a16(x, w2, out_dtype=torch.float32, backend="triton")
+    assert torch.isnan(y[:, 5]).all() and not torch.isnan(y[:, [0, 1, 2, 3, 4, 6]]).any()
+
+
+@pytest.mark.parametrize("backend", ["triton", "cublas", "fused"])
+@pytest.mark.parametrize("scale", ["tensor", "row"])
+def test_large_m_backends_on_expansions(backend, scale):
+    gen = torch.Generator().manual_seed(5)
+    M = SMALL_M + 9
+    x = (torch.randn(M, 80, generator=gen) * 3).to(device())
+    a = quantize(x, QuantRecipe(scale=scale), emit_expanded=torch.bfloat16)
+    b = random_nvfp4((30, 80), gen=gen)
+    bias = torch.randn(30, generator=gen).to(device())
+    ref = gemm_reference(a, b, out_dtype=torch.float64, bias=bias)
+    y = gemm(a, b, out_dtype=torch.float32, bias=bias, backend=backend, out=_poisoned(M, 30))
+    assert rel_err(y, ref) < FP32_TOL
+    # the cached weight expansion and host scale are what a cached NVFP4Linear passes
+    y2 = gemm(a, b, out_dtype=torch.float32, bias=bias, backend=backend, b_expanded=expand(b),
+              b_scale_host=host_decode_scale(b))  # fmt: skip
+    assert rel_err(y2, ref) < FP32_TOL
+
+
+def test_gemm_consumes_the_quantizers_expansion():
+    """A large-M GEMM reads ``a.expanded`` instead of re-expanding: poisoning it changes the result."""
+    gen = torch.Generator().manual_seed(6)
+    a = quantize(torch.randn(SMALL_M + 1, 32, generator=gen).to(device()), emit_expanded=torch.bfloat16)
+    b = random_nvfp4((8, 32), gen=gen)
+    good = gemm(a, b, out_dtype=torch.float32, backend="triton")
+    poisoned = dataclasses.replace(a, expanded=torch.zeros_like(a.expanded))
+    assert torch.equal(gemm(poisoned, b, out_dtype=torch.float32, backend="triton"), torch.zeros_like(good))
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_cublas_alpha_path_is_one_rounding(out_dtype):
+    """Per-tensor scales fold into alpha = RN(g_a·g_b): y = RN_out(alpha·acc (+ bias)), within half an ulp."""
+    gen = torch.Generator().manual_seed(7)
+    a = random_nvfp4((SMALL_M + 3, 64), gen=gen, scale_exp=(-3, 3))
+    b = random_nvfp4((24, 64), gen=gen, scale_exp=(-3, 3))
+    for bias in (None, torch.randn(24, generator=gen).to(out_dtype).to(device())):
+        ref = gemm_reference(a, b, out_dtype=torch.float64, bias=bias)
+        y = gemm(a, b, out_dtype=out_dtype, bias=bias, backend="cublas")
+        half_ulp = torch.finfo(out_dtype).eps / 2
+        bound = half_ulp * ref.abs() * (1 + 1e-3) + 1e-5 * ref.abs().max()
+        assert bool(((y.double() - ref).abs() <= bound).all())
+
+
+def test_w4a16_large_m_backends_and_cached_expansion():
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(SMALL_M + 5, 48, generator=gen).to(torch.bfloat16).to(device())
+    w = random_nvfp4((20, 48), gen=gen)
+    ref = gemm_w4a16_reference(x, w, out_dtype=torch.float64)
+    for backend in ("triton", "cublas", "fused"):
+        y = gemm_w4a16(x, w, out_dtype=torch.float32, backend=backend, w_expanded=expand(w, torch.bfloat16))
+        assert rel_err(y, ref) < FP32_TOL, backend
+
+
+def test_decode_rejects_large_m():
+    gen = torch.Generator().manual_seed(9)
+    w = random_nvfp4((8, 32), gen=gen)
+    x = torch.zeros(65, 32, dtype=torch.bfloat16, device=device())
+    with pytest.raises(ValueError, match="M <= 64"):
+        gt.launch_decode(x, w.data, w.scale, 32, torch.empty(65, 8, device=device()), None, None, None)
