@@ -1,0 +1,129 @@
+"""SFT pre-training: tokenisation and loss mask, schedule, training that really learns, greedy accuracy,
+checkpoint reuse and its errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from triage.experiments.data import dapo_row, synthetic_math
+from triage.experiments.sft import (
+    SFT_FILE,
+    SFTConfig,
+    _lr_factor,
+    build_sft_tokenizer,
+    ensure_sft_checkpoint,
+    greedy_accuracy,
+    tokenize_examples,
+    train_sft,
+)
+
+# Memorise four level-1 problems: a 2-layer 64-wide model learns them in ~60 steps on CPU (100 for margin).
+MEMORISE = SFTConfig(
+    n_train=4,
+    n_eval=4,
+    difficulty=(1,),
+    steps=100,
+    batch_size=4,
+    learning_rate=1e-2,
+    warmup_steps=5,
+    max_new_tokens=16,
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_sft_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def memorised(tmp_path_factory):
+    """(output dir, record) of an SFT run on four problems (``MEMORISE``)."""
+    out = tmp_path_factory.mktemp("sft") / "ckpt"
+    logs: list[str] = []
+    record = train_sft(MEMORISE, out, log=logs.append, device="cpu")
+    return out, record, logs
+
+
+def test_tokenizer_splits_numbers_into_digits(tokenizer):
+    ids = tokenizer("12 + 345 = 357.\nAnswer: 357", add_special_tokens=False)["input_ids"]
+    pieces = [tokenizer.decode([i]) for i in ids]
+    assert "".join(pieces) == "12 + 345 = 357.\nAnswer: 357"
+    assert all(len(p.strip()) <= 1 for p in pieces if any(ch.isdigit() for ch in p)), pieces
+
+
+def test_tokenize_examples_masks_the_prompt_and_padding(tokenizer):
+    data = synthetic_math(3, [1, 3], seed=0)
+    ids, mask, labels = tokenize_examples(tokenizer, data)
+    for i, row in enumerate(data):
+        prompt = tokenizer.apply_chat_template(
+            row["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        n = int(mask[i].sum())
+        assert ids[i, : len(prompt)].tolist() == prompt
+        assert (labels[i, : len(prompt)] == -100).all() and (labels[i, n:] == -100).all()
+        target = labels[i, len(prompt) : n].tolist()
+        assert target == ids[i, len(prompt) : n].tolist()
+        assert target[-1] == tokenizer.eos_token_id
+        assert tokenizer.decode(target[:-1]) == row["extra_info"]["solution"]
+        assert (ids[i, n:] == tokenizer.pad_token_id).all()
+
+
+def test_a_row_without_solution_is_an_error_naming_it(tokenizer):
+    from datasets import Dataset
+
+    from triage.experiments.data import FEATURES
+
+    rows = [
+        dapo_row("Compute 1 + 1.", 2, index="ok", solution="1 + 1 = 2.\nAnswer: 2"),
+        dapo_row("Compute 2.", 2, index="bad"),
+    ]
+    with pytest.raises(ValueError, match="row 1 .*bad.* no worked solution"):
+        tokenize_examples(tokenizer, Dataset.from_list(rows, features=FEATURES))
+
+
+def test_schedule_warms_up_then_decays_to_the_floor():
+    cfg = SFTConfig(steps=100, warmup_steps=10, min_lr_ratio=0.1)
+    factors = [_lr_factor(s, cfg) for s in range(101)]
+    assert factors[0] == pytest.approx(0.1) and factors[9] == pytest.approx(1.0)
+    assert factors[10] == pytest.approx(1.0) and factors[100] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(factors[10:], factors[11:]))
+
+
+@pytest.mark.parametrize(
+    "bad", [dict(steps=0), dict(batch_size=-1), dict(learning_rate=0.0), dict(min_lr_ratio=2.0)]
+)
+def test_config_errors(bad):
+    with pytest.raises(ValueError, match="SFTConfig"):
+        SFTConfig(**bad)
+
+
+def test_sft_learns_and_greedy_accuracy_scores_it(memorised, tokenizer):
+    out, record, logs = memorised
+    assert record["loss"][-1]["loss"] < 0.1 * record["loss"][0]["loss"]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    train = synthetic_math(4, [1], seed=0, held_out=4)  # the four problems it was trained on
+    acc = greedy_accuracy(model, tok, train, max_new_tokens=16)
+    assert acc == {"accuracy": 1.0, "by_difficulty": {"1": 1.0}, "n": 4}
+    # the same completions against wrong ground truths score 0: the accuracy is the DAPO rule, not a constant
+    wrong = train.map(lambda r: {"reward_model": {**r["reward_model"], "ground_truth": "999"}})
+    assert greedy_accuracy(model, tok, wrong, max_new_tokens=16)["accuracy"] == 0.0
+    saved = json.loads((out / SFT_FILE).read_text())
+    assert saved["config"] == MEMORISE.to_dict() and saved["steps_done"] == 100
+    assert any("SFT done" in line for line in logs)
+
+
+def test_checkpoint_is_reused_for_the_same_config_and_refused_for_another(memorised, monkeypatch):
+    out, record, _ = memorised
+    import triage.experiments.sft as sft
+
+    monkeypatch.setattr(sft, "train_sft", lambda *a, **k: pytest.fail("retrained an existing checkpoint"))
+    logs: list[str] = []
+    assert ensure_sft_checkpoint(MEMORISE, out, log=logs.append)["final"] == record["final"]
+    assert "reusing" in logs[0]
+    with pytest.raises(ValueError, match=r"another config \(differs in \['steps'\]\)"):
+        ensure_sft_checkpoint(SFTConfig(**{**MEMORISE.to_dict(), "steps": 101}), out)
