@@ -65,7 +65,9 @@ __all__ = [
     "gemm_w4a16_reference",
 ]
 
-#: Default backend for M > SMALL_M on Hopper; set from the H200 measurement in docs/kernels.md.
+#: Default backend for M > SMALL_M on Hopper, from the H200 measurement in docs/kernels.md: cuBLAS with the
+#: per-tensor scales as alpha (1.00-1.09x bf16). Per-row scales cannot ride on alpha: ``auto`` sends them to
+#: the Triton GEMM on expansions (scales in its epilogue, 1.06-1.12x) rather than an fp32-output matmul.
 LARGE_M_BACKEND = "cublas"
 #: Up to this many rows the memory-bound decode tiling is used.
 SMALL_M = 64
@@ -362,9 +364,12 @@ def gemm(
     else:
         xa = expand(a).reshape(M, K)
         wb = b_expanded if b_expanded is not None else expand(b)
+        per_tensor = g_a.numel() == 1 and g_b.numel() == 1
+        if which == "cublas" and backend == "auto" and not per_tensor and device.type == "cuda":
+            which = "triton"
         if which == "triton":
             gt.launch_gemm(xa, None, wb, None, K, out, g_a, g_b, bias)
-        elif g_a.numel() == 1 and g_b.numel() == 1:  # cuBLAS, scales folded into alpha
+        elif per_tensor:  # cuBLAS, scales folded into alpha
             gb = host_decode_scale(b) if b_scale_host is None else b_scale_host
             alpha = float(torch.tensor(host_decode_scale(a)) * torch.tensor(gb))  # RN(g_a·g_b) in fp32
             _alpha_mm(xa, wb, alpha, bias, out)
@@ -438,6 +443,8 @@ def gemm_w4a16(
         gt.launch_decode(x2, w.data, w.scale, K, out, None, g_w, bias)
     else:
         wx = (w_expanded if w_expanded is not None else expand(w, x.dtype))[:, :K]
+        if which == "cublas" and backend == "auto" and g_w.numel() != 1 and x.device.type == "cuda":
+            which = "triton"
         if which == "triton":
             gt.launch_gemm(x2, None, wx, None, K, out, None, g_w, bias)
         elif g_w.numel() == 1:

@@ -513,8 +513,9 @@ def _num_sms() -> int:
     return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
-#: Large-M tile of the dense (expanded-operand) GEMM; set from the H200 sweep in bench_gemm.py.
-DENSE_CONFIG = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+#: Large-M tile of the dense (expanded-operand) GEMM: the best of the H200 sweep in bench_gemm.py --sweep
+#: (2026-11-29: 256x128x64 w8 s3 at 1.13-1.34x cuBLAS bf16; 128x256x64 w8 s3/s4 1.19-1.40x).
+DENSE_CONFIG = dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
 
 
 def _tile_config(M: int, N: int, K: int, split_k: int | None) -> dict:
@@ -615,7 +616,9 @@ def launch_gemm(
     return out
 
 
-#: Decode tiling (rows of W per program, 16-blocks per K step, warps, stages); set from bench_gemm.py.
+#: Decode tiling (rows of W per program, 16-blocks per K step, warps, stages): the best of the H200 sweep
+#: (bench_gemm.py --sweep, 2026-11-29; 128 registers, no spills; pipelining (stages > 1) stages the codes
+#: through shared memory byte by byte and was slower).
 DECODE_CONFIG = dict(BN=64, NB=8, num_warps=4, num_stages=1)
 
 

@@ -505,10 +505,11 @@ EXPANDED_ID = {torch.bfloat16: 1, torch.float16: 2}
 
 
 def _default_tiles(recipe: QuantRecipe, kp: int) -> tuple[int, int]:
-    """(rows, blocks) per program. GPU: 16 rows x 256 columns (16 blocks), 4 warps."""
+    """(rows, blocks) per program. GPU: 8 rows (16 for 16x16 tiles) x 256 columns (16 blocks), 4 warps: the
+    best of the H200 sweep in bench_quantize.py (2026-11-29)."""
     if interpreting():  # big tiles: the interpreter's cost is per op, not per element
         return 64, min(64, triton.next_power_of_2(kp // 16))
-    return 16, min(16, triton.next_power_of_2(kp // 16))
+    return (16 if recipe.block == "16x16" else 8), min(16, triton.next_power_of_2(kp // 16))
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
