@@ -33,11 +33,11 @@ Forward GEMM: for more than ``SMALL_M`` rows the activation quantizer also write
 inputs stream the packed weight instead.
 
 Weight cache. ``W_q`` (and, for the large-M path, its exact bf16 expansion ``q·s`` and its per-tensor decode
-scale as a host float) is cached on the module and reused until the weight changes. The key is ``(W._version, W.data_ptr(), W.dtype, W.shape)``:
-in-place updates through autograd-visible ops (``optimizer.step()``, ``param.copy_()`` under no_grad,
-``load_state_dict``) bump ``_version``; replacing ``param.data`` changes ``data_ptr``. Writing through
-``param.data.copy_(...)`` does NOT bump the version counter: call :meth:`NVFP4Linear.invalidate_cache`
-after doing that. With gradient checkpointing the recomputed forward hits the cache.
+scale as a host float) is cached on the module and reused until the weight changes. The key is
+``(W._version, W.data_ptr(), W.dtype, W.shape)``: in-place updates through autograd-visible ops
+(``optimizer.step()``, ``param.copy_()`` under no_grad, ``load_state_dict``) bump ``_version``; replacing
+``param.data`` changes ``data_ptr``. Writing through ``param.data.copy_(...)`` does NOT bump the version
+counter: call :meth:`NVFP4Linear.invalidate_cache` after doing that. With gradient checkpointing the recomputed forward hits the cache.
 
 Gradients are returned in the dtypes of x and W. The quantization and both backward GEMMs run with the
 backends of :mod:`triage.kernels.nvfp4` (Triton on CUDA, torch reference on CPU; ``backend=`` overrides).
