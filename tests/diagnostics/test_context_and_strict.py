@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from triage.kernels.lora import FrozenNVFP4Linear
 from triage.kernels.nvfp4 import QuantRecipe, quantize
 from triage.trainers.diagnostics.pairs import compare_paths
 from triage.trainers.diagnostics.paths import ExecutionPath, TokenBatch, prepare_model, run_path
@@ -103,17 +104,46 @@ def test_strict_kernels_compute_the_same_function(trained, batch):
     assert torch.allclose(default, strict, atol=1e-5, rtol=0) or (default - strict).abs().mean() < 1e-6
 
 
-def test_strict_alignment_restores_the_model(trained):
+@pytest.mark.parametrize(
+    "kind,precision",
+    [
+        ("learner", Precision("w4a4", "token")),
+        ("sampler", Precision("w4a4", "token")),
+        ("sampler", Precision("w4a16")),
+    ],
+)
+def test_strict_alignment_restores_the_model(trained, kind, precision):
     model, _ = trained
-    engine = prepare_model(model, ExecutionPath("learner", Precision("w4a4", "token"), torch.float32))
+    engine = prepare_model(model, ExecutionPath(kind, precision, torch.float32))
     before = {name: dict(m.__dict__).get("forward") for name, m in engine.named_modules()}
+    configs = {name: getattr(m, "config", None) for name, m in engine.named_modules()}
     attn = engine.config._attn_implementation
     with strict_alignment(engine):
         assert engine.config._attn_implementation == STRICT_ATTENTION
         assert any("forward" in m.__dict__ for m in engine.modules())
     assert engine.config._attn_implementation == attn
     assert {name: dict(m.__dict__).get("forward") for name, m in engine.named_modules()} == before
-    assert not any(getattr(m, "reference_gemm", False) for m in engine.modules())
+    assert all(getattr(m, "config", None) is configs[name] for name, m in engine.named_modules())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_strict_weight_only_engine_layer_is_fp64_and_batch_invariant(trained, dtype):
+    """A weight-only FrozenNVFP4Linear under strict alignment: ``RN(x·Ŵᵀ)`` from an fp64 product, for fp32
+    activations too (its own fp32 path is an fp32 matmul), the same for a row alone or inside a batch."""
+    model, _ = trained
+    engine = prepare_model(model, ExecutionPath("sampler", Precision("w4a16"), dtype))
+    layer = engine.get_submodule("model.layers.0.mlp.down_proj")
+    assert isinstance(layer, FrozenNVFP4Linear)
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(12, layer.in_features, generator=g) * torch.logspace(-1, 1, 12)[:, None]).to(dtype)
+    w = layer.quantized_weight()
+    exact = (x.double() @ (w.block_values().double() * w.global_scale.double())[:, : layer.in_features].T).to(
+        dtype
+    )
+    with strict_alignment(engine):
+        batched = layer(x)
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
+    assert torch.equal(batched, exact) and torch.equal(alone, exact)
 
 
 def test_check_strict_pair_names_what_differs():

@@ -1,13 +1,22 @@
-"""FP8 KV-cache emulation, the NVFP4 checkpoint round trip, and clear errors on bad input."""
+"""FP8 KV-cache emulation, the offline conversion through an NVFP4 checkpoint, and clear errors on bad input."""
+
+import copy
 
 import pytest
 import torch
 
+from triage.kernels.linear import NVFP4Linear
+from triage.kernels.lora import FrozenNVFP4Linear
 from triage.kernels.nvfp4 import QuantRecipe, quantize
-from triage.trainers.diagnostics.checkpoint import load_nvfp4_checkpoint, roundtrip, save_nvfp4_checkpoint
-from triage.trainers.diagnostics.kvcache import QuantizedKVLayer, kv_cache
-from triage.trainers.diagnostics.paths import ExecutionPath, TokenBatch
-from triage.trainers.diagnostics.precision import Precision, convert_linears, decoder_linears
+from triage.kernels.nvfp4.reference import outer_scale_from_recipe
+from triage.trainers.diagnostics.kvcache import QuantizedKVLayer, cache_argument, kv_cache
+from triage.trainers.diagnostics.paths import ExecutionPath, TokenBatch, prepare_model, run_path
+from triage.trainers.diagnostics.precision import (
+    Precision,
+    calibrate_activation_amax,
+    convert_linears,
+    decoder_linears,
+)
 
 
 def _states(seed, t, scale=1.0):
@@ -54,66 +63,137 @@ def test_bf16_layer_and_cache_factory():
         QuantizedKVLayer("fp8").update(nan, nan)
 
 
-@pytest.mark.parametrize("profile", ["modelopt", "compressed-tensors", "te"])
-def test_checkpoint_roundtrip_keeps_the_codes(profile, tmp_path):
-    g = torch.Generator().manual_seed(0)
-    weights = {
-        f"model.layers.0.mlp.{n}": quantize(
-            torch.randn(32, 48, generator=g), QuantRecipe(profile=profile), backend="torch"
-        )
-        for n in ("up_proj", "down_proj")
-    }
-    back = roundtrip(weights, profile)
-    for name, t in weights.items():
-        assert torch.equal(back[name].data, t.data)
-        assert torch.equal(back[name].scale.view(torch.uint8), t.scale.view(torch.uint8))
-        if profile == "compressed-tensors":  # stored as an encode scale, inverted by the loader
-            assert back[name].global_scale.item() == (1.0 / t.global_encode_scale).item()
-        else:
-            assert back[name].global_scale.item() == t.global_scale.item()
-    path = save_nvfp4_checkpoint(weights, tmp_path / "m.safetensors", profile)
-    with pytest.raises(ValueError, match="no tensor"):
-        load_nvfp4_checkpoint(
-            path, {"model.layers.9.mlp.up_proj": weights["model.layers.0.mlp.up_proj"]}, profile
+class _PastKeyValuesModel(torch.nn.Module):
+    """A causal LM whose forward takes the cache as ``past_key_values`` only (transformers 5.17's name)."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm, self.model, self.config = lm, lm.model, lm.config
+
+    def forward(
+        self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=None
+    ):
+        kw = {cache_argument(self.lm): past_key_values}
+        return self.lm(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=use_cache,
+            **kw,
         )
 
 
-def test_offline_conversion_quantizes_the_bf16_checkpoint(trained):
+def test_cache_argument_follows_the_forward_signature(trained):
     model, _ = trained
-    import copy
 
+    class Peft(torch.nn.Module):
+        def __init__(self, base):
+            super().__init__()
+            self.base = base
+
+        def get_base_model(self):
+            return self.base
+
+        def forward(self, *args, **kwargs):
+            return self.base(*args, **kwargs)
+
+    wrapped = _PastKeyValuesModel(model)
+    assert cache_argument(wrapped) == "past_key_values"
+    assert cache_argument(Peft(wrapped)) == "past_key_values"
+    assert cache_argument(model) == cache_argument(Peft(model)) in ("cache", "past_key_values")
+
+
+@pytest.mark.parametrize("kv", ["native", "fp8"])
+def test_sampler_path_under_either_cache_argument_name(trained, batch, kv):
+    """The sampler path scores the same through a ``past_key_values``-only forward (5.17's convention) as
+    through the installed transformers' own forward, with the FP8 cache layers filled in both cases."""
+    model, _ = trained
+    path = ExecutionPath("sampler", Precision(), torch.float32, kv_cache=kv)
+    engine = prepare_model(model, path)
+    small = TokenBatch(batch.input_ids[:4], batch.attention_mask[:4], batch.prompt_width)
+    direct = run_path(engine, path, small)
+    legacy = run_path(_PastKeyValuesModel(engine), path, small)
+    assert torch.equal(direct.logps, legacy.logps)
+    assert all(torch.equal(a, b) for a, b in zip(direct.layers, legacy.layers))
+
+
+def test_kv_cache_refuses_layers_it_cannot_emulate():
+    from transformers import Qwen3Config
+
+    shape = dict(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16,
+    )  # fmt: skip
+    sliding = Qwen3Config(**shape, use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    assert len(kv_cache(sliding, "native").layers) == 3
+    with pytest.raises(ValueError, match="layer 1 .* DynamicSlidingWindowLayer"):
+        kv_cache(sliding, "fp8")
+    full = kv_cache(Qwen3Config(**shape), "fp8", "head")
+    assert [type(layer) for layer in full.layers] == [QuantizedKVLayer] * 3
+    assert full.layers[0].granularity == "head"
+
+
+@pytest.mark.parametrize("profile", ["modelopt", "compressed-tensors", "te"])
+def test_offline_conversion_loads_the_exported_checkpoint(trained, profile):
+    """weights_from="checkpoint": the engine layer holds the codes the kernels' exporter wrote for the bf16
+    weights, and the decode scale its loader reads (RN(1/encode) for the compressed-tensors layout)."""
+    model, _ = trained
+    precision = Precision("w4a16", weights_from="checkpoint", checkpoint_profile=profile)
+    offline = convert_linears(copy.deepcopy(model), precision)
     online = convert_linears(copy.deepcopy(model), Precision("w4a16"))
-    offline = convert_linears(
-        copy.deepcopy(model), Precision("w4a16", weights_from="checkpoint", checkpoint_profile="te")
-    )
     differ = 0
-    for (name, _, _), (_, _, _) in zip(decoder_linears(model), decoder_linears(model)):
-        a = online.get_submodule(name).weight_q
-        b = offline.get_submodule(name).weight_q
-        differ += int((a.data != b.data).sum())
-        w = model.get_submodule(name).weight.to(torch.bfloat16)
-        assert torch.equal(b.data, quantize(w, QuantRecipe(profile="te"), backend="torch").data)
+    for name, _, _ in decoder_linears(model):
+        layer = offline.get_submodule(name)
+        assert isinstance(layer, FrozenNVFP4Linear) and layer.config.mode == "w4a16"
+        got = layer.quantized_weight()
+        ref = quantize(
+            model.get_submodule(name).weight.to(torch.bfloat16), QuantRecipe(profile=profile), backend="torch"
+        )
+        assert torch.equal(got.data, ref.data)
+        assert torch.equal(got.scale.view(torch.uint8), ref.scale.view(torch.uint8))
+        if profile == "compressed-tensors":  # stored as an encode scale, inverted by the loader
+            assert got.global_scale.item() == (1.0 / ref.global_encode_scale).item()
+        else:
+            assert got.global_scale.item() == ref.global_scale.item()
+        differ += int((online.get_submodule(name).quantized_weight().data != got.data).sum())
     assert differ > 0  # bf16 rounding of the master moves some weights across an E2M1 boundary
 
 
-def test_shared_fused_scales_use_the_group_amax(trained):
+def test_static_activation_scales_come_from_the_checkpoint(trained, batch):
+    """W4A4 + static + checkpoint: the engine quantizes activations with the stored input_scale (A_x/2688,
+    ModelOpt's decode convention), read back by ``load_activation_recipes``."""
     model, _ = trained
-    import copy
+    amax = calibrate_activation_amax(model, batch.input_ids, batch.attention_mask, batch.position_ids)
+    precision = Precision("w4a4", "static", weights_from="checkpoint", checkpoint_profile="modelopt")
+    engine = convert_linears(copy.deepcopy(model), precision, calibration=amax)
+    for name, _, _ in decoder_linears(model):
+        recipe = engine.get_submodule(name).config.input_recipe
+        assert recipe.scale_source == "checkpoint" and recipe.profile == "modelopt"
+        static = QuantRecipe(profile="modelopt", scale_source="static", static_amax=amax[name])
+        assert recipe.checkpoint_scale == float(outer_scale_from_recipe(static, "cpu").decode)
+    learner = convert_linears(copy.deepcopy(model), Precision("w4a4", "token"), learner=True)
+    assert all(isinstance(learner.get_submodule(n), NVFP4Linear) for n, _, _ in decoder_linears(model))
 
-    shared = convert_linears(copy.deepcopy(model), Precision("w4a16", fused_scales="shared"))
+
+@pytest.mark.parametrize("weights_from", ["online", "checkpoint"])
+def test_shared_fused_scales_use_the_group_amax(trained, weights_from):
+    model, _ = trained
+    precision = Precision("w4a16", fused_scales="shared", weights_from=weights_from)
+    shared = convert_linears(copy.deepcopy(model), precision)
     attn = "model.layers.1.self_attn"
-    amax = max(
-        float(model.get_submodule(f"{attn}.{p}").weight.abs().amax()) for p in ("q_proj", "k_proj", "v_proj")
-    )
+    dtype = torch.bfloat16 if weights_from == "checkpoint" else torch.float32
+
+    def amax(leaf):
+        return float(model.get_submodule(f"{attn}.{leaf}").weight.to(dtype).abs().amax())
+
     scales = {
-        p: shared.get_submodule(f"{attn}.{p}").weight_q.global_scale.item()
+        p: shared.get_submodule(f"{attn}.{p}").quantized_weight().global_scale.item()
         for p in ("q_proj", "k_proj", "v_proj")
     }
     assert len(set(scales.values())) == 1
-    assert scales["q_proj"] == pytest.approx(amax / 2688, rel=1e-6)
-    assert shared.get_submodule(f"{attn}.o_proj").weight_q.global_scale.item() == pytest.approx(
-        float(model.get_submodule(f"{attn}.o_proj").weight.abs().amax()) / 2688, rel=1e-6
-    )
+    assert scales["q_proj"] == pytest.approx(max(map(amax, ("q_proj", "k_proj", "v_proj"))) / 2688, rel=1e-6)
+    o_proj = shared.get_submodule(f"{attn}.o_proj").quantized_weight()
+    assert o_proj.global_scale.item() == pytest.approx(amax("o_proj") / 2688, rel=1e-6)
 
 
 def test_bad_input_is_named():
@@ -135,8 +215,6 @@ def test_bad_input_is_named():
 
 def test_static_scales_need_a_calibration(trained):
     model, _ = trained
-    import copy
-
     with pytest.raises(ValueError, match="calibrated amax"):
         convert_linears(copy.deepcopy(model), Precision("w4a4", "static"))
     with pytest.raises(ValueError, match="no decoder nn.Linear matched"):

@@ -10,15 +10,25 @@ with the scale ``s`` calibrated on the first ``update`` (the prefill) and then f
 ``granularity``: ``"tensor"`` (one scale for K, one for V) or ``"head"`` (one per KV head). The states
 attention sees are the rounded ones, prefill included. ``fmt="bf16"`` rounds through bfloat16 instead
 (no scale): a bf16 cache under an fp32 model.
+
+transformers versions. The cache is transformers' own ``DynamicCache`` built from the model config, with
+its full-attention ``cache_utils.DynamicLayer`` layers replaced by :class:`QuantizedKVLayer` (a
+``DynamicLayer`` subclass): the per-layer cache API that transformers 5.17 (the GPU image) and 5.24 share.
+What differs between them is the name of the forward argument that takes the cache — ``past_key_values``
+(5.17) or ``cache`` (5.24, the old name a deprecated alias) — which :func:`cache_argument` detects from the
+model's signature. Layers that are not plain ``DynamicLayer`` (sliding-window, chunked, linear-attention or
+KV-sharing layers) are refused by name rather than silently replaced by full-attention ones.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-__all__ = ["KV_FORMATS", "QuantizedKVLayer", "kv_cache"]
+__all__ = ["KV_FORMATS", "QuantizedKVLayer", "cache_argument", "kv_cache"]
 
 KV_FORMATS = ("native", "bf16", "fp8")
 GRANULARITIES = ("tensor", "head")
@@ -66,7 +76,24 @@ def kv_cache(config, fmt: str = "native", granularity: str = "tensor") -> Dynami
     if fmt not in KV_FORMATS:
         raise ValueError(f"kv cache format must be one of {KV_FORMATS}, got {fmt!r}")
     cache = DynamicCache(config=config)
-    if fmt != "native":
-        n = config.get_text_config(decoder=True).num_hidden_layers
-        cache.layers = [QuantizedKVLayer(fmt, granularity) for _ in range(n)]
+    if fmt == "native":
+        return cache
+    if not cache.layers:
+        raise ValueError(
+            f"kv_cache({fmt!r}): the config gives no cache layers to quantize ({type(config).__name__})"
+        )
+    for i, layer in enumerate(cache.layers):
+        if type(layer) is not DynamicLayer:
+            raise ValueError(
+                f"kv_cache({fmt!r}): layer {i} of this model's cache is a {type(layer).__name__}; the {fmt} "
+                "emulation covers full-attention layers (cache_utils.DynamicLayer) only"
+            )
+    cache.layers = [QuantizedKVLayer(fmt, granularity) for _ in cache.layers]
     return cache
+
+
+def cache_argument(model: torch.nn.Module) -> str:
+    """The name of the forward argument that takes a KV cache: ``"cache"`` where the model's signature has
+    it (transformers 5.24), else ``"past_key_values"`` (5.17). A PEFT wrapper is looked through."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"

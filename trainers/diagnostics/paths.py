@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .kvcache import GRANULARITIES, KV_FORMATS, kv_cache
+from .kvcache import GRANULARITIES, KV_FORMATS, cache_argument, kv_cache
 from .precision import Precision, convert_linears
 from .strict import strict_alignment
 
@@ -189,12 +189,6 @@ def _token_logps(logits: torch.Tensor, tokens: torch.Tensor, temperature: float)
     return torch.log_softmax(z, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def _cache_kwarg(model: nn.Module) -> str:
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 @torch.no_grad()
 def _learner(model: nn.Module, batch: TokenBatch, temperature: float) -> torch.Tensor:
     ids, mask, pos, p = batch.input_ids, batch.attention_mask, batch.position_ids, batch.prompt_width
@@ -206,7 +200,7 @@ def _learner(model: nn.Module, batch: TokenBatch, temperature: float) -> torch.T
 def _sampler(model: nn.Module, batch: TokenBatch, path: ExecutionPath) -> torch.Tensor:
     ids, mask, pos, p = batch.input_ids, batch.attention_mask, batch.position_ids, batch.prompt_width
     cache = kv_cache(model.config, path.kv_cache, path.kv_granularity)
-    name = _cache_kwarg(model)
+    name = cache_argument(model)
     out = model(
         input_ids=ids[:, :p],
         attention_mask=mask[:, :p],

@@ -7,37 +7,52 @@ A ``Precision`` names one point on every axis the seed ablates:
 * ``act_scale``: the activation outer scale — ``"tensor"`` (one dynamic amax over every token of the call),
   ``"token"`` (one per row: ``QuantRecipe(scale="row")``) or ``"static"`` (a calibrated amax per layer);
 * ``weights_from``: ``"online"`` (quantize the master weights in memory) or ``"checkpoint"`` (the offline
-  route: cast the master to the checkpoint dtype, quantize with ``checkpoint_profile``, write an NVFP4
-  checkpoint, load its codes back — :mod:`.checkpoint`);
+  route: cast the master to ``checkpoint_dtype``, export an NVFP4 checkpoint with the kernels' exporter in
+  ``checkpoint_profile``'s layout — compressed-tensors for that profile, ModelOpt otherwise — and load its
+  codes back; with ``act_scale="static"`` the calibrated amaxes are written as the checkpoint's activation
+  scales and the engine quantizes with what ``load_activation_recipes`` reads back, i.e. the layout's
+  producer formulas, not ``profile``'s);
 * ``fused_scales``: ``"independent"`` (q, k, v, gate, up each get their own weight outer scale) or
   ``"shared"`` (one outer scale per fused group q/k/v and gate/up: the group amax, as a fused QKV weight
   or vLLM's ``max`` over shards gives);
 * ``profile``, ``weight_block``: whose quantizer formulas and which weight tiles (``QuantRecipe``).
 
 Conversion (:func:`convert_linears`) replaces the decoder layers' ``nn.Linear`` modules (never ``lm_head``)
-in place by a :class:`QuantLinear` (or, for the W4A4 online learner, the kernels' ``NVFP4Linear`` when
-available). Both call the same ``triage.kernels.nvfp4`` quantizer and GEMM, so two paths with the same
-recipes compute the same numbers. On CPU the backends are pinned to the torch reference quantizer and
-the CPU BLAS (never the Triton interpreter); see :class:`QuantLinear`.
+in place by the kernels' own layers: the online W4A4 learner gets ``NVFP4Linear`` (master weight kept,
+quantized by the layer's cache, as in training); every other path an engine-side
+``FrozenNVFP4Linear`` holding fixed NVFP4 codes (``mode="w4a4"`` with the activation recipe as its
+``input_recipe``, or ``"w4a16"``). The offline route writes a real NVFP4 checkpoint with
+``export_nvfp4_checkpoint`` and loads it back with ``load_nvfp4_checkpoint`` (+ ``load_activation_recipes``
+for static activation scales), as an engine loads it. Backends: ``auto`` on CUDA (Triton quantizer,
+Triton/cuBLAS GEMMs); on CPU the torch reference quantizer and the fp64 reference GEMM (never the Triton
+interpreter), on both the learner's and the engine's layers.
 """
 
 from __future__ import annotations
 
 import re
+import tempfile
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from triage.kernels.nvfp4 import NVFP4Tensor, QuantRecipe, quantize
-from triage.kernels.nvfp4.gemm import gemm, gemm_w4a16
+from triage.kernels.lora import FrozenNVFP4Linear, NVFP4BaseConfig
+from triage.kernels.nvfp4 import (
+    NVFP4Tensor,
+    QuantRecipe,
+    export_nvfp4_checkpoint,
+    load_activation_recipes,
+    load_nvfp4_checkpoint,
+    quantize,
+)
+from triage.kernels.nvfp4.export import FUSED_GROUPS
 
 __all__ = [
     "ACT_SCALES",
     "FUSED_GROUPS",
     "MODES",
     "Precision",
-    "QuantLinear",
     "activation_recipe",
     "calibrate_activation_amax",
     "convert_linears",
@@ -49,8 +64,6 @@ MODES = ("bf16", "w4a16", "w4a4")
 ACT_SCALES = ("tensor", "token", "static")
 WEIGHT_SOURCES = ("online", "checkpoint")
 FUSED_SCALES = ("independent", "shared")
-#: Linear layers that inference engines fuse into one GEMM (one weight, hence one outer scale when shared).
-FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -127,84 +140,11 @@ def activation_recipe(precision: Precision, amax: float | None = None) -> QuantR
     return QuantRecipe(scale="tensor", profile=precision.profile)
 
 
-class QuantLinear(nn.Module):
-    """``y = x·Ŵᵀ + b`` with a fixed NVFP4 weight Ŵ (codes given at construction, as an engine loads them).
-
-    W4A4 (``input_recipe`` set) quantizes x per call; W4A16 (``input_recipe`` None) uses x as it is. The
-    products ``(q·s)_x·(q·s)_w`` are exact; what differs between engines is the accumulation:
-
-    * CUDA: :func:`~triage.kernels.nvfp4.gemm.gemm` / ``gemm_w4a16`` with ``backend="auto"`` (Triton for
-      small M, expand + cuBLAS for large M — the reduction order depends on M);
-    * CPU: the same expand + GEMM recipe on the CPU BLAS: expand both operands to their exact ``q·s``
-      (``NVFP4Tensor.block_values``),
-      one fp32 (W4A4) or x-dtype (W4A16) matmul, outer scales in the epilogue (order depends on M, too);
-    * ``reference_gemm=True`` (strict alignment): the fp64 reference GEMM, rounded once — batch-invariant.
-    """
-
-    def __init__(
-        self,
-        weight: NVFP4Tensor,
-        bias: torch.Tensor | None,
-        input_recipe: QuantRecipe | None,
-        reference_gemm: bool = False,
-    ) -> None:
-        super().__init__()
-        if len(weight.shape) != 2:
-            raise ValueError(f"QuantLinear: weight must be 2-D [out, in], got {tuple(weight.shape)}")
-        self.weight_q = weight
-        self.out_features, self.in_features = tuple(weight.shape)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
-        self.input_recipe = input_recipe
-        self.reference_gemm = reference_gemm
-        self._expanded: dict[torch.dtype, torch.Tensor] = {}
-
-    def _weight_expanded(self, dtype: torch.dtype) -> torch.Tensor:
-        if dtype not in self._expanded:
-            self._expanded[dtype] = self.weight_q.block_values().to(dtype)[:, : self.in_features]
-        return self._expanded[dtype]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"QuantLinear: input has last dim {x.shape[-1]}, expected {self.in_features}")
-        lead, k = x.shape[:-1], self.in_features
-        x2 = x.reshape(-1, k)
-        bias = None if self.bias is None else self.bias.to(x.dtype)
-        cuda, strict = x.device.type == "cuda", self.reference_gemm
-        half = x.dtype in (torch.bfloat16, torch.float16)
-        if self.input_recipe is None:  # W4A16
-            if strict:
-                w = self.weight_q
-                y = x2.double() @ (w.block_values().double() * w.global_scale.double())[:, :k].T
-                y = (y if bias is None else y + bias.double()).to(x.dtype)
-            elif cuda and half:
-                y = gemm_w4a16(x2, self.weight_q, bias=bias, backend="auto")
-            else:
-                acc = x2.float() @ self._weight_expanded(torch.float32).T
-                y = acc * self.weight_q.global_scale.float()
-                y = (y if bias is None else y + bias.float()).to(x.dtype)
-        else:  # W4A4
-            xq = quantize(x2, self.input_recipe, backend="auto" if cuda else "torch")
-            if strict or cuda:
-                backend = "reference" if strict else "auto"
-                y = gemm(xq, self.weight_q, out_dtype=x.dtype, bias=bias, backend=backend)
-            else:
-                acc = xq.block_values()[:, :k] @ self._weight_expanded(torch.float32).T
-                y = acc * xq.global_scale.float().reshape(-1, 1) * self.weight_q.global_scale.float()
-                y = (y if bias is None else y + bias.float()).to(x.dtype)
-        return y.reshape(*lead, self.out_features)
-
-    def extra_repr(self) -> str:
-        mode = "w4a16" if self.input_recipe is None else f"w4a4 act={self.input_recipe.scale}"
-        return (
-            f"in={self.in_features}, out={self.out_features}, {mode}, weight={self.weight_q.recipe.profile}"
-        )
-
-
 def decoder_linears(model: nn.Module) -> list[tuple[str, int, nn.Linear]]:
     """``(qualified name, decoder layer index, module)`` of every ``nn.Linear`` inside a decoder layer."""
     out = []
     for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and not isinstance(module, QuantLinear):
+        if isinstance(module, nn.Linear):
             m = _LAYER_RE.search(name)
             if m:
                 out.append((name, int(m.group(1)), module))
@@ -245,36 +185,65 @@ def _group_key(name: str) -> tuple[str, int] | None:
     return None
 
 
-def _quantized_weights(
-    model: nn.Module,
-    targets: list[tuple[str, int, nn.Linear]],
-    precision: Precision,
-    master: nn.Module | None,
-) -> dict[str, NVFP4Tensor]:
-    """NVFP4 weight of every target, online or through an NVFP4 checkpoint, with independent or shared
-    outer scales. Weights are taken from ``master`` (same module names; default ``model``)."""
-    source = dict(master.named_modules()) if master is not None else dict(model.named_modules())
-    qb = "auto" if next(model.parameters()).device.type == "cuda" else "torch"
-    weights = {name: source[name].weight.detach() for name, _, _ in targets}
-    if precision.weights_from == "checkpoint":
-        weights = {n: w.to(precision.checkpoint_dtype) for n, w in weights.items()}
-    profile = precision.checkpoint_profile if precision.weights_from == "checkpoint" else precision.profile
-    group_amax: dict[tuple[str, int], float] = {}
-    if precision.fused_scales == "shared":
-        for name, w in weights.items():
-            key = _group_key(name)
-            if key is not None:
-                group_amax[key] = max(group_amax.get(key, 0.0), float(w.float().abs().amax()))
-    out = {}
+def _shared_amax(weights: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Layer name -> the amax of its fused group (q/k/v, gate/up: the max over the shards present)."""
+    group: dict[tuple[str, int], float] = {}
     for name, w in weights.items():
         key = _group_key(name)
-        amax = group_amax.get(key) if key is not None else None
-        out[name] = quantize(w, weight_recipe(precision, profile, amax), backend=qb)
-    if precision.weights_from == "checkpoint":
-        from .checkpoint import roundtrip
+        if key is not None:
+            group[key] = max(group.get(key, 0.0), float(w.detach().float().abs().amax()))
+    return {name: group[key] for name in weights if (key := _group_key(name)) is not None}
 
-        out = roundtrip(out, profile)
-    return out
+
+def _backends(model: nn.Module) -> tuple[str, str]:
+    """(gemm_backend, quant_backend): the kernels' ``auto`` on CUDA; on CPU the fp64 reference GEMM and the
+    torch quantizer (``auto`` would run the Triton interpreter when TRITON_INTERPRET is set)."""
+    cuda = next(model.parameters()).device.type == "cuda"
+    return ("auto", "auto") if cuda else ("reference", "torch")
+
+
+def _online_weights(
+    weights: dict[str, torch.Tensor], precision: Precision, quant_backend: str
+) -> dict[str, NVFP4Tensor]:
+    """Quantize in memory with the precision's weight recipe (the group amax for shared fused scales)."""
+    shared = _shared_amax(weights) if precision.fused_scales == "shared" else {}
+    return {
+        name: quantize(w, weight_recipe(precision, amax=shared.get(name)), backend=quant_backend)
+        for name, w in weights.items()
+    }
+
+
+def _checkpoint_weights(
+    weights: dict[str, torch.Tensor],
+    precision: Precision,
+    calibration: dict[str, float] | None,
+    quant_backend: str,
+) -> tuple[dict[str, NVFP4Tensor], dict[str, QuantRecipe]]:
+    """The offline route: cast to ``checkpoint_dtype``, write an NVFP4 checkpoint with the kernels' exporter
+    (``checkpoint_profile``'s layout and formulas, shared fused scales as vLLM loads them), read it back.
+
+    Returns the loaded weights by layer name and, for W4A4 with static activation scales, the checkpoint's
+    activation recipes (``input_scale`` / ``input_global_scale`` read with the layout's formulas)."""
+    profile = precision.checkpoint_profile
+    layout = "compressed-tensors" if profile == "compressed-tensors" else "modelopt"
+    static = precision.mode == "w4a4" and precision.act_scale == "static"
+    state = {f"{name}.weight": w.detach().to(precision.checkpoint_dtype) for name, w in weights.items()}
+    device = next(iter(weights.values())).device
+    with tempfile.TemporaryDirectory() as tmp:
+        export_nvfp4_checkpoint(
+            state,
+            tmp,
+            layout=layout,
+            recipe=QuantRecipe(block=precision.weight_block, scale="tensor", profile=profile),
+            skip=(),
+            input_amax={name: calibration[name] for name in weights} if static else None,
+            share_fused_scales=precision.fused_scales == "shared",
+            fused_groups=FUSED_GROUPS,
+            backend=quant_backend,
+        )
+        loaded = load_nvfp4_checkpoint(tmp, device=device)
+        inputs = load_activation_recipes(tmp) if static else {}
+    return {name: loaded[f"{name}.weight"] for name in weights}, inputs
 
 
 def convert_linears(
@@ -289,7 +258,8 @@ def convert_linears(
     ``calibration``: per-layer activation amax (``act_scale="static"``); ``master``: the model whose
     weights are quantized (default ``model``; pass the fp32 master when ``model`` is a bf16 copy).
     ``learner=True`` with online W4A4 uses the trainer's own ``triage.kernels.NVFP4Linear`` (sharing the
-    master's weight, quantized by the layer's cache, as in training); everything else a :class:`QuantLinear`.
+    master's weight, quantized by the layer's cache, as in training); everything else an engine-side
+    ``triage.kernels.lora.FrozenNVFP4Linear`` with fixed codes (online, or through an NVFP4 checkpoint).
     """
     if not precision.quantized:
         return model
@@ -308,39 +278,55 @@ def convert_linears(
         missing = [n for n, _, _ in targets if calibration is None or n not in calibration]
         if missing:
             raise ValueError(f"act_scale='static' needs a calibrated amax for {missing[:3]} (calibration=)")
+    gemm_backend, quant_backend = _backends(model)
+    source = dict((master or model).named_modules())
     if learner and precision.mode == "w4a4" and precision.weights_from == "online":
-        return _convert_learner(model, targets, precision, calibration, master)
-    qweights = _quantized_weights(model, targets, precision, master)
+        masters = {name: source[name] for name, _, _ in targets}
+        return _convert_learner(model, masters, precision, calibration, gemm_backend, quant_backend)
+    weights = {name: source[name].weight.detach() for name, _, _ in targets}
+    if precision.weights_from == "checkpoint":
+        qweights, inputs = _checkpoint_weights(weights, precision, calibration, quant_backend)
+    else:
+        qweights, inputs = _online_weights(weights, precision, quant_backend), {}
     for name, _, module in targets:
-        amax = calibration.get(name) if calibration else None
-        new = QuantLinear(qweights[name], module.bias, activation_recipe(precision, amax))
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, new)
+        input_recipe = inputs.get(name) or activation_recipe(
+            precision, calibration.get(name) if calibration else None
+        )
+        config = NVFP4BaseConfig(
+            mode="w4a4" if precision.mode == "w4a4" else "w4a16",
+            input_recipe=input_recipe or QuantRecipe(),  # unused by w4a16
+            gemm_backend=gemm_backend,
+            quant_backend=quant_backend,
+        )
+        _replace(model, name, FrozenNVFP4Linear(qweights[name], module.bias, config))
     return model
 
 
-def _convert_learner(model, targets, precision: Precision, calibration, master) -> nn.Module:
-    """Online W4A4 learner: ``NVFP4Linear`` layers over the master's (fp32) weights, one config per layer."""
+def _convert_learner(
+    model: nn.Module,
+    masters: dict[str, nn.Linear],
+    precision: Precision,
+    calibration: dict[str, float] | None,
+    gemm_backend: str,
+    quant_backend: str,
+) -> nn.Module:
+    """Online W4A4 learner: ``NVFP4Linear`` layers sharing the master's (fp32) Linear parameters."""
     from triage.kernels.linear import NVFP4Linear, NVFP4LinearConfig
 
-    source = dict((master or model).named_modules())
-    cuda = next(model.parameters()).device.type == "cuda"
-    group_amax: dict[tuple[str, int], float] = {}
+    shared = {}
     if precision.fused_scales == "shared":
-        for name, _, _ in targets:
-            key = _group_key(name)
-            if key is not None:
-                amax = float(source[name].weight.detach().float().abs().amax())
-                group_amax[key] = max(group_amax.get(key, 0.0), amax)
-    for name, _, _ in targets:
-        key = _group_key(name)
+        shared = _shared_amax({name: m.weight for name, m in masters.items()})
+    for name, linear in masters.items():
         config = NVFP4LinearConfig(
             input_recipe=activation_recipe(precision, calibration.get(name) if calibration else None),
-            weight_recipe=weight_recipe(precision, amax=group_amax.get(key) if key is not None else None),
-            gemm_backend="auto" if cuda else "reference",
-            quant_backend="auto" if cuda else "torch",
+            weight_recipe=weight_recipe(precision, amax=shared.get(name)),
+            gemm_backend=gemm_backend,
+            quant_backend=quant_backend,
         )
-        new = NVFP4Linear.from_linear(source[name], config)
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, new)
+        _replace(model, name, NVFP4Linear.from_linear(linear, config))
     return model
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent), child, module)

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from triage.trainers.tiny import TinyModelSpec
+
 from .paths import TokenBatch
 
 __all__ = ["TinyPreset", "arithmetic_chats", "sample_batch", "train_tiny_model"]
@@ -24,14 +26,16 @@ __all__ = ["TinyPreset", "arithmetic_chats", "sample_batch", "train_tiny_model"]
 
 @dataclass(frozen=True)
 class TinyPreset:
-    """The tiny preset: model shape, training and the scored batch."""
+    """The tiny preset: model shape (a tiny Qwen3), training and the scored batch."""
 
-    hidden_size: int = 128
-    intermediate_size: int = 384
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    head_dim: int = 32
+    model: TinyModelSpec = TinyModelSpec(
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+    )
     train_steps: int = 120
     train_batch: int = 16
     lr: float = 3e-3
@@ -69,18 +73,10 @@ def _as_ids(value) -> list[int]:
 
 def train_tiny_model(preset: TinyPreset = TinyPreset()):
     """(model, tokenizer): a tiny Qwen3 trained on :func:`arithmetic_chats` (fp32, deterministic, eval)."""
-    from triage.trainers.tiny import TinyModelSpec, build_model, build_tokenizer
+    from triage.trainers.tiny import build_model, build_tokenizer
 
     tokenizer = build_tokenizer()
-    spec = TinyModelSpec(
-        hidden_size=preset.hidden_size,
-        intermediate_size=preset.intermediate_size,
-        num_hidden_layers=preset.num_hidden_layers,
-        num_attention_heads=preset.num_attention_heads,
-        num_key_value_heads=preset.num_key_value_heads,
-        head_dim=preset.head_dim,
-    )
-    model = build_model(tokenizer, spec, seed=preset.seed)
+    model = build_model(tokenizer, preset.model, seed=preset.seed)
     if preset.train_steps:
         _train(model, tokenizer, preset)
     model.eval().requires_grad_(False)

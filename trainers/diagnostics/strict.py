@@ -11,8 +11,9 @@ on M and on the sequence length, so the two engines round differently and δ ≠
 * Linear (``nn.Linear``): ``y = RN_dtype(Σ_k x_k·w_k)`` accumulated in fp64. Each product of fp32 (or
   bf16) operands is exact in fp64 and the fp64 sum is rounded once to the model dtype, so the result does
   not depend on the summation order (up to an fp64-ulp tie at an fp32 rounding boundary, probability
-  ~K·2⁻²⁹ per output). NVFP4 Linear layers (:class:`~.precision.QuantLinear`, the kernels'
-  ``NVFP4Linear``) switch to the fp64 reference GEMM.
+  ~K·2⁻²⁹ per output). The kernels' NVFP4 layers (``NVFP4Linear``, ``FrozenNVFP4Linear``) switch to the
+  fp64 reference GEMM; a weight-only ``FrozenNVFP4Linear`` computes ``x·Ŵᵀ`` in fp64 for every activation
+  dtype (its own fp32-activation path is an fp32 matmul, and the reference GEMM takes bf16/fp16 only).
 * Attention: registered as ``attn_implementation="triage_strict"``: scores, softmax and the weighted sum of
   values in fp64 per query row; masked keys contribute exact zeros, so a query sees the same sum whether
   the keys come from a full causal block or from a cache.
@@ -36,7 +37,10 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from .precision import Precision, QuantLinear
+from triage.kernels.linear import NVFP4Linear
+from triage.kernels.lora import FrozenNVFP4Linear
+
+from .precision import Precision
 
 __all__ = ["STRICT_ATTENTION", "check_strict_pair", "strict_alignment", "strict_attention_forward"]
 
@@ -77,9 +81,22 @@ def strict_attention_forward(
 
 
 def _register_attention() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+    """Register the fp64 attention and its mask builder (both interfaces exist in transformers 5.17 and 5.24).
 
+    Without a registered mask function, transformers' mask preprocessing returns NO mask for an unknown
+    ``attn_implementation``: the attention would silently see every key. So a transformers lacking
+    ``AttentionMaskInterface`` is refused rather than run."""
+    from transformers import AttentionInterface
+
+    try:
+        from transformers.masking_utils import AttentionMaskInterface, eager_mask
+    except ImportError as err:
+        import transformers
+
+        raise RuntimeError(
+            f"strict_alignment needs transformers.masking_utils.AttentionMaskInterface (transformers "
+            f"{transformers.__version__} has none; 5.17 and 5.24 do): a custom attention would get no causal mask"
+        ) from err
     AttentionInterface.register(STRICT_ATTENTION, strict_attention_forward)
     AttentionMaskInterface.register(STRICT_ATTENTION, eager_mask)
 
@@ -87,6 +104,14 @@ def _register_attention() -> None:
 def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     bias = None if self.bias is None else self.bias.double()
     return nn.functional.linear(x.double(), self.weight.double(), bias).to(x.dtype)
+
+
+def _frozen_w4a16_forward(self: FrozenNVFP4Linear, x: torch.Tensor) -> torch.Tensor:
+    """``x·Ŵᵀ + b`` in fp64 (``Ŵ = q·s·g``: exact products in fp64), rounded once to x's dtype."""
+    w = self.quantized_weight()
+    what = w.block_values().double() * w.global_scale.double().reshape(-1, 1)
+    bias = None if self.bias is None else self.bias.double()
+    return nn.functional.linear(x.double(), what[:, : self.in_features], bias).to(x.dtype)
 
 
 def _rmsnorm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -122,14 +147,12 @@ def strict_alignment(model: nn.Module) -> Iterator[nn.Module]:
             name = type(module).__name__
             if type(module) is nn.Linear:
                 _patch(module, _linear_forward, undo)
-            elif name == "NVFP4Linear" and hasattr(module, "config"):
+            elif isinstance(module, FrozenNVFP4Linear) and module.config.mode == "w4a16":
+                _patch(module, _frozen_w4a16_forward, undo)
+            elif isinstance(module, (NVFP4Linear, FrozenNVFP4Linear)):
                 old_cfg = module.config
                 module.config = replace(old_cfg, gemm_backend="reference")
                 undo.append(lambda m=module, c=old_cfg: setattr(m, "config", c))
-            elif isinstance(module, QuantLinear):
-                old_ref = module.reference_gemm
-                module.reference_gemm = True
-                undo.append(lambda m=module, r=old_ref: setattr(m, "reference_gemm", r))
             elif name.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
                 _patch(module, _rmsnorm_forward, undo)
             elif name.endswith("RotaryEmbedding") and hasattr(module, "inv_freq"):
