@@ -143,9 +143,10 @@ class AblationPreset:
 
 
 PRESETS: dict[str, AblationPreset] = {
+    # every arm for two steps on CPU with a 0.1M-parameter model (CI): checks the pipeline, not the method
     "smoke": AblationPreset(
         name="smoke",
-        sft=SFTConfig(steps=30, batch_size=32, n_train=256, n_eval=16, difficulty=(1,), max_new_tokens=16),
+        sft=SFTConfig(steps=20, batch_size=16, n_train=128, n_eval=8, difficulty=(1,), max_new_tokens=16),
         steps=2,
         prompts=2,
         generations=2,
@@ -155,31 +156,34 @@ PRESETS: dict[str, AblationPreset] = {
         n_eval=8,
         arm_seconds=5.0,
     ),
+    # one H200: SFT of a 0.84M-parameter Qwen3, then 6 arms x 40 steps x 256 completions. Calibration (CPU,
+    # fp32, the same shape with a 3000-step cosine): held-out greedy accuracy 42 % at step 500, 62 % at 750,
+    # 77 % at 1000; 600 fully decayed steps aim at ~60 %, leaving the RL room to improve.
     "local": AblationPreset(
         name="local",
         sft=SFTConfig(
-            hidden_size=256,
-            intermediate_size=768,
+            hidden_size=128,
+            intermediate_size=384,
             num_hidden_layers=4,
-            num_attention_heads=8,
-            num_key_value_heads=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
             head_dim=32,
             difficulty=(1, 2, 3),
-            n_train=32768,
+            n_train=8192,
             n_eval=256,
-            steps=4000,
-            max_seconds=110.0,
-            batch_size=256,
-            learning_rate=1e-3,
-            warmup_steps=200,
-            eval_every=1000,
+            steps=600,
+            max_seconds=120.0,
+            batch_size=64,
+            learning_rate=2e-3,
+            warmup_steps=100,
+            eval_every=200,
             max_new_tokens=48,
         ),
         steps=40,
         prompts=32,
         generations=8,
         max_completion_length=64,
-        learning_rate=3e-5,
+        learning_rate=1e-4,
         warmup_steps=2,
         eval_every=5,
         n_eval=256,
@@ -298,7 +302,7 @@ def arm_summary(series: Mapping[str, list], held_out: Mapping[str, list], window
     def last(name):
         return _mean(series.get(name, [])[-w:])
 
-    acc = held_out.get("accuracy", [])
+    acc = [a for a in held_out.get("accuracy", []) if a is not None]
     return {
         "steps": n,
         "reward_first": first("reward"),
