@@ -302,7 +302,8 @@ def arm_summary(series: Mapping[str, list], held_out: Mapping[str, list], window
     def last(name):
         return _mean(series.get(name, [])[-w:])
 
-    acc = [a for a in held_out.get("accuracy", []) if a is not None]
+    acc = held_out.get("accuracy", [])
+    measured = [a for a in acc if a is not None]
     return {
         "steps": n,
         "reward_first": first("reward"),
@@ -311,7 +312,7 @@ def arm_summary(series: Mapping[str, list], held_out: Mapping[str, list], window
         "accuracy_last": last("accuracy"),
         "held_out_first": acc[0] if acc else None,
         "held_out_last": acc[-1] if acc else None,
-        "held_out_best": max(acc) if acc else None,
+        "held_out_best": max(measured) if measured else None,
         "entropy_last": last("entropy"),
         "mean_abs_delta": _mean(series.get("mean_abs_delta", [])),
         "suppressed_frac": _mean(series.get("suppressed_frac", [])),
@@ -430,18 +431,17 @@ def _held_out_callback(trainer, tokenizer, dataset, preset: AblationPreset, log:
             step = state.global_step
             if step % preset.eval_every == 0 or step >= preset.steps:
                 self._evaluate(step)
-            logs = [e for e in state.log_history if e.get("step") == step and "reward" in e]
-            if logs:
-                e = logs[-1]
-                log(
-                    f"    step {step:>3}/{preset.steps}: reward {e.get('reward', float('nan')):+.3f}, mean |δ| "
-                    f"{e.get('triage/mean_abs_delta', float('nan')):.4f}"
-                    + (
-                        f", held-out {self.record['accuracy'][-1]:.1%}"
-                        if self.record["step"][-1] == step
-                        else ""
-                    )
-                )
+
+        def on_log(self, args, state, control, logs=None, **kwargs):  # after on_step_end of the same step
+            if not logs or "reward" not in logs:
+                return
+            step = state.global_step
+            held = self.record["accuracy"][-1] if self.record["step"][-1] == step else None
+            log(
+                f"    step {step:>3}/{preset.steps}: reward {logs['reward']:+.3f}, mean |δ| "
+                f"{logs.get('triage/mean_abs_delta', float('nan')):.4f}"
+                + (f", held-out {held:.1%}" if held is not None else "")
+            )
 
     return HeldOutAccuracy()
 
