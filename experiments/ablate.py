@@ -158,7 +158,7 @@ PRESETS: dict[str, AblationPreset] = {
     ),
     # one H200: SFT of a 0.84M-parameter Qwen3, then 6 arms x 40 steps x 256 completions. Calibration (CPU,
     # fp32, the same shape with a 3000-step cosine): held-out greedy accuracy 42 % at step 500, 62 % at 750,
-    # 77 % at 1000; 600 fully decayed steps aim at ~60 %, leaving the RL room to improve.
+    # 77 % at 1000 (docs/results.md §4); 600 fully decayed steps aim at ~60 %, leaving the RL room to improve.
     "local": AblationPreset(
         name="local",
         sft=SFTConfig(

@@ -340,3 +340,31 @@ def sft_summary(record: dict[str, Any]) -> dict[str, Any]:
     return {
         k: record.get(k) for k in ("params", "steps_done", "stopped_by", "train_seconds", "device", "final")
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m triage.experiments.sft --preset local --output DIR [KEY=VALUE ...]``: the SFT of an ablation
+    preset alone, with ``SFTConfig`` fields overridden (YAML values), e.g. ``steps=3000 eval_every=250``."""
+    import argparse
+
+    import yaml
+
+    from triage.experiments.ablate import PRESETS
+
+    parser = argparse.ArgumentParser(prog="python -m triage.experiments.sft", description=main.__doc__)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="local")
+    parser.add_argument("--output", required=True, help="checkpoint folder (model, tokenizer, sft.json)")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="SFTConfig fields")
+    args = parser.parse_args(argv)
+    fields = PRESETS[args.preset].sft.to_dict()
+    for text in args.overrides:
+        key, sep, value = text.partition("=")
+        if not sep or key not in fields:
+            parser.error(f"{text!r}: expected KEY=VALUE with KEY one of {sorted(fields)}")
+        fields[key] = yaml.safe_load(value)
+    train_sft(SFTConfig(**fields), args.output)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
