@@ -50,6 +50,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
+
 from triage.kernels.nvfp4.format import pack_nibbles, unpack_nibbles
 from triage.kernels.nvfp4.recipe import QuantRecipe
 from triage.kernels.nvfp4.tensor import NVFP4Tensor

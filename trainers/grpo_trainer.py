@@ -64,17 +64,6 @@ def _torch_dtype(value, where: str) -> torch.dtype:
     return resolved
 
 
-def _strip_patched_forward(model: torch.nn.Module) -> torch.nn.Module:
-    """Drop an instance-level ``forward`` from a deep copy of the learner.
-
-    TRL patches ``model.forward`` with a closure over the *original* model's forward (fused LM head); a deep
-    copy keeps that closure, so the copy would silently run the learner's weights. The class forward is the
-    right one for sampling.
-    """
-    model.__dict__.pop("forward", None)
-    return model
-
-
 def resolve_sampler_kwargs(kind: str, kwargs: dict | None) -> dict:
     """``TriageGRPOConfig.sampler_kwargs`` (YAML-friendly) → keyword arguments of ``make_sampler(kind, ...)``.
 
@@ -84,8 +73,8 @@ def resolve_sampler_kwargs(kind: str, kwargs: dict | None) -> dict:
       (``QuantRecipe`` fields; the copy is converted with ``triage.kernels.convert_to_nvfp4``);
       ``kv_cache_dtype`` (``auto``/``native``/``bf16``/``fp8_e4m3``) goes to ``HFSampler`` (an emulated fp8 cache,
       see ``triage.trainers.sampling.hf``).
-    * An HF sampler copy always gets a ``prepare_model`` that removes TRL's patched ``forward``
-      (:func:`_strip_patched_forward`) before any user ``prepare_model``.
+    * TRL's patched ``forward`` on the learner never leaks into an HF sampler copy: ``HFSampler`` drops
+      instance-level ``forward`` overrides when it builds the copy, before any ``prepare_model``.
     """
     kwargs = dict(kwargs or {})
     if "dtype" in kwargs and kwargs["dtype"] is not None:
@@ -119,10 +108,9 @@ def resolve_sampler_kwargs(kind: str, kwargs: dict | None) -> dict:
         steps.append(lambda m: convert_to_nvfp4(m, recipe))
     if user_prepare is not None:
         steps.append(user_prepare)
-    if kwargs.get("sampler_model") == "copy":
+    if steps:
 
         def prepare_model(model):
-            model = _strip_patched_forward(model)
             for step in steps:
                 model = step(model) or model
             return model

@@ -17,7 +17,10 @@ from triage._version import __version__
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "explain": ("triage.explain", "print the class / weight table a TriageConfig implies"),
-    "demo": ("triage.experiments.demo", "the main job: a few TRIAGE GRPO steps on a tiny local model (CPU ok)"),
+    "demo": (
+        "triage.experiments.demo",
+        "the main job: a few TRIAGE GRPO steps on a tiny local model (CPU ok)",
+    ),
     "train": ("triage.experiments.train", "train with TriageGRPOTrainer from a recipe YAML"),
     "diagnose": ("triage.trainers.diagnose", "find where learner and sampler diverge (gap table)"),
     "ablate": ("triage.experiments.ablate", "TRIAGE vs vanilla GRPO (and baselines) ablation"),

@@ -50,6 +50,8 @@ _ensure_triage()
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
+
 from triage.kernels.nvfp4 import QuantRecipe, quantize  # noqa: E402
 from triage.kernels.nvfp4 import gemm_triton as gt  # noqa: E402
 from triage.kernels.nvfp4.gemm import (  # noqa: E402
@@ -59,7 +61,6 @@ from triage.kernels.nvfp4.gemm import (  # noqa: E402
     gemm_w4a16,
     gemm_w4a16_reference,
 )
-from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
 
 LINES: list[str] = []
 

@@ -20,6 +20,7 @@ import os
 
 import torch
 import triton
+
 from triage.kernels.moe import grouped_gemm, grouped_gemm_reference, offsets_from_expert_ids
 from triage.kernels.moe.experts import MoEQuantConfig, _WeightCache, grouped_nvfp4_linear
 from triage.kernels.moe.grouped_gemm import expand_experts

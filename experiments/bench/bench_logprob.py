@@ -16,6 +16,7 @@ import os
 
 import torch
 import triton
+
 from triage.kernels import logprob as lp
 
 

@@ -219,9 +219,12 @@ def _check_sampler(recipe: Mapping[str, Any]) -> None:
         if kwargs.get("precision") != "nvfp4":
             raise ValueError("sampler_kwargs.quant_recipe needs sampler_kwargs.precision: nvfp4")
         _check_quant_recipe(kwargs["quant_recipe"], "sampler_kwargs.quant_recipe")
-    if "kv_cache_dtype" in kwargs and kwargs["kv_cache_dtype"] not in _KV_CACHE_DTYPES:
+    allowed = _KV_CACHE_DTYPES
+    if recipe.get("sampler") == "hf":
+        from triage.trainers.sampling.hf import KV_CACHE_DTYPES as allowed  # what the HF sampler emulates
+    if "kv_cache_dtype" in kwargs and kwargs["kv_cache_dtype"] not in allowed:
         raise ValueError(
-            f"sampler_kwargs.kv_cache_dtype must be one of {_KV_CACHE_DTYPES}, got {kwargs['kv_cache_dtype']!r}"
+            f"sampler_kwargs.kv_cache_dtype must be one of {allowed}, got {kwargs['kv_cache_dtype']!r}"
         )
 
 
@@ -265,10 +268,9 @@ def validate_recipe(recipe: Mapping[str, Any], *, build: bool = False) -> None:
     ``QuantRecipe``; the dataset specs; the reward names and options; the ``launch`` section. With
     ``build=True`` also constructs ``TriageGRPOConfig`` (on CPU, bf16 off: the device is not checked).
     """
+    from triage import TriageConfig
     from triage.experiments.data import validate_spec
     from triage.trainers.rewards import build_reward_funcs
-
-    from triage import TriageConfig
 
     fields = _config_fields()
     known = fields | set(RECIPE_SECTIONS)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
 from triage.kernels.nvfp4.api import dequantize, quantize
 from triage.kernels.nvfp4.recipe import QuantRecipe
 from triage.kernels.nvfp4.tensor import NVFP4Tensor

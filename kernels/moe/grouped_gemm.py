@@ -35,6 +35,7 @@ Metadata stays on the device: the kernel maps tiles to experts with device ops (
 from __future__ import annotations
 
 import torch
+
 from triage.kernels.nvfp4.gemm import _E2M1, _k_of, _padded, expand
 
 __all__ = [

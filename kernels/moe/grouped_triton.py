@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from triage.kernels.nvfp4.gemm_triton import UNPACK_FACTOR, _load_tile, interpreting
 
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}

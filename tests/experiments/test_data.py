@@ -11,6 +11,7 @@ import re
 
 import datasets
 import pytest
+
 from triage.experiments import data
 from triage.experiments.data import (
     DAPO_PROMPT_PREFIX,

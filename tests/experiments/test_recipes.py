@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from triage.experiments import recipes
 from triage.experiments.recipes import (
     ARMS,

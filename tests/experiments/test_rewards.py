@@ -10,6 +10,7 @@ from __future__ import annotations
 import pickle
 
 import pytest
+
 from triage.trainers.rewards import (
     REWARD_FUNCTIONS,
     SoftOverlongPenalty,
@@ -260,9 +261,10 @@ def test_build_reward_funcs():
 def test_rewards_inside_trl_grpo_trainer(tmp_path):
     """One real TRL GRPO step on a tiny model and synthetic DAPO rows: TRL hands the reward functions the
     ``reward_model`` dicts and chat completions, and logs them under their names."""
+    from trl import GRPOConfig, GRPOTrainer
+
     from triage.experiments.data import synthetic_math
     from triage.trainers.tiny import TinyModelSpec, build_model, build_tokenizer
-    from trl import GRPOConfig, GRPOTrainer
 
     tokenizer = build_tokenizer()
     seen = {}

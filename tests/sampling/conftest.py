@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 from sampling_fakes import FakeEngineServer, make_fake_trainer  # noqa: E402
+
 from triage.trainers.tiny import TinyModelSpec, build_model, build_tokenizer, save_tiny_model  # noqa: E402
 
 

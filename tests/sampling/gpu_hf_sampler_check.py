@@ -67,6 +67,7 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device")
     import triton.testing
+
     from triage.trainers.sampling import SamplingParams, sample_with_kv_cache
 
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 from sampling_fakes import make_fake_trainer
+
 from triage.trainers.sampling import HFSampler, SamplingParams, encode_prompts, sample_with_kv_cache
 
 CHATS = [

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from triage.trainers.sampling import OfflineRollouts, RolloutValidationError, encode_prompts, make_sampler
 
 CHAT_A = [{"role": "user", "content": "What is 12 + 35?"}]

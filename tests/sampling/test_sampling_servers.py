@@ -6,6 +6,7 @@ import time
 
 import pytest
 from sampling_fakes import EOS, fake_completion
+
 from triage.trainers.sampling import (
     EngineError,
     HTTPOptions,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from datasets import Dataset
 from sampling_fakes import fake_completion
+
 from triage.trainers.sampling import HTTPOptions, encode_prompts, make_sampler
 
 QUESTIONS = ["What is 12 + 35?", "Compute 7 * 8 - 3.", "Find x: 3x + 4 = 19.", "What is 5 + 9?"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+
 from triage.trainers.sampling import RolloutValidationError, validate_rollout
 
 PROMPTS = ["What is 1 + 1?", [{"role": "user", "content": "Compute 7 * 8 - 3, please"}]]

@@ -59,9 +59,12 @@ def test_yaml_and_cli_parsing(tmp_path):
 
 def test_recipe_sampler_keys_become_hf_sampler_arguments():
     kw = resolve_sampler_kwargs("hf", {"precision": "bf16", "seed": 1})
-    assert kw["sampler_model"] == "copy" and kw["dtype"] is torch.bfloat16 and callable(kw["prepare_model"])
-    with pytest.raises(NotImplementedError, match="kv_cache_dtype"):
-        resolve_sampler_kwargs("hf", {"precision": "bf16", "kv_cache_dtype": "fp8_e4m3"})
+    assert kw["sampler_model"] == "copy" and kw["dtype"] is torch.bfloat16
+    assert "prepare_model" not in kw  # a bf16 copy is refreshed in place; nothing to convert
+    nv = resolve_sampler_kwargs("hf", {"precision": "nvfp4", "quant_recipe": {"scale": "row"}})
+    assert nv["sampler_model"] == "copy" and callable(nv["prepare_model"])
+    kw = resolve_sampler_kwargs("hf", {"precision": "bf16", "kv_cache_dtype": "fp8_e4m3"})
+    assert kw["kv_cache_dtype"] == "fp8_e4m3"  # the HF sampler's emulated fp8 KV cache
     with pytest.raises(ValueError, match="precision: nvfp4"):
         resolve_sampler_kwargs("hf", {"quant_recipe": {"scale": "row"}})
     assert resolve_sampler_kwargs("sglang", {"base_url": "http://x"}) == {"base_url": "http://x"}

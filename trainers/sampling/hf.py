@@ -66,16 +66,6 @@ def _logits_processors(params: SamplingParams):
     return procs
 
 
-def _forward_kwarg_names(model: torch.nn.Module) -> tuple[str, bool]:
-    """(name of the cache argument, whether ``logits_to_keep`` is accepted) for ``model.forward``.
-
-    transformers 5.24 renamed ``past_key_values`` to ``cache`` (the old name is a deprecated alias).
-    """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    names = inspect.signature(base.forward).parameters
-    return ("cache" if "cache" in names else "past_key_values"), "logits_to_keep" in names
-
-
 KV_CACHE_DTYPES = ("auto", "native", "bf16", "fp8", "fp8_e4m3")
 _KV_FORMAT = {
     None: "native",
@@ -150,8 +140,11 @@ def sample_with_kv_cache(
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     eos = torch.tensor(sorted(set(int(e) for e in eos_ids)), dtype=torch.long, device=device)
     processors = _logits_processors(params)
-    cache_name, has_keep = _forward_kwarg_names(model)
-    keep = {"logits_to_keep": 1} if has_keep else {}
+    from triage.trainers.diagnostics.kvcache import cache_argument
+
+    cache_name = cache_argument(model)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(base.forward).parameters else {}
     cache = _new_cache(model, kv_cache_dtype)
 
     out = model(

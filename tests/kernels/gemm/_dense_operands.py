@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from triage.kernels.nvfp4.format import pack_nibbles
 from triage.kernels.nvfp4.recipe import QuantRecipe
 from triage.kernels.nvfp4.tensor import NVFP4Tensor

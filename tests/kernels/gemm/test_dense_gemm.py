@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 from _dense_operands import device, random_nvfp4, rel_err
+
 from triage.kernels.nvfp4 import gemm_triton as gt
 from triage.kernels.nvfp4.gemm import (
     _dequantize64,

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 from _dense_operands import device, random_nvfp4
+
 from triage.kernels.nvfp4.gemm import gemm, gemm_w4a16
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 from _dense_operands import device, rel_err
 from torch import nn
+
 from triage.kernels import NVFP4Linear, NVFP4LinearConfig, convert_from_nvfp4, convert_to_nvfp4
 from triage.kernels.linear import transpose_16x16
 from triage.kernels.nvfp4 import QuantRecipe, quantize

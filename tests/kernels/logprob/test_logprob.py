@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+
 from triage.kernels.logprob import (
     dlogits_chunk_torch,
     lse_chunk_update_torch_,

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from triage.kernels.moe import (
     check_offsets,
     dequantize64,

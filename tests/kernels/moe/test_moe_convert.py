@@ -3,6 +3,7 @@
 import pytest
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
 from triage.kernels.moe.experts import MoEQuantConfig, NVFP4MoeExperts, convert_moe_experts
 from triage.kernels.nvfp4.api import quantize
 

@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+
 from triage.kernels.nvfp4 import PROFILES, QuantRecipe, quantize
 from triage.kernels.nvfp4.fuzz import adversarial
 from triage.kernels.nvfp4.gemm import expand, host_decode_scale

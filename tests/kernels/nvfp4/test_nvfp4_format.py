@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+
 from triage.kernels.nvfp4 import (
     E2M1_VALUES,
     e2m1_codes,

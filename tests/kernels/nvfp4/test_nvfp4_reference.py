@@ -5,6 +5,7 @@ import warnings
 
 import pytest
 import torch
+
 from triage.kernels.nvfp4 import (
     PROFILES,
     QuantRecipe,

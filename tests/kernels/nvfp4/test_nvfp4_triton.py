@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from triage.kernels.nvfp4 import PROFILES, QuantRecipe, dequantize, quantize
 from triage.kernels.nvfp4.fuzz import adversarial, midpoint_tensor
 
