@@ -323,7 +323,7 @@ def arm_summary(series: Mapping[str, list], held_out: Mapping[str, list], window
 def load_arm_results(output_dir: str | Path, fingerprint: str | None = None) -> dict[str, dict]:
     """Every finished arm in ``output_dir/arms`` (in recipe ARMS order). With ``fingerprint``, an arm of
     another preset config is an error naming its file."""
-    from triage.experiments.recipes import ARMS
+    from triage.experiments.recipes import ALL_ARMS
 
     folder = Path(output_dir) / ARMS_DIR
     found = {}
@@ -335,7 +335,7 @@ def load_arm_results(output_dir: str | Path, fingerprint: str | None = None) -> 
                 f"{fingerprint}); use another --output or delete it"
             )
         found[entry["arm"]] = entry
-    order = {a: i for i, a in enumerate(ARMS)}
+    order = {a: i for i, a in enumerate(ALL_ARMS)}
     return dict(sorted(found.items(), key=lambda kv: order.get(kv[0], len(order))))
 
 
@@ -505,15 +505,15 @@ def run_ablation(
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """SFT (unless its checkpoint exists), then each requested arm; returns the ``results.json`` dict."""
-    from triage.experiments.recipes import ARMS
+    from triage.experiments.recipes import ALL_ARMS, ARMS
     from triage.experiments.sft import ensure_sft_checkpoint, sft_summary
 
     start = time.perf_counter()
     output_dir = Path(output_dir)
     arms = list(arms or ARMS)
-    unknown = [a for a in arms if a not in ARMS]
+    unknown = [a for a in arms if a not in ALL_ARMS]
     if unknown:
-        raise ValueError(f"unknown arms {unknown}; arms: {', '.join(ARMS)}")
+        raise ValueError(f"unknown arms {unknown}; arms: {', '.join(ALL_ARMS)}")
     fingerprint = preset.fingerprint()
     done = load_arm_results(output_dir, fingerprint)  # errors early on arms of another config
     todo = [a for a in arms if not (resume and a in done)]

@@ -30,7 +30,9 @@ import yaml
 
 __all__ = [
     "RECIPE_DIR",
+    "ALL_ARMS",
     "ARMS",
+    "FOLLOW_UP_ARMS",
     "PRESETS",
     "RECIPE_SECTIONS",
     "LAUNCH_KEYS",
@@ -49,6 +51,9 @@ __all__ = [
 RECIPE_DIR = Path(__file__).resolve().parent
 ACCELERATE_DIR = RECIPE_DIR.parent / "accelerate"
 ARMS = ("grpo-none", "tis", "icepop", "opsm", "triage", "triage-mask")
+# Not run by default: the follow-ups of the first local ablation (docs/results.md §3); `--arms` selects them.
+FOLLOW_UP_ARMS = ("triage-keep-down", "triage-no-is")
+ALL_ARMS = ARMS + FOLLOW_UP_ARMS
 PRESETS = ("qwen3-4b", "qwen3-30b-a3b", "tiny")
 RECIPE_SECTIONS = ("model_name_or_path", "dataset", "eval_dataset", "reward_funcs", "launch", "description")
 LAUNCH_KEYS = ("accelerate_config", "train_nodes", "gpus_per_node", "vllm_serve", "vllm_extra_args")
@@ -113,7 +118,7 @@ def parse_overrides(overrides: Mapping[str, Any] | Iterable[str] | None) -> dict
 
 
 def _layer(kind: str, name: str) -> dict[str, Any]:
-    known = ARMS if kind == "arms" else PRESETS
+    known = ALL_ARMS if kind == "arms" else PRESETS
     if name not in known:
         raise ValueError(f"unknown {kind[:-1]} {name!r}; known: {', '.join(known)}")
     return load_yaml(RECIPE_DIR / kind / f"{name}.yaml")
@@ -151,7 +156,7 @@ def load_recipe(
     else:
         raise ValueError(
             f"{text!r} is neither a recipe file nor PRESET/ARM (presets: {', '.join(PRESETS)}; "
-            f"arms: {', '.join(ARMS)})"
+            f"arms: {', '.join(ALL_ARMS)})"
         )
     recipe = merge(_compose(layer), parse_overrides(overrides))
     if validate:
@@ -161,7 +166,7 @@ def load_recipe(
 
 def recipe_names() -> list[str]:
     """Every shipped ``PRESET/ARM`` combination."""
-    return [f"{preset}/{arm}" for preset in PRESETS for arm in ARMS]
+    return [f"{preset}/{arm}" for preset in PRESETS for arm in ALL_ARMS]
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -12,7 +12,9 @@ import yaml
 
 from triage.experiments import recipes
 from triage.experiments.recipes import (
+    ALL_ARMS,
     ARMS,
+    FOLLOW_UP_ARMS,
     PRESETS,
     build_config,
     load_recipe,
@@ -29,7 +31,8 @@ RECIPE_FILES = sorted((EXPERIMENTS / "recipes").rglob("*.yaml"))
 
 
 def test_every_shipped_yaml_parses_to_a_mapping():
-    assert {p.stem for p in (EXPERIMENTS / "recipes" / "arms").glob("*.yaml")} == set(ARMS)
+    assert {p.stem for p in (EXPERIMENTS / "recipes" / "arms").glob("*.yaml")} == set(ALL_ARMS)
+    assert not set(ARMS) & set(FOLLOW_UP_ARMS)
     assert {p.stem for p in (EXPERIMENTS / "recipes" / "presets").glob("*.yaml")} == set(PRESETS)
     assert {p.stem for p in ACCELERATE_CONFIGS} == {"ddp", "fsdp2", "zero3", "single_gpu"}
     for path in RECIPE_FILES + ACCELERATE_CONFIGS:
@@ -74,13 +77,20 @@ def test_vanilla_arm_switches_trl_correction_off_explicitly():
 def test_arms_differ_only_in_correction_fields():
     base = load_recipe("qwen3-4b/grpo-none")
     triage_fields = set(__import__("triage").TriageConfig.field_names()) | {"description"}
-    for arm in ARMS:
+    for arm in ALL_ARMS:
         recipe = load_recipe(f"qwen3-4b/{arm}")
         changed = {k for k in recipe.keys() | base.keys() if recipe.get(k) != base.get(k)}
         assert changed <= triage_fields, (arm, changed)
     soft, mask = load_recipe("tiny/triage"), load_recipe("tiny/triage-mask")
     assert (soft["amplify_up"], soft["amplify_down"]) == ("soft", "soft")
     assert (mask["amplify_up"], mask["amplify_down"]) == ("mask", "mask")
+    keep_down, no_is = load_recipe("tiny/triage-keep-down"), load_recipe("tiny/triage-no-is")
+    assert (keep_down["amplify_down"], keep_down["tail_floor"], keep_down["guard_kappa"]) == (
+        "keep",
+        None,
+        None,
+    )
+    assert (no_is["consistent"], no_is["correct_down"]) == ("keep", "keep")
 
 
 def test_presets():
