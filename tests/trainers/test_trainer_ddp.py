@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:  # a fresh port: 29500 may still be in TIME_WAIT from another launch
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def test_two_process_accelerate_run(tiny_model_dir, tmp_path):
@@ -19,6 +26,7 @@ def test_two_process_accelerate_run(tiny_model_dir, tmp_path):
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch",
         "--multi_gpu", "--num_processes", "2", "--mixed_precision", "no", "--num_machines", "1", "--dynamo_backend", "no",
+        "--main_process_port", str(_free_port()),
         os.path.join(HERE, "ddp_run.py"), tiny_model_dir, str(tmp_path),
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
