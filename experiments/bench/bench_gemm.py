@@ -223,14 +223,31 @@ def w4a4_forward(quick: bool, sweep: bool) -> None:
 
 
 DECODE_CONFIGS = [
-    dict(BN=64, NB=8, num_warps=4, num_stages=1),
-    dict(BN=128, NB=8, num_warps=8, num_stages=1),
-    dict(BN=64, NB=8, num_warps=4, num_stages=2),
-    dict(BN=64, NB=16, num_warps=4, num_stages=1),
-]
+    dict(BN=bn, NB=nb, num_warps=w, num_stages=st, XMODE=xm)
+    for (bn, nb, w, st) in [(64, 8, 4, 1), (64, 8, 4, 2), (64, 8, 4, 3), (128, 8, 8, 1), (128, 8, 4, 2),
+                            (64, 16, 4, 1), (64, 4, 4, 2), (128, 4, 4, 3)]
+    for xm in (0, 1, 2)
+]  # fmt: skip
 
 
 def decode(quick: bool, sweep: bool) -> None:
+    emit("## Decode kernel, adversarial weights (every code, e4m3 scales from subnormal to 448, NaN scale)")
+    for xdtype in (torch.bfloat16, torch.float16):
+        for M, N, K in ((1, 256, 4096), (16, 192, 1024), (64, 200, 1040)):
+            w = quantize(torch.randn(N, K, device="cuda"), QuantRecipe())
+            w.data = torch.randint(0, 256, w.data.shape, device="cuda", dtype=torch.uint8)
+            sc = torch.randint(0, 0x7F, w.scale.shape, device="cuda", dtype=torch.uint8)
+            sc[7, 3] = 0x7F  # NaN block scale: row 7 of the output must be NaN, the rest finite
+            w.scale = sc.view(torch.float8_e4m3fn)
+            x = torch.randn(M, K, device="cuda").to(xdtype)
+            ref = gemm_w4a16_reference(x, w, out_dtype=torch.float64)
+            y = gemm_w4a16(x, w, out_dtype=torch.float32, backend="triton")
+            fin = torch.ones(N, dtype=torch.bool, device="cuda")
+            fin[7] = False
+            good = bool(torch.isnan(y[:, 7]).all()) and not bool(torch.isnan(y[:, fin]).any())
+            e = rel(y[:, fin], ref[:, fin])
+            emit(f"decode {xdtype} M={M} N={N} K={K}: rel err {e:.2e}, NaN row only: {good} -> "
+                 f"{'ok' if good and e < 1e-5 else 'FAIL'}")  # fmt: skip
     emit("## Decode (CUDA-graph timings): packed FP4 weights (decode kernel) vs bf16")
     emit("| M | N×K | bf16 µs | W4A16 µs | W4A4 µs | bf16/W4A16 | bf16/W4A4 |")
     emit("|---|---|---|---|---|---|---|")
@@ -244,6 +261,7 @@ def decode(quick: bool, sweep: bool) -> None:
                 gemm_w4a16(x, b, out_dtype=torch.float32), gemm_w4a16_reference(x, b, out_dtype=torch.float64)
             )
             assert err < 1e-5, err
+            ref = gemm_w4a16_reference(x, b, out_dtype=torch.float64)
             t_bf16 = do_bench_cudagraph(lambda: torch.mm(x, w.T))
             t_w4a16 = do_bench_cudagraph(lambda: gemm_w4a16(x, b, backend="triton"))
             t_w4a4 = do_bench_cudagraph(lambda: gemm(a, b, backend="triton"))
@@ -255,18 +273,24 @@ def decode(quick: bool, sweep: bool) -> None:
                 out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
                 gw = b.global_scale.reshape(1)
                 for cfg in DECODE_CONFIGS:
-                    for split in (None, 8, 16):
+                    for split in (None, 8):
                         c = gt.decode_config(M, N, K, split)
                         c.update(cfg)
                         if split is not None:
                             c["SPLIT_K"] = split
                         try:
+                            out32 = torch.full((M, N), float("nan"), device="cuda")
+                            gt.launch_decode(x, b.data, b.scale, K, out32, None, gw, None, config=dict(c))
+                            e = rel(out32, ref)
                             t = do_bench_cudagraph(
                                 lambda c=c: gt.launch_decode(
                                     x, b.data, b.scale, K, out, None, gw, None, config=c
                                 )
                             )
-                            emit(f"|   sweep M={M} {cfg} split={c['SPLIT_K']} | | | {t * 1e3:.1f} | | | |")
+                            emit(
+                                f"|   sweep M={M} {cfg} split={c['SPLIT_K']} | err {e:.1e} {'ok' if e < 1e-5 else 'FAIL'}"
+                                f" | | {t * 1e3:.1f} | | | |"
+                            )
                         except Exception as e:  # noqa: BLE001
                             emit(f"|   sweep {cfg} split={split} failed: {type(e).__name__} {str(e)[:60]} |")
     emit()

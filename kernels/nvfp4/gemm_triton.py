@@ -426,6 +426,45 @@ def _unpack_weight_tile(
     return tl.reshape(v, (BN, 16 * NB))
 
 
+#: Element order of one unpacked word (:func:`_unpack_words`): position p holds element ``WORD_ORDER[p]``.
+#: Each adjacent pair is one 32-bit register of the bit trick, so no repacking; the activation is loaded in
+#: the same order (the dot product does not care about the order of K).
+WORD_ORDER = (0, 4, 2, 6, 1, 5, 3, 7)
+
+
+@triton.jit
+def _unpack_words(q, BF16: tl.constexpr):
+    """Packed codes as int32 words [R, W] (8 nibbles each, element 8w+i in nibble i) -> ``e2m1·2⁻¹⁴`` in
+    fp16 (``BF16``: ``e2m1·2⁻¹²⁶`` in bf16) as [R, W, 2, 2, 2], read in :data:`WORD_ORDER` when flattened.
+
+    ``(u & 0x80008000) | ((u & 0x70007000) >> 3)`` turns the nibbles in bits 12-15 and 28-31 of ``u`` into
+    two fp16 bit patterns at once (sign to bit 15, exponent/mantissa bits to 11-9: the module docstring's
+    trick); ``>> 6`` puts them at bf16's 8-6 instead (exponent field e, mantissa bit m: ``e2m1·2⁻¹²⁶``, code 1
+    the bf16 subnormal 2⁻¹²⁷). Shifting the word left by 12, 8, 4, 0 brings nibbles 0/4, 1/5, 2/6, 3/7 there.
+    """
+    u = q.to(tl.uint32, bitcast=True)
+    SH: tl.constexpr = 6 if BF16 else 3
+    r0 = ((u << 12) & 0x80008000) | (((u << 12) & 0x70007000) >> SH)  # elements 0 (low half), 4 (high)
+    r1 = ((u << 8) & 0x80008000) | (((u << 8) & 0x70007000) >> SH)  # 1, 5
+    r2 = ((u << 4) & 0x80008000) | (((u << 4) & 0x70007000) >> SH)  # 2, 6
+    r3 = (u & 0x80008000) | ((u & 0x70007000) >> SH)  # 3, 7
+    DT: tl.constexpr = tl.bfloat16 if BF16 else tl.float16
+    lo = tl.join(
+        tl.join(
+            (r0 & 0xFFFF).to(tl.uint16).to(DT, bitcast=True), (r1 & 0xFFFF).to(tl.uint16).to(DT, bitcast=True)
+        ),
+        tl.join(
+            (r2 & 0xFFFF).to(tl.uint16).to(DT, bitcast=True), (r3 & 0xFFFF).to(tl.uint16).to(DT, bitcast=True)
+        ),
+    )
+    hi = tl.join(
+        tl.join((r0 >> 16).to(tl.uint16).to(DT, bitcast=True), (r1 >> 16).to(tl.uint16).to(DT, bitcast=True)),
+        tl.join((r2 >> 16).to(tl.uint16).to(DT, bitcast=True), (r3 >> 16).to(tl.uint16).to(DT, bitcast=True)),
+    )
+    # join(lo, hi)[j, t, u] = (lo, hi)[u][j, t] = half u of r[2t + j]: flat 4j + 2t + u -> WORD_ORDER
+    return tl.join(lo, hi)
+
+
 @triton.jit
 def _decode_kernel(
     x_ptr,
@@ -445,6 +484,7 @@ def _decode_kernel(
     stride_wsn,
     stride_cm,
     stride_cn,
+    out_mult,
     GA_MODE: tl.constexpr,
     GB_MODE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -452,18 +492,28 @@ def _decode_kernel(
     SPLIT_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BF16: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     NB: tl.constexpr,
+    XMODE: tl.constexpr = 0,
 ):
     """Small-M (decode) ``C[M, N] = x[M, K]·Wᵀ`` streaming the packed weight once.
 
     Swap-AB: the program computes ``Cᵀ`` tile ``[BN, BM] = W_tile[BN, BK] · xᵀ[BK, BM]``, so the unpacked
     weight (the big operand, ``BN`` ≥ 64 rows) is the MMA's M side and the few activation rows (``BM``: M
-    padded to 16/32/64) its N side. ``x`` is dense (bf16/fp16 activations, or the exact fp16 expansion of an
-    NVFP4 activation). Program axis 1 splits K (in whole 16-blocks); with ``SPLIT_K > 1`` the fp32 partials go
-    to ``part[pid_k, M, N]`` and :func:`_splitk_reduce_kernel` sums them in a fixed order."""
+    padded to 16/32/64) its N side. The weight streams as int32 words (``w_ptr`` is the uint8 codes viewed
+    as int32, ``stride_wn`` in words): :func:`_unpack_words_f16` turns each word into eight exact fp16
+    ``e2m1·2⁻¹⁴`` with ~2 integer ops per element, then one fp16 multiply by the block's e4m3 scale (exact,
+    module docstring); the epilogue multiplies by 2¹⁴. ``x`` is dense (bf16/fp16 activations, or the exact
+    fp16 expansion of an NVFP4 activation). Program axis 1 splits K (in whole 16-blocks); with
+    ``SPLIT_K > 1`` the fp32 partials go to ``part[pid_k, M, N]`` and :func:`_splitk_reduce_kernel` sums them
+    in a fixed order. ``EVEN_N`` / ``EVEN_K``: no row / K-tail masks in the loop (N % BN == 0, KB % NB == 0).
+    """
     BK: tl.constexpr = 16 * NB
+    BW: tl.constexpr = 2 * NB
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BN + tl.arange(0, BN)
@@ -474,21 +524,55 @@ def _decode_kernel(
     kb0 = pid_k * span
     kb1 = min(KB, kb0 + span)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    s_rows = ws_ptr + offs_n[:, None].to(tl.int64) * stride_wsn
     j = tl.arange(0, BK)
+    j_perm = (j // 8) * 8 + ((j % 2) * 4 + ((j // 4) % 2) + ((j // 2) % 2) * 2)  # WORD_ORDER within words
+    jw = tl.arange(0, BW)
+    jb = tl.arange(0, NB)
     for kb in range(kb0, kb1, NB):
-        cb = kb + tl.arange(0, NB)
-        w = _unpack_weight_tile(w_ptr, ws_ptr, offs_n, cb, n_ok, stride_wn, stride_wsn, KB, DOT_DTYPE, BN, NB)
-        kk = kb * 16 + j
-        xt = tl.load(
-            x_ptr + offs_m[None, :] * stride_xm + kk[:, None],
-            mask=m_ok[None, :] & (kk[:, None] < K),
-            other=0.0,
-        ).to(DOT_DTYPE)
-        acc = tl.dot(w, xt, acc, input_precision=INPUT_PRECISION)
+        cw = kb * 2 + jw
+        cb = kb + jb
+        if EVEN_N and EVEN_K:
+            q = tl.load(w_rows + cw[None, :])
+            s = tl.load(s_rows + cb[None, :])
+        else:
+            q = tl.load(w_rows + cw[None, :], mask=n_ok[:, None] & (cw[None, :] < 2 * KB), other=0)
+            s = tl.load(s_rows + cb[None, :], mask=n_ok[:, None] & (cb[None, :] < KB), other=0.0)
+        if BF16:  # e2m1·2⁻¹²⁶ · (s·2¹¹⁹) = e2m1·s·2⁻⁷: exact, normal bf16
+            sd = (s.to(tl.float32) * 6.646139978924579e35).to(tl.bfloat16)
+        else:  # e2m1·2⁻¹⁴ · s: exact in fp16
+            sd = s.to(tl.float16)
+        if INTERPRETED:  # the interpreter decodes e4m3 0x7F as 480, the GPU cvt as NaN: restore NaN
+            sd = tl.where((s.to(tl.uint8, bitcast=True) & 0x7F) == 0x7F, float("nan"), sd)
+        v = _unpack_words(q, BF16)  # [BN, BW, 2, 2, 2]
+        v = tl.reshape(v, (BN, NB, 16)) * sd[:, :, None]
+        w = tl.reshape(v, (BN, BK)).to(DOT_DTYPE)
+        kk = kb * 16 + j_perm
+        if EVEN_K and XMODE == 2:  # natural [BM, BK] load (16-byte vectors), WORD_ORDER applied in registers
+            xn = tl.load(
+                x_ptr + offs_m[:, None] * stride_xm + (kb * 16 + j)[None, :], mask=m_ok[:, None], other=0.0
+            )
+            xt = tl.trans(
+                tl.reshape(tl.permute(tl.reshape(xn, (BM, BW, 2, 2, 2)), (0, 1, 4, 3, 2)), (BM, BK))
+            )
+        elif EVEN_K and XMODE == 1:
+            xt = tl.trans(
+                tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None], other=0.0)
+            )
+        elif EVEN_K:
+            xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + kk[:, None], mask=m_ok[None, :], other=0.0)
+        else:
+            xt = tl.load(
+                x_ptr + offs_m[None, :] * stride_xm + kk[:, None],
+                mask=m_ok[None, :] & (kk[:, None] < K),
+                other=0.0,
+            )
+        acc = tl.dot(w, xt.to(DOT_DTYPE), acc, input_precision=INPUT_PRECISION)
     acc = tl.trans(acc)  # [BM, BN]
     if SPLIT_K == 1:
         _epilogue(
-            acc, offs_m, offs_n, M, N, c_ptr, stride_cm, stride_cn, ga_ptr, gb_ptr, bias_ptr, 1.0,
+            acc, offs_m, offs_n, M, N, c_ptr, stride_cm, stride_cn, ga_ptr, gb_ptr, bias_ptr, out_mult,
             GA_MODE, GB_MODE, HAS_BIAS, BF16_BY_HAND,
         )  # fmt: skip
     else:
@@ -660,6 +744,10 @@ def launch_decode(
         w, w_scale = w.contiguous(), w_scale.contiguous()
     if M > 64:
         raise ValueError(f"launch_decode handles M <= 64, got M={M}")
+    try:  # the codes stream as int32 words (rows are 8-byte multiples: K % 16 == 0)
+        w32 = w.view(torch.int32)
+    except RuntimeError:  # storage offset or row stride not 4-byte aligned
+        w32 = w.contiguous().view(torch.int32)
     dot_dtype, precision = x.dtype, "tf32"
     if interpreting() and dot_dtype == torch.bfloat16:
         dot_dtype = torch.float32  # bf16 tl.dot is broken in the interpreter; fp32 holds q·s exactly
@@ -672,16 +760,22 @@ def launch_decode(
     part = torch.empty((split, M, N), device=out.device, dtype=torch.float32) if split > 1 else dummy
     by_hand = interpreting() and out.dtype == torch.bfloat16
     kb = w_scale.shape[-1]
+    # bf16 bit trick on the GPU (its code-1 value is a bf16 subnormal, which the interpreter flushes): the
+    # interpreter runs the fp16 trick and an fp32 dot instead, exact as well
+    bf16 = x.dtype == torch.bfloat16 and not interpreting()
+    out_mult = 2.0**7 if bf16 else UNPACK_FACTOR  # undoes the unpack bias (see _unpack_words)
+    even_n = N % cfg["BN"] == 0
+    even_k = kb % cfg["NB"] == 0 and K == 16 * kb
     _decode_kernel[(triton.cdiv(N, cfg["BN"]), split)](
-        x, w, w_scale.view(torch.uint8), out, part,
+        x, w32, w_scale.view(torch.float8_e4m3fn), out, part,
         g_a if g_a is not None else dummy, g_b if g_b is not None else dummy, bias if bias is not None else dummy,
-        M, N, K, kb, x.stride(0), w.stride(0), w_scale.stride(0), out.stride(0), out.stride(1),
+        M, N, K, kb, x.stride(0), w32.stride(0), w_scale.stride(0), out.stride(0), out.stride(1), out_mult,
         GA_MODE=_scale_mode(g_a), GB_MODE=_scale_mode(g_b), HAS_BIAS=bias is not None, BF16_BY_HAND=by_hand,
-        DOT_DTYPE=_TL_DTYPE[dot_dtype], INPUT_PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
-        **cfg,
+        DOT_DTYPE=_TL_DTYPE[dot_dtype], INPUT_PRECISION=precision, EVEN_N=even_n, EVEN_K=even_k, BF16=bf16,
+        num_warps=num_warps, num_stages=num_stages, **cfg,
     )  # fmt: skip
     if split > 1:
-        _splitk_reduce(part, out, g_a, g_b, bias, 1.0, split)
+        _splitk_reduce(part, out, g_a, g_b, bias, out_mult, split)
     return out
 
 

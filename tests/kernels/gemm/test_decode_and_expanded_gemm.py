@@ -31,9 +31,9 @@ def _poisoned(M, N, dtype=torch.float32):
 @pytest.mark.parametrize("M", [1, 7, 16, 33, 64])
 @pytest.mark.parametrize("split_k", [1, 3])
 @pytest.mark.parametrize("xdtype", [torch.bfloat16, torch.float16])
-def test_decode_kernel_w4a16(M, split_k, xdtype):
+@pytest.mark.parametrize("N,K", [(37, 208), (32, 256)])  # ragged tiles (masked loop) / even tiles (unmasked)
+def test_decode_kernel_w4a16(M, split_k, xdtype, N, K):
     gen = torch.Generator().manual_seed(M * 10 + split_k)
-    N, K = 37, 208  # 13 blocks: not a multiple of the K step, N not a tile multiple
     x = (torch.randn(M, K, generator=gen) * 2).to(xdtype).to(device())
     w = random_nvfp4((N, K), gen=gen, scale="row", zero_block_frac=0.2)
     bias = torch.randn(N, generator=gen).to(device())
