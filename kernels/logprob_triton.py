@@ -1,7 +1,8 @@
 """Triton epilogues of the chunked log-prob: an online-logsumexp update and the chunk's logit gradient.
 
-Both work on one vocabulary chunk of raw logits ``x = h · W_cᵀ`` (fp32, [N, C], columns ``c0 .. c0+C``),
-produced by a stock tensor-core GEMM with fp32 output; ``z = x / T``.
+Both work on one vocabulary chunk of raw logits ``x = h · W_cᵀ`` ([N, C], columns ``c0 .. c0+C``), produced by
+a stock tensor-core GEMM with fp32 output (default) or output in the input dtype (``logits_dtype``: half the
+traffic, bit-for-bit eager's ``(h @ W.T).float()``); all epilogue math is fp32; ``z = x / T``.
 
 Forward state per row (fp32, updated in place chunk after chunk — flash-attention style):
   ``m``  running max of z;  ``s = Σ exp(z − m)``;  ``t = Σ exp(z − m)·(z − m)`` (entropy only);
@@ -49,7 +50,7 @@ def _lse_chunk_update_kernel(
         cols = start + tl.arange(0, BLOCK_C)
         ok = row_ok[:, None] & (cols < n_cols)[None, :]
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xn + cols[None, :], mask=ok, other=0.0)
-        z = tl.math.div_rn(x, temperature)
+        z = tl.math.div_rn(x.to(tl.float32), temperature)
         zy += tl.sum(tl.where(ok & (cols[None, :] == y[:, None]), z, 0.0), axis=1)
         m_new = tl.maximum(m, tl.max(tl.where(ok, z, -float("inf")), axis=1))
         m_new = tl.where(row_ok, m_new, 0.0)
@@ -86,31 +87,39 @@ def _dlogits_chunk_kernel(
     col0,
     temperature,
     WITH_ENTROPY: tl.constexpr,
+    SYNC: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
+    # One program owns BLOCK_N whole rows and walks them left to right, so ``out`` may alias ``x``: in place
+    # (same dtype: each element is read then written by the same thread), or -- SYNC -- bf16/fp16 ``out``
+    # packed into the first half of each fp32 row of ``x``. There the store of column block a lands on the
+    # fp32 bytes of block a // 2, which this program has already loaded; the barrier makes every thread's
+    # loads of the current block precede any thread's store (block 0 overlaps itself).
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     row_ok = rows < n_rows
-    ok = row_ok[:, None] & (cols < n_cols)[None, :]
-    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xn + cols[None, :], mask=ok, other=0.0)
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
     g = tl.load(g_ptr + rows, mask=row_ok, other=0.0)
     y = tl.load(target_ptr + rows, mask=row_ok, other=-1).to(tl.int64) - col0
-    z = tl.math.div_rn(x, temperature)
-    logp = z - lse[:, None]
-    p = tl.exp(logp)
-    d = g[:, None] * (tl.where(cols[None, :] == y[:, None], 1.0, 0.0) - p)
     if WITH_ENTROPY:
         gh = tl.load(gh_ptr + rows, mask=row_ok, other=0.0)
         ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
-        d -= gh[:, None] * p * (logp + ent[:, None])
-    d = tl.math.div_rn(d, temperature)
-    tl.store(
-        out_ptr + rows[:, None].to(tl.int64) * stride_on + cols[None, :],
-        d.to(out_ptr.dtype.element_ty),
-        mask=ok,
-    )
+    x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xn
+    o_rows = out_ptr + rows[:, None].to(tl.int64) * stride_on
+    for start in range(0, n_cols, BLOCK_C):
+        cols = start + tl.arange(0, BLOCK_C)
+        ok = row_ok[:, None] & (cols < n_cols)[None, :]
+        x = tl.load(x_rows + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        z = tl.math.div_rn(x, temperature)
+        logp = z - lse[:, None]
+        p = tl.exp(logp)
+        d = g[:, None] * (tl.where(cols[None, :] == y[:, None], 1.0, 0.0) - p)
+        if WITH_ENTROPY:
+            d -= gh[:, None] * p * (logp + ent[:, None])
+        d = tl.math.div_rn(d, temperature)
+        if SYNC:
+            tl.debug_barrier()
+        tl.store(o_rows + cols[None, :], d.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def lse_chunk_update_(
@@ -123,7 +132,7 @@ def lse_chunk_update_(
     t: torch.Tensor | None,
     zy: torch.Tensor,
 ) -> None:
-    """Fold one chunk of raw logits ``x`` [N, C] (fp32, unit column stride) into the state in place."""
+    """Fold one chunk of raw logits ``x`` [N, C] (fp32 or half, unit column stride) into the state in place."""
     n, c = x.shape
     block_c = min(1024, triton.next_power_of_2(max(c, 16)))
     block_n = max(1, min(16, 4096 // block_c))
@@ -156,12 +165,25 @@ def dlogits_chunk(
     grad_entropy: torch.Tensor | None,
     entropy: torch.Tensor | None,
     out_dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """∂L/∂x for one chunk of raw logits ``x`` [N, C] (fp32), returned in ``out_dtype``."""
+    """∂L/∂x for one chunk of raw logits ``x`` [N, C] (fp32 or half, unit column stride), in ``out_dtype``.
+
+    ``out`` (optional, [N, C], unit column stride, dtype ``out_dtype``) receives the result; it may be ``x``
+    itself (in place) or, for fp32 ``x`` and 16-bit ``out_dtype``, ``logprob.packed_half_view(x)`` (the first half of
+    each fp32 row), so the chunk's gradient needs no memory of its own.
+    """
     n, c = x.shape
-    out = torch.empty((n, c), dtype=out_dtype, device=x.device)
-    block_n, block_c = 8, 256
-    grid = (triton.cdiv(n, block_n), triton.cdiv(c, block_c))
+    if out is None:
+        out = torch.empty((n, c), dtype=out_dtype, device=x.device)
+    assert out.shape == x.shape and out.dtype == out_dtype and (c <= 1 or out.stride(1) == 1)
+    sync = (
+        out.element_size() != x.element_size()
+        and out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    )
+    block_c = min(1024, triton.next_power_of_2(max(c, 16)))
+    block_n = max(1, min(8, 4096 // block_c))
+    grid = (triton.cdiv(n, block_n),)
     with_entropy = grad_entropy is not None
     _dlogits_chunk_kernel[grid](
         x,
@@ -178,6 +200,7 @@ def dlogits_chunk(
         col0,
         float(temperature),
         WITH_ENTROPY=with_entropy,
+        SYNC=sync,
         BLOCK_N=block_n,
         BLOCK_C=block_c,
     )

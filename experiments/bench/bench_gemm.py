@@ -223,10 +223,11 @@ def w4a4_forward(quick: bool, sweep: bool) -> None:
 
 
 DECODE_CONFIGS = [
-    dict(BN=bn, NB=nb, num_warps=w, num_stages=st, XMODE=xm)
-    for (bn, nb, w, st) in [(64, 8, 4, 1), (64, 8, 4, 2), (64, 8, 4, 3), (128, 8, 8, 1), (128, 8, 4, 2),
-                            (64, 16, 4, 1), (64, 4, 4, 2), (128, 4, 4, 3)]
-    for xm in (0, 1, 2)
+    dict(BN=bn, NB=nb, num_warps=w, num_stages=st, XMODE=xm, PREFETCH=pf)
+    for (bn, nb, w, st) in [(64, 8, 4, 1), (128, 8, 8, 1), (64, 4, 4, 1), (128, 4, 4, 1), (64, 8, 4, 2),
+                            (64, 8, 2, 1), (32, 8, 2, 1)]
+    for xm in (0, 2)
+    for pf in (True, False)
 ]  # fmt: skip
 
 
@@ -273,7 +274,7 @@ def decode(quick: bool, sweep: bool) -> None:
                 out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
                 gw = b.global_scale.reshape(1)
                 for cfg in DECODE_CONFIGS:
-                    for split in (None, 8):
+                    for split in (None, 8, 16):
                         c = gt.decode_config(M, N, K, split)
                         c.update(cfg)
                         if split is not None:

@@ -64,6 +64,11 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--mode", default="bf16-backward")
+    p.add_argument(
+        "--compare-sync",
+        action="store_true",
+        help="also time with SYNC_FREE_MAX_FLOP=0 (cuBLAS alpha + a sync)",
+    )
     args = p.parse_args()
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     lines = [f"# learner step, Qwen3 arch {args.layers} layers h1024 i3072, {args.batch}×{args.seq} tokens"]
@@ -75,6 +80,15 @@ def main() -> None:
     convert_to_nvfp4(model, NVFP4LinearConfig(mode=args.mode))
     fp4 = tokens_per_s(model, args.batch, args.seq, args.steps)
     lines.append(f"| NVFP4 ({args.mode}) | {fp4:,.0f} tok/s | {fp4 / bf16:.2f} |")
+    if args.compare_sync:
+        from triage.kernels.nvfp4 import gemm as gemm_mod
+
+        old, gemm_mod.SYNC_FREE_MAX_FLOP = gemm_mod.SYNC_FREE_MAX_FLOP, 0.0
+        sync = tokens_per_s(model, args.batch, args.seq, args.steps)
+        gemm_mod.SYNC_FREE_MAX_FLOP = old
+        lines.append(
+            f"| NVFP4 ({args.mode}), cuBLAS alpha + sync per GEMM | {sync:,.0f} tok/s | {sync / bf16:.2f} |"
+        )
     print("\n".join(lines))
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "bench_linear.md").write_text("\n".join(lines) + "\n")

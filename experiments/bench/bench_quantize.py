@@ -8,7 +8,10 @@
    (device time only); effective bandwidth = (bytes read once + bytes written) / time, against the measured
    device copy bandwidth. Also quantize + emit_expanded, expand, dequantize, and a small tile sweep.
 
-Usage:  python experiments/bench/bench_quantize.py [--quick]      (writes $OUT/bench_quantize.json if $OUT set)
+Usage:  python experiments/bench/bench_quantize.py [--quick] [--skip-exact] [--ab] [--sweep]
+        (writes $OUT/bench_quantize.json if $OUT set). ``--ab``: each case also on the general path
+        (``pairs=False``, the kernel before the bf16 fast path), side by side. The exact section checks the
+        default (fast) path and, for three variants per profile, the general path.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ def compare(a, b) -> dict:
 def check_exact(quick: bool) -> list[dict]:
     from triage.kernels.nvfp4.gemm import expand
 
-    PROFILES, QuantRecipe, _, quantize, adversarial, midpoint_tensor, _ = _import()
+    PROFILES, QuantRecipe, _, quantize, adversarial, midpoint_tensor, quantize_triton = _import()
     rows, k = (256, 16384) if quick else (1024, 16384)  # 262,144 or 1,048,576 blocks
     variants = [
         {},
@@ -71,6 +74,15 @@ def check_exact(quick: bool) -> list[dict]:
             r = {"profile": profile, "variant": v, "blocks": x.numel() // 16, **compare(ref, tri)}
             r["seconds"] = round(time.time() - t0, 2)
             results.append(r)
+            if v in (
+                {},
+                {"block": "16x16"},
+                {"rounding": "stochastic", "seed": 7},
+            ):  # the general (non-pair) path
+                r = compare(ref, quantize_triton(x, recipe, pairs=False))
+                results.append(
+                    {"profile": profile, "variant": f"general path {v}", "blocks": x.numel() // 16, **r}
+                )
         for v in ({}, {"scale": "row", "rounding": "stochastic"}, {"block": "16x16"}):
             recipe = QuantRecipe(profile=profile, **v)
             for dt in (torch.bfloat16, torch.float16):
@@ -117,7 +129,7 @@ def torchao_vs_profile(quick: bool) -> dict | None:
     }
 
 
-def bench(quick: bool) -> dict:
+def bench(quick: bool, ab: bool = False, sweep: bool = False) -> dict:
     import triton
     from triton.testing import do_bench, do_bench_cudagraph
 
@@ -165,6 +177,10 @@ def bench(quick: bool) -> dict:
     for name, kw in cases:
         r = QuantRecipe(**kw)
         add(name, lambda r=r: quantize(x, r, backend="triton"))
+        if (
+            ab and "hadamard" not in kw
+        ):  # the same case on the general path (the kernel before the bf16 fast path)
+            add(name + " [general path]", lambda r=r: quantize_triton(x, r, pairs=False))
     for profile in PROFILES[1:]:
         r = QuantRecipe(profile=profile)
         add(f"tensor 1x16 nearest [{profile}]", lambda r=r: quantize(x, r, backend="triton"))
@@ -177,14 +193,18 @@ def bench(quick: bool) -> dict:
         r = QuantRecipe(**kw)
         add(f"{name} 1x16 nearest + emit_expanded bf16",
             lambda r=r: quantize(x, r, emit_expanded=torch.bfloat16), exp_bytes)  # fmt: skip
+        if ab:
+            add(f"{name} 1x16 nearest + emit_expanded bf16 [general path]",
+                lambda r=r: quantize_triton(x, r, emit_expanded=torch.bfloat16, pairs=False), exp_bytes)  # fmt: skip
     t = quantize(x, QuantRecipe(), backend="triton")
     out_bytes = m * k // 2 + m * k // 16 + m * k * 2
     add("expand -> bf16 (reads codes+scales, writes bf16)", lambda: expand(t), out_bytes)
     add("dequantize -> bf16", lambda: dequantize(t, torch.bfloat16, backend="triton"), out_bytes)
-    if not quick:  # tile sweep for the two main cases
+    if sweep:  # tile sweep for the two main cases (bf16 fast path)
         for kw in ({"scale_source": "static", "static_amax": 20.0}, {"scale": "row"}):
             r = QuantRecipe(**kw)
-            for br, bk, nw in ((16, 256, 4), (8, 256, 4), (32, 256, 8), (16, 512, 8), (32, 128, 4)):
+            for br, bk, nw in ((8, 256, 4), (16, 256, 4), (16, 256, 8), (32, 256, 8), (8, 512, 4), (16, 512, 8),
+                               (32, 128, 4), (8, 128, 2), (16, 128, 4)):  # fmt: skip
                 add(
                     f"sweep {kw.get('scale_source', kw.get('scale'))} BR={br} BK={bk} w{nw}",
                     lambda r=r, br=br, bk=bk, nw=nw: quantize_triton(
@@ -198,6 +218,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer blocks, no tile sweep")
     ap.add_argument("--skip-exact", action="store_true")
+    ap.add_argument("--ab", action="store_true", help="also time the general path (pairs=False) per case")
+    ap.add_argument("--sweep", action="store_true", help="tile sweep (BR, BK, num_warps) of the fast path")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_quantize.py needs a CUDA device", file=sys.stderr)
@@ -220,7 +242,7 @@ def main() -> int:
         print("BIT-EXACT: " + ("yes" if ok else "NO"))
         out["torchao_cuda_vs_profile"] = torchao_vs_profile(args.quick)
         print("torchao's own CUDA quantizer vs our torchao profile:", out["torchao_cuda_vs_profile"])
-    perf = bench(args.quick)
+    perf = bench(args.quick, ab=args.ab, sweep=args.sweep or not args.quick)
     out["perf"] = perf
     print(f"\ncopy bandwidth: {perf['copy_GB/s']} GB/s   (bf16 {perf['shape'][0]}x{perf['shape'][1]})")
     print(

@@ -265,6 +265,17 @@ def expand(t, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     return out.reshape(*tuple(t.shape)[:-1], K)
 
 
+#: Largest GEMM (2·M·N·K) for which ``backend="auto"`` prefers the sync-free Triton GEMM over cuBLAS when
+#: the activation's per-tensor scale is dynamic (only on the device). Above it the GEMM hides the sync.
+SYNC_FREE_MAX_FLOP = 2.5e11
+
+
+def _host_known(t) -> bool:
+    """Whether ``t``'s outer scale is known on the host without a device read (see host_decode_scale)."""
+    recipe = getattr(t, "recipe", None)
+    return recipe is not None and (recipe.scale == "none" or recipe.scale_source != "dynamic")
+
+
 def host_decode_scale(t) -> float:
     """The per-tensor outer decode scale of ``t`` as a Python float. Free (no device sync) when the recipe
     fixes it (``scale="none"``, static or checkpoint source: the quantizer's own host computation);
@@ -365,8 +376,13 @@ def gemm(
         xa = expand(a).reshape(M, K)
         wb = b_expanded if b_expanded is not None else expand(b)
         per_tensor = g_a.numel() == 1 and g_b.numel() == 1
-        if which == "cublas" and backend == "auto" and not per_tensor and device.type == "cuda":
-            which = "triton"
+        if which == "cublas" and backend == "auto" and device.type == "cuda":
+            # cuBLAS takes the outer scales as a host alpha: a dynamic per-tensor activation scale costs a
+            # device->host read (a sync that stalls the launch queue). Below SYNC_FREE_MAX_FLOP the Triton
+            # GEMM (scales read on the device) wins; per-row/per-expert scales always go there.
+            needs_sync = per_tensor and not _host_known(a)
+            if not per_tensor or (needs_sync and 2.0 * M * N * K < SYNC_FREE_MAX_FLOP):
+                which = "triton"
         if which == "triton":
             gt.launch_gemm(xa, None, wb, None, K, out, g_a, g_b, bias)
         elif per_tensor:  # cuBLAS, scales folded into alpha

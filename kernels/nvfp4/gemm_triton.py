@@ -466,6 +466,51 @@ def _unpack_words(q, BF16: tl.constexpr):
 
 
 @triton.jit
+def _decode_loads(
+    w_rows, s_rows, x_ptr, kb, kb_end, jw, jb, j, j_perm, offs_m, m_ok, n_ok, stride_xm, K, KB,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, XMODE: tl.constexpr, BM: tl.constexpr, BW: tl.constexpr,
+    BK: tl.constexpr,
+):  # fmt: skip
+    """One K step of :func:`_decode_kernel` from 16-block ``kb``: code words [BN, BW], e4m3 scales [BN, NB]
+    and the activation tile xᵀ [BK, BM] in :data:`WORD_ORDER`; blocks at or past ``kb_end`` (≤ KB) read 0."""
+    cw = kb * 2 + jw
+    cb = kb + jb
+    if EVEN_N:
+        q = tl.load(w_rows + cw[None, :], mask=cw[None, :] < 2 * kb_end, other=0)
+        s = tl.load(s_rows + cb[None, :], mask=cb[None, :] < kb_end, other=0.0)
+    else:
+        q = tl.load(w_rows + cw[None, :], mask=n_ok[:, None] & (cw[None, :] < 2 * kb_end), other=0)
+        s = tl.load(s_rows + cb[None, :], mask=n_ok[:, None] & (cb[None, :] < kb_end), other=0.0)
+    kk = kb * 16 + j_perm
+    k_end = kb_end * 16
+    if EVEN_K and XMODE == 2:  # natural [BM, BK] load (16-byte vectors), WORD_ORDER applied in registers
+        kn = kb * 16 + j
+        xn = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + kn[None, :],
+            mask=m_ok[:, None] & (kn[None, :] < k_end),
+            other=0.0,
+        )
+        xt = tl.trans(tl.reshape(tl.permute(tl.reshape(xn, (BM, BW, 2, 2, 2)), (0, 1, 4, 3, 2)), (BM, BK)))
+    elif EVEN_K and XMODE == 1:
+        xt = tl.trans(
+            tl.load(
+                x_ptr + offs_m[:, None] * stride_xm + kk[None, :],
+                mask=m_ok[:, None] & (kk[None, :] < k_end),
+                other=0.0,
+            )
+        )
+    else:
+        if not EVEN_K:
+            k_end = min(k_end, K)
+        xt = tl.load(
+            x_ptr + offs_m[None, :] * stride_xm + kk[:, None],
+            mask=m_ok[None, :] & (kk[:, None] < k_end),
+            other=0.0,
+        )
+    return q, s, xt
+
+
+@triton.jit
 def _decode_kernel(
     x_ptr,
     w_ptr,
@@ -499,6 +544,7 @@ def _decode_kernel(
     BN: tl.constexpr,
     NB: tl.constexpr,
     XMODE: tl.constexpr = 0,
+    PREFETCH: tl.constexpr = True,
 ):
     """Small-M (decode) ``C[M, N] = x[M, K]·Wᵀ`` streaming the packed weight once.
 
@@ -530,45 +576,34 @@ def _decode_kernel(
     j_perm = (j // 8) * 8 + ((j % 2) * 4 + ((j // 4) % 2) + ((j // 2) % 2) * 2)  # WORD_ORDER within words
     jw = tl.arange(0, BW)
     jb = tl.arange(0, NB)
+    # PREFETCH: the next K step's codes, scales and activations are loaded before this step's unpack and MMA
+    # (register double buffering: twice the bytes in flight per program, which a memory-bound kernel needs)
+    q, s, xt = _decode_loads(
+        w_rows, s_rows, x_ptr, kb0, kb1, jw, jb, j, j_perm, offs_m, m_ok, n_ok, stride_xm, K, KB,
+        EVEN_N, EVEN_K, XMODE, BM, BW, BK,
+    )  # fmt: skip
     for kb in range(kb0, kb1, NB):
-        cw = kb * 2 + jw
-        cb = kb + jb
-        if EVEN_N and EVEN_K:
-            q = tl.load(w_rows + cw[None, :])
-            s = tl.load(s_rows + cb[None, :])
+        if PREFETCH:
+            q_c, s_c, x_c = q, s, xt
+            q, s, xt = _decode_loads(
+                w_rows, s_rows, x_ptr, kb + NB, kb1, jw, jb, j, j_perm, offs_m, m_ok, n_ok, stride_xm,
+                K, KB, EVEN_N, EVEN_K, XMODE, BM, BW, BK,
+            )  # fmt: skip
         else:
-            q = tl.load(w_rows + cw[None, :], mask=n_ok[:, None] & (cw[None, :] < 2 * KB), other=0)
-            s = tl.load(s_rows + cb[None, :], mask=n_ok[:, None] & (cb[None, :] < KB), other=0.0)
+            q_c, s_c, x_c = _decode_loads(
+                w_rows, s_rows, x_ptr, kb, kb1, jw, jb, j, j_perm, offs_m, m_ok, n_ok, stride_xm, K, KB,
+                EVEN_N, EVEN_K, XMODE, BM, BW, BK,
+            )  # fmt: skip
         if BF16:  # e2m1·2⁻¹²⁶ · (s·2¹¹⁹) = e2m1·s·2⁻⁷: exact, normal bf16
-            sd = (s.to(tl.float32) * 6.646139978924579e35).to(tl.bfloat16)
+            sd = (s_c.to(tl.float32) * 6.646139978924579e35).to(tl.bfloat16)
         else:  # e2m1·2⁻¹⁴ · s: exact in fp16
-            sd = s.to(tl.float16)
+            sd = s_c.to(tl.float16)
         if INTERPRETED:  # the interpreter decodes e4m3 0x7F as 480, the GPU cvt as NaN: restore NaN
-            sd = tl.where((s.to(tl.uint8, bitcast=True) & 0x7F) == 0x7F, float("nan"), sd)
-        v = _unpack_words(q, BF16)  # [BN, BW, 2, 2, 2]
+            sd = tl.where((s_c.to(tl.uint8, bitcast=True) & 0x7F) == 0x7F, float("nan"), sd)
+        v = _unpack_words(q_c, BF16)  # [BN, BW, 2, 2, 2]
         v = tl.reshape(v, (BN, NB, 16)) * sd[:, :, None]
         w = tl.reshape(v, (BN, BK)).to(DOT_DTYPE)
-        kk = kb * 16 + j_perm
-        if EVEN_K and XMODE == 2:  # natural [BM, BK] load (16-byte vectors), WORD_ORDER applied in registers
-            xn = tl.load(
-                x_ptr + offs_m[:, None] * stride_xm + (kb * 16 + j)[None, :], mask=m_ok[:, None], other=0.0
-            )
-            xt = tl.trans(
-                tl.reshape(tl.permute(tl.reshape(xn, (BM, BW, 2, 2, 2)), (0, 1, 4, 3, 2)), (BM, BK))
-            )
-        elif EVEN_K and XMODE == 1:
-            xt = tl.trans(
-                tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None], other=0.0)
-            )
-        elif EVEN_K:
-            xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + kk[:, None], mask=m_ok[None, :], other=0.0)
-        else:
-            xt = tl.load(
-                x_ptr + offs_m[None, :] * stride_xm + kk[:, None],
-                mask=m_ok[None, :] & (kk[:, None] < K),
-                other=0.0,
-            )
-        acc = tl.dot(w, xt.to(DOT_DTYPE), acc, input_precision=INPUT_PRECISION)
+        acc = tl.dot(w, x_c.to(DOT_DTYPE), acc, input_precision=INPUT_PRECISION)
     acc = tl.trans(acc)  # [BM, BN]
     if SPLIT_K == 1:
         _epilogue(
@@ -703,14 +738,14 @@ def launch_gemm(
 #: Decode tiling (rows of W per program, 16-blocks per K step, warps, stages): the best of the H200 sweep
 #: (bench_gemm.py --sweep, 2026-11-29; 128 registers, no spills; pipelining (stages > 1) stages the codes
 #: through shared memory byte by byte and was slower).
-DECODE_CONFIG = dict(BN=64, NB=8, num_warps=4, num_stages=1)
+DECODE_CONFIG = dict(BN=64, NB=8, num_warps=4, num_stages=1, XMODE=2, PREFETCH=True)
 
 
 def decode_config(M: int, N: int, K: int, split_k: int | None = None) -> dict:
     """Tiles of :func:`_decode_kernel`: BM = M padded to 16/32/64; K split until ~2 waves of programs."""
     bm = 16 if M <= 16 else (32 if M <= 32 else 64)
     if interpreting():
-        return dict(BM=bm, BN=16, NB=2, SPLIT_K=split_k or 1, num_warps=4, num_stages=1)
+        return dict(BM=bm, BN=16, NB=2, SPLIT_K=split_k or 1, num_warps=4, num_stages=1, XMODE=2)
     cfg = dict(DECODE_CONFIG, BM=bm)
     kb = -(-K // 16)
     if split_k is None:

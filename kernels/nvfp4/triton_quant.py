@@ -157,49 +157,56 @@ if HAVE_TRITON:
         return h ^ (h >> 16)
 
     @triton.jit
-    def _e2m1_rn_code(v, SIGNBIT: tl.constexpr):
-        """fp32 v -> E2M1 code (int32), round to nearest even, saturating, NaN -> 0x7, in ~15 integer ops.
+    def _e2m1_abs_code(ab, neg, u24, STOCHASTIC: tl.constexpr):
+        """E2M1 code (int32) from the int32 bits ``ab`` of ``|v|`` (NaN allowed) and the sign predicate ``neg``
+        (already false for NaN), round to nearest even or stochastic.
 
-        ``|v| >= 1``: RNE of the fp32 bits to one mantissa bit, ``(bits + 0x1FFFFF + lsb) >> 22``, is
+        Nearest, ``|v| >= 1``: RNE of the fp32 bits to one mantissa bit, ``(bits + 0x1FFFFF + lsb) >> 22``, is
         ``(exponent, mantissa)`` of the rounded value, i.e. the code + 252 (carries into the exponent are
         right: 1.75 -> 2); |v| is first clamped to 8.0 (Inf, NaN, huge -> code 7). ``|v| < 1``: the code is
         RNE(2|v|) in {0, 1, 2}, read off the bits of ``2|v| + 2^23`` (one correctly rounded add; as an FMA
-        too, since 2|v| is exact)."""
-        bits = v.to(tl.int32, bitcast=True)
-        ab = bits & 0x7FFFFFFF
+        too, since 2|v| is exact).
+
+        Stochastic: the grid point ``lo <= |v|`` below, plus one iff ``u24 < (|v| - lo) / (hi - lo) · 2^24``
+        (see reference.stochastic_codes); |v| >= 6, Inf, NaN -> 6. ``|v| >= 1``: ``lo``'s code is the fp32
+        bits truncated to one mantissa bit, and the fraction times 2^22 is the 22 mantissa bits below it, so
+        the test is ``u24 >> 2 < bits & 0x3FFFFF`` (exact). ``|v| < 1``: ``lo = 0.5·[|v| >= 0.5]`` and the
+        fraction times 2^24 is ``(|v| - lo)·2^25`` (exact)."""
         abc = tl.minimum(ab, 0x41000000)
-        big = tl.minimum((abc + ((abc >> 22) & 1) + (0x1FFFFF - 0x3F000000)) >> 22, 7)
-        small = (ab.to(tl.float32, bitcast=True) * 2.0 + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
-        mag = tl.where(abc < 0x3F800000, small, big)
-        if SIGNBIT:
-            neg = (bits < 0) & (ab <= 0x7F800000)
+        a = ab.to(tl.float32, bitcast=True)
+        if STOCHASTIC:
+            half = (abc >= 0x3F000000).to(tl.int32)
+            small_up = u24.to(tl.float32) < (a - half.to(tl.float32) * 0.5) * 33554432.0
+            lo_big = tl.minimum((abc >> 22) - 252, 7)
+            big_up = ((u24 >> 2) < (abc & 0x3FFFFF)) & (lo_big < 7)
+            is_small = abc < 0x3F800000
+            mag = tl.where(is_small, half, lo_big) + tl.where(is_small, small_up, big_up).to(tl.int32)
         else:
-            neg = v < 0.0
+            big = tl.minimum((abc + ((abc >> 22) & 1) + (0x1FFFFF - 0x3F000000)) >> 22, 7)
+            small = (a * 2.0 + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
+            mag = tl.where(abc < 0x3F800000, small, big)
         return mag | (neg.to(tl.int32) << 3)
 
     @triton.jit
-    def _e2m1_sr_code(v, u24, SIGNBIT: tl.constexpr):
-        """fp32 v -> E2M1 code (int32), stochastic rounding: the grid point ``lo <= |v|`` below, plus one iff
-        ``u24 < (|v| - lo) / (hi - lo) · 2^24`` (see reference.stochastic_codes); |v| >= 6, Inf, NaN -> 6.
-
-        ``|v| >= 1``: ``lo``'s code is the fp32 bits truncated to one mantissa bit, and the fraction times
-        2^22 is the 22 mantissa bits below it, so the test is ``u24 >> 2 < bits & 0x3FFFFF`` (exact).
-        ``|v| < 1``: ``lo = 0.5·[|v| >= 0.5]`` and the fraction times 2^24 is ``(|v| - lo)·2^25`` (exact)."""
+    def _e2m1_rn_code(v, SIGNBIT: tl.constexpr):
+        """fp32 v -> E2M1 code (int32), round to nearest even, saturating, NaN -> 0x7 (:func:`_e2m1_abs_code`).
+        The sign rule: sign bit (``bits <= 0xFF800000`` signed: negative and not NaN) or ``v < 0``."""
         bits = v.to(tl.int32, bitcast=True)
-        ab = bits & 0x7FFFFFFF
-        abc = tl.minimum(ab, 0x41000000)
-        a = ab.to(tl.float32, bitcast=True)
-        half = (abc >= 0x3F000000).to(tl.int32)
-        small_up = u24.to(tl.float32) < (a - half.to(tl.float32) * 0.5) * 33554432.0
-        lo_big = tl.minimum((abc >> 22) - 252, 7)
-        big_up = ((u24 >> 2) < (abc & 0x3FFFFF)) & (lo_big < 7)
-        is_small = abc < 0x3F800000
-        mag = tl.where(is_small, half, lo_big) + tl.where(is_small, small_up, big_up).to(tl.int32)
         if SIGNBIT:
-            neg = (bits < 0) & (ab <= 0x7F800000)
+            neg = bits <= -8388608
         else:
             neg = v < 0.0
-        return mag | (neg.to(tl.int32) << 3)
+        return _e2m1_abs_code(bits & 0x7FFFFFFF, neg, 0, False)
+
+    @triton.jit
+    def _e2m1_sr_code(v, u24, SIGNBIT: tl.constexpr):
+        """fp32 v -> E2M1 code (int32), stochastic rounding (:func:`_e2m1_abs_code`)."""
+        bits = v.to(tl.int32, bitcast=True)
+        if SIGNBIT:
+            neg = bits <= -8388608
+        else:
+            neg = v < 0.0
+        return _e2m1_abs_code(bits & 0x7FFFFFFF, neg, u24, True)
 
     @triton.jit
     def _e2m1_code(v, u24, STOCHASTIC: tl.constexpr, SIGNBIT: tl.constexpr):
@@ -318,6 +325,177 @@ if HAVE_TRITON:
         vb = tl.where(mag < 2, mag * 0x3F000000, (mag << 22) + 0x3F000000)
         return (vb | ((q & 8) << 28)).to(tl.float32, bitcast=True)
 
+    @triton.jit
+    def _block_scale(b, enc, dec, one, r6, PROFILE: tl.constexpr):
+        """Block amax b [BR, NB] -> (E4M3 code (int32), its fp32 value), per profile (see reference)."""
+        if PROFILE == 0:  # te
+            code = _e4m3_code(b * (enc * r6))
+        elif PROFILE == 1:  # torchao
+            sf = tl.math.div_rn(tl.math.div_rn(b, one * 6.0), dec)
+            sf = tl.where(sf < 0.015625, 0.015625, sf)
+            code = _e4m3_code(sf)
+        elif PROFILE == 2:  # modelopt
+            p = tl.math.div_rn(b, dec * 6.0)
+            p = tl.where(p == 0.0, 1.0, p)
+            p = tl.where(p < 0.001953125, 0.001953125, p)
+            code = _e4m3_code(p)
+        else:  # compressed-tensors
+            code = _e4m3_code(enc * tl.math.div_rn(b, one * 6.0))
+            code = tl.where(code == 0, 0x20, code)
+        return code, _e4m3_value(code)
+
+    @triton.jit
+    def _block_factor(sval, enc, dec, one, PROFILE: tl.constexpr):
+        """The per-block fp32 factor of the scaled values: a multiplier (te, torchao) or a divisor."""
+        if PROFILE == 0:
+            f = tl.minimum(tl.math.div_rn(one, sval * dec), 3.4028234663852886e38)
+        elif PROFILE == 1:
+            f = tl.math.div_rn(tl.broadcast_to(enc, sval.shape), sval)
+        elif PROFILE == 2:
+            f = sval * dec
+        else:
+            f = tl.math.div_rn(sval, enc)
+        return f
+
+    @triton.jit
+    def _apply_factor(x, f, PROFILE: tl.constexpr):
+        """x [BR, NB, W] by the block factor f [BR, NB]: ``x * f`` (te, torchao) or ``x / f``."""
+        if PROFILE <= 1:
+            return x * f[:, :, None]
+        return tl.math.div_rn(x, f[:, :, None])
+
+    @triton.jit
+    def _scaled(x3, sval, enc, dec, one, PROFILE: tl.constexpr):
+        """The values rounded to E2M1, per profile (see reference.scaled_values)."""
+        return _apply_factor(x3, _block_factor(sval, enc, dec, one, PROFILE), PROFILE)
+
+    @triton.jit
+    def _widen_pairs(w):
+        """int32 words holding two bf16 (element 2j in the low half) -> (even, odd) elements as fp32 (exact)."""
+        return (w << 16).to(tl.float32, bitcast=True), (w & -65536).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _amax4(a0, b0, a1, b1, IGNORE_NAN: tl.constexpr):
+        """Block amax [BR, NB] of a block held as four [BR, NB, 4] pieces (all in one thread), NaN ignored
+        (te) or propagated, as :func:`_block_amax`."""
+        if INTERPRETED:
+            nan = (a0 != a0) | (b0 != b0) | (a1 != a1) | (b1 != b1)
+            m = tl.maximum(
+                tl.maximum(tl.where(a0 != a0, 0.0, tl.abs(a0)), tl.where(b0 != b0, 0.0, tl.abs(b0))),
+                tl.maximum(tl.where(a1 != a1, 0.0, tl.abs(a1)), tl.where(b1 != b1, 0.0, tl.abs(b1))),
+            )
+            b = tl.max(m, axis=2)
+            if not IGNORE_NAN:
+                b = tl.where(tl.max(nan.to(tl.int32), axis=2) > 0, float("nan"), b)
+        elif IGNORE_NAN:
+            m = tl.maximum(tl.maximum(tl.abs(a0), tl.abs(b0)), tl.maximum(tl.abs(a1), tl.abs(b1)))
+            b = tl.max(m, axis=2)
+            b = tl.where(b != b, 0.0, b)  # an all-NaN block
+        else:
+            m = _max_nan(_max_nan(tl.abs(a0), tl.abs(b0)), _max_nan(tl.abs(a1), tl.abs(b1)))
+            b = tl.reduce(m, 2, _max_nan)
+        return b
+
+    @triton.jit
+    def _tile16_amax(b, BR: tl.constexpr, NB: tl.constexpr, PROFILE: tl.constexpr):
+        """Block amaxes [BR, NB] -> the amax of each 16x16 tile, repeated on its 16 rows."""
+        t = tl.reshape(b, (BR // 16, 16, NB))
+        tb = tl.max(tl.where(t != t, 0.0, t), axis=1)
+        if PROFILE != 0:
+            tb = tl.where(tl.max((t != t).to(tl.int32), axis=1) > 0, float("nan"), tb)
+        return tl.reshape(tl.broadcast_to(tb[:, None, :], (BR // 16, 16, NB)), (BR, NB))
+
+    @triton.jit
+    def _tile16_amax_t(b, BR: tl.constexpr, NB: tl.constexpr, PROFILE: tl.constexpr):
+        """As :func:`_tile16_amax` on transposed block amaxes [NB, BR]."""
+        t = tl.reshape(b, (NB, BR // 16, 16))
+        tb = tl.max(tl.where(t != t, 0.0, t), axis=2)
+        if PROFILE != 0:
+            tb = tl.where(tl.max((t != t).to(tl.int32), axis=2) > 0, float("nan"), tb)
+        return tl.reshape(tl.broadcast_to(tb[:, :, None], (NB, BR // 16, 16)), (NB, BR))
+
+    @triton.jit
+    def _pack8(qa, qb):
+        """E2M1 codes of elements (2j, 2j+1), j < 4, as [BR, NB, 4] -> the 4 packed bytes as one int32 word."""
+        sh = 8 * tl.arange(0, 4)
+        return tl.sum((qa | (qb << 4)) << sh[None, None, :], axis=2)
+
+    @triton.jit
+    def _expanded_pairs(qa, qb, sval, EXPANDED: tl.constexpr):
+        """Exact ``q·s`` of elements (2j, 2j+1) as int32 words of two bf16 (1) or fp16 (2)."""
+        ya = _e2m1_value(qa) * sval[:, :, None]  # exact: <= 6 significant bits
+        yb = _e2m1_value(qb) * sval[:, :, None]
+        if EXPANDED == 1:  # bf16: the low 16 bits are zero, so the fp32 bits' high half is exact
+            w = ((ya.to(tl.int32, bitcast=True) >> 16) & 0xFFFF) | (yb.to(tl.int32, bitcast=True) & -65536)
+        else:
+            ha = ya.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            w = ha | (yb.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) << 16)
+        return w
+
+    @triton.jit
+    def _e2m1_of(x, f, u24, PROFILE: tl.constexpr, STOCHASTIC: tl.constexpr, SIGNBIT: tl.constexpr):
+        """E2M1 code of the scaled value of x [NB, BR, 4] (block factor f [NB, BR]). te (a finite positive
+        multiplier, sign-bit rule, so v is NaN iff x is): ``|v| = |x|·f`` in one multiply and the sign read
+        off x's bits, where ``bits <= 0xFF800000`` (signed) is "negative and not NaN" in one compare. Other
+        profiles: the generic path."""
+        if PROFILE == 0:
+            ab = (tl.abs(x) * f[:, :, None]).to(tl.int32, bitcast=True)
+            neg = x.to(tl.int32, bitcast=True) <= -8388608
+            return _e2m1_abs_code(ab, neg, u24, STOCHASTIC)
+        return _e2m1_code(_apply_factor(x, f, PROFILE), u24, STOCHASTIC, SIGNBIT)
+
+    @triton.jit
+    def _quantize_pairs_step(
+        x_ptr, data_ptr, scale_ptr, exp_ptr, grow, rmask, k0, KP, enc, dec, one, r6, keyu,
+        PROFILE: tl.constexpr, TILE16: tl.constexpr, STOCHASTIC: tl.constexpr, SIGNBIT: tl.constexpr,
+        EXPANDED: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr,
+    ):  # fmt: skip
+        """One ``[BR, 16·NB]`` chunk of the bf16 fast path (``K == KP``, no Hadamard). Every thread holds
+        whole 16-blocks as int32 words of bf16 pairs (two 16-byte loads), so the block amax, the block scale
+        and its reciprocal are computed once per block and thread, widening is one op per element, and a
+        block's 8 code bytes leave as one 8-byte store. Tiles are ``[NB, BR, 4]`` (blocks first: Triton
+        orders threads along the first of equally contiguous dims, so a warp's lanes walk along a row and
+        the scale bytes need no layout change); ``enc``/``dec``/``one``/``r6`` are ``[1, BR]``."""
+        cb = k0 // 16 + tl.arange(0, NB)  # block columns [NB]
+        j4 = tl.arange(0, 4)
+        bmask = (cb[:, None] < KP // 16) & rmask[None, :]  # [NB, BR]
+        m3 = bmask[:, :, None]
+        off = grow[None, :, None] * (KP // 2) + (cb[:, None, None] * 8 + j4[None, None, :])  # int32 words
+        w0 = tl.load(x_ptr + off, mask=m3, other=0)  # elements 0..7 of each block
+        w1 = tl.load(x_ptr + off + 4, mask=m3, other=0)  # elements 8..15
+        a0, b0 = _widen_pairs(w0)
+        a1, b1 = _widen_pairs(w1)
+        b = _amax4(a0, b0, a1, b1, PROFILE == 0)
+        if TILE16:
+            b = _tile16_amax_t(b, BR, NB, PROFILE)
+        code, sval = _block_scale(b, enc, dec, one, r6, PROFILE)
+        f = _block_factor(sval, enc, dec, one, PROFILE)
+        if STOCHASTIC:  # the stream index mod 2^32: row base (per row) + column
+            c0 = (grow * KP).to(tl.uint32)[None, :, None] + (
+                cb[:, None, None] * 16 + 2 * j4[None, None, :]
+            ).to(tl.uint32)
+            ua0 = _fmix32(c0 ^ keyu) >> 8
+            ub0 = _fmix32((c0 + 1) ^ keyu) >> 8
+            ua1 = _fmix32((c0 + 8) ^ keyu) >> 8
+            ub1 = _fmix32((c0 + 9) ^ keyu) >> 8
+        else:
+            ua0 = 0
+            ub0 = 0
+            ua1 = 0
+            ub1 = 0
+        qa0 = _e2m1_of(a0, f, ua0, PROFILE, STOCHASTIC, SIGNBIT)
+        qb0 = _e2m1_of(b0, f, ub0, PROFILE, STOCHASTIC, SIGNBIT)
+        qa1 = _e2m1_of(a1, f, ua1, PROFILE, STOCHASTIC, SIGNBIT)
+        qb1 = _e2m1_of(b1, f, ub1, PROFILE, STOCHASTIC, SIGNBIT)
+        packed = tl.join(_pack8(qa0, qb0), _pack8(qa1, qb1))  # [NB, BR, 2] int32: the block's 8 bytes
+        j2 = tl.arange(0, 2)
+        tl.store(data_ptr + grow[None, :, None] * (KP // 8) + (cb[:, None, None] * 2 + j2[None, None, :]),
+                 packed, mask=m3)  # fmt: skip
+        tl.store(scale_ptr + grow[None, :] * (KP // 16) + cb[:, None], code.to(tl.uint8), mask=bmask)
+        if EXPANDED != 0:
+            tl.store(exp_ptr + off, _expanded_pairs(qa0, qb0, sval, EXPANDED), mask=m3)
+            tl.store(exp_ptr + off + 4, _expanded_pairs(qa1, qb1, sval, EXPANDED), mask=m3)
+
     @triton.jit(do_not_specialize=["key", "enc_arg", "dec_arg", "amax_arg"])
     def _quantize_kernel(
         x_ptr, data_ptr, scale_ptr, exp_ptr, enc_ptr, dec_ptr, amax_ptr, group_amax_ptr,
@@ -326,11 +504,13 @@ if HAVE_TRITON:
         PROFILE: tl.constexpr, OUTER: tl.constexpr, TILE16: tl.constexpr, HADAMARD: tl.constexpr,
         ROUND: tl.constexpr, STOCHASTIC: tl.constexpr, SIGNBIT: tl.constexpr, SIGNS: tl.constexpr,
         WRITE_AMAX: tl.constexpr, EXPANDED: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr,
+        PAIRS: tl.constexpr = False,
     ):  # fmt: skip
         """Quantize rows ``[pid·BR, pid·BR + BR)`` of slice ``program_id(1)`` (16x16 tiles never cross slices).
 
         ``EXPANDED``: 0 none, 1 also write the exact ``q·s`` as bf16 (int16 bits), 2 as fp16, to ``exp_ptr``
-        ``[rows, KP]``."""
+        ``[rows, KP]``. ``PAIRS``: the bf16 fast path (``K == KP``, no Hadamard), where ``x_ptr``, ``data_ptr``
+        and ``exp_ptr`` are int32 views (see :func:`_quantize_pairs_step`)."""
         BK: tl.constexpr = 16 * NB
         pid, s = tl.program_id(0), tl.program_id(1)
         rows = pid * BR + tl.arange(0, BR)
@@ -341,8 +521,18 @@ if HAVE_TRITON:
         if OUTER == 2:  # per row, computed here: sweep K once for the row amax
             m = tl.zeros((BR, NB), tl.float32)
             for k0 in range(0, KP, BK):
-                x = _load_blocks(x_ptr, row0, rows, N, k0, K, BR, NB, HADAMARD, ROUND, SIGNS)
-                m = _max_nan(m, _block_amax(x, PROFILE != 3))  # NaN-free unless compressed-tensors
+                if PAIRS:
+                    cb = k0 // 16 + tl.arange(0, NB)
+                    off = grow[:, None, None] * (KP // 2) + (
+                        cb[None, :, None] * 8 + tl.arange(0, 4)[None, None, :]
+                    )
+                    m3 = (rmask[:, None] & (cb[None, :] < KP // 16))[:, :, None]
+                    a0, b0 = _widen_pairs(tl.load(x_ptr + off, mask=m3, other=0))
+                    a1, b1 = _widen_pairs(tl.load(x_ptr + off + 4, mask=m3, other=0))
+                    m = _max_nan(m, _amax4(a0, b0, a1, b1, PROFILE != 3))
+                else:
+                    x = _load_blocks(x_ptr, row0, rows, N, k0, K, BR, NB, HADAMARD, ROUND, SIGNS)
+                    m = _max_nan(m, _block_amax(x, PROFILE != 3))  # NaN-free unless compressed-tensors
             amax = tl.reduce(m, 1, _max_nan)
             enc, dec = _outer_from_row_amax(amax[:, None], PROFILE)
             tl.store(amax_ptr + grow, amax, mask=rmask)
@@ -370,42 +560,46 @@ if HAVE_TRITON:
         r6 = tl.math.div_rn(one, one * 6.0)  # RN(1/6)
         if STOCHASTIC:
             keyu = key.to(tl.uint32)
-        j = tl.arange(0, 16)
+        else:
+            keyu = 0
+        if PAIRS:  # the fast path's tiles are [NB, BR, 4]: per-row scalars as [1, BR]
+            encT = tl.reshape(enc, (1, BR))
+            decT = tl.reshape(dec, (1, BR))
+            oneT = tl.reshape(one, (1, BR))
+            r6T = tl.reshape(r6, (1, BR))
+        else:
+            encT = enc
+            decT = dec
+            oneT = one
+            r6T = r6
         for k0 in range(0, KP, BK):
+            if PAIRS:
+                _quantize_pairs_step(
+                    x_ptr, data_ptr, scale_ptr, exp_ptr, grow, rmask, k0, KP, encT, decT, oneT, r6T, keyu,
+                    PROFILE, TILE16, STOCHASTIC, SIGNBIT, EXPANDED, BR, NB,
+                )  # fmt: skip
+            else:
+                _quantize_step(
+                    x_ptr, data_ptr, scale_ptr, exp_ptr, row0, rows, grow, rmask, N, K, k0, KP, enc, dec, one, r6,
+                    keyu, PROFILE, TILE16, HADAMARD, ROUND, STOCHASTIC, SIGNBIT, SIGNS, EXPANDED, BR, NB,
+                )  # fmt: skip
+
+    @triton.jit
+    def _quantize_step(
+        x_ptr, data_ptr, scale_ptr, exp_ptr, row0, rows, grow, rmask, N, K, k0, KP, enc, dec, one, r6, keyu,
+        PROFILE: tl.constexpr, TILE16: tl.constexpr, HADAMARD: tl.constexpr, ROUND: tl.constexpr,
+        STOCHASTIC: tl.constexpr, SIGNBIT: tl.constexpr, SIGNS: tl.constexpr, EXPANDED: tl.constexpr,
+        BR: tl.constexpr, NB: tl.constexpr,
+    ):  # fmt: skip
+        """One ``[BR, 16·NB]`` chunk, general path (any dtype, padding, Hadamard): ``[BR, NB, 16]`` tiles."""
+        j = tl.arange(0, 16)
+        if True:
             x3 = _load_blocks(x_ptr, row0, rows, N, k0, K, BR, NB, HADAMARD, ROUND, SIGNS)
             b = _block_amax(x3, PROFILE == 0)  # [BR, NB]
             if TILE16:
-                t = tl.reshape(b, (BR // 16, 16, NB))
-                tb = tl.max(tl.where(t != t, 0.0, t), axis=1)
-                if PROFILE != 0:
-                    tb = tl.where(tl.max((t != t).to(tl.int32), axis=1) > 0, float("nan"), tb)
-                b = tl.reshape(tl.broadcast_to(tb[:, None, :], (BR // 16, 16, NB)), (BR, NB))
-            # ---- block scale (per profile) ----
-            if PROFILE == 0:  # te
-                code = _e4m3_code(b * (enc * r6))
-            elif PROFILE == 1:  # torchao
-                sf = tl.math.div_rn(tl.math.div_rn(b, one * 6.0), dec)
-                sf = tl.where(sf < 0.015625, 0.015625, sf)
-                code = _e4m3_code(sf)
-            elif PROFILE == 2:  # modelopt
-                p = tl.math.div_rn(b, dec * 6.0)
-                p = tl.where(p == 0.0, 1.0, p)
-                p = tl.where(p < 0.001953125, 0.001953125, p)
-                code = _e4m3_code(p)
-            else:  # compressed-tensors
-                code = _e4m3_code(enc * tl.math.div_rn(b, one * 6.0))
-                code = tl.where(code == 0, 0x20, code)
-            sval = _e4m3_value(code)
-            # ---- scaled values (per profile) ----
-            if PROFILE == 0:
-                mult = tl.minimum(tl.math.div_rn(one, sval * dec), 3.4028234663852886e38)
-                v = x3 * mult[:, :, None]
-            elif PROFILE == 1:
-                v = x3 * tl.math.div_rn(tl.broadcast_to(enc, sval.shape), sval)[:, :, None]
-            elif PROFILE == 2:
-                v = tl.math.div_rn(x3, (sval * dec)[:, :, None])
-            else:
-                v = tl.math.div_rn(x3, tl.math.div_rn(sval, enc)[:, :, None])
+                b = _tile16_amax(b, BR, NB, PROFILE)
+            code, sval = _block_scale(b, enc, dec, one, r6, PROFILE)
+            v = _scaled(x3, sval, enc, dec, one, PROFILE)
             # ---- E2M1 codes, packing, stores ----
             cb = k0 // 16 + tl.arange(0, NB)  # block columns [NB]
             if STOCHASTIC:
@@ -500,6 +694,8 @@ if HAVE_TRITON:
 
 
 ROUND_ID = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+#: quantize_triton's default for ``pairs`` (the bf16 fast path where it applies)
+PAIRS_DEFAULT = os.environ.get("TRIAGE_NVFP4_PAIRS", "1") != "0"
 #: dtypes ``emit_expanded`` can write (both hold every ``q·s`` exactly)
 EXPANDED_ID = {torch.bfloat16: 1, torch.float16: 2}
 
@@ -557,10 +753,13 @@ def quantize_triton(
     block_k: int | None = None,
     emit_expanded: torch.dtype | None = None,
     num_warps: int | None = None,
+    pairs: bool | None = None,
 ) -> NVFP4Tensor:
     """Triton twin of ``reference.quantize_reference`` (same bytes). ``block_rows``/``block_k`` (a multiple
     of 16) tune tiles. ``emit_expanded`` (bf16 or fp16): also return the exact ``q·s`` as
-    ``NVFP4Tensor.expanded`` ``[..., Kp]``, written in the same pass. Never synchronizes with the host."""
+    ``NVFP4Tensor.expanded`` ``[..., Kp]``, written in the same pass. ``pairs``: use the bf16 fast path
+    when it applies (bf16, ``K % 16 == 0``, no Hadamard; default :data:`PAIRS_DEFAULT`); ``False`` forces
+    the general path (for A/B timing and tests). Never synchronizes with the host."""
     _check_runnable(x)
     if emit_expanded is not None and emit_expanded not in EXPANDED_ID:
         raise ValueError(f"emit_expanded must be torch.bfloat16 or torch.float16, got {emit_expanded}")
@@ -607,14 +806,24 @@ def quantize_triton(
     key = key - 2**32 if key >= 2**31 else key  # passed as int32, reinterpreted as uint32 in the kernel
     grid = (triton.cdiv(n, br), slices)
     extra = {} if num_warps is None else {"num_warps": num_warps}
+    if pairs is None:
+        pairs = PAIRS_DEFAULT
+    pairs = (
+        pairs and dtype == torch.bfloat16 and not recipe.hadamard and k == kp and x2.storage_offset() % 2 == 0
+    )
+    if pairs:  # int32 views: bf16 pairs in, 8 code bytes (two words) and bf16/fp16 pairs out
+        xa, da = x2.view(torch.int32), data.view(torch.int32)
+        ea = da if expanded is None else expanded.view(torch.int32)
+    else:
+        xa, da, ea = _bits(x2), data, data if expanded is None else _bits(expanded)
     _quantize_kernel[grid](
-        _bits(x2), data, scale, data if expanded is None else _bits(expanded), enc_t, dec_t, amax_t,
+        xa, da, scale, ea, enc_t, dec_t, amax_t,
         enc_t if group_amax is None else group_amax, enc_arg, dec_arg, amax_arg,
         n, k, kp, rows_per_outer, key,
         PROFILE=PROFILE_ID[recipe.profile], OUTER=mode, TILE16=recipe.block == "16x16",
         HADAMARD=recipe.hadamard, ROUND=ROUND_ID[dtype], STOCHASTIC=recipe.rounding == "stochastic",
         SIGNBIT=recipe.profile in ("te", "torchao"), SIGNS=SIGN_MASK, WRITE_AMAX=write_amax,
-        EXPANDED=0 if expanded is None else EXPANDED_ID[emit_expanded], BR=br, NB=nb, **extra,
+        EXPANDED=0 if expanded is None else EXPANDED_ID[emit_expanded], BR=br, NB=nb, PAIRS=pairs, **extra,
     )  # fmt: skip
     return NVFP4Tensor(
         data=data.reshape(*lead, kp // 2),

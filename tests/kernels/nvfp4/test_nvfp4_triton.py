@@ -137,3 +137,40 @@ def test_triton_backend_errors_on_cpu_without_interpreter(monkeypatch):
         with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
             quantize(torch.randn(2, 16), backend="triton")
     assert triton_quant.available(torch.device("cpu")) is False
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+@pytest.mark.parametrize(
+    "variant",
+    [{}, {"scale": "row"}, {"block": "16x16"}, {"rounding": "stochastic", "seed": 11},
+     {"scale_source": "static", "static_amax": 3.5}],
+    ids=lambda v: "-".join(f"{k}={v[k]}" for k in v) or "default",
+)  # fmt: skip
+def test_triton_bf16_pair_fast_path(profile, variant):
+    """The bf16 fast path (int32 pairs, whole blocks per thread; bf16, K % 16 == 0, no Hadamard) against the
+    reference and the general path, bytes and emit_expanded: several K chunks with a partial last chunk
+    (K = 16·21 with 8-block chunks), rows not a multiple of the tile, and shapes that fall back."""
+    from triage.kernels.nvfp4.triton_quant import quantize_triton
+
+    x = adversarial(37 if "block" not in variant else 48, 16 * 21, seed=21, device=DEV)
+    assert x.dtype == torch.bfloat16
+    recipe = QuantRecipe(profile=profile, **variant)
+    ref = quantize(x, recipe, backend="torch")
+    for kw in ({}, {"block_rows": 16, "block_k": 128}):
+        fast = quantize_triton(x, recipe, pairs=True, **kw)
+        slow = quantize_triton(x, recipe, pairs=False, **kw)
+        for t in (fast, slow):
+            assert torch.equal(t.data, ref.data) and torch.equal(
+                t.scale.view(torch.uint8), ref.scale.view(torch.uint8)
+            )
+            assert torch.equal(t.global_scale.nan_to_num(-1.0), ref.global_scale.nan_to_num(-1.0))
+    for dt in (torch.bfloat16, torch.float16):
+        e1 = quantize_triton(x, recipe, pairs=True, emit_expanded=dt, block_rows=16, block_k=128)
+        e2 = quantize_triton(x, recipe, pairs=False, emit_expanded=dt, block_rows=16, block_k=128)
+        assert torch.equal(e1.expanded.view(torch.int16), e2.expanded.view(torch.int16))
+        assert torch.equal(e1.data, ref.data)
+    # not eligible: the fast path must fall back (and still be exact)
+    assert_same(adversarial(20, 48, dtype=torch.float16, seed=4, device=DEV), recipe)
+    if "block" not in variant:
+        assert_same(x[:, :40], QuantRecipe(profile=profile, pad=True, **variant))  # K % 16 != 0
+    assert_same(x, QuantRecipe(profile=profile, hadamard=True, **variant))
