@@ -64,6 +64,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--mode", default="bf16-backward")
+    p.add_argument("--profile", action="store_true", help="torch.profiler table of one NVFP4 step (top ops)")
     p.add_argument(
         "--compare-sync",
         action="store_true",
@@ -80,6 +81,19 @@ def main() -> None:
     convert_to_nvfp4(model, NVFP4LinearConfig(mode=args.mode))
     fp4 = tokens_per_s(model, args.batch, args.seq, args.steps)
     lines.append(f"| NVFP4 ({args.mode}) | {fp4:,.0f} tok/s | {fp4 / bf16:.2f} |")
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), device="cuda")
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            model(ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+        for key in ("cuda_time_total", "cpu_time_total"):
+            table = prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60)
+            lines += ["", f"profile of one NVFP4 step, sorted by {key}:", table]
     if args.compare_sync:
         from triage.kernels.nvfp4 import gemm as gemm_mod
 

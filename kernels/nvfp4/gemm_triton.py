@@ -739,6 +739,9 @@ def launch_gemm(
 #: (bench_gemm.py --sweep, 2026-11-29; 128 registers, no spills; pipelining (stages > 1) stages the codes
 #: through shared memory byte by byte and was slower).
 DECODE_CONFIG = dict(BN=64, NB=8, num_warps=4, num_stages=1, XMODE=2, PREFETCH=True)
+#: M <= 16: two warps (mma.sync on register operands) and no prefetch measured best (bench_gemm.py --sweep,
+#: H200, 2026-11-29: 20.6 / 23.9 µs at M = 1 / 16 against 23.6 / 25.7 with DECODE_CONFIG).
+DECODE_CONFIG_M16 = dict(BN=64, NB=8, num_warps=2, num_stages=1, XMODE=2, PREFETCH=False)
 
 
 def decode_config(M: int, N: int, K: int, split_k: int | None = None) -> dict:
@@ -746,7 +749,7 @@ def decode_config(M: int, N: int, K: int, split_k: int | None = None) -> dict:
     bm = 16 if M <= 16 else (32 if M <= 32 else 64)
     if interpreting():
         return dict(BM=bm, BN=16, NB=2, SPLIT_K=split_k or 1, num_warps=4, num_stages=1, XMODE=2)
-    cfg = dict(DECODE_CONFIG, BM=bm)
+    cfg = dict(DECODE_CONFIG_M16 if bm == 16 else DECODE_CONFIG, BM=bm)
     kb = -(-K // 16)
     if split_k is None:
         tiles = triton.cdiv(N, cfg["BN"])

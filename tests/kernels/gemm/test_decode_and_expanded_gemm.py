@@ -129,3 +129,17 @@ def test_decode_rejects_large_m():
     x = torch.zeros(65, 32, dtype=torch.bfloat16, device=device())
     with pytest.raises(ValueError, match="M <= 64"):
         gt.launch_decode(x, w.data, w.scale, 32, torch.empty(65, 8, device=device()), None, None, None)
+
+
+@pytest.mark.parametrize("xmode", [0, 1, 2])
+@pytest.mark.parametrize("prefetch", [True, False])
+@pytest.mark.parametrize("N,K", [(37, 208), (32, 256)])
+def test_decode_kernel_variants(xmode, prefetch, N, K):
+    """Every activation-load mode and both loop schedules (the GPU tile sweep times them) stay exact."""
+    gen = torch.Generator().manual_seed(xmode * 7 + prefetch)
+    x = torch.randn(5, K, generator=gen).to(torch.float16).to(device())
+    w = random_nvfp4((N, K), gen=gen, scale="row", zero_block_frac=0.2)
+    cfg = dict(BM=16, BN=16, NB=2, SPLIT_K=2, num_warps=4, num_stages=1, XMODE=xmode, PREFETCH=prefetch)
+    out = _poisoned(5, N)
+    gt.launch_decode(x, w.data, w.scale, K, out, None, w.global_scale.reshape(-1), None, config=cfg)
+    assert rel_err(out, gemm_w4a16_reference(x, w, out_dtype=torch.float64)) < FP32_TOL
