@@ -80,10 +80,11 @@ def token_logprobs(
 
     Performance knobs (results agree to fp32 rounding unless noted):
 
-    * ``logits_dtype``: dtype of each chunk's GEMM output. ``None``/``torch.float32`` (default): fp32 output
-      of the fp32-accumulating GEMM (more accurate than eager). ``hidden.dtype`` (bf16/fp16): the GEMM rounds
-      the logits to the input dtype -- exactly eager's ``(h @ W.T).float()`` -- for half the chunk traffic
-      (log-probs then carry eager's bf16 logit rounding, ~|z|·2⁻⁹).
+    * ``logits_dtype``: dtype of each chunk's GEMM output. ``None`` (default) = ``hidden.dtype``: the
+      fp32-accumulating GEMM rounds the logits to the input dtype -- exactly eager's ``(h @ W.T).float()``,
+      what a model's bf16 ``lm_head`` returns to TRL and what samplers compute -- for half the chunk traffic
+      (the log-probs carry that bf16 logit rounding, ~|z|·2⁻⁹, as eager's do). ``torch.float32``: fp32 GEMM
+      output, more accurate than eager, ~5 % slower forward+backward on the H200 (docs/benchmarks.md).
     * ``saved_chunks``: chunks of logits the forward keeps for the backward when a gradient is needed (the
       backward skips their recompute GEMM and reuses their buffers). ``None`` = 1: the last chunk's buffer,
       which the backward would allocate anyway, so the forward+backward peak does not grow (the chunk is held
@@ -105,7 +106,7 @@ def token_logprobs(
     y = y.contiguous()
     use_triton = _pick_backend(backend, hidden)
     if logits_dtype is None:
-        logits_dtype = torch.float32
+        logits_dtype = hidden.dtype
     if logits_dtype not in (torch.float32, hidden.dtype):
         raise ValueError(
             f"token_logprobs: logits_dtype must be torch.float32 or hidden's dtype ({hidden.dtype}), got "

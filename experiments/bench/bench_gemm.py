@@ -270,6 +270,24 @@ def decode(quick: bool, sweep: bool) -> None:
                 f"| {M} | {N}×{K} | {t_bf16 * 1e3:.1f} | {t_w4a16 * 1e3:.1f} | {t_w4a4 * 1e3:.1f} | "
                 f"{t_bf16 / t_w4a16:.2f} | {t_bf16 / t_w4a4:.2f} |"
             )
+            if M in (1, 16) and (N, K) == (4096, 12288):  # where the decode time goes (probe kernels)
+                out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+                gw = b.global_scale.reshape(1)
+                c0 = gt.decode_config(M, N, K)
+                probes = {}
+                for probe in (1, 2):
+                    c = dict(c0, PROBE=probe)
+                    probes[probe] = do_bench_cudagraph(
+                        lambda c=c: gt.launch_decode(x, b.data, b.scale, K, out, None, gw, None, config=c)
+                    )
+                c = dict(c0, SPLIT_K=1)
+                t_nosplit = do_bench_cudagraph(
+                    lambda c=c: gt.launch_decode(x, b.data, b.scale, K, out, None, gw, None, config=c)
+                )
+                emit(
+                    f"|   probes M={M} {c0}: loads only {probes[1] * 1e3:.1f} µs, loads+unpack (no MMA) "
+                    f"{probes[2] * 1e3:.1f} µs, full kernel without split-K {t_nosplit * 1e3:.1f} µs | | | | | | |"
+                )
             if sweep and M in (1, 16) and (N, K) == (4096, 12288):
                 out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
                 gw = b.global_scale.reshape(1)

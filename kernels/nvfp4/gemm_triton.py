@@ -545,6 +545,7 @@ def _decode_kernel(
     NB: tl.constexpr,
     XMODE: tl.constexpr = 0,
     PREFETCH: tl.constexpr = True,
+    PROBE: tl.constexpr = 0,
 ):
     """Small-M (decode) ``C[M, N] = x[M, K]·Wᵀ`` streaming the packed weight once.
 
@@ -594,16 +595,23 @@ def _decode_kernel(
                 w_rows, s_rows, x_ptr, kb, kb1, jw, jb, j, j_perm, offs_m, m_ok, n_ok, stride_xm, K, KB,
                 EVEN_N, EVEN_K, XMODE, BM, BW, BK,
             )  # fmt: skip
-        if BF16:  # e2m1·2⁻¹²⁶ · (s·2¹¹⁹) = e2m1·s·2⁻⁷: exact, normal bf16
-            sd = (s_c.to(tl.float32) * 6.646139978924579e35).to(tl.bfloat16)
-        else:  # e2m1·2⁻¹⁴ · s: exact in fp16
-            sd = s_c.to(tl.float16)
-        if INTERPRETED:  # the interpreter decodes e4m3 0x7F as 480, the GPU cvt as NaN: restore NaN
-            sd = tl.where((s_c.to(tl.uint8, bitcast=True) & 0x7F) == 0x7F, float("nan"), sd)
-        v = _unpack_words(q_c, BF16)  # [BN, BW, 2, 2, 2]
-        v = tl.reshape(v, (BN, NB, 16)) * sd[:, :, None]
-        w = tl.reshape(v, (BN, BK)).to(DOT_DTYPE)
-        acc = tl.dot(w, x_c.to(DOT_DTYPE), acc, input_precision=INPUT_PRECISION)
+        if PROBE == 1:  # benchmark probe, wrong results: the loads alone (floor of this access pattern)
+            acc += (tl.sum(q_c, axis=1).to(tl.float32) + tl.sum(s_c.to(tl.float32), axis=1))[:, None]
+            acc += tl.sum(x_c.to(tl.float32), axis=0)[None, :]
+        else:
+            if BF16:  # e2m1·2⁻¹²⁶ · (s·2¹¹⁹) = e2m1·s·2⁻⁷: exact, normal bf16
+                sd = (s_c.to(tl.float32) * 6.646139978924579e35).to(tl.bfloat16)
+            else:  # e2m1·2⁻¹⁴ · s: exact in fp16
+                sd = s_c.to(tl.float16)
+            if INTERPRETED:  # the interpreter decodes e4m3 0x7F as 480, the GPU cvt as NaN: restore NaN
+                sd = tl.where((s_c.to(tl.uint8, bitcast=True) & 0x7F) == 0x7F, float("nan"), sd)
+            v = _unpack_words(q_c, BF16)  # [BN, BW, 2, 2, 2]
+            v = tl.reshape(v, (BN, NB, 16)) * sd[:, :, None]
+            w = tl.reshape(v, (BN, BK)).to(DOT_DTYPE)
+            if PROBE == 2:  # benchmark probe, wrong results: loads + unpack, no MMA
+                acc += tl.sum(w.to(tl.float32), axis=1)[:, None] + tl.sum(x_c.to(tl.float32), axis=0)[None, :]
+            else:
+                acc = tl.dot(w, x_c.to(DOT_DTYPE), acc, input_precision=INPUT_PRECISION)
     acc = tl.trans(acc)  # [BM, BN]
     if SPLIT_K == 1:
         _epilogue(

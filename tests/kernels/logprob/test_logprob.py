@@ -45,7 +45,9 @@ def test_forward_matches_eager_fp32(backend, chunk, temperature):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_inputs_match_fp32_math_of_the_same_values(backend, dtype):
     hid, w, y = _inputs(dtype=dtype, seed=1)
-    logp, ent = token_logprobs(hid, w, y, entropy=True, chunk_size=11, backend=backend)
+    logp, ent = token_logprobs(
+        hid, w, y, entropy=True, chunk_size=11, backend=backend, logits_dtype=torch.float32
+    )
     ref_logp, ref_ent = _ref64(hid, w, y)  # exact products of the same (rounded) inputs
     torch.testing.assert_close(logp.double(), ref_logp, rtol=1e-5, atol=5e-5)
     torch.testing.assert_close(ent.double(), ref_ent, rtol=1e-5, atol=5e-5)
@@ -77,7 +79,7 @@ def test_gradients_match_eager(backend, with_entropy):
 def test_gradients_half_dtype(dtype):
     hid, w, y = _inputs(n=21, v=30, h=16, dtype=dtype, seed=4)
     hq, wq = hid.clone().requires_grad_(True), w.clone().requires_grad_(True)
-    token_logprobs(hq, wq, y, chunk_size=8, backend="triton").sum().backward()
+    token_logprobs(hq, wq, y, chunk_size=8, backend="triton", logits_dtype=torch.float32).sum().backward()
     assert hq.grad.dtype == dtype and wq.grad.dtype == dtype
     h64, w64 = hid.double().requires_grad_(True), w.double().requires_grad_(True)
     token_logprobs_reference(h64, w64, y, compute_dtype=torch.float64).sum().backward()
@@ -256,7 +258,16 @@ def test_half_inputs_fp32_logits_gradients(backend, dtype, saved):
     gen = torch.Generator().manual_seed(23)
     g, g_ent = torch.randn(21, generator=gen), torch.randn(21, generator=gen)
     logp, ent, dh, dw = _grads(
-        token_logprobs, hid, w, y, g, g_ent, chunk_size=10, backend=backend, saved_chunks=saved
+        token_logprobs,
+        hid,
+        w,
+        y,
+        g,
+        g_ent,
+        chunk_size=10,
+        backend=backend,
+        saved_chunks=saved,
+        logits_dtype=torch.float32,
     )
     assert dh.dtype == dtype and dw.dtype == dtype
     rl, re, rdh, rdw = _grads(
@@ -396,3 +407,13 @@ def test_kept_chunks_skip_the_recompute_gemm(monkeypatch, saved, overlap):
     h64 = hid.double().requires_grad_(True)
     token_logprobs_reference(h64, w.double(), y, compute_dtype=torch.float64).sum().backward()
     torch.testing.assert_close(hq.grad.double(), h64.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_inputs_default_to_half_logits(backend, dtype):
+    """16-bit inputs: the default rounds the logits like eager's GEMM (``logits_dtype=hidden.dtype``)."""
+    hid, w, y = _inputs(n=9, v=20, h=8, dtype=dtype, seed=28)
+    a = token_logprobs(hid, w, y, chunk_size=6, backend=backend)
+    b = token_logprobs(hid, w, y, chunk_size=6, backend=backend, logits_dtype=dtype)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
