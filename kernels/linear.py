@@ -173,15 +173,22 @@ class _WeightCache:
         self.scale_host = None
         self.transposed = None
         if _uses_expanded_weight(config, weight.device):
-            from triage.kernels.nvfp4.gemm import expand, host_decode_scale
+            from triage.kernels.nvfp4.gemm import expand
 
             self.expanded = expand(q)
-            if q.global_scale.numel() == 1:  # one device read per weight update, not per GEMM
-                self.scale_host = host_decode_scale(q)
         if config.mode == "nvfp4-backward":
             self.transposed = transpose_16x16(q)
         self.key = key
         return self
+
+    def host_scale(self) -> float:
+        """The weight's per-tensor decode scale as a float: read from the device once per weight update,
+        and only when a cuBLAS (host alpha) path asks for it — small GEMMs never sync."""
+        if self.scale_host is None:
+            from triage.kernels.nvfp4.gemm import host_decode_scale
+
+            self.scale_host = host_decode_scale(self.quantized)
+        return self.scale_host
 
     def clear(self) -> None:
         self.__init__()
@@ -220,7 +227,7 @@ class _NVFP4LinearFn(torch.autograd.Function):
             bias=bias,
             backend=config.gemm_backend,
             b_expanded=cache.expanded if large else None,
-            b_scale_host=cache.scale_host,
+            b_scale_host=cache.host_scale,
         )
         ctx.save_for_backward(x, weight)
         ctx.config = config

@@ -354,6 +354,15 @@ def linear(quick: bool) -> None:
 
         ms_bf16 = bench(lambda: step(ref))
         rows = [("bf16 nn.Linear", ms_bf16), ("NVFP4Linear (bf16-backward)", bench(lambda: step(fp4)))]
+        # other activation recipes: static outer scale (ModelOpt / compressed-tensors checkpoints carry one:
+        # one quantize pass, host-known alpha, no sync) and per-row outer scales (Triton GEMM, no sync)
+        amax = float(x.detach().abs().amax())
+        for label, recipe in (
+            ("static activation scale", QuantRecipe(scale_source="static", static_amax=amax)),
+            ("per-row activation scale", QuantRecipe(scale="row")),
+        ):
+            alt = NVFP4Linear.from_linear(ref, NVFP4LinearConfig(input_recipe=recipe))
+            rows.append((f"NVFP4Linear (bf16-backward), {label}", bench(lambda alt=alt: step(alt))))
         with torch.no_grad():
             rows.append(("  forward only: bf16", bench(lambda: ref(x))))
             rows.append(("  forward only: NVFP4Linear", bench(lambda: fp4(x))))

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -276,6 +277,14 @@ def _host_known(t) -> bool:
     return recipe is not None and (recipe.scale == "none" or recipe.scale_source != "dynamic")
 
 
+def _host_scale(t, given) -> float:
+    """``given`` (a float, or a callable returning it: e.g. a weight cache that reads the device once per
+    weight update, only when a cuBLAS path needs it), else :func:`host_decode_scale`."""
+    if given is None:
+        return host_decode_scale(t)
+    return float(given()) if callable(given) else float(given)
+
+
 def host_decode_scale(t) -> float:
     """The per-tensor outer decode scale of ``t`` as a Python float. Free (no device sync) when the recipe
     fixes it (``scale="none"``, static or checkpoint source: the quantizer's own host computation);
@@ -342,7 +351,7 @@ def gemm(
     bias: torch.Tensor | None = None,
     backend: str = "auto",
     b_expanded: torch.Tensor | None = None,
-    b_scale_host: float | None = None,
+    b_scale_host: float | Callable[[], float] | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """W4A4 ``y = a·bᵀ (+ bias)`` for NVFP4 operands a [..., K] and b [N, K]; returns [..., N].
@@ -386,7 +395,7 @@ def gemm(
         if which == "triton":
             gt.launch_gemm(xa, None, wb, None, K, out, g_a, g_b, bias)
         elif per_tensor:  # cuBLAS, scales folded into alpha
-            gb = host_decode_scale(b) if b_scale_host is None else b_scale_host
+            gb = _host_scale(b, b_scale_host)
             alpha = float(torch.tensor(host_decode_scale(a)) * torch.tensor(gb))  # RN(g_a·g_b) in fp32
             _alpha_mm(xa, wb, alpha, bias, out)
         else:
@@ -429,7 +438,7 @@ def gemm_w4a16(
     bias: torch.Tensor | None = None,
     backend: str = "auto",
     w_expanded: torch.Tensor | None = None,
-    w_scale_host: float | None = None,
+    w_scale_host: float | Callable[[], float] | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Weight-only ``y = x·wᵀ (+ bias)``: x bf16/fp16 [..., K], w NVFP4 [N, K]; returns [..., N].
@@ -464,7 +473,7 @@ def gemm_w4a16(
         if which == "triton":
             gt.launch_gemm(x2, None, wx, None, K, out, None, g_w, bias)
         elif g_w.numel() == 1:
-            _alpha_mm(x2, wx, host_decode_scale(w) if w_scale_host is None else w_scale_host, bias, out)
+            _alpha_mm(x2, wx, _host_scale(w, w_scale_host), bias, out)
         else:
             with _fp32_reduction():
                 out.copy_(_scaled_epilogue(_mm_fp32(x2, wx), g_w.new_ones(1), g_w, bias, out_dtype))
