@@ -166,16 +166,17 @@ class _WeightCache:
             self.hits += 1
             return self
         self.misses += 1
-        with torch.no_grad():
-            q = _quantize(weight.detach(), config.weight_recipe, config.quant_backend)
+        uses_expanded = _uses_expanded_weight(config, weight.device)
+        with torch.no_grad():  # the exact q·s written in the same pass when the large-M GEMMs want it
+            q = _quantize(weight.detach(), config.weight_recipe, config.quant_backend, expanded=uses_expanded)
         self.quantized = q
         self.expanded = None
         self.scale_host = None
         self.transposed = None
-        if _uses_expanded_weight(config, weight.device):
+        if uses_expanded:
             from triage.kernels.nvfp4.gemm import expand
 
-            self.expanded = expand(q)
+            self.expanded = expand(q)  # returns q.expanded (no extra pass) when the quantizer wrote it
         if config.mode == "nvfp4-backward":
             self.transposed = transpose_16x16(q)
         self.key = key

@@ -223,11 +223,11 @@ def w4a4_forward(quick: bool, sweep: bool) -> None:
 
 
 DECODE_CONFIGS = [
-    dict(BN=bn, NB=nb, num_warps=w, num_stages=st, XMODE=xm, PREFETCH=pf)
-    for (bn, nb, w, st) in [(64, 8, 4, 1), (128, 8, 8, 1), (64, 4, 4, 1), (128, 4, 4, 1), (64, 8, 4, 2),
-                            (64, 8, 2, 1), (32, 8, 2, 1)]
-    for xm in (0, 2)
-    for pf in (True, False)
+    dict(BN=bn, NB=nb, num_warps=w, num_stages=st, XMODE=2, PREFETCH=pf)
+    for (bn, nb, w) in [(64, 8, 2), (64, 16, 2), (32, 16, 2), (128, 8, 4)]
+    for st in (1, 2, 3)
+    for pf in (False, True)
+    if not (pf and st > 1)  # register prefetch only matters without the cp.async pipeline
 ]  # fmt: skip
 
 
@@ -292,7 +292,7 @@ def decode(quick: bool, sweep: bool) -> None:
                 out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
                 gw = b.global_scale.reshape(1)
                 for cfg in DECODE_CONFIGS:
-                    for split in (None, 8, 16):
+                    for split in (8, 16, 32):
                         c = gt.decode_config(M, N, K, split)
                         c.update(cfg)
                         if split is not None:
