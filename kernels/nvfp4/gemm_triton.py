@@ -747,9 +747,10 @@ def launch_gemm(
 #: (bench_gemm.py --sweep, 2026-11-29; 128 registers, no spills; pipelining (stages > 1) stages the codes
 #: through shared memory byte by byte and was slower).
 DECODE_CONFIG = dict(BN=64, NB=8, num_warps=4, num_stages=1, XMODE=2, PREFETCH=True)
-#: M <= 16: two warps (mma.sync on register operands) and no prefetch measured best (bench_gemm.py --sweep,
-#: H200, 2026-11-29: 20.6 / 23.9 µs at M = 1 / 16 against 23.6 / 25.7 with DECODE_CONFIG).
-DECODE_CONFIG_M16 = dict(BN=64, NB=8, num_warps=2, num_stages=1, XMODE=2, PREFETCH=False)
+#: M <= 16: two warps (mma.sync on register operands), 256-wide K steps, a 3-stage cp.async pipeline, split-K
+#: to ~2 waves: the best of the H200 sweep (bench_gemm.py --sweep, 2026-11-29: 18.8 / 20.0 µs at M = 1 / 16,
+#: N×K = 4096×12288, against 23.6 / 25.7 with DECODE_CONFIG; bf16 torch.mm 30 µs).
+DECODE_CONFIG_M16 = dict(BN=64, NB=16, num_warps=2, num_stages=3, XMODE=2, PREFETCH=False)
 
 
 def decode_config(M: int, N: int, K: int, split_k: int | None = None) -> dict:
