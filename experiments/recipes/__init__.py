@@ -52,7 +52,7 @@ RECIPE_DIR = Path(__file__).resolve().parent
 ACCELERATE_DIR = RECIPE_DIR.parent / "accelerate"
 ARMS = ("grpo-none", "tis", "icepop", "opsm", "triage", "triage-mask")
 # Not run by default: the follow-ups of the first local ablation (docs/results.md §3); `--arms` selects them.
-FOLLOW_UP_ARMS = ("triage-keep-down", "triage-no-is")
+FOLLOW_UP_ARMS = ("triage-keep-down", "triage-no-is", "triage-no-guard", "triage-no-floor")
 ALL_ARMS = ARMS + FOLLOW_UP_ARMS
 PRESETS = ("qwen3-4b", "qwen3-30b-a3b", "tiny")
 RECIPE_SECTIONS = ("model_name_or_path", "dataset", "eval_dataset", "reward_funcs", "launch", "description")

@@ -91,6 +91,9 @@ def test_arms_differ_only_in_correction_fields():
         None,
     )
     assert (no_is["consistent"], no_is["correct_down"]) == ("keep", "keep")
+    no_guard, no_floor = load_recipe("tiny/triage-no-guard"), load_recipe("tiny/triage-no-floor")
+    assert (no_guard["guard_kappa"], no_guard["tail_floor"], no_guard["amplify_down"]) == (None, 3.0, "soft")
+    assert (no_floor["guard_kappa"], no_floor["tail_floor"], no_floor["amplify_down"]) == (0.1, None, "soft")
 
 
 def test_presets():
