@@ -14,13 +14,19 @@ gather (one per-tensor amax shared by every expert that reads them), weights onc
 (cached on the parameter's version). Backward, straight-through: ``"bf16-backward"`` (default, as the dense
 ``NVFP4Linear``) uses the original high-precision activations and master weights; ``"dequantized"`` (TE's
 ``backward_override="dequantized"``) the NVFP4-dequantized operands the forward used. Both run bf16 grouped
-matmuls with fp32 accumulation. The dense layer's ``"nvfp4-backward"`` (quantized dgrad/wgrad) is not
-implemented for experts yet.
+matmuls with fp32 accumulation. ``"nvfp4-backward"`` mirrors the dense layer's TE-style mode: dgrad
+``dx[r] = Q(dy)[r] · Q(W_e)`` on the grouped NVFP4 GEMM, with ``dy`` quantized 1×16 (stochastic, one
+per-tensor amax for all experts) and ``Q(W_e)ᵀ`` the forward's 16×16-block quantization transposed per expert
+(exact reuse, so the weight recipe must use ``block="16x16"``); wgrad ``dW_e = Q_H(dy_eᵀ)·Q_H(x_eᵀ)`` per
+expert segment with the Hadamard transform and 1×16 blocks along the tokens (zero-padded to 16 per
+expert), on the dense NVFP4 GEMM. The wgrad loops over the experts on the host (one device read of the
+offsets per backward, 2 quantize + 1 GEMM launches per non-empty expert): exact and tested, not yet a
+grouped kernel.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -31,7 +37,7 @@ from triage.kernels.nvfp4.tensor import NVFP4Tensor
 
 from .grouped_gemm import expand_experts, grouped_gemm, grouped_mm, offsets_from_expert_ids
 
-BACKWARD_MODES = ("bf16-backward", "dequantized")
+BACKWARD_MODES = ("bf16-backward", "dequantized", "nvfp4-backward")
 
 
 @dataclass(frozen=True)
@@ -41,7 +47,11 @@ class MoEQuantConfig:
     Attributes:
         activation: recipe of the expert inputs (per-tensor dynamic amax by default).
         weight: recipe of the expert weights (``scale="expert"``: one outer scale per expert).
-        backward: ``"bf16-backward"`` (master operands) or ``"dequantized"`` (the forward's NVFP4 operands).
+        backward: ``"bf16-backward"`` (master operands), ``"dequantized"`` (the forward's NVFP4 operands) or
+            ``"nvfp4-backward"`` (quantized dgrad and wgrad; needs ``weight.block="16x16"``).
+        grad: recipe of ``dy`` for the nvfp4-backward dgrad (1×16, stochastic).
+        wgrad: recipe of both wgrad operands (``dy_eᵀ``, ``x_eᵀ``) in nvfp4-backward: Hadamard, 1×16 along
+            tokens, padded; ``x_eᵀ`` always rounds to nearest (as the dense layer).
         backend: grouped-GEMM backend (see :func:`~triage.kernels.moe.grouped_gemm.grouped_gemm`).
         validate: check expert ids (one host sync per layer call).
     """
@@ -49,6 +59,10 @@ class MoEQuantConfig:
     activation: QuantRecipe = field(default_factory=QuantRecipe)
     weight: QuantRecipe = field(default_factory=lambda: QuantRecipe(scale="expert"))
     backward: str = "bf16-backward"
+    grad: QuantRecipe = field(default_factory=lambda: QuantRecipe(rounding="stochastic"))
+    wgrad: QuantRecipe = field(
+        default_factory=lambda: QuantRecipe(rounding="stochastic", hadamard=True, pad=True)
+    )
     backend: str = "auto"
     validate: bool = True
 
@@ -59,6 +73,17 @@ class MoEQuantConfig:
             )
         if self.weight.scale == "row" and self.weight.block == "16x16":
             raise ValueError("MoEQuantConfig.weight: 16x16 blocks cannot have per-row scales")
+        if self.backward == "nvfp4-backward":
+            if self.weight.block != "16x16" or self.weight.scale not in ("expert", "tensor", "none"):
+                raise ValueError(
+                    "MoEQuantConfig: backward='nvfp4-backward' reuses each expert's W_q for W_eᵀ, which needs "
+                    "weight=QuantRecipe(scale='expert', block='16x16') (got "
+                    f"block={self.weight.block!r}, scale={self.weight.scale!r})"
+                )
+            if self.grad.hadamard:
+                raise ValueError("MoEQuantConfig.grad (dgrad dy) cannot use Hadamard: W_qᵀ did not")
+            if self.grad.scale == "expert" or self.wgrad.scale == "expert":
+                raise ValueError("MoEQuantConfig.grad/wgrad: per-expert outer scales do not apply to dy or x")
 
 
 def _gather_rows(t: NVFP4Tensor, idx: torch.Tensor | None) -> NVFP4Tensor:
@@ -84,14 +109,39 @@ class _WeightCache:
     def __init__(self) -> None:
         self.key = None
         self.value = None
+        self.transposed_value: NVFP4Tensor | None = None
+        self.backwards = 0  # nvfp4-backward calls: seeds the stochastic rounding
 
     def get(self, weight: torch.Tensor, recipe: QuantRecipe, expanded: bool):
         key = (weight.data_ptr(), weight._version, weight.dtype, recipe, expanded)
         if key != self.key:
             wq = quantize(weight.detach(), recipe, backend=_qbackend(weight))
             self.value = (wq, expand_experts(wq, torch.bfloat16) if expanded else None)
+            self.transposed_value = None
             self.key = key
         return self.value
+
+    def transposed(self) -> NVFP4Tensor:
+        """Per-expert ``W_qᵀ`` of the cached weight (built once per weight update)."""
+        if self.transposed_value is None:
+            self.transposed_value = transpose_experts_16x16(self.value[0])
+        return self.transposed_value
+
+
+def transpose_experts_16x16(w: NVFP4Tensor) -> NVFP4Tensor:
+    """``[E, N, K]`` NVFP4 weights quantized in 16×16 blocks → ``[E, K, N]``: codes and tile scales transposed
+    per expert, outer scales kept. Exact: quantizing each ``W_eᵀ`` in 16×16 blocks gives these bytes."""
+    from triage.kernels.nvfp4.format import pack_nibbles, unpack_nibbles
+
+    if w.recipe.block != "16x16":
+        raise ValueError(f"transpose_experts_16x16 needs block='16x16', got {w.recipe.block!r}")
+    E, N, K = tuple(w.shape)
+    if N % 16 or K % 16:
+        raise ValueError(f"transpose_experts_16x16 needs N and K multiples of 16, got {(E, N, K)}")
+    codes_t = unpack_nibbles(w.data).transpose(1, 2).contiguous()  # [E, K, N]
+    tile = w.scale.view(torch.uint8)[:, ::16]  # [E, N/16, K/16]: rows of a tile repeat its scale
+    scale_t = tile.transpose(1, 2).repeat_interleave(16, dim=1).contiguous().view(torch.float8_e4m3fn)
+    return replace(w, data=pack_nibbles(codes_t), scale=scale_t, shape=torch.Size((E, K, N)), expanded=None)
 
 
 class _GroupedNVFP4Linear(torch.autograd.Function):
@@ -122,7 +172,12 @@ class _GroupedNVFP4Linear(torch.autograd.Function):
         )
         ctx.cfg = cfg
         ctx.x_shape = x.shape
-        if cfg.backward == "dequantized":
+        ctx.cache = cache
+        ctx.weight_key = cache.key
+        if cfg.backward == "nvfp4-backward":
+            ctx.quantized = None
+            ctx.save_for_backward(gather, offsets, x, weight)
+        elif cfg.backward == "dequantized":
             ctx.quantized = (_gather_rows(xq, gather), wq)
             ctx.save_for_backward(gather, offsets)
         else:
@@ -132,6 +187,8 @@ class _GroupedNVFP4Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        if ctx.cfg.backward == "nvfp4-backward":
+            return _nvfp4_backward(ctx, dy)
         gather, offsets = ctx.saved_tensors[:2]
         dtype = dy.dtype
         if ctx.quantized is not None:
@@ -154,6 +211,52 @@ class _GroupedNVFP4Linear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             dw = grouped_mm(dy.t(), x_rows.to(dtype).contiguous(), offsets)  # dy[rows e]ᵀ · x[rows e]
         return dx, dw, None, None, None, None
+
+
+def _nvfp4_backward(ctx, dy):
+    """dgrad on the grouped NVFP4 GEMM with the transposed forward weights; wgrad per expert (module doc)."""
+    from triage.kernels.nvfp4.gemm import gemm
+
+    gather, offsets, x, weight = ctx.saved_tensors
+    cfg, cache = ctx.cfg, ctx.cache
+    if cache.key != ctx.weight_key:
+        raise RuntimeError(
+            "NVFP4 experts: the weight changed between forward and backward; its cached W_qᵀ no longer "
+            "matches (do not update expert weights in place before backward)"
+        )
+    cache.backwards += 1
+    seed = (cfg.grad.seed + 1000003 * cache.backwards) % 2**32
+    dtype = dy.dtype
+    dy = dy.contiguous()
+    qb = _qbackend(dy)
+    dx = dw = None
+    if ctx.needs_input_grad[0]:
+        dyq = quantize(dy, cfg.grad, backend=qb, seed=seed)
+        dx_rows = grouped_gemm(
+            dyq, cache.transposed(), offsets, out_dtype=dtype, backend=cfg.backend, validate=False
+        )
+        dx = dx_rows if gather is None else dy.new_zeros(ctx.x_shape).index_add_(0, gather, dx_rows)
+    if ctx.needs_input_grad[1]:
+        x_rows = (x[gather] if gather is not None else x).to(dtype)
+        dw = torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device)
+        bounds = offsets.tolist()  # one device read per backward
+        x_recipe = replace(cfg.wgrad, rounding="nearest")
+        gemm_backend = "auto" if (dy.is_cuda or _interpreting()) else "reference"
+        for e in range(len(bounds) - 1):
+            s, t = bounds[e], bounds[e + 1]
+            if t == s:
+                continue  # an expert without tokens has a zero gradient
+            e_seed = (seed + 2 * e + 1) % 2**32
+            dyt = quantize(dy[s:t].t().contiguous(), cfg.wgrad, backend=qb, seed=e_seed)  # [N, m_e]
+            xt = quantize(x_rows[s:t].t().contiguous(), x_recipe, backend=qb)  # [K, m_e]
+            dw[e] = gemm(dyt, xt, out_dtype=torch.float32, backend=gemm_backend).to(weight.dtype)
+    return dx, dw, None, None, None, None
+
+
+def _interpreting() -> bool:
+    from triage.kernels.nvfp4.gemm_triton import interpreting
+
+    return interpreting()
 
 
 def _qbackend(t: torch.Tensor) -> str:

@@ -4,8 +4,18 @@ import pytest
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from triage.kernels.moe.experts import MoEQuantConfig, NVFP4MoeExperts, convert_moe_experts
-from triage.kernels.nvfp4.api import quantize
+from triage.kernels.moe import offsets_from_expert_ids
+from triage.kernels.moe.experts import (
+    MoEQuantConfig,
+    NVFP4MoeExperts,
+    _WeightCache,
+    convert_moe_experts,
+    grouped_nvfp4_linear,
+    transpose_experts_16x16,
+)
+from triage.kernels.nvfp4.api import dequantize, quantize
+from triage.kernels.nvfp4.gemm import gemm_reference
+from triage.kernels.nvfp4.recipe import QuantRecipe
 
 
 def _tiny_moe(seed=0, **kw):
@@ -83,13 +93,14 @@ def test_bad_expert_ids_raise():
         experts(torch.randn(2, 32), torch.tensor([[0, 1], [4, 1]]), torch.rand(2, 2))
 
 
-@pytest.mark.parametrize("mode", ["dequantized", "bf16-backward"])
+@pytest.mark.parametrize("mode", ["dequantized", "bf16-backward", "nvfp4-backward"])
 def test_converted_model_trains_and_generates(mode):
     model = _tiny_moe(seed=3)
     ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         ref_logits = model(ids).logits
-    convert_moe_experts(model, MoEQuantConfig(backward=mode, backend="reference"))  # CPU path
+    weight = QuantRecipe(scale="expert", block="16x16")
+    convert_moe_experts(model, MoEQuantConfig(backward=mode, backend="reference", weight=weight))  # CPU path
     with torch.no_grad():
         logits = model(ids).logits
     assert ((logits - ref_logits).abs().max() / ref_logits.abs().max()) < 0.05  # NVFP4 error, not garbage
@@ -109,3 +120,83 @@ def test_converted_model_trains_and_generates(mode):
     assert losses[-1] < losses[0] - 0.1, losses
     out = model.generate(ids[:1, :4], max_new_tokens=4, do_sample=False)
     assert out.shape == (1, 8) and out[0, :4].equal(ids[0, :4])
+
+
+W16 = QuantRecipe(scale="expert", block="16x16")
+
+
+def test_nvfp4_backward_needs_16x16_expert_weights():
+    with pytest.raises(ValueError, match="16x16"):
+        MoEQuantConfig(backward="nvfp4-backward")
+    with pytest.raises(ValueError, match="Hadamard"):
+        MoEQuantConfig(backward="nvfp4-backward", weight=W16, grad=QuantRecipe(hadamard=True))
+    MoEQuantConfig(backward="nvfp4-backward", weight=W16)
+
+
+def test_transpose_experts_16x16_equals_quantizing_the_transpose():
+    w = torch.randn(3, 32, 48, generator=torch.Generator().manual_seed(7))
+    w[1, :16, 16:32] = 0.0  # a zero tile
+    t = transpose_experts_16x16(quantize(w, W16))
+    direct = quantize(w.transpose(1, 2).contiguous(), W16)
+    assert t.shape == direct.shape == (3, 48, 32)
+    assert torch.equal(t.data, direct.data)
+    assert torch.equal(t.scale.view(torch.uint8), direct.scale.view(torch.uint8))
+    assert torch.equal(t.global_scale, direct.global_scale)
+
+
+def _routed(seed, T=20, E=4, k=2):
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, E - 1, (T, k), generator=gen)  # expert E-1 receives no token
+    order, offsets = offsets_from_expert_ids(idx, E)
+    return order // k, offsets
+
+
+def _grads(cfg, x, w, gather, offsets, dy):
+    x = x.clone().requires_grad_(True)
+    w = w.clone().requires_grad_(True)
+    grouped_nvfp4_linear(x, w, offsets, cfg, gather, _WeightCache()).backward(dy)
+    return x.grad, w.grad
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton_expanded", "triton"])
+def test_nvfp4_backward_matches_reference_with_nearest_rounding(backend):
+    gen = torch.Generator().manual_seed(8)
+    gather, offsets = _routed(9)
+    x, w = torch.randn(20, 32, generator=gen), torch.randn(4, 48, 32, generator=gen)
+    dy = torch.randn(gather.numel(), 48, generator=gen)
+    grad = QuantRecipe()  # nearest: a deterministic reference
+    wgrad = QuantRecipe(hadamard=True, pad=True)
+    cfg = MoEQuantConfig(backward="nvfp4-backward", weight=W16, grad=grad, wgrad=wgrad, backend=backend)
+    dx, dw = _grads(cfg, x, w, gather, offsets, dy)
+    # dgrad: Q(dy)[r] · Q(W)[e(r)], rows scattered back to their tokens
+    dyq = dequantize(quantize(dy, grad)).double()
+    wq = dequantize(quantize(w, W16)).double()
+    bounds = offsets.tolist()
+    dx_rows = torch.cat([dyq[s:t] @ wq[e] for e, (s, t) in enumerate(zip(bounds[:-1], bounds[1:]))])
+    ref_dx = torch.zeros(20, 32, dtype=torch.float64).index_add_(0, gather, dx_rows)
+    assert ((dx.double() - ref_dx).abs().max() / ref_dx.abs().max()) < 1e-5
+    # wgrad: per expert Q_H(dy_eᵀ)·Q_H(x_eᵀ) (x side always nearest); the empty expert gets exactly 0
+    xr = x[gather]
+    for e, (s, t) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if s == t:
+            assert torch.equal(dw[e], torch.zeros_like(dw[e]))
+            continue
+        ref = gemm_reference(
+            quantize(dy[s:t].t().contiguous(), wgrad), quantize(xr[s:t].t().contiguous(), wgrad),
+            out_dtype=torch.float64,
+        )  # fmt: skip
+        assert ((dw[e].double() - ref).abs().max() / ref.abs().max()) < 1e-5, e
+
+
+def test_nvfp4_backward_defaults_approximate_the_exact_gradient():
+    gen = torch.Generator().manual_seed(10)
+    gather, offsets = _routed(11, T=64)
+    x, w = torch.randn(64, 32, generator=gen), torch.randn(4, 48, 32, generator=gen)
+    dy = torch.randn(gather.numel(), 48, generator=gen)
+    exact = _grads(MoEQuantConfig(weight=W16, backend="reference"), x, w, gather, offsets, dy)
+    fp4 = _grads(
+        MoEQuantConfig(backward="nvfp4-backward", weight=W16, backend="reference"), x, w, gather, offsets, dy
+    )
+    for a, b in zip(fp4, exact):
+        rel = ((a - b).norm() / b.norm()).item()
+        assert 0 < rel < 0.3, rel  # FP4 (stochastic) noise, not a wrong or transposed gradient
