@@ -117,6 +117,11 @@ def main():
         def bf16_grouped():
             return torch._grouped_mm(x, w.transpose(1, 2), ends)
 
+        def bf16_gather_grouped():  # the bf16 MoE layer's view: the top-k gather is its own copy
+            src = x_tok if gather is not None else x.detach()
+            rows_in = src[gather] if gather is not None else src
+            return torch._grouped_mm(rows_in, w.detach().transpose(1, 2), ends)
+
         wq = quantize(w.detach(), W_RECIPE)
         wbf = expand_experts(wq, torch.bfloat16)
         cache = _WeightCache()
@@ -136,17 +141,20 @@ def main():
                 w_expanded=wbf, a_rows=gather, validate=False,
             )  # fmt: skip
 
-        def nvfp4_autograd(backend):
-            cfg = MoEQuantConfig(backend=backend)
+        def nvfp4_autograd(backend, backward="bf16-backward"):
+            recipe = W_RECIPE if backward != "nvfp4-backward" else QuantRecipe(scale="expert", block="16x16")
+            cfg = MoEQuantConfig(backend=backend, backward=backward, weight=recipe)
             return lambda: grouped_nvfp4_linear(x, w, offsets, cfg, None, cache)
 
         impls = [
             ("bf16 loop", bf16_loop, bf16_loop_autograd),
             ("bf16 torch._grouped_mm", bf16_grouped, bf16_grouped),
+            ("bf16 gather + _grouped_mm", bf16_gather_grouped, None),
             ("nvfp4 triton (fused)", nvfp4("triton"), nvfp4_autograd("triton")),
             ("nvfp4 triton_expanded", nvfp4("triton_expanded", wbf), nvfp4_autograd("triton_expanded")),
             ("nvfp4 tokens+gather (exp)", nvfp4_tokens, None),
             ("nvfp4 grouped_mm", nvfp4("grouped_mm", wbf), nvfp4_autograd("grouped_mm")),
+            ("nvfp4 nvfp4-backward", nvfp4("triton_expanded", wbf), nvfp4_autograd("auto", "nvfp4-backward")),
         ]
         for label, fwd, fwd_ag in impls:
             if args.skip_fused and "fused" in label:
