@@ -1,0 +1,42 @@
+"""The offline SASS tool (experiments/bench/sass.py) compiles a kernel for sm_90 on a CPU-only machine."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+SCRIPT = textwrap.dedent(
+    """
+    import triton
+    import triton.language as tl
+    from triage.experiments.bench.sass import compile_sass, hot_loop, loop_report
+
+    @triton.jit
+    def scale_sum(x_ptr, y_ptr, n, B: tl.constexpr):
+        acc = tl.zeros((B,), tl.float32)
+        for i in range(0, n, B):
+            o = i + tl.arange(0, B)
+            acc += tl.load(x_ptr + o, mask=o < n, other=0.0) * 3.0
+        tl.store(y_ptr + tl.arange(0, B), acc)
+
+    sass = compile_sass(scale_sum, {"x_ptr": "*fp32", "y_ptr": "*fp32", "n": "i32", "B": "constexpr"}, {"B": 512})
+    loop = hot_loop(sass)
+    ops = {op.split(".")[0] for _, op, _ in loop}
+    assert "LDG" in ops and ("FFMA" in ops or "FMUL" in ops), ops
+    assert 0 < len(loop) < 200, len(loop)
+    print(loop_report(sass, 512))
+    """
+)
+
+
+def test_compile_sass_counts_the_hot_loop(tmp_path):
+    path = tmp_path / "k.py"  # @triton.jit needs its source in a file
+    path.write_text(SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=env, timeout=300)
+    if "ptxas" in proc.stderr and proc.returncode:
+        pytest.skip(f"no usable ptxas in this Triton install: {proc.stderr[-200:]}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "hot loop:" in proc.stdout
