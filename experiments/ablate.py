@@ -316,6 +316,7 @@ def arm_summary(series: Mapping[str, list], held_out: Mapping[str, list], window
         "entropy_last": last("entropy"),
         "mean_abs_delta": _mean(series.get("mean_abs_delta", [])),
         "suppressed_frac": _mean(series.get("suppressed_frac", [])),
+        "guarded_last": last("guarded_frac"),
         "class_share": {c: _mean(series.get(f"share/{c}", [])) for c in CLASSES},
     }
 
@@ -352,11 +353,12 @@ def _fmt(value: Any, spec: str) -> str:
 
 def markdown_table(results: Mapping[str, Any]) -> str:
     """One row per arm: held-out accuracy (before → after), train reward and accuracy (first → last 5 steps),
-    entropy, mean |δ|, the amplifying-class shares, suppressed fraction, wall time."""
+    entropy, mean |δ|, the amplifying-class shares, suppressed fraction, the share of responses the TRIAGE
+    sequence guard scaled down over the last 5 steps, wall time."""
     lines = [
         "| arm | correction | held-out acc. (start → end) | reward (first 5 → last 5) | train acc. | entropy (last 5) "
-        "| mean \\|δ\\| | amplify-down | amplify-up | suppressed | s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| mean \\|δ\\| | amplify-down | amplify-up | suppressed | guarded (last 5) | s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, arm in (results.get("arms") or {}).items():
         s = arm.get("summary") or {}
@@ -368,7 +370,8 @@ def markdown_table(results: Mapping[str, Any]) -> str:
             f"| {_fmt(s.get('accuracy_first'), '.1%')} → {_fmt(s.get('accuracy_last'), '.1%')} "
             f"| {_fmt(s.get('entropy_last'), '.3f')} | {_fmt(s.get('mean_abs_delta'), '.4f')} "
             f"| {_fmt(shares.get('amplify_down'), '.2%')} | {_fmt(shares.get('amplify_up'), '.2%')} "
-            f"| {_fmt(s.get('suppressed_frac'), '.2%')} | {_fmt(arm.get('seconds'), '.0f')} |"
+            f"| {_fmt(s.get('suppressed_frac'), '.2%')} | {_fmt(s.get('guarded_last'), '.1%')} "
+            f"| {_fmt(arm.get('seconds'), '.0f')} |"
         )
     return "\n".join(lines) + "\n"
 

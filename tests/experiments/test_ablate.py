@@ -199,12 +199,14 @@ def test_arm_summary_windows_and_held_out():
         "entropy": [None] * 9 + [2.0],
         "mean_abs_delta": [0.02] * 10,
         "suppressed_frac": [0.0, 1.0] * 5,
+        "guarded_frac": [0.0] * 7 + [0.3] * 3,
         **{f"share/{c}": [1.0 if c == "consistent" else 0.0] * 10 for c in CLASSES},
     }
     s = arm_summary(series, {"step": [0, 5, 10], "accuracy": [0.2, 0.5, 0.4]}, window=3)
     assert s["reward_first"] == 1.0 and s["reward_last"] == 8.0 and s["entropy_last"] == 2.0
     assert (s["held_out_first"], s["held_out_last"], s["held_out_best"]) == (0.2, 0.4, 0.5)
     assert s["suppressed_frac"] == 0.5 and s["class_share"]["consistent"] == 1.0 and s["steps"] == 10
+    assert s["guarded_last"] == pytest.approx(0.3)
     empty = arm_summary({"step": []}, {})
     assert empty["steps"] == 0 and empty["reward_first"] is None and empty["held_out_last"] is None
 
