@@ -234,7 +234,7 @@ DECODE_CONFIGS = [
 def decode(quick: bool, sweep: bool) -> None:
     emit("## Decode kernel, adversarial weights (every code, e4m3 scales from subnormal to 448, NaN scale)")
     for xdtype in (torch.bfloat16, torch.float16):
-        for M, N, K in ((1, 256, 4096), (16, 192, 1024), (64, 200, 1040)):
+        for M, N, K in ((1, 256, 4096), (16, 192, 1024), (7, 200, 1040), (16, 100, 4112), (64, 200, 1040)):
             w = quantize(torch.randn(N, K, device="cuda"), QuantRecipe())
             w.data = torch.randint(0, 256, w.data.shape, device="cuda", dtype=torch.uint8)
             sc = torch.randint(0, 0x7F, w.scale.shape, device="cuda", dtype=torch.uint8)
