@@ -125,23 +125,29 @@ def _quantize(
 
 
 def transpose_16x16(w: NVFP4Tensor) -> NVFP4Tensor:
-    """W_qᵀ from W_q for a 2-D weight quantized in 16×16 blocks: codes and tile scales transposed.
+    """W_qᵀ from W_q for a weight quantized in 16×16 blocks: codes and tile scales transposed.
 
-    Exact: with one scale per 16×16 tile and one outer scale per tensor, quantizing Wᵀ gives these
-    bytes. Needs N and K multiples of 16 and a per-tensor outer scale.
+    2-D ``[N, K]`` with a per-tensor outer scale, or 3-D ``[E, N, K]`` (MoE experts, transposed per expert)
+    with per-expert outer scales; outer scales are kept. Exact: with one scale per 16×16 tile, quantizing
+    Wᵀ gives these bytes. Needs N and K multiples of 16.
     """
-    if w.recipe.block != "16x16" or w.recipe.scale not in ("tensor", "none"):
+    allowed = ("tensor", "none") if len(w.shape) == 2 else ("tensor", "none", "expert")
+    if w.recipe.block != "16x16" or w.recipe.scale not in allowed or len(w.shape) not in (2, 3):
         raise ValueError(
-            f"transpose_16x16 needs block='16x16' and a per-tensor outer scale, got block={w.recipe.block!r}, "
-            f"scale={w.recipe.scale!r}"
+            f"transpose_16x16 needs block='16x16' and a per-tensor (2-D) or per-expert (3-D) outer scale, got "
+            f"block={w.recipe.block!r}, scale={w.recipe.scale!r}, shape {tuple(w.shape)}"
         )
-    N, K = tuple(w.shape)
+    *lead, N, K = tuple(w.shape)
     if N % 16 or K % 16:
-        raise ValueError(f"transpose_16x16 needs both dims multiples of 16, got weight shape {(N, K)}")
-    codes_t = unpack_nibbles(w.data).T.contiguous()  # [K, N]
-    tile = w.scale.view(torch.uint8)[::16]  # [N/16, K/16]: one scale per tile (rows repeat it)
-    scale_t = tile.T.repeat_interleave(16, dim=0).contiguous().view(torch.float8_e4m3fn)  # [K, N/16]
-    return replace(w, data=pack_nibbles(codes_t), scale=scale_t, shape=torch.Size((K, N)), expanded=None)
+        raise ValueError(
+            f"transpose_16x16 needs both dims multiples of 16, got weight shape {tuple(w.shape)}"
+        )
+    codes_t = unpack_nibbles(w.data).transpose(-1, -2).contiguous()  # [..., K, N]
+    tile = w.scale.view(torch.uint8)[..., ::16, :]  # [..., N/16, K/16]: one scale per tile (rows repeat it)
+    scale_t = tile.transpose(-1, -2).repeat_interleave(16, dim=-2).contiguous().view(torch.float8_e4m3fn)
+    return replace(
+        w, data=pack_nibbles(codes_t), scale=scale_t, shape=torch.Size((*lead, K, N)), expanded=None
+    )
 
 
 class _WeightCache:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
+from triage.kernels.linear import transpose_16x16
 from triage.kernels.nvfp4.api import dequantize, quantize
 from triage.kernels.nvfp4.recipe import QuantRecipe
 from triage.kernels.nvfp4.tensor import NVFP4Tensor
@@ -124,24 +125,8 @@ class _WeightCache:
     def transposed(self) -> NVFP4Tensor:
         """Per-expert ``W_qᵀ`` of the cached weight (built once per weight update)."""
         if self.transposed_value is None:
-            self.transposed_value = transpose_experts_16x16(self.value[0])
+            self.transposed_value = transpose_16x16(self.value[0])
         return self.transposed_value
-
-
-def transpose_experts_16x16(w: NVFP4Tensor) -> NVFP4Tensor:
-    """``[E, N, K]`` NVFP4 weights quantized in 16×16 blocks → ``[E, K, N]``: codes and tile scales transposed
-    per expert, outer scales kept. Exact: quantizing each ``W_eᵀ`` in 16×16 blocks gives these bytes."""
-    from triage.kernels.nvfp4.format import pack_nibbles, unpack_nibbles
-
-    if w.recipe.block != "16x16":
-        raise ValueError(f"transpose_experts_16x16 needs block='16x16', got {w.recipe.block!r}")
-    E, N, K = tuple(w.shape)
-    if N % 16 or K % 16:
-        raise ValueError(f"transpose_experts_16x16 needs N and K multiples of 16, got {(E, N, K)}")
-    codes_t = unpack_nibbles(w.data).transpose(1, 2).contiguous()  # [E, K, N]
-    tile = w.scale.view(torch.uint8)[:, ::16]  # [E, N/16, K/16]: rows of a tile repeat its scale
-    scale_t = tile.transpose(1, 2).repeat_interleave(16, dim=1).contiguous().view(torch.float8_e4m3fn)
-    return replace(w, data=pack_nibbles(codes_t), scale=scale_t, shape=torch.Size((E, K, N)), expanded=None)
 
 
 class _GroupedNVFP4Linear(torch.autograd.Function):

@@ -289,11 +289,10 @@ def host_decode_scale(t) -> float:
     """The per-tensor outer decode scale of ``t`` as a Python float. Free (no device sync) when the recipe
     fixes it (``scale="none"``, static or checkpoint source: the quantizer's own host computation);
     otherwise one device→host read."""
-    recipe = getattr(t, "recipe", None)
-    if recipe is not None and (recipe.scale == "none" or recipe.scale_source != "dynamic"):
+    if _host_known(t):
         from triage.kernels.nvfp4.triton_quant import _given_outer
 
-        return _given_outer(recipe)[1]
+        return _given_outer(t.recipe)[1]
     return float(t.global_scale.reshape(-1)[0])
 
 

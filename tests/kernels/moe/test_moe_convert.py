@@ -4,6 +4,7 @@ import pytest
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from triage.kernels.linear import transpose_16x16
 from triage.kernels.moe import offsets_from_expert_ids
 from triage.kernels.moe.experts import (
     MoEQuantConfig,
@@ -11,7 +12,6 @@ from triage.kernels.moe.experts import (
     _WeightCache,
     convert_moe_experts,
     grouped_nvfp4_linear,
-    transpose_experts_16x16,
 )
 from triage.kernels.nvfp4.api import dequantize, quantize
 from triage.kernels.nvfp4.gemm import gemm_reference
@@ -133,10 +133,10 @@ def test_nvfp4_backward_needs_16x16_expert_weights():
     MoEQuantConfig(backward="nvfp4-backward", weight=W16)
 
 
-def test_transpose_experts_16x16_equals_quantizing_the_transpose():
+def test_transpose_16x16_per_expert_equals_quantizing_the_transpose():
     w = torch.randn(3, 32, 48, generator=torch.Generator().manual_seed(7))
     w[1, :16, 16:32] = 0.0  # a zero tile
-    t = transpose_experts_16x16(quantize(w, W16))
+    t = transpose_16x16(quantize(w, W16))
     direct = quantize(w.transpose(1, 2).contiguous(), W16)
     assert t.shape == direct.shape == (3, 48, 32)
     assert torch.equal(t.data, direct.data)
