@@ -20,7 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
+from triage.kernels._launch import fast_launch
 
+
+@fast_launch
 @triton.jit
 def _lse_chunk_update_kernel(
     x_ptr,
@@ -71,6 +74,7 @@ def _lse_chunk_update_kernel(
         tl.store(t_ptr + rows, t, mask=row_ok)
 
 
+@fast_launch
 @triton.jit
 def _dlogits_chunk_kernel(
     x_ptr,

@@ -55,6 +55,39 @@ def tokens_per_s(model, batch: int, seq: int, steps: int) -> float:
     return batch * seq * steps / (time.perf_counter() - t0)
 
 
+def host_profile(model, batch: int, seq: int, steps: int = 3) -> str:
+    """cProfile of ``steps`` training steps (after a warm-up step): where the host time goes."""
+    import cProfile
+    import io
+    import pstats
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda")
+
+    def step():
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    prof.disable()
+    host = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(45)
+    head = f"cProfile of {steps} NVFP4 steps: host {host * 1e3 / steps:.0f} ms/step, wall {wall * 1e3 / steps:.0f} ms/step"
+    return head + "\n" + out.getvalue()
+
+
 def main() -> None:
     from triage.kernels import NVFP4LinearConfig, convert_to_nvfp4
 
@@ -65,6 +98,16 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--mode", default="bf16-backward")
     p.add_argument("--profile", action="store_true", help="torch.profiler table of one NVFP4 step (top ops)")
+    p.add_argument(
+        "--cprofile",
+        action="store_true",
+        help="cProfile (host time) of 3 NVFP4 steps: top functions by own time",
+    )
+    p.add_argument(
+        "--compare-launch",
+        action="store_true",
+        help="also time NVFP4 with Triton's own launch path (no fast launch)",
+    )
     p.add_argument(
         "--compare-sync",
         action="store_true",
@@ -94,6 +137,17 @@ def main() -> None:
         for key in ("cuda_time_total", "cpu_time_total"):
             table = prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60)
             lines += ["", f"profile of one NVFP4 step, sorted by {key}:", table]
+    if args.compare_launch:
+        from launch_overhead import all_launchers, with_fast
+
+        plain = with_fast(
+            all_launchers(), False, lambda: tokens_per_s(model, args.batch, args.seq, args.steps)
+        )
+        lines.append(
+            f"| NVFP4 ({args.mode}), Triton's own launch path | {plain:,.0f} tok/s | {plain / bf16:.2f} |"
+        )
+    if args.cprofile:
+        lines += ["", host_profile(model, args.batch, args.seq)]
     if args.compare_sync:
         from triage.kernels.nvfp4 import gemm as gemm_mod
 

@@ -37,6 +37,8 @@ def compile_sass(fn, signature: dict, constexprs: dict, *, num_warps: int = 4, n
         raise RuntimeError("unset TRITON_INTERPRET before importing triton to compile SASS")
     import triton
     import triton.backends.nvidia as nv
+
+    fn = fn.fn if type(fn).__name__ == "FastLaunch" else fn  # triage.kernels._launch wrapper
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 

@@ -84,7 +84,7 @@ def quant(name, BR=8, NB=16, nw=4, **kw):
     if c["PAIRS"]:
         sig.update(x_ptr="*i32", data_ptr="*i32", exp_ptr="*i32")
     div = tuple(k for k in SIG if SIG[k].startswith("*")) + ("N", "K", "KP", "rows_per_outer")
-    s = compile_sass(q._quantize_kernel, signature=sig, constexprs=c, num_warps=nw, divisible=div)
+    s = compile_sass(q._quantize_kernel.fn, signature=sig, constexprs=c, num_warps=nw, divisible=div)
     report(name, s, BR * NB * 16, nw * 32)
     if os.environ.get("DUMP"):
         dump(name.replace(" ", "_"), s)
@@ -113,7 +113,7 @@ def amax(name, BLOCK=4096, nw=8):
         BLOCK="constexpr",
     )
     s = compile_sass(
-        q._amax_flat_kernel,
+        q._amax_flat_kernel.fn,
         signature=sig,
         constexprs=dict(PROPAGATE_NAN=False, ROUND=1, BLOCK=BLOCK),
         num_warps=nw,

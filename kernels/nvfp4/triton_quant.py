@@ -28,6 +28,7 @@ import os
 
 import torch
 
+from .._launch import fast_launch
 from .format import BLOCK
 from .recipe import QuantRecipe
 from .reference import outer_scale_from_recipe
@@ -270,6 +271,7 @@ if HAVE_TRITON:
         nan = b > 0x7F800000
         return tl.where(nan, 0, b), nan
 
+    @fast_launch
     @triton.jit
     def _amax_flat_kernel(
         x_ptr, amax_ptr, n_per_group, CHUNK,
@@ -293,6 +295,7 @@ if HAVE_TRITON:
         if PROPAGATE_NAN:
             tl.atomic_max(amax_ptr + 2 * g + 1, tl.max(has_nan, axis=0))
 
+    @fast_launch
     @triton.jit
     def _amax_tiled_kernel(
         x_ptr, amax_ptr, rows_per_group, K, KP,
@@ -496,6 +499,7 @@ if HAVE_TRITON:
             tl.store(exp_ptr + off, _expanded_pairs(qa0, qb0, sval, EXPANDED), mask=m3)
             tl.store(exp_ptr + off + 4, _expanded_pairs(qa1, qb1, sval, EXPANDED), mask=m3)
 
+    @fast_launch
     @triton.jit(do_not_specialize=["key", "enc_arg", "dec_arg", "amax_arg"])
     def _quantize_kernel(
         x_ptr, data_ptr, scale_ptr, exp_ptr, enc_ptr, dec_ptr, amax_ptr, group_amax_ptr,
@@ -630,6 +634,7 @@ if HAVE_TRITON:
                     mask=bmask[:, :, None],
                 )
 
+    @fast_launch
     @triton.jit
     def _dequantize_kernel(
         data_ptr, scale_ptr, gs_ptr, out_ptr, R, K, KP, rows_per_outer,
@@ -665,6 +670,7 @@ if HAVE_TRITON:
         cols = cb[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
         tl.store(out_ptr + grow[:, None, None] * K + cols, y, mask=rmask[:, None, None] & (cols < K))
 
+    @fast_launch
     @triton.jit
     def _expand_kernel(
         data_ptr, scale_ptr, out_ptr, R, KP, stride_dr, stride_sr,

@@ -1,0 +1,106 @@
+"""A lean host path for launching ``@triton.jit`` kernels.
+
+Triton's ``kernel[grid](*args)`` costs tens of µs of host time per call for a kernel with ~30 arguments
+(binding and specializing every argument, a string cache key, option and knob lookups, the global-value
+check, launch metadata). A small model's learner step issues ~10 Triton launches per layer and is host-bound
+(docs/benchmarks.md), so that time is the step time. :func:`fast_launch` wraps a kernel so that
+
+    kernel[grid](*args, **kwargs)
+
+still reads the same, but after the first call for a given specialization it runs the compiled kernel
+directly: Triton's own binder (its C++ ``specialize_impl``: alignment, divisibility by 16, value 1, int32
+vs int64, dtypes and constexpr values — exactly the properties its cache keys on) builds the key, and
+the compiled kernel's launcher is called with the bound arguments. A key not seen before goes through
+``kernel[grid]`` (which compiles and returns the kernel). Correctness therefore rests on Triton's own
+specialization; what is skipped is bookkeeping that does not change the launched kernel.
+
+Falls back to the plain launch under the interpreter, when a Triton launch hook is installed (profilers such
+as proton), for callable grids, when ``TRIAGE_FAST_LAUNCH=0``, and for good if the installed Triton's
+internals differ from what this module expects (checked on first use).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+try:
+    import triton
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover
+    HAVE_TRITON = False
+
+#: Global switch (read at import): ``TRIAGE_FAST_LAUNCH=0`` restores Triton's own launch path everywhere.
+ENABLED = os.environ.get("TRIAGE_FAST_LAUNCH", "1") != "0"
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _hooks_active() -> bool:
+    """A launch hook is installed (Triton ≥ 3.5 keeps an always-present ``HookChain``; older ones None)."""
+    runtime = triton.knobs.runtime
+    return any(
+        hook is not None and bool(getattr(hook, "calls", True))
+        for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook)
+    )
+
+
+class FastLaunch:
+    """``fn[grid](...)`` with a cached compiled-kernel fast path (module doc). ``fn`` stays reachable as
+    ``.fn`` (for ``warmup``, introspection and tests)."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        self.compiled: dict = {}
+        self.fast = ENABLED and HAVE_TRITON and not _interpreting() and hasattr(fn, "device_caches")
+        self.hits = 0
+
+    def __getitem__(self, grid):
+        if not self.fast or callable(grid):
+            return self.fn[grid]
+        return functools.partial(self._launch, grid)
+
+    def _binder(self, device):
+        binder = self.fn.device_caches[device][-1]  # Triton 3.3–3.6: (..., backend, binder)
+        if not callable(binder):
+            raise TypeError("unexpected Triton device cache layout")
+        return binder
+
+    def _launch(self, grid, *args, **kwargs):
+        from triton.runtime import driver
+
+        try:
+            if _hooks_active():
+                return self.fn[grid](*args, **kwargs)
+            device = driver.active.get_current_device()
+            params, specialization, options = self._binder(device)(*args, **kwargs)
+            key = (device, tuple(specialization), tuple(options.items()))
+            kernel = self.compiled.get(key)
+        except Exception:  # a Triton whose internals differ: use its own path from now on
+            self.fast = False
+            return self.fn[grid](*args, **kwargs)
+        if kernel is None:
+            kernel = self.fn[grid](*args, **kwargs)  # compiles (or finds) and launches
+            if hasattr(kernel, "result"):
+                kernel = kernel.result()
+            if getattr(kernel, "packed_metadata", None) is None:  # pragma: no cover - other Triton layouts
+                self.fast = False
+                return kernel
+            self.compiled[key] = kernel
+            return kernel
+        n = len(grid)
+        stream = driver.active.get_current_stream(device)
+        kernel.run(
+            grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, kernel.function,
+            kernel.packed_metadata, None, None, None, *params.values(),
+        )  # fmt: skip
+        self.hits += 1
+        return kernel
+
+
+def fast_launch(fn):
+    """Decorator (outside ``@triton.jit``): launch through :class:`FastLaunch`."""
+    return FastLaunch(fn)

@@ -1,0 +1,114 @@
+"""FastLaunch's caching logic, on a stand-in for a compiled Triton kernel (the GPU path is checked bit for
+bit against Triton's own launch by experiments/bench/launch_overhead.py)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from triage.kernels import _launch  # noqa: E402
+
+
+class _Compiled:
+    packed_metadata = ("meta",)
+    function = "fn-handle"
+
+    def __init__(self) -> None:
+        self.runs = []
+
+    def run(self, *args):
+        self.runs.append(args)
+
+
+class _FakeJIT:
+    """Mimics JITFunction: ``device_caches[device][-1]`` is the binder; ``fn[grid](...)`` compiles+launches."""
+
+    def __init__(self) -> None:
+        self.slow_calls = 0
+        self.kernels = {}
+        self.device_caches = {0: ({}, {}, "target", "backend", self._binder)}
+
+    @staticmethod
+    def _binder(x, n, BLOCK=64, **options):
+        spec = [("*fp32", "D"), ("i32", "D" if n % 16 == 0 else None), ("constexpr", BLOCK)]
+        return {"x": x, "n": n, "BLOCK": BLOCK}, spec, options
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.slow_calls += 1
+            _, spec, options = self._binder(*args, **kwargs)
+            key = (tuple(spec), tuple(options.items()))
+            return self.kernels.setdefault(key, _Compiled())
+
+        return launch
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    driver = types.SimpleNamespace(
+        active=types.SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda d: 1234)
+    )
+    monkeypatch.setattr("triton.runtime.driver", driver, raising=False)
+    hooks = types.SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None)
+    monkeypatch.setattr(triton, "knobs", types.SimpleNamespace(runtime=hooks), raising=False)
+    return hooks
+
+
+def _launcher():
+    launcher = _launch.FastLaunch(_FakeJIT())
+    launcher.fast = True  # what a GPU without the interpreter gets
+    return launcher
+
+
+def test_second_call_with_same_specialization_runs_the_cached_kernel(fake_gpu):
+    launcher = _launcher()
+    first = launcher[(3,)]("x0", 32, BLOCK=64)
+    assert launcher.fn.slow_calls == 1 and launcher.hits == 0
+    again = launcher[(5, 2)]("x1", 48, BLOCK=64)  # same specialization: n % 16 == 0
+    assert again is first and launcher.fn.slow_calls == 1 and launcher.hits == 1
+    grid_x, grid_y, grid_z, stream, function, meta, _, enter, exit_, *args = first.runs[-1]
+    assert (grid_x, grid_y, grid_z, stream, function) == (5, 2, 1, 1234, "fn-handle")
+    assert enter is None and exit_ is None
+    assert args == ["x1", 48, 64]  # every bound parameter, constexprs included, in signature order
+
+
+def test_a_new_specialization_or_option_compiles_through_triton(fake_gpu):
+    launcher = _launcher()
+    launcher[(1,)]("x", 32)
+    launcher[(1,)]("x", 33)  # not divisible by 16: another kernel
+    launcher[(1,)]("x", 32, num_warps=8)  # another option: another kernel
+    launcher[(1,)]("x", 32, BLOCK=128)  # another constexpr
+    assert launcher.fn.slow_calls == 4 and launcher.hits == 0
+    launcher[(1,)]("x", 17)
+    assert launcher.fn.slow_calls == 4 and launcher.hits == 1
+
+
+def test_installed_launch_hooks_use_tritons_path(fake_gpu):
+    launcher = _launcher()
+    launcher[(1,)]("x", 32)
+    fake_gpu.launch_enter_hook = types.SimpleNamespace(calls=[print])  # a HookChain with a hook
+    launcher[(1,)]("x", 32)
+    assert launcher.fn.slow_calls == 2 and launcher.hits == 0
+    fake_gpu.launch_enter_hook = types.SimpleNamespace(calls=[])  # an empty HookChain: fast again
+    launcher[(1,)]("x", 32)
+    assert launcher.hits == 1
+
+
+def test_unexpected_triton_internals_fall_back_for_good(fake_gpu):
+    launcher = _launcher()
+    launcher.fn.device_caches = {0: ("not", "a", "binder")}
+    launcher[(1,)]("x", 32)
+    assert launcher.fast is False and launcher.fn.slow_calls == 1
+    launcher[(1,)]("x", 32)
+    assert launcher.fn.slow_calls == 2
+
+
+def test_interpreter_and_callable_grids_use_tritons_path(fake_gpu):
+    launcher = _launch.FastLaunch(_FakeJIT())
+    assert launcher.fast is (_launch.ENABLED and not _launch._interpreting())
+    launcher.fast = True
+    launcher[lambda meta: (1,)]("x", 32)
+    assert launcher.fn.slow_calls == 1 and launcher.hits == 0
