@@ -23,16 +23,16 @@ _ensure_triage()
 import torch  # noqa: E402
 
 
-def build(layers: int):
+def build(layers: int, hidden: int = 1024, intermediate: int = 3072, heads: int = 16):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
     cfg = Qwen3Config(
         vocab_size=151936,
-        hidden_size=1024,
-        intermediate_size=3072,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
         num_hidden_layers=layers,
-        num_attention_heads=16,
+        num_attention_heads=heads,
         num_key_value_heads=8,
         head_dim=128,
         tie_word_embeddings=True,
@@ -93,6 +93,11 @@ def main() -> None:
 
     p = argparse.ArgumentParser()
     p.add_argument("--layers", type=int, default=28)
+    p.add_argument(
+        "--hidden", type=int, default=1024, help="4096 with --intermediate 12288 --heads 32: Qwen3-8B"
+    )
+    p.add_argument("--intermediate", type=int, default=3072)
+    p.add_argument("--heads", type=int, default=16)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--steps", type=int, default=10)
@@ -115,8 +120,11 @@ def main() -> None:
     )
     args = p.parse_args()
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
-    lines = [f"# learner step, Qwen3 arch {args.layers} layers h1024 i3072, {args.batch}×{args.seq} tokens"]
-    model = build(args.layers)
+    lines = [
+        f"# learner step, Qwen3 arch {args.layers} layers h{args.hidden} i{args.intermediate}, "
+        f"{args.batch}×{args.seq} tokens"
+    ]
+    model = build(args.layers, args.hidden, args.intermediate, args.heads)
     n = sum(p.numel() for p in model.parameters())
     lines.append(f"params: {n / 1e9:.2f}B")
     bf16 = tokens_per_s(model, args.batch, args.seq, args.steps)

@@ -201,12 +201,14 @@ def bench(quick: bool, ab: bool = False, sweep: bool = False) -> dict:
     add("expand -> bf16 (reads codes+scales, writes bf16)", lambda: expand(t), out_bytes)
     add("dequantize -> bf16", lambda: dequantize(t, torch.bfloat16, backend="triton"), out_bytes)
     if sweep:  # tile sweep for the two main cases (bf16 fast path)
-        for kw in ({"scale_source": "static", "static_amax": 20.0}, {"scale": "row"}):
+        for kw in ({"scale_source": "static", "static_amax": 20.0}, {"scale": "row"}, {}, {"block": "16x16"}):
             r = QuantRecipe(**kw)
             for br, bk, nw in ((8, 256, 4), (16, 256, 4), (16, 256, 8), (32, 256, 8), (8, 512, 4), (16, 512, 8),
-                               (32, 128, 4), (8, 128, 2), (16, 128, 4)):  # fmt: skip
+                               (16, 512, 4), (8, 1024, 4), (8, 1024, 8), (32, 128, 4), (8, 128, 2), (16, 128, 4)):  # fmt: skip
+                if r.block == "16x16" and br % 16:
+                    continue
                 add(
-                    f"sweep {kw.get('scale_source', kw.get('scale'))} BR={br} BK={bk} w{nw}",
+                    f"sweep {kw.get('scale_source', kw.get('scale', kw.get('block', 'tensor')))} BR={br} BK={bk} w{nw}",
                     lambda r=r, br=br, bk=bk, nw=nw: quantize_triton(
                         x, r, block_rows=br, block_k=bk, num_warps=nw
                     ),
