@@ -21,6 +21,7 @@ Timings are ``triton.testing.do_bench`` medians (ms) on random (never zero) data
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import sys
@@ -224,15 +225,60 @@ def w4a4_forward(quick: bool, sweep: bool) -> None:
 
 DECODE_CONFIGS = [
     dict(BN=bn, NB=nb, num_warps=w, num_stages=st, XMODE=2, PREFETCH=False)
-    for (bn, nb, w) in [(64, 16, 2), (64, 32, 2), (32, 32, 2), (128, 16, 4)]
+    for (bn, nb, w) in [(64, 16, 2), (64, 16, 4), (64, 32, 2), (32, 32, 2), (128, 16, 4)]
     for st in (2, 3, 4)
 ] + [dict(BN=64, NB=8, num_warps=2, num_stages=1, XMODE=2, PREFETCH=False)]  # fmt: skip
+DECODE_SPLITS = (4, 8, 16, 32)
 # (session 2's sweep: 2-warp mma.sync tiles with a 3-stage cp.async pipeline won; the loads-only probe says
-# the kernel needs more bytes in flight, hence the deeper / wider K steps here)
+# the kernel needs more bytes in flight, hence the deeper / wider K steps here. With the split-K reduction
+# folded into the kernel a higher split costs no second launch, hence splits 4..32 and 4 warps at 64x256.)
+
+
+@contextlib.contextmanager
+def two_kernel_splitk():
+    """Decode launches inside take the two-kernel split-K path (the baseline of the fused reduction)."""
+    old = gt.DECODE_FUSED_REDUCE
+    gt.DECODE_FUSED_REDUCE = False
+    try:
+        yield
+    finally:
+        gt.DECODE_FUSED_REDUCE = old
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    it = {2: torch.int16, 4: torch.int32}[a.element_size()]
+    return a.dtype == b.dtype and torch.equal(a.view(it), b.view(it))
+
+
+def decode_graph_replays(x, b, K, gw, replays: int = 50) -> str:
+    """The fused split-K decode captured in a CUDA graph and replayed: every replay rewrites the (poisoned)
+    output with the two-kernel path's bits, and the ticket counters are back at zero afterwards."""
+    M, N = x.shape[0], b.data.shape[0]
+    ref = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+    with two_kernel_splitk():
+        gt.launch_decode(x, b.data, b.scale, K, ref, None, gw, None)
+    out = torch.empty_like(ref)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture (compiles; allocates the counters)
+        gt.launch_decode(x, b.data, b.scale, K, out, None, gw, None)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        gt.launch_decode(x, b.data, b.scale, K, out, None, gw, None)
+    same = True
+    for _ in range(replays):
+        out.fill_(float("nan"))
+        g.replay()
+        same &= same_bits(out, ref)
+    zero = not bool(gt.splitk_counters(out.device, 1).any())
+    return f"{replays} graph replays == two-kernel bits: {same}, counters zero: {zero} -> {'ok' if same and zero else 'FAIL'}"
 
 
 def decode(quick: bool, sweep: bool) -> None:
     emit("## Decode kernel, adversarial weights (every code, e4m3 scales from subnormal to 448, NaN scale)")
+    emit("(default path = fused split-K reduction; forced splits 3 and 8 also compared bit for bit with the "
+         "two-kernel path)")  # fmt: skip
     for xdtype in (torch.bfloat16, torch.float16):
         for M, N, K in ((1, 256, 4096), (16, 192, 1024), (7, 200, 1040), (16, 100, 4112), (64, 200, 1040)):
             w = quantize(torch.randn(N, K, device="cuda"), QuantRecipe())
@@ -242,16 +288,33 @@ def decode(quick: bool, sweep: bool) -> None:
             w.scale = sc.view(torch.float8_e4m3fn)
             x = torch.randn(M, K, device="cuda").to(xdtype)
             ref = gemm_w4a16_reference(x, w, out_dtype=torch.float64)
-            y = gemm_w4a16(x, w, out_dtype=torch.float32, backend="triton")
             fin = torch.ones(N, dtype=torch.bool, device="cuda")
             fin[7] = False
-            good = bool(torch.isnan(y[:, 7]).all()) and not bool(torch.isnan(y[:, fin]).any())
-            e = rel(y[:, fin], ref[:, fin])
-            emit(f"decode {xdtype} M={M} N={N} K={K}: rel err {e:.2e}, NaN row only: {good} -> "
-                 f"{'ok' if good and e < 1e-5 else 'FAIL'}")  # fmt: skip
+            ys = [gemm_w4a16(x, w, out_dtype=torch.float32, backend="triton")]
+            with two_kernel_splitk():
+                same = same_bits(ys[0], gemm_w4a16(x, w, out_dtype=torch.float32, backend="triton"))
+            gw = w.global_scale.reshape(-1)
+            for split in (3, 8):
+                y_f, y_2 = (torch.full((M, N), float("nan"), device="cuda") for _ in range(2))
+                gt.launch_decode(x, w.data, w.scale, K, y_f, None, gw, None, split_k=split)
+                gt.launch_decode(
+                    x, w.data, w.scale, K, y_2, None, gw, None, split_k=split, fused_reduce=False
+                )
+                same &= same_bits(y_f, y_2)
+                ys.append(y_f)
+            good = all(
+                bool(torch.isnan(y[:, 7]).all()) and not bool(torch.isnan(y[:, fin]).any()) for y in ys
+            )
+            e = max(rel(y[:, fin], ref[:, fin]) for y in ys)
+            emit(f"decode {xdtype} M={M} N={N} K={K}: rel err {e:.2e}, NaN row only: {good}, fused == two-kernel "
+                 f"bits: {same} -> {'ok' if good and same and e < 1e-5 else 'FAIL'}")  # fmt: skip
     emit("## Decode (CUDA-graph timings): packed FP4 weights (decode kernel) vs bf16")
-    emit("| M | N×K | bf16 µs | W4A16 µs | W4A4 µs | bf16/W4A16 | bf16/W4A4 |")
-    emit("|---|---|---|---|---|---|---|")
+    emit("(W4A16 / W4A4: split-K reduction fused into the kernel, the default; '2-kernel': partials summed by a "
+         "second launch)")  # fmt: skip
+    emit(
+        "| M | N×K | bf16 µs | W4A16 µs | W4A16 2-kernel µs | W4A4 µs | W4A4 2-kernel µs | bf16/W4A16 | bf16/W4A4 |"
+    )
+    emit("|---|---|---|---|---|---|---|---|---|")
     for N, K in [(4096, 12288), (12288, 4096), (4096, 4096)][: 1 if quick else None]:
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
         b = quantize(w, QuantRecipe())
@@ -266,13 +329,17 @@ def decode(quick: bool, sweep: bool) -> None:
             t_bf16 = do_bench_cudagraph(lambda: torch.mm(x, w.T))
             t_w4a16 = do_bench_cudagraph(lambda: gemm_w4a16(x, b, backend="triton"))
             t_w4a4 = do_bench_cudagraph(lambda: gemm(a, b, backend="triton"))
+            with two_kernel_splitk():
+                t_w4a16_2k = do_bench_cudagraph(lambda: gemm_w4a16(x, b, backend="triton"))
+                t_w4a4_2k = do_bench_cudagraph(lambda: gemm(a, b, backend="triton"))
             emit(
-                f"| {M} | {N}×{K} | {t_bf16 * 1e3:.1f} | {t_w4a16 * 1e3:.1f} | {t_w4a4 * 1e3:.1f} | "
-                f"{t_bf16 / t_w4a16:.2f} | {t_bf16 / t_w4a4:.2f} |"
+                f"| {M} | {N}×{K} | {t_bf16 * 1e3:.1f} | {t_w4a16 * 1e3:.1f} | {t_w4a16_2k * 1e3:.1f} | "
+                f"{t_w4a4 * 1e3:.1f} | {t_w4a4_2k * 1e3:.1f} | {t_bf16 / t_w4a16:.2f} | {t_bf16 / t_w4a4:.2f} |"
             )
+            gw = b.global_scale.reshape(1)
             if M in (1, 16) and (N, K) == (4096, 12288):  # where the decode time goes (probe kernels)
+                emit(f"|   M={M}: {decode_graph_replays(x, b, K, gw)} | | | | | | | |")
                 out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
-                gw = b.global_scale.reshape(1)
                 c0 = gt.decode_config(M, N, K)
                 probes = {}
                 for probe in (1, 2):
@@ -285,18 +352,16 @@ def decode(quick: bool, sweep: bool) -> None:
                     lambda c=c: gt.launch_decode(x, b.data, b.scale, K, out, None, gw, None, config=c)
                 )
                 emit(
-                    f"|   probes M={M} {c0}: loads only {probes[1] * 1e3:.1f} µs, loads+unpack (no MMA) "
-                    f"{probes[2] * 1e3:.1f} µs, full kernel without split-K {t_nosplit * 1e3:.1f} µs | | | | | | |"
+                    f"|   probes M={M} {c0} (fused reduction): loads only {probes[1] * 1e3:.1f} µs, loads+unpack "
+                    f"(no MMA) {probes[2] * 1e3:.1f} µs, full kernel without split-K {t_nosplit * 1e3:.1f} µs "
+                    "| | | | | | | |"
                 )
             if sweep and M in (1, 16) and (N, K) == (4096, 12288):
                 out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
-                gw = b.global_scale.reshape(1)
+                best = None
                 for cfg in DECODE_CONFIGS:
-                    for split in (8, 16, 32):
-                        c = gt.decode_config(M, N, K, split)
-                        c.update(cfg)
-                        if split is not None:
-                            c["SPLIT_K"] = split
+                    for split in DECODE_SPLITS:
+                        c = dict(gt.decode_config(M, N, K, split), **cfg, SPLIT_K=split)
                         try:
                             out32 = torch.full((M, N), float("nan"), device="cuda")
                             gt.launch_decode(x, b.data, b.scale, K, out32, None, gw, None, config=dict(c))
@@ -306,12 +371,32 @@ def decode(quick: bool, sweep: bool) -> None:
                                     x, b.data, b.scale, K, out, None, gw, None, config=c
                                 )
                             )
+                            t2 = ""
+                            if (
+                                cfg == gt.DECODE_CONFIG_M16
+                            ):  # the default tile: the two-kernel path next to it
+                                c2 = dict(c, FUSED_REDUCE=False)
+                                t2 = do_bench_cudagraph(
+                                    lambda c2=c2: gt.launch_decode(
+                                        x, b.data, b.scale, K, out, None, gw, None, config=c2
+                                    )
+                                )
+                                t2 = f"{t2 * 1e3:.1f}"
                             emit(
-                                f"|   sweep M={M} {cfg} split={c['SPLIT_K']} | err {e:.1e} {'ok' if e < 1e-5 else 'FAIL'}"
-                                f" | | {t * 1e3:.1f} | | | |"
+                                f"|   sweep M={M} {cfg} split={split} | err {e:.1e} {'ok' if e < 1e-5 else 'FAIL'}"
+                                f" | | {t * 1e3:.1f} | {t2} | | | | |"
                             )
-                        except Exception as e:  # noqa: BLE001
-                            emit(f"|   sweep {cfg} split={split} failed: {type(e).__name__} {str(e)[:60]} |")
+                            if e < 1e-5 and (best is None or t < best[0]):
+                                best = (t, cfg, split)
+                        except Exception as ex:  # noqa: BLE001
+                            emit(
+                                f"|   sweep {cfg} split={split} failed: {type(ex).__name__} {str(ex)[:60]} |"
+                            )
+                if best is not None:
+                    emit(
+                        f"|   **best M={M}** (fused): {best[1]} split={best[2]}: {best[0] * 1e3:.1f} µs, "
+                        f"bf16/W4A16 {t_bf16 / best[0]:.2f} | | | | | | | |"
+                    )
     emit()
 
 

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from triage.kernels._launch import fast_launch
+
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
 
 # 2**14 undoes the fp16 bit trick of one packed operand (see the module docstring).
@@ -125,6 +127,7 @@ def _epilogue(
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _gemm_kernel(
     a_ptr,
@@ -243,6 +246,7 @@ def _gemm_kernel(
         tl.store(ws, acc, mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _splitk_reduce_kernel(
     ws_ptr,
@@ -290,6 +294,7 @@ def _splitk_reduce_kernel(
     )
 
 
+@fast_launch
 @triton.jit
 def _dot_scaled_kernel(
     a_ptr,
@@ -511,12 +516,46 @@ def _decode_loads(
 
 
 @triton.jit
+def _splitk_last_reduces(
+    part_ptr, cnt_ptr, tile, mask, offs_m, offs_n, M, N, c_ptr, stride_cm, stride_cn, ga_ptr, gb_ptr, bias_ptr,
+    out_mult, GA_MODE: tl.constexpr, GB_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, BF16_BY_HAND: tl.constexpr,
+    SPLIT_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+):  # fmt: skip
+    """Split-K reduction folded into the kernel ("last program reduces"), called right after this program
+    stored its partial ``part[pid_k]`` of the tile: take a ticket from the tile's counter ``cnt_ptr``; the
+    program that draws ticket SPLIT_K - 1 (every other partial of the tile is stored by then) sums
+    ``part[0..SPLIT_K-1]`` in slice order (the same fp32 additions as :func:`_splitk_reduce_kernel`, so the
+    same bits), runs the epilogue and puts the counter back to 0 for the next launch (CUDA-graph replays
+    included: no host-side zeroing).
+
+    Memory ordering: (1) ``debug_barrier`` (bar.sync) orders every thread's partial stores before the
+    ticket, which one thread takes with an acq_rel gpu-scope atomic (release is cumulative: it publishes
+    what the barrier made it observe); (2) the counter's RMWs form one release sequence, so the last ticket's
+    acquire sees every partial; Triton broadcasts the ticket through shared memory behind a barrier, which
+    orders that acquire before the other threads' loads; (3) the loads are ``.cg`` (L2, never a stale L1).
+    """
+    tl.debug_barrier()
+    ticket = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+    if ticket == SPLIT_K - 1:
+        total = tl.zeros((BM, BN), dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):  # unrolled: the SPLIT_K independent loads issue together
+            total += tl.load(part_ptr + s * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
+        _epilogue(
+            total, offs_m, offs_n, M, N, c_ptr, stride_cm, stride_cn, ga_ptr, gb_ptr, bias_ptr, out_mult,
+            GA_MODE, GB_MODE, HAS_BIAS, BF16_BY_HAND,
+        )  # fmt: skip
+        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")  # every ticket of this launch is drawn
+
+
+@fast_launch
+@triton.jit
 def _decode_kernel(
     x_ptr,
     w_ptr,
     ws_ptr,
     c_ptr,
     part_ptr,
+    cnt_ptr,
     ga_ptr,
     gb_ptr,
     bias_ptr,
@@ -546,6 +585,7 @@ def _decode_kernel(
     XMODE: tl.constexpr = 0,
     PREFETCH: tl.constexpr = True,
     PROBE: tl.constexpr = 0,
+    FUSED_REDUCE: tl.constexpr = False,
 ):
     """Small-M (decode) ``C[M, N] = x[M, K]·Wᵀ`` streaming the packed weight once.
 
@@ -556,8 +596,10 @@ def _decode_kernel(
     ``e2m1·2⁻¹⁴`` with ~2 integer ops per element, then one fp16 multiply by the block's e4m3 scale (exact,
     module docstring); the epilogue multiplies by 2¹⁴. ``x`` is dense (bf16/fp16 activations, or the exact
     fp16 expansion of an NVFP4 activation). Program axis 1 splits K (in whole 16-blocks); with
-    ``SPLIT_K > 1`` the fp32 partials go to ``part[pid_k, M, N]`` and :func:`_splitk_reduce_kernel` sums them
-    in a fixed order. ``EVEN_N`` / ``EVEN_K``: no row / K-tail masks in the loop (N % BN == 0, KB % NB == 0).
+    ``SPLIT_K > 1`` the fp32 partials go to ``part[pid_k, M, N]`` and are summed in slice order 0..SPLIT_K-1
+    (deterministic): by :func:`_splitk_reduce_kernel` (a second launch), or with ``FUSED_REDUCE`` here, by
+    the program of the N tile that draws the last ticket of ``cnt[pid_n]`` (:func:`_splitk_last_reduces`).
+    ``EVEN_N`` / ``EVEN_K``: no row / K-tail masks in the loop (N % BN == 0, KB % NB == 0).
     """
     BK: tl.constexpr = 16 * NB
     BW: tl.constexpr = 2 * NB
@@ -620,7 +662,13 @@ def _decode_kernel(
         )  # fmt: skip
     else:
         mask = m_ok[:, None] & n_ok[None, :]
-        tl.store(part_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :], acc, mask=mask)
+        tile = offs_m[:, None] * N + offs_n[None, :]
+        tl.store(part_ptr + pid_k * M * N + tile, acc, mask=mask)
+        if FUSED_REDUCE:
+            _splitk_last_reduces(
+                part_ptr, cnt_ptr + pid_n, tile, mask, offs_m, offs_n, M, N, c_ptr, stride_cm, stride_cn, ga_ptr,
+                gb_ptr, bias_ptr, out_mult, GA_MODE, GB_MODE, HAS_BIAS, BF16_BY_HAND, SPLIT_K, BM, BN,
+            )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -769,6 +817,32 @@ def decode_config(M: int, N: int, K: int, split_k: int | None = None) -> dict:
     return cfg
 
 
+#: Fold the decode kernel's split-K reduction into the kernel (one launch; see :func:`_splitk_last_reduces`)
+#: by default; ``launch_decode(fused_reduce=False)`` or ``config["FUSED_REDUCE"] = False`` takes the
+#: two-kernel path (same bits).
+DECODE_FUSED_REDUCE = True
+#: Ticket counters (int32, one per N tile) of the fused split-K reduction: one zeroed buffer per device,
+#: allocated on first use and never freed (CUDA graphs keep its address); every launch leaves it at zero.
+#: Grown (a new buffer, the old one kept alive) outside graph capture; a capture that needs more tiles than
+#: the buffer has takes the two-kernel path. Launches that can run concurrently (different streams, or
+#: parallel branches of one graph) must not share counters: pass ``counters=`` to :func:`launch_decode`.
+_SPLITK_COUNTERS: dict[tuple[str, int | None], list[torch.Tensor]] = {}
+_SPLITK_COUNTERS_MIN = 4096
+
+
+def splitk_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """The device's cached zeroed ticket counters (≥ ``tiles``), or None while capturing a CUDA graph if the
+    buffer would have to be allocated or grown (a captured zero-fill would not run before replay)."""
+    bufs = _SPLITK_COUNTERS.setdefault((device.type, device.index), [])
+    if bufs and bufs[-1].numel() >= tiles:
+        return bufs[-1]
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    size = max(_SPLITK_COUNTERS_MIN, triton.next_power_of_2(tiles))
+    bufs.append(torch.zeros(size, dtype=torch.int32, device=device))
+    return bufs[-1]
+
+
 def launch_decode(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -781,9 +855,17 @@ def launch_decode(
     *,
     split_k: int | None = None,
     config: dict | None = None,
+    fused_reduce: bool | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out[M,N] = ((x·Wᵀ)·g_a)·g_b + bias`` for small M: x dense bf16/fp16 [M, K] (row stride any, unit
-    column stride), W packed uint8 [N, Kp/2] + e4m3 scales [N, Kp/16] (row-major rows)."""
+    column stride), W packed uint8 [N, Kp/2] + e4m3 scales [N, Kp/16] (row-major rows).
+
+    Split-K (``SPLIT_K > 1``): ``fused_reduce`` (default ``config["FUSED_REDUCE"]``, else
+    :data:`DECODE_FUSED_REDUCE`) sums the partials inside the kernel (one launch) instead of a second
+    kernel; both give the same bits. ``counters``: zeroed int32 [≥ N tiles] ticket counters for the fused
+    path (left zeroed after every launch); default the device's cached buffer (:func:`splitk_counters`).
+    """
     M, N = out.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -802,9 +884,20 @@ def launch_decode(
         precision = "ieee"
     cfg = dict(config) if config else decode_config(M, N, K, split_k)
     num_warps, num_stages = cfg.pop("num_warps"), cfg.pop("num_stages")
+    fused = cfg.pop("FUSED_REDUCE", DECODE_FUSED_REDUCE)
+    fused = fused if fused_reduce is None else fused_reduce
     split = cfg["SPLIT_K"]
     dummy = out
     part = torch.empty((split, M, N), device=out.device, dtype=torch.float32) if split > 1 else dummy
+    tiles = triton.cdiv(N, cfg["BN"])
+    cnt = None
+    if split > 1 and fused:
+        if counters is not None:
+            if counters.dtype != torch.int32 or counters.numel() < tiles or counters.device != out.device:
+                raise ValueError(f"counters must be int32 with >= {tiles} elements on {out.device}")
+            cnt = counters
+        else:
+            cnt = splitk_counters(out.device, tiles)  # None: capturing and too small -> two kernels
     by_hand = interpreting() and out.dtype == torch.bfloat16
     kb = w_scale.shape[-1]
     # bf16 bit trick on the GPU (its code-1 value is a bf16 subnormal, which the interpreter flushes): the
@@ -813,15 +906,15 @@ def launch_decode(
     out_mult = 2.0**7 if bf16 else UNPACK_FACTOR  # undoes the unpack bias (see _unpack_words)
     even_n = N % cfg["BN"] == 0
     even_k = kb % cfg["NB"] == 0 and K == 16 * kb
-    _decode_kernel[(triton.cdiv(N, cfg["BN"]), split)](
-        x, w32, w_scale.view(torch.float8_e4m3fn), out, part,
+    _decode_kernel[(tiles, split)](
+        x, w32, w_scale.view(torch.float8_e4m3fn), out, part, cnt if cnt is not None else dummy,
         g_a if g_a is not None else dummy, g_b if g_b is not None else dummy, bias if bias is not None else dummy,
         M, N, K, kb, x.stride(0), w32.stride(0), w_scale.stride(0), out.stride(0), out.stride(1), out_mult,
         GA_MODE=_scale_mode(g_a), GB_MODE=_scale_mode(g_b), HAS_BIAS=bias is not None, BF16_BY_HAND=by_hand,
         DOT_DTYPE=_TL_DTYPE[dot_dtype], INPUT_PRECISION=precision, EVEN_N=even_n, EVEN_K=even_k, BF16=bf16,
-        num_warps=num_warps, num_stages=num_stages, **cfg,
+        FUSED_REDUCE=cnt is not None, num_warps=num_warps, num_stages=num_stages, **cfg,
     )  # fmt: skip
-    if split > 1:
+    if split > 1 and cnt is None:
         _splitk_reduce(part, out, g_a, g_b, bias, out_mult, split)
     return out
 

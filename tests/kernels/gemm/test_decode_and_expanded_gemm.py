@@ -143,3 +143,69 @@ def test_decode_kernel_variants(xmode, prefetch, N, K):
     out = _poisoned(5, N)
     gt.launch_decode(x, w.data, w.scale, K, out, None, w.global_scale.reshape(-1), None, config=cfg)
     assert rel_err(out, gemm_w4a16_reference(x, w, out_dtype=torch.float64)) < FP32_TOL
+
+
+# (M, N, K, split_k, x dtype, out dtype, g_a per row?, w scale, bias?): ragged N (masked rows), ragged K-tail
+# (K % 16 != 0: padded weight, and KB % NB != 0), even tiles, empty trailing K slices (split 8 of 13 blocks)
+_FUSED_CASES = [
+    (37, 200, 3, torch.bfloat16, torch.bfloat16, True, "row", True),
+    (32, 256, 4, torch.float16, torch.float16, False, "tensor", True),
+    (48, 208, 8, torch.bfloat16, torch.float16, True, "tensor", False),
+]
+
+
+@pytest.mark.parametrize(
+    "M,case", [(1, 0), (1, 2), (7, 1), (7, 2), (16, 0), (16, 1), (33, 2), (33, 0), (64, 1), (64, 2)]
+)
+def test_decode_fused_splitk_reduce_bit_identical(M, case):
+    """The in-kernel ("last program reduces") split-K reduction gives the two-kernel path's bits, writes every
+    output, and leaves its ticket counters at zero (so back-to-back calls and graph replays work)."""
+    N, K, split, xdtype, odtype, ga_row, wscale, has_bias = _FUSED_CASES[case]
+    gen = torch.Generator().manual_seed(100 * M + case)
+    x = (torch.randn(M, K, generator=gen) * 0.5).to(xdtype).to(device())  # fp16 outputs stay finite
+    w = random_nvfp4((N, K), gen=gen, scale=wscale, scale_exp=(-9, 4), zero_block_frac=0.2, pad=K % 16 != 0)
+    g_a = (torch.rand(M if ga_row else 1, generator=gen) + 0.5).to(device())
+    g_b = w.global_scale.reshape(-1)
+    bias = torch.randn(N, generator=gen).to(odtype).to(device()) if has_bias else None
+    cnt = torch.zeros(8, dtype=torch.int32, device=device())
+    outs = []
+    # two-kernel on x, then fused twice in a row: on -x (its partials are what a reducer reading a slice too
+    # early would find in a reused workspace), then on x
+    for fused, xs in ((False, x), (True, -x), (True, x)):
+        out = _poisoned(M, N, odtype)
+        gt.launch_decode(xs, w.data, w.scale, K, out, g_a, g_b, bias, split_k=split, fused_reduce=fused,
+                         counters=cnt if fused else None)  # fmt: skip
+        assert not torch.isnan(out).any(), "unwritten output"
+        assert not cnt.any(), "ticket counters not reset"
+        outs.append(out)
+    assert torch.equal(outs[0].view(torch.int16), outs[2].view(torch.int16))
+    ref = gemm_w4a16_reference(x, w, out_dtype=torch.float64) * g_a.double().reshape(-1, 1)
+    ref = ref + (bias.double() if has_bias else 0.0)
+    assert rel_err(outs[2], ref) < 2 * torch.finfo(odtype).eps
+
+
+def test_decode_fused_splitk_default_counters_and_config_switch():
+    """Default path: the device's cached counters (zero after each call); ``config["FUSED_REDUCE"]`` and
+    ``fused_reduce`` pick the path; counters that are too small are refused."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(3, 96, generator=gen).to(torch.float16).to(device())
+    w = random_nvfp4((40, 96), gen=gen, scale="row")
+    g_b = w.global_scale.reshape(-1)
+    cfg = dict(BM=16, BN=16, NB=2, SPLIT_K=3, num_warps=4, num_stages=1, XMODE=2)
+    outs = []
+    for fused in (True, False, None):
+        out = _poisoned(3, 40)
+        c = dict(cfg) if fused is None else dict(cfg, FUSED_REDUCE=fused)
+        gt.launch_decode(x, w.data, w.scale, 96, out, None, g_b, None, config=c)
+        outs.append(out)
+    out = _poisoned(3, 40)  # the keyword wins over the config
+    gt.launch_decode(x, w.data, w.scale, 96, out, None, g_b, None, config=dict(cfg, FUSED_REDUCE=True),
+                     fused_reduce=False)  # fmt: skip
+    outs.append(out)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    cached = gt.splitk_counters(out.device, 3)
+    assert cached.numel() >= 3 and not cached.any()
+    assert gt.splitk_counters(out.device, cached.numel() + 1).numel() > cached.numel()  # grows
+    with pytest.raises(ValueError, match="counters"):
+        gt.launch_decode(x, w.data, w.scale, 96, out, None, g_b, None, config=cfg,
+                         counters=torch.zeros(2, dtype=torch.int32, device=device()))  # fmt: skip
