@@ -7,7 +7,10 @@ R = tokens x top_k rows routed by a random top-k (uneven counts). Compared side 
 matmuls, ``torch._grouped_mm`` (bf16), and the NVFP4 backends (activation quantization included, weights
 quantized once outside the timing as in training). "tokens+gather": the NVFP4 path as the MoE layer runs it —
 the T un-routed tokens quantized once (with ``emit_expanded``), the top-k gather done inside the GEMM.
-fwd+bwd: autograd of each path (NVFP4 = straight-through ``bf16-backward``, the default). Times:
+fwd+bwd: autograd of each path (NVFP4 = straight-through ``bf16-backward``, the default; the
+"nvfp4-backward" row quantizes dgrad and wgrad). "wgrad ..." rows: the nvfp4-backward weight gradient alone
+(padded token layout + 2 quantizations + 1 grouped ragged-K launch, and the grouped launch by itself on
+pre-quantized operands) next to the bf16 ``torch._grouped_mm`` wgrad of bf16-backward. Times:
 ``triton.testing.do_bench`` medians in ms. Writes ``$OUT/bench_grouped_gemm.txt`` when ``$OUT`` is set.
 """
 
@@ -17,18 +20,27 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import replace
 
 import torch
 import triton
 
 from triage.kernels.moe import grouped_gemm, grouped_gemm_reference, offsets_from_expert_ids
-from triage.kernels.moe.experts import MoEQuantConfig, _WeightCache, grouped_nvfp4_linear
-from triage.kernels.moe.grouped_gemm import expand_experts
-from triage.kernels.moe.grouped_triton import launch_grouped_gemm
+from triage.kernels.moe.experts import MoEQuantConfig, _WeightCache, grouped_nvfp4_linear, nvfp4_wgrad
+from triage.kernels.moe.grouped_gemm import (
+    expand_experts,
+    grouped_mm,
+    grouped_wgrad,
+    grouped_wgrad_reference,
+    pad_segments,
+    padded_segments,
+)
+from triage.kernels.moe.grouped_triton import launch_grouped_gemm, launch_grouped_wgrad
 from triage.kernels.nvfp4.api import quantize
 from triage.kernels.nvfp4.recipe import QuantRecipe
 
 W_RECIPE = QuantRecipe(scale="expert")
+W16_RECIPE = QuantRecipe(scale="expert", block="16x16")
 
 
 def routing(tokens, experts, top_k, device):
@@ -64,6 +76,19 @@ def check(log, experts, top_k, k, n):
         good = err < 1e-5
         ok &= good
         log(f"check  {b:<16s} a_rows gather: max|err|/max|ref| = {err:.2e}  {'ok' if good else 'FAIL'}")
+    # grouped wgrad (ragged K) on the padded token layout, experts 0..7 empty
+    dy = torch.randn(x.shape[0], n, device="cuda", dtype=torch.bfloat16)
+    padded, dest, length = padded_segments(offsets, x.shape[0])
+    recipe = QuantRecipe(hadamard=True, pad=True)
+    aq = quantize(pad_segments(dy, dest, length).t().contiguous(), recipe, emit_expanded=torch.bfloat16)
+    bq = quantize(pad_segments(x, dest, length).t().contiguous(), recipe, emit_expanded=torch.bfloat16)
+    ref = grouped_wgrad_reference(aq, bq, padded)
+    for b in ("triton", "triton_expanded", "grouped_mm"):
+        y = grouped_wgrad(aq, bq, padded, backend=b)
+        err = ((y - ref).abs().max() / ref.abs().max()).item()
+        good = err < (1e-2 if b == "grouped_mm" else 1e-5) and bool((y[:8] == 0).all())
+        ok &= good
+        log(f"check  {b:<16s} wgrad: max|err|/max|ref| = {err:.2e}  {'ok' if good else 'FAIL'}")
     return ok
 
 
@@ -174,6 +199,61 @@ def main():
                 log(f"  ({label} fwd+bwd failed: {type(exc).__name__}: {str(exc)[:100]})")
             x.grad = w.grad = None
             log(f"{name:<8s} {label:<26s} {t_f:8.3f} {t_fb} {flops / t_f / 1e9:12.1f}")
+        # the nvfp4-backward wgrad alone: whole (layout + 2 quantizations + 1 launch), then the launch alone
+        wcfg = MoEQuantConfig(backward="nvfp4-backward", weight=W16_RECIPE)
+        padded, dest, length = padded_segments(offsets, rows)
+        xd = x.detach()
+        for b in ("triton_expanded", "triton"):
+            bcfg = replace(wcfg, backend=b)
+            emit = torch.bfloat16 if b == "triton_expanded" else None
+            t_w = triton.testing.do_bench(
+                lambda: nvfp4_wgrad(dy, xd, offsets, bcfg, 1, out_dtype=torch.bfloat16), rep=100
+            )
+            dq = quantize(
+                pad_segments(dy, dest, length).t().contiguous(), wcfg.wgrad, seed=1, emit_expanded=emit
+            )
+            xq = quantize(
+                pad_segments(xd, dest, length).t().contiguous(),
+                replace(wcfg.wgrad, rounding="nearest"),
+                emit_expanded=emit,
+            )
+            t_l = triton.testing.do_bench(
+                lambda: grouped_wgrad(dq, xq, padded, out_dtype=torch.bfloat16, backend=b, validate=False),
+                rep=100,
+            )
+            log(f"{name:<8s} {'wgrad nvfp4 ' + b:<26s} {t_w:8.3f} {'':>11s} {flops / t_w / 1e9:12.1f}")
+            log(f"{name:<8s} {'  (grouped launch only)':<26s} {t_l:8.3f} {'':>11s} {flops / t_l / 1e9:12.1f}")
+            if args.sweep and b == "triton_expanded":  # wgrad tiles on the expansions ([E, N, K] bf16 out)
+                w_out = torch.empty(E, N, K, device="cuda", dtype=torch.bfloat16)
+                g_d, g_x = dq.global_scale.float().reshape(1), xq.global_scale.float().reshape(1)
+                for bm, bn, bk, gm, warps, stages in [
+                    (128, 256, 64, 8, 8, 3),
+                    (128, 256, 64, 8, 8, 4),
+                    (128, 128, 64, 8, 8, 4),
+                    (128, 128, 64, 8, 4, 4),
+                    (256, 128, 64, 8, 8, 3),
+                    (128, 256, 32, 8, 8, 4),
+                ]:
+                    wc = dict(
+                        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=warps, num_stages=stages
+                    )
+                    try:
+                        t = triton.testing.do_bench(
+                            lambda: launch_grouped_wgrad(
+                                dq.expanded, None, xq.expanded, None, padded, w_out, g_d, g_x, config=wc
+                            ),
+                            rep=100,
+                        )
+                        log(
+                            f"{name:<8s} sweep wgrad expanded {bm}x{bn}x{bk} g{gm} w{warps} s{stages}: "
+                            f"{t:.3f} ms  {flops / t / 1e9:.1f} TFLOP/s"
+                        )
+                    except Exception as exc:  # noqa: BLE001 - report and keep sweeping
+                        log(
+                            f"{name:<8s} sweep wgrad {bm}x{bn}x{bk}: failed ({type(exc).__name__}: {str(exc)[:80]})"
+                        )
+        t_bw = triton.testing.do_bench(lambda: grouped_mm(dy.t(), xd, offsets), rep=100)
+        log(f"{name:<8s} {'wgrad bf16 _grouped_mm':<26s} {t_bw:8.3f} {'':>11s} {flops / t_bw / 1e9:12.1f}")
         t_q = triton.testing.do_bench(lambda: quantize(x_tok, emit_expanded=torch.bfloat16), rep=100)
         xq_tok = quantize(x_tok, emit_expanded=torch.bfloat16)
         t_g = triton.testing.do_bench(

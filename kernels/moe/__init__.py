@@ -1,4 +1,5 @@
-"""Mixture-of-experts NVFP4: the grouped expert GEMM and the Qwen3-MoE expert conversion."""
+"""Mixture-of-experts NVFP4: the grouped expert GEMM (and its ragged-K weight-gradient twin) and the
+Qwen3-MoE expert conversion."""
 
 from .grouped_gemm import (
     check_offsets,
@@ -7,7 +8,11 @@ from .grouped_gemm import (
     grouped_gemm,
     grouped_gemm_reference,
     grouped_mm,
+    grouped_wgrad,
+    grouped_wgrad_reference,
     offsets_from_expert_ids,
+    pad_segments,
+    padded_segments,
 )
 
 __all__ = [
@@ -17,5 +22,9 @@ __all__ = [
     "grouped_gemm",
     "grouped_gemm_reference",
     "grouped_mm",
+    "grouped_wgrad",
+    "grouped_wgrad_reference",
     "offsets_from_expert_ids",
+    "pad_segments",
+    "padded_segments",
 ]

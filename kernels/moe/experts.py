@@ -17,11 +17,21 @@ gather (one per-tensor amax shared by every expert that reads them), weights onc
 matmuls with fp32 accumulation. ``"nvfp4-backward"`` mirrors the dense layer's TE-style mode: dgrad
 ``dx[r] = Q(dy)[r] · Q(W_e)`` on the grouped NVFP4 GEMM, with ``dy`` quantized 1×16 (stochastic, one
 per-tensor amax for all experts) and ``Q(W_e)ᵀ`` the forward's 16×16-block quantization transposed per expert
-(exact reuse, so the weight recipe must use ``block="16x16"``); wgrad ``dW_e = Q_H(dy_eᵀ)·Q_H(x_eᵀ)`` per
-expert segment with the Hadamard transform and 1×16 blocks along the tokens (zero-padded to 16 per
-expert), on the dense NVFP4 GEMM. The wgrad loops over the experts on the host (one device read of the
-offsets per backward, 2 quantize + 1 GEMM launches per non-empty expert): exact and tested, not yet a
-grouped kernel.
+(exact reuse, so the weight recipe must use ``block="16x16"``); wgrad ``dW_e = Q_H(dy_eᵀ)·Q_H(x_eᵀ)`` with
+the Hadamard transform and 1×16 blocks along the tokens, all experts at once:
+
+1. the sorted rows go to a padded token layout (:func:`~.grouped_gemm.padded_segments`): expert e's
+   segment starts at a multiple of 16 (exclusive cumsum of ``ceil16(n_e)``), zeros between segments and in
+   the unused tail, static length ``ceil16(T + 15·E)`` (no host read of the offsets);
+2. ``dyᵀ`` [N, L] and ``x_rowsᵀ`` [K, L] are quantized ONCE each with ``wgrad`` (``dy``: the recipe's
+   rounding, stochastic by default, one seed; ``x``: always nearest, as the dense layer). No 16-block
+   straddles two experts, so every block (Hadamard rotation, block scale, codes) is the one a per-expert
+   quantization of the zero-padded ``dy_eᵀ`` / ``x_eᵀ`` would give — except the outer scale: ONE amax per
+   operand over all experts (as the dgrad's ``dy`` already has), not one per expert;
+3. one grouped ragged-K launch (:func:`~.grouped_gemm.grouped_wgrad`) computes every ``dW_e`` over its
+   padded segment (fp32 accumulation, outer scales in an fp32 epilogue; an expert without tokens gets 0).
+
+A constant number of launches per backward, no host sync per expert.
 """
 
 from __future__ import annotations
@@ -36,7 +46,15 @@ from triage.kernels.nvfp4.api import dequantize, quantize
 from triage.kernels.nvfp4.recipe import QuantRecipe
 from triage.kernels.nvfp4.tensor import NVFP4Tensor
 
-from .grouped_gemm import expand_experts, grouped_gemm, grouped_mm, offsets_from_expert_ids
+from .grouped_gemm import (
+    expand_experts,
+    grouped_gemm,
+    grouped_mm,
+    grouped_wgrad,
+    offsets_from_expert_ids,
+    pad_segments,
+    padded_segments,
+)
 
 BACKWARD_MODES = ("bf16-backward", "dequantized", "nvfp4-backward")
 
@@ -51,8 +69,10 @@ class MoEQuantConfig:
         backward: ``"bf16-backward"`` (master operands), ``"dequantized"`` (the forward's NVFP4 operands) or
             ``"nvfp4-backward"`` (quantized dgrad and wgrad; needs ``weight.block="16x16"``).
         grad: recipe of ``dy`` for the nvfp4-backward dgrad (1×16, stochastic).
-        wgrad: recipe of both wgrad operands (``dy_eᵀ``, ``x_eᵀ``) in nvfp4-backward: Hadamard, 1×16 along
-            tokens, padded; ``x_eᵀ`` always rounds to nearest (as the dense layer).
+        wgrad: recipe of both wgrad operands (``dyᵀ``, ``xᵀ``) in nvfp4-backward: Hadamard, 1×16 along
+            tokens, each expert's segment padded to 16; ``xᵀ`` always rounds to nearest (as the dense
+            layer). Each operand is quantized once for all experts, so its outer scale (``scale="tensor"``:
+            one amax; ``"row"``: one per row) spans every expert's tokens, not one expert's.
         backend: grouped-GEMM backend (see :func:`~triage.kernels.moe.grouped_gemm.grouped_gemm`).
         validate: check expert ids (one host sync per layer call).
     """
@@ -199,9 +219,7 @@ class _GroupedNVFP4Linear(torch.autograd.Function):
 
 
 def _nvfp4_backward(ctx, dy):
-    """dgrad on the grouped NVFP4 GEMM with the transposed forward weights; wgrad per expert (module doc)."""
-    from triage.kernels.nvfp4.gemm import gemm
-
+    """dgrad on the grouped NVFP4 GEMM with the transposed forward weights; grouped wgrad (module doc)."""
     gather, offsets, x, weight = ctx.saved_tensors
     cfg, cache = ctx.cfg, ctx.cache
     if cache.key != ctx.weight_key:
@@ -222,26 +240,42 @@ def _nvfp4_backward(ctx, dy):
         )
         dx = dx_rows if gather is None else dy.new_zeros(ctx.x_shape).index_add_(0, gather, dx_rows)
     if ctx.needs_input_grad[1]:
-        x_rows = (x[gather] if gather is not None else x).to(dtype)
-        dw = torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device)
-        bounds = offsets.tolist()  # one device read per backward
-        x_recipe = replace(cfg.wgrad, rounding="nearest")
-        gemm_backend = "auto" if (dy.is_cuda or _interpreting()) else "reference"
-        for e in range(len(bounds) - 1):
-            s, t = bounds[e], bounds[e + 1]
-            if t == s:
-                continue  # an expert without tokens has a zero gradient
-            e_seed = (seed + 2 * e + 1) % 2**32
-            dyt = quantize(dy[s:t].t().contiguous(), cfg.wgrad, backend=qb, seed=e_seed)  # [N, m_e]
-            xt = quantize(x_rows[s:t].t().contiguous(), x_recipe, backend=qb)  # [K, m_e]
-            dw[e] = gemm(dyt, xt, out_dtype=torch.float32, backend=gemm_backend).to(weight.dtype)
+        w_seed = (seed + 1) % 2**32  # not the dgrad's seed
+        out_dtype = weight.dtype if weight.dtype in (torch.float32, torch.bfloat16, torch.float16) else None
+        dw = nvfp4_wgrad(
+            dy, x.to(dtype), offsets, cfg, w_seed, gather=gather, out_dtype=out_dtype or torch.float32
+        )
+        dw = dw if out_dtype else dw.to(weight.dtype)
     return dx, dw, None, None, None, None
 
 
-def _interpreting() -> bool:
-    from triage.kernels.nvfp4.gemm_triton import interpreting
-
-    return interpreting()
+def nvfp4_wgrad(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    offsets: torch.Tensor,
+    cfg: MoEQuantConfig,
+    seed: int,
+    *,
+    gather: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """nvfp4-backward weight gradient [E, N, K] of all experts: padded layout → 2 quantizations → 1 grouped
+    launch (module docstring). ``dy`` [R, N] rows sorted by expert, ``x`` [T, K] (row r reads
+    ``x[gather[r]]``) or [R, K] without ``gather``; ``seed`` seeds ``dy``'s stochastic rounding (one seed
+    for every expert)."""
+    rows = dy.shape[0]
+    padded, dest, length = padded_segments(offsets, rows)
+    qb = _qbackend(dy)
+    # operands for the chosen backend: expansions written by the quantizer in the same pass
+    expanded = cfg.backend in ("triton_expanded", "grouped_mm") or (
+        cfg.backend == "auto" and _auto_backend(dy) in ("triton_expanded", "grouped_mm")
+    )
+    emit = torch.bfloat16 if expanded else None
+    dyt = pad_segments(dy, dest, length).t().contiguous()  # [N, L]
+    xt = pad_segments(x, dest, length, gather).t().contiguous()  # [K, L]
+    dyq = quantize(dyt, cfg.wgrad, backend=qb, seed=seed, emit_expanded=emit)
+    xq = quantize(xt, replace(cfg.wgrad, rounding="nearest"), backend=qb, emit_expanded=emit)
+    return grouped_wgrad(dyq, xq, padded, out_dtype=out_dtype, backend=cfg.backend, validate=False)
 
 
 def _qbackend(t: torch.Tensor) -> str:

@@ -30,6 +30,15 @@ top-k copy of the activations (packed or expanded) is never written.
 
 Metadata stays on the device: the kernel maps tiles to experts with device ops (no host sync per expert).
 ``validate=True`` (default) checks ``offsets`` and costs one host sync; ``validate=False`` skips it.
+
+Weight gradient (ragged K), :func:`grouped_wgrad`: ``dW[e] = A[:, s_e:t_e] · B[:, s_e:t_e]ᵀ`` for NVFP4 A
+[M, L] (``dyᵀ``) and B [N, L] (``xᵀ``) quantized along the token dim L, in which every expert segment starts
+at a multiple of 16 (:func:`padded_segments` / :func:`pad_segments` build that layout from the sorted rows
+on the device: segment e at ``padded_offsets[e]`` = exclusive cumsum of ``ceil16(n_e)``, zeros between
+segments and after the last, ``L = ceil16(T + 15·E)`` a static bound). So no 16-block straddles two
+experts, both operands are quantized ONCE for all experts (one outer scale per operand, or one per row) and
+one launch (:func:`~.grouped_triton.launch_grouped_wgrad`) computes every expert; same backends as above
+(``"grouped_mm"``: bf16 ``torch._grouped_mm`` of the expansions, then the fp32 scales), empty experts 0.
 """
 
 from __future__ import annotations
@@ -46,7 +55,11 @@ __all__ = [
     "grouped_gemm",
     "grouped_gemm_reference",
     "grouped_mm",
+    "grouped_wgrad",
+    "grouped_wgrad_reference",
     "offsets_from_expert_ids",
+    "pad_segments",
+    "padded_segments",
 ]
 
 #: Default CUDA backend; set from the H200 measurement (experiments/bench/bench_grouped_gemm.py).
@@ -298,3 +311,129 @@ def _gather(t, idx: torch.Tensor):
         shape=torch.Size((idx.numel(), t.shape[-1])),
         expanded=None if exp is None else exp[idx],
     )
+
+
+# ----- the grouped weight gradient (ragged K) -----
+
+
+def padded_segments(offsets: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """16-aligned token layout of the expert segments of ``num_rows`` sorted rows. Device ops only.
+
+    Returns ``(padded_offsets, dest, length)``: ``padded_offsets`` int64 [E+1] (exclusive cumsum of
+    ``ceil16(offsets[e+1] - offsets[e])``), ``dest`` int64 [num_rows] (row r of expert e goes to column
+    ``padded_offsets[e] + r - offsets[e]``) and ``length = ceil16(num_rows + 15·E)``, a static bound of
+    ``padded_offsets[E]`` (so nothing is read on the host).
+    """
+    E = offsets.numel() - 1
+    dev = offsets.device
+    counts = (offsets[1:] - offsets[:-1]).long()
+    padded = torch.zeros(E + 1, dtype=torch.int64, device=dev)
+    padded[1:] = torch.cumsum((counts + 15) // 16 * 16, 0)
+    expert = torch.repeat_interleave(torch.arange(E, device=dev), counts, output_size=num_rows)
+    dest = torch.arange(num_rows, device=dev) + (padded[:-1] - offsets[:-1].long())[expert]
+    return padded, dest, _padded(num_rows + 15 * E)
+
+
+def pad_segments(
+    rows: torch.Tensor, dest: torch.Tensor, length: int, gather: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[length, C]: row r of ``rows`` (or of ``rows[gather]``) at position ``dest[r]``, zeros elsewhere."""
+    src = rows if gather is None else rows.index_select(0, gather)
+    return rows.new_zeros((length, rows.shape[1])).index_copy_(0, dest, src)
+
+
+def _check_wgrad(a, b, offsets, out_dtype, validate):
+    La, Lb = _k_of(a, "a"), _k_of(b, "b")
+    if len(tuple(a.shape)) != 2 or len(tuple(b.shape)) != 2:
+        raise ValueError(f"a must be [M, L] and b [N, L], got {tuple(a.shape)} and {tuple(b.shape)}")
+    if La != Lb:
+        raise ValueError(f"token dims differ: a has L={La}, b has L={Lb}")
+    if out_dtype not in _OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {_OUT_DTYPES}, got {out_dtype}")
+    if a.data.device != b.data.device or offsets.device != a.data.device:
+        raise ValueError("a, b and offsets must be on one device")
+    ha, hb = (getattr(getattr(t, "recipe", None), "hadamard", False) for t in (a, b))
+    if bool(ha) != bool(hb):
+        raise ValueError(
+            "recipes do not fit: exactly one operand went through the Hadamard transform "
+            f"(a: {ha!r}, b: {hb!r}); a·bᵀ is only preserved when both did (H·Hᵀ = I)"
+        )
+    if offsets.dtype.is_floating_point or offsets.dtype == torch.bool or offsets.dim() != 1:
+        raise TypeError(f"offsets must be a 1-D integer tensor, got {offsets.dtype} {tuple(offsets.shape)}")
+    if validate:
+        o = offsets.long().cpu()
+        if o.numel() < 1 or int(o[0]) != 0:
+            raise ValueError("offsets must start at 0")
+        if bool((o[1:] < o[:-1]).any()):
+            raise ValueError("offsets must not decrease")
+        if bool((o % 16 != 0).any()):
+            raise ValueError(
+                "offsets must be multiples of 16 (each expert segment starts a new 16-block; "
+                "see padded_segments)"
+            )
+        if int(o[-1]) > La:
+            raise ValueError(f"offsets[-1] = {int(o[-1])} is past the token dim L = {La}")
+    M, N = a.shape[0], b.shape[0]
+    return M, N, offsets.numel() - 1
+
+
+def _outer_rows(t, rows: int, name: str) -> torch.Tensor:
+    g = t.global_scale.float()
+    if g.numel() == 1:
+        return g.reshape(1)
+    if g.numel() == rows:
+        return g.reshape(rows)
+    raise ValueError(
+        f"{name}.global_scale has shape {tuple(g.shape)}: expected 1 element or one per row [{rows}, 1]"
+    )
+
+
+def grouped_wgrad_reference(a, b, offsets, *, out_dtype=torch.float32, validate: bool = True) -> torch.Tensor:
+    """Loop over experts of fp64 ``A[:, s:t] · B[:, s:t]ᵀ`` on dequantized operands (host reads offsets);
+    an empty expert gets zeros."""
+    M, N, E = _check_wgrad(a, b, offsets, out_dtype, validate)
+    for t, rows, name in ((a, M, "a"), (b, N, "b")):
+        _outer_rows(t, rows, name)  # same outer-scale layouts as the kernel accepts
+    av, bv = dequantize64(a), dequantize64(b)
+    out = torch.zeros((E, M, N), dtype=torch.float64, device=a.data.device)
+    o = offsets.long().tolist()
+    for e in range(E):
+        if o[e + 1] > o[e]:
+            out[e] = av[:, o[e] : o[e + 1]] @ bv[:, o[e] : o[e + 1]].T
+    return out.to(out_dtype)
+
+
+def grouped_wgrad(
+    a,
+    b,
+    offsets: torch.Tensor,
+    *,
+    out_dtype: torch.dtype = torch.float32,
+    backend: str = "auto",
+    validate: bool = True,
+) -> torch.Tensor:
+    """All experts' ``out[e] = A[:, s_e:t_e] · B[:, s_e:t_e]ᵀ`` in one launch: a NVFP4 [M, L], b NVFP4 [N, L]
+    (per-tensor or per-row outer scales), ``offsets`` int [E+1] on the device, multiples of 16 (checked
+    with ``validate``, one host sync) → [E, M, N] of ``out_dtype``. See the module docstring."""
+    which = _pick(backend, a.data.device)
+    M, N, E = _check_wgrad(a, b, offsets, out_dtype, validate)
+    if which == "reference":
+        return grouped_wgrad_reference(a, b, offsets, out_dtype=out_dtype, validate=False)
+    g_a, g_b = _outer_rows(a, M, "a"), _outer_rows(b, N, "b")
+    L = _padded(a.shape[-1])
+    offs = offsets.contiguous()
+    if which == "grouped_mm":
+        acc = grouped_mm(expand(a, torch.bfloat16), expand(b, torch.bfloat16).t(), offs).float()
+        acc = acc * (g_a if g_a.numel() == 1 else g_a[:, None])
+        return (acc * (g_b if g_b.numel() == 1 else g_b[None, :])).to(out_dtype)
+    from .grouped_triton import launch_grouped_wgrad
+
+    out = torch.empty((E, M, N), dtype=out_dtype, device=a.data.device)
+    if which == "triton":
+        a_args = (a.data.reshape(M, L // 2), a.scale.reshape(M, L // 16))
+        b_args = (b.data.reshape(N, L // 2), b.scale.reshape(N, L // 16))
+    else:
+        dtype = a.expanded.dtype if getattr(a, "expanded", None) is not None else torch.bfloat16
+        a_args = (expand(a, dtype).reshape(M, L), None)
+        b_args = (expand(b, dtype).reshape(N, L), None)
+    return launch_grouped_wgrad(*a_args, *b_args, offs, out, g_a, g_b)

@@ -11,6 +11,9 @@ dense GEMM's ``_load_tile``) or dense fp16/bf16 (for example the exact ``q·s`` 
 so the routed copy of the activations is never materialized; per-row ``g_a`` is indexed the same way.
 Epilogue in fp32: ``acc · 2¹⁴ per packed operand · g_a (none / scalar / per row) · g_b (per expert / per
 expert row)``, one cast to C's dtype.
+
+:func:`launch_grouped_wgrad` is the ragged-K twin for the MoE weight gradient: ``C[e] = A[:, seg e] ·
+B[:, seg e]ᵀ`` with the segments along the shared (token) dim, all experts in one launch (see its kernel).
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from triage.kernels.nvfp4.gemm_triton import UNPACK_FACTOR, _load_tile, interpreting
+from triage.kernels._launch import fast_launch
+from triage.kernels.nvfp4.gemm_triton import UNPACK_FACTOR, _epilogue, _load_tile, interpreting
 
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 #: GPU tile of the grouped GEMM: the best of the H200 sweep (bench_grouped_gemm.py --sweep, 2026-11-29:
@@ -27,6 +31,7 @@ _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float
 GROUPED_CONFIG = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)
 
 
+@fast_launch
 @triton.jit
 def _grouped_gemm_kernel(
     a_ptr,
@@ -230,6 +235,217 @@ def launch_grouped_gemm(
         GB_ROW=gb_row,
         GATHER=rows is not None,
         EVEN_K=K % cfg["BLOCK_K"] == 0,
+        DOT_DTYPE=_TL_DTYPE[dot_dtype],
+        INPUT_PRECISION=precision,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        **cfg,
+    )
+    return out
+
+
+#: GPU tiles of the grouped wgrad (ragged K), not swept on hardware yet. Dense (expanded) operands: the
+#: forward's best tile (sm_90a ptxas: 255 registers, no spills, 16-byte cp.async, wgmma). Packed operands
+#: (unpacked in registers): 128x128x32 is the largest tried that does not spill (128x256x64 spills 632 B).
+WGRAD_CONFIG = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+WGRAD_PACKED_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, num_warps=8, num_stages=3)
+_INTERPRETER_WGRAD_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=1)
+
+
+@fast_launch
+@triton.jit
+def _grouped_wgrad_kernel(
+    a_ptr,
+    a_scale_ptr,
+    b_ptr,
+    b_scale_ptr,
+    c_ptr,
+    ga_ptr,
+    gb_ptr,
+    offs_ptr,
+    M,
+    N,
+    stride_am,
+    stride_ak,
+    stride_asm,
+    stride_ask,
+    stride_bn,
+    stride_bk,
+    stride_bsn,
+    stride_bsk,
+    stride_ce,
+    stride_cm,
+    stride_cn,
+    out_mult,
+    A_PACKED: tl.constexpr,
+    B_PACKED: tl.constexpr,
+    GA_MODE: tl.constexpr,
+    GB_MODE: tl.constexpr,
+    BF16_BY_HAND: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """Tile (BLOCK_M × BLOCK_N) of ``C[e] = A[:, s:t] · B[:, s:t]ᵀ``, ``s, t = offs[e], offs[e+1]``.
+
+    Program axis 0: the output tile (GROUP_M swizzle, as the dense GEMM); axis 1: the expert. The segment
+    bounds come from device memory; they are multiples of 16 (the launcher's contract), so the loop starts
+    at the BLOCK_K-aligned column below ``s`` and masks columns outside ``[s, t)`` on both sides (they
+    belong to the neighbouring experts). An empty segment stores exact zeros (no epilogue: 0 whatever the
+    outer scales are).
+    """
+    pid = tl.program_id(0)
+    e = tl.program_id(1)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_n
+    first_m = (pid // group) * GROUP_M
+    group_m = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + ((pid % group) % group_m)
+    pid_n = (pid % group) // group_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    rows_a = offs_m.to(tl.int64)  # row * stride can pass 2**31 at T_pad ~ 1e5 tokens
+    rows_b = offs_n.to(tl.int64)
+    c_e = c_ptr + e.to(tl.int64) * stride_ce
+    seg_start = tl.multiple_of(tl.load(offs_ptr + e).to(tl.int32), 16)
+    seg_end = tl.multiple_of(tl.load(offs_ptr + e + 1).to(tl.int32), 16)
+    if seg_end > seg_start:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        k_first = tl.multiple_of((seg_start // BLOCK_K) * BLOCK_K, BLOCK_K)
+        for k0 in range(k_first, seg_end, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = (offs_k >= seg_start) & (offs_k < seg_end)
+            a = _load_tile(
+                a_ptr,
+                a_scale_ptr,
+                rows_a[:, None],
+                offs_k[None, :],
+                m_ok[:, None] & k_ok[None, :],
+                stride_am,
+                stride_ak,
+                stride_asm,
+                stride_ask,
+                A_PACKED,
+                DOT_DTYPE,
+            )
+            b = _load_tile(
+                b_ptr,
+                b_scale_ptr,
+                rows_b[None, :],
+                offs_k[:, None],
+                k_ok[:, None] & n_ok[None, :],
+                stride_bn,
+                stride_bk,
+                stride_bsn,
+                stride_bsk,
+                B_PACKED,
+                DOT_DTYPE,
+            )
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        _epilogue(
+            acc,
+            offs_m,
+            offs_n,
+            M,
+            N,
+            c_e,
+            stride_cm,
+            stride_cn,
+            ga_ptr,
+            gb_ptr,
+            ga_ptr,
+            out_mult,
+            GA_MODE,
+            GB_MODE,
+            False,
+            BF16_BY_HAND,
+        )
+    else:
+        c_ptrs = c_e + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+        zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty)
+        tl.store(c_ptrs, zero, mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _scale_mode(g: torch.Tensor | None) -> int:
+    return 0 if g is None else (1 if g.numel() == 1 else 2)
+
+
+def launch_grouped_wgrad(
+    a: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    b: torch.Tensor,
+    b_scale: torch.Tensor | None,
+    offsets: torch.Tensor,
+    out: torch.Tensor,
+    g_a: torch.Tensor | None,
+    g_b: torch.Tensor | None,
+    *,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """``out[e] = ((A[:, s:t] · B[:, s:t]ᵀ)·g_a)·g_b`` with ``s, t = offsets[e], offsets[e+1]``, one launch.
+
+    A packed uint8 [M, L/2] (+ ``a_scale`` [M, L/16]) or dense [M, L]; B packed [N, L/2] (+ ``b_scale``) or
+    dense [N, L] (any strides); ``offsets`` int [E+1] on the device: non-decreasing MULTIPLES OF 16 (the
+    kernel tells the compiler so; unchecked here), ``offsets[E] ≤ L``; ``g_a`` None / 1 element / [M] and
+    ``g_b`` None / 1 element / [N] fp32; ``out`` [E, M, N] (any dtype the epilogue casts to). Empty
+    segments give exact zeros.
+    """
+    E, M, N = out.shape
+    a_packed, b_packed = a_scale is not None, b_scale is not None
+    dense = [t.dtype for t, p in ((a, a_packed), (b, b_packed)) if not p]
+    if dense and any(d != dense[0] for d in dense):
+        raise TypeError(f"dense grouped-wgrad operands must share a dtype, got {dense}")
+    dot_dtype = dense[0] if dense else torch.float16
+    precision = "tf32"
+    if interpreting() and dot_dtype == torch.bfloat16:
+        dot_dtype = torch.float32  # bf16 tl.dot is broken in the interpreter; fp32 holds q·s exactly
+    if dot_dtype == torch.float32:
+        precision = "ieee"
+    if config is None:
+        if interpreting():
+            config = _INTERPRETER_WGRAD_CONFIG
+        else:
+            config = WGRAD_PACKED_CONFIG if a_packed or b_packed else WGRAD_CONFIG
+    cfg = dict(config)
+    num_warps, num_stages = cfg.pop("num_warps"), cfg.pop("num_stages")
+    if E == 0 or M == 0 or N == 0:
+        return out
+    dummy = out  # never dereferenced when the matching constexpr switch is off
+    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), E)
+    _grouped_wgrad_kernel[grid](
+        a,
+        a_scale if a_packed else dummy,
+        b,
+        b_scale if b_packed else dummy,
+        out,
+        g_a if g_a is not None else dummy,
+        g_b if g_b is not None else dummy,
+        offsets,
+        M,
+        N,
+        a.stride(0),
+        a.stride(1),
+        a_scale.stride(0) if a_packed else 0,
+        a_scale.stride(1) if a_packed else 0,
+        b.stride(0),
+        b.stride(1),
+        b_scale.stride(0) if b_packed else 0,
+        b_scale.stride(1) if b_packed else 0,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        UNPACK_FACTOR ** (int(a_packed) + int(b_packed)),
+        A_PACKED=a_packed,
+        B_PACKED=b_packed,
+        GA_MODE=_scale_mode(g_a),
+        GB_MODE=_scale_mode(g_b),
+        BF16_BY_HAND=interpreting() and out.dtype == torch.bfloat16,
         DOT_DTYPE=_TL_DTYPE[dot_dtype],
         INPUT_PRECISION=precision,
         num_warps=num_warps,

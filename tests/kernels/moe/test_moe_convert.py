@@ -14,7 +14,6 @@ from triage.kernels.moe.experts import (
     grouped_nvfp4_linear,
 )
 from triage.kernels.nvfp4.api import dequantize, quantize
-from triage.kernels.nvfp4.gemm import gemm_reference
 from triage.kernels.nvfp4.recipe import QuantRecipe
 
 
@@ -175,17 +174,30 @@ def test_nvfp4_backward_matches_reference_with_nearest_rounding(backend):
     dx_rows = torch.cat([dyq[s:t] @ wq[e] for e, (s, t) in enumerate(zip(bounds[:-1], bounds[1:]))])
     ref_dx = torch.zeros(20, 32, dtype=torch.float64).index_add_(0, gather, dx_rows)
     assert ((dx.double() - ref_dx).abs().max() / ref_dx.abs().max()) < 1e-5
-    # wgrad: per expert Q_H(dy_eᵀ)·Q_H(x_eᵀ) (x side always nearest); the empty expert gets exactly 0
-    xr = x[gather]
-    for e, (s, t) in enumerate(zip(bounds[:-1], bounds[1:])):
+    # wgrad: Q_H(dyᵀ), Q_H(xᵀ) quantized once over the padded token layout (one amax per operand, x side
+    # always nearest), then per expert the product over its padded columns; the empty expert gets exactly 0
+    dyt, starts = _padded_layout(dy, bounds)
+    xt, _ = _padded_layout(x[gather], bounds)
+    dyv = quantize(dyt, wgrad).dequantize(torch.float64)
+    xv = quantize(xt, wgrad).dequantize(torch.float64)
+    for e, (s, t) in enumerate(zip(starts[:-1], starts[1:])):
         if s == t:
             assert torch.equal(dw[e], torch.zeros_like(dw[e]))
             continue
-        ref = gemm_reference(
-            quantize(dy[s:t].t().contiguous(), wgrad), quantize(xr[s:t].t().contiguous(), wgrad),
-            out_dtype=torch.float64,
-        )  # fmt: skip
+        ref = dyv[:, s:t] @ xv[:, s:t].T
         assert ((dw[e].double() - ref).abs().max() / ref.abs().max()) < 1e-5, e
+
+
+def _padded_layout(rows, bounds):
+    """[C, L]: expert e's rows (bounds[e]..bounds[e+1]) as columns from a multiple of 16 on, zeros between
+    segments and in the tail, L = ceil16(T + 15·E) (the static bound). Returns it and the segment starts."""
+    T, E = rows.shape[0], len(bounds) - 1
+    out = torch.zeros(-(-(T + 15 * E) // 16) * 16, rows.shape[1], dtype=rows.dtype)
+    starts = [0]
+    for s, t in zip(bounds[:-1], bounds[1:]):
+        out[starts[-1] : starts[-1] + t - s] = rows[s:t]
+        starts.append(starts[-1] + -(-(t - s) // 16) * 16)
+    return out.t().contiguous(), starts
 
 
 def test_nvfp4_backward_defaults_approximate_the_exact_gradient():
