@@ -48,6 +48,19 @@ def _hooks_active() -> bool:
     )
 
 
+def _compile_knobs(fn, kwargs) -> tuple:
+    """The run-time knobs Triton's ``run`` adds to a kernel's compile options (debug, instrumentation; Triton
+    3.9: fpsan, a stages-inspection hook): part of the key, so toggling one recompiles as Triton would."""
+    runtime, compilation = triton.knobs.runtime, triton.knobs.compilation
+    debug = bool(kwargs.get("debug", getattr(fn, "debug", None)) or runtime.debug)
+    return (
+        debug,
+        getattr(compilation, "instrumentation_mode", None),
+        getattr(compilation, "fpsan_homomorphic_casts", None),
+        getattr(runtime, "add_stages_inspection_hook", None),
+    )
+
+
 class FastLaunch:
     """``fn[grid](...)`` with a cached compiled-kernel fast path (module doc). ``fn`` stays reachable as
     ``.fn`` (for ``warmup``, introspection and tests)."""
@@ -73,11 +86,11 @@ class FastLaunch:
         from triton.runtime import driver
 
         try:
-            if _hooks_active():
+            if _hooks_active() or getattr(self.fn, "pre_run_hooks", None):
                 return self.fn[grid](*args, **kwargs)
             device = driver.active.get_current_device()
             params, specialization, options = self._binder(device)(*args, **kwargs)
-            key = (device, tuple(specialization), tuple(options.items()))
+            key = (device, tuple(specialization), tuple(options.items()), _compile_knobs(self.fn, kwargs))
             kernel = self.compiled.get(key)
         except Exception:  # a Triton whose internals differ: use its own path from now on
             self.fast = False

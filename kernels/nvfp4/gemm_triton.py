@@ -821,23 +821,26 @@ def decode_config(M: int, N: int, K: int, split_k: int | None = None) -> dict:
 #: by default; ``launch_decode(fused_reduce=False)`` or ``config["FUSED_REDUCE"] = False`` takes the
 #: two-kernel path (same bits).
 DECODE_FUSED_REDUCE = True
-#: Ticket counters (int32, one per N tile) of the fused split-K reduction: one zeroed buffer per device,
-#: allocated on first use and never freed (CUDA graphs keep its address); every launch leaves it at zero.
-#: Grown (a new buffer, the old one kept alive) outside graph capture; a capture that needs more tiles than
-#: the buffer has takes the two-kernel path. Launches that can run concurrently (different streams, or
-#: parallel branches of one graph) must not share counters: pass ``counters=`` to :func:`launch_decode`.
-_SPLITK_COUNTERS: dict[tuple[str, int | None], list[torch.Tensor]] = {}
+#: Ticket counters (int32, one per N tile) of the fused split-K reduction. Eager launches: one zeroed buffer
+#: per (device, stream), allocated on first use on that stream (so its zero-fill is ordered before its first
+#: use) and never freed; every launch leaves it at zero. Grown (a new buffer, the old one kept alive) when a
+#: launch needs more tiles. While a CUDA graph is being captured each launch gets its own zeroed buffer
+#: instead: the zero-fill is captured with it and re-runs on every replay, so graphs never share tickets
+#: with each other or with eager work. Launches on one stream are ordered, so they can share; launches that
+#: run concurrently on one stream's buffer cannot happen. Pass ``counters=`` to :func:`launch_decode` only
+#: for a buffer the caller keeps zeroed and unshared.
+_SPLITK_COUNTERS: dict[tuple, list[torch.Tensor]] = {}
 _SPLITK_COUNTERS_MIN = 4096
 
 
-def splitk_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
-    """The device's cached zeroed ticket counters (≥ ``tiles``), or None while capturing a CUDA graph if the
-    buffer would have to be allocated or grown (a captured zero-fill would not run before replay)."""
-    bufs = _SPLITK_COUNTERS.setdefault((device.type, device.index), [])
+def splitk_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed ticket counters (≥ ``tiles``) for a launch on the current stream of ``device`` (see above)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(tiles, dtype=torch.int32, device=device)  # captured: re-zeroed on every replay
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    bufs = _SPLITK_COUNTERS.setdefault((device.type, device.index, stream), [])
     if bufs and bufs[-1].numel() >= tiles:
         return bufs[-1]
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return None
     size = max(_SPLITK_COUNTERS_MIN, triton.next_power_of_2(tiles))
     bufs.append(torch.zeros(size, dtype=torch.int32, device=device))
     return bufs[-1]
@@ -893,11 +896,18 @@ def launch_decode(
     cnt = None
     if split > 1 and fused:
         if counters is not None:
-            if counters.dtype != torch.int32 or counters.numel() < tiles or counters.device != out.device:
-                raise ValueError(f"counters must be int32 with >= {tiles} elements on {out.device}")
+            if (
+                counters.dtype != torch.int32
+                or counters.numel() < tiles
+                or counters.device != out.device
+                or not counters.is_contiguous()
+            ):
+                raise ValueError(
+                    f"counters must be a contiguous, zeroed int32 tensor with >= {tiles} elements on {out.device}"
+                )
             cnt = counters
         else:
-            cnt = splitk_counters(out.device, tiles)  # None: capturing and too small -> two kernels
+            cnt = splitk_counters(out.device, tiles)
     by_hand = interpreting() and out.dtype == torch.bfloat16
     kb = w_scale.shape[-1]
     # bf16 bit trick on the GPU (its code-1 value is a bf16 subnormal, which the interpreter flushes): the

@@ -52,8 +52,11 @@ def fake_gpu(monkeypatch):
         active=types.SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda d: 1234)
     )
     monkeypatch.setattr("triton.runtime.driver", driver, raising=False)
-    hooks = types.SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None)
-    monkeypatch.setattr(triton, "knobs", types.SimpleNamespace(runtime=hooks), raising=False)
+    hooks = types.SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None, debug=False)
+    compilation = types.SimpleNamespace(instrumentation_mode="")
+    monkeypatch.setattr(
+        triton, "knobs", types.SimpleNamespace(runtime=hooks, compilation=compilation), raising=False
+    )
     return hooks
 
 
@@ -112,3 +115,13 @@ def test_interpreter_and_callable_grids_use_tritons_path(fake_gpu):
     launcher.fast = True
     launcher[lambda meta: (1,)]("x", 32)
     assert launcher.fn.slow_calls == 1 and launcher.hits == 0
+
+
+def test_toggling_a_compile_knob_recompiles(fake_gpu):
+    launcher = _launcher()
+    launcher[(1,)]("x", 32)
+    fake_gpu.debug = True  # triton.knobs.runtime.debug: Triton would compile a debug kernel
+    launcher[(1,)]("x", 32)
+    assert launcher.fn.slow_calls == 2 and launcher.hits == 0
+    launcher[(1,)]("x", 32)
+    assert launcher.hits == 1
