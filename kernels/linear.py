@@ -21,6 +21,9 @@ Backward, ``mode="nvfp4-backward"`` (Transformer-Engine style, also straight-thr
                                                        # through the 16-point Hadamard transform H
     db = Σ dy
 
+(the wgrad operands dyᵀ, xᵀ are quantized straight from the row-major dy, x by
+:func:`~triage.kernels.nvfp4.triton_quant_t.quantize_columnwise`: no transposed copy, same bytes)
+
 W_qᵀ reuses the forward quantization: with 16×16 weight blocks (``weight_recipe.block="16x16"``) the
 per-tile scale is the same for W and Wᵀ, so W_qᵀ is W_q's codes and scales transposed (no second
 quantization, bit-identical to quantizing Wᵀ). H is orthogonal and applied to both wgrad operands along
@@ -122,6 +125,14 @@ def _quantize(
     from triage.kernels.nvfp4 import quantize
 
     return quantize(x, recipe, backend=backend, seed=seed, emit_expanded=torch.bfloat16 if expanded else None)
+
+
+def _quantize_t(x: torch.Tensor, recipe: QuantRecipe, backend: str, seed: int | None = None) -> NVFP4Tensor:
+    """``quantize(x.T, recipe)`` of a 2-D ``x`` without the transposed copy (Triton backends; the torch
+    backend materializes ``x.T``): 1×16 blocks along x's rows (the tokens), byte-identical."""
+    from triage.kernels.nvfp4.triton_quant_t import quantize_columnwise
+
+    return quantize_columnwise(x, recipe, backend=backend, seed=seed)
 
 
 def transpose_16x16(w: NVFP4Tensor) -> NVFP4Tensor:
@@ -272,10 +283,9 @@ class _NVFP4LinearFn(torch.autograd.Function):
                 dyq = _quantize(dy2, config.grad_recipe, config.quant_backend, seed=seed)
                 dx = gemm(dyq, wt, out_dtype=x.dtype, backend=config.gemm_backend)
             if ctx.needs_input_grad[1]:
-                dyt = _quantize(dy2.T.contiguous(), config.wgrad_recipe, config.quant_backend, seed=seed + 1)
-                xt = _quantize(
-                    x2.T.contiguous(), replace(config.wgrad_recipe, rounding="nearest"), config.quant_backend
-                )
+                # dy2ᵀ, x2ᵀ quantized straight from the row-major dy2, x2 (no transposed copy; same bytes)
+                dyt = _quantize_t(dy2, config.wgrad_recipe, config.quant_backend, seed=seed + 1)
+                xt = _quantize_t(x2, replace(config.wgrad_recipe, rounding="nearest"), config.quant_backend)
                 dw = gemm(dyt, xt, out_dtype=torch.float32, backend=config.gemm_backend).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.float().sum(0).to(ctx.bias_dtype)

@@ -9,8 +9,9 @@ quantized once outside the timing as in training). "tokens+gather": the NVFP4 pa
 the T un-routed tokens quantized once (with ``emit_expanded``), the top-k gather done inside the GEMM.
 fwd+bwd: autograd of each path (NVFP4 = straight-through ``bf16-backward``, the default; the
 "nvfp4-backward" row quantizes dgrad and wgrad). "wgrad ..." rows: the nvfp4-backward weight gradient alone
-(padded token layout + 2 quantizations + 1 grouped ragged-K launch, and the grouped launch by itself on
-pre-quantized operands) next to the bf16 ``torch._grouped_mm`` wgrad of bf16-backward. Times:
+(2 columnwise quantizations straight into the padded token layout + 1 grouped ragged-K launch; the old path
+that materialized and transposed the layout first, with a bitwise comparison; and the grouped launch by
+itself on pre-quantized operands) next to the bf16 ``torch._grouped_mm`` wgrad of bf16-backward. Times:
 ``triton.testing.do_bench`` medians in ms. Writes ``$OUT/bench_grouped_gemm.txt`` when ``$OUT`` is set.
 """
 
@@ -221,7 +222,26 @@ def main():
                 lambda: grouped_wgrad(dq, xq, padded, out_dtype=torch.bfloat16, backend=b, validate=False),
                 rep=100,
             )
+
+            def old_wgrad():  # before quantize_columnwise: padded layout materialized + transposed
+                a = quantize(
+                    pad_segments(dy, dest, length).t().contiguous(), wcfg.wgrad, seed=1, emit_expanded=emit
+                )
+                c = quantize(
+                    pad_segments(xd, dest, length).t().contiguous(),
+                    replace(wcfg.wgrad, rounding="nearest"),
+                    emit_expanded=emit,
+                )
+                return grouped_wgrad(a, c, padded, out_dtype=torch.bfloat16, backend=b, validate=False)
+
+            same = torch.equal(nvfp4_wgrad(dy, xd, offsets, bcfg, 1, out_dtype=torch.bfloat16), old_wgrad())
+            ok &= same
+            t_o = triton.testing.do_bench(old_wgrad, rep=100)
             log(f"{name:<8s} {'wgrad nvfp4 ' + b:<26s} {t_w:8.3f} {'':>11s} {flops / t_w / 1e9:12.1f}")
+            log(
+                f"{name:<8s} {'  (old: layout copy+T)':<26s} {t_o:8.3f} {'':>11s} {flops / t_o / 1e9:12.1f}"
+                f"  bitwise same as new: {'yes' if same else 'NO'}"
+            )
             log(f"{name:<8s} {'  (grouped launch only)':<26s} {t_l:8.3f} {'':>11s} {flops / t_l / 1e9:12.1f}")
             if args.sweep and b == "triton_expanded":  # wgrad tiles on the expansions ([E, N, K] bf16 out)
                 w_out = torch.empty(E, N, K, device="cuda", dtype=torch.bfloat16)

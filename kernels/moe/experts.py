@@ -24,7 +24,11 @@ the Hadamard transform and 1×16 blocks along the tokens, all experts at once:
    segment starts at a multiple of 16 (exclusive cumsum of ``ceil16(n_e)``), zeros between segments and in
    the unused tail, static length ``ceil16(T + 15·E)`` (no host read of the offsets);
 2. ``dyᵀ`` [N, L] and ``x_rowsᵀ`` [K, L] are quantized ONCE each with ``wgrad`` (``dy``: the recipe's
-   rounding, stochastic by default, one seed; ``x``: always nearest, as the dense layer). No 16-block
+   rounding, stochastic by default, one seed; ``x``: always nearest, as the dense layer), on CUDA (and
+   under the Triton interpreter, unless ``backend="reference"``) straight from the sorted rows of ``dy`` / the tokens of ``x`` by
+   :func:`~triage.kernels.nvfp4.triton_quant_t.quantize_columnwise` (the layout, the top-k gather and the
+   transpose happen inside the quantizer: nothing [L, C] is written; byte-identical to quantizing the
+   materialized transposed layout, which the plain-CPU path still does). No 16-block
    straddles two experts, so every block (Hadamard rotation, block scale, codes) is the one a per-expert
    quantization of the zero-padded ``dy_eᵀ`` / ``x_eᵀ`` would give — except the outer scale: ONE amax per
    operand over all experts (as the dgrad's ``dy`` already has), not one per expert;
@@ -259,10 +263,10 @@ def nvfp4_wgrad(
     gather: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """nvfp4-backward weight gradient [E, N, K] of all experts: padded layout → 2 quantizations → 1 grouped
-    launch (module docstring). ``dy`` [R, N] rows sorted by expert, ``x`` [T, K] (row r reads
-    ``x[gather[r]]``) or [R, K] without ``gather``; ``seed`` seeds ``dy``'s stochastic rounding (one seed
-    for every expert)."""
+    """nvfp4-backward weight gradient [E, N, K] of all experts: 2 columnwise quantizations into the padded
+    token layout → 1 grouped launch (module docstring). ``dy`` [R, N] rows sorted by expert, ``x`` [T, K]
+    (row r reads ``x[gather[r]]``) or [R, K] without ``gather``; ``seed`` seeds ``dy``'s stochastic
+    rounding (one seed for every expert)."""
     rows = dy.shape[0]
     padded, dest, length = padded_segments(offsets, rows)
     qb = _qbackend(dy)
@@ -271,11 +275,30 @@ def nvfp4_wgrad(
         cfg.backend == "auto" and _auto_backend(dy) in ("triton_expanded", "grouped_mm")
     )
     emit = torch.bfloat16 if expanded else None
-    dyt = pad_segments(dy, dest, length).t().contiguous()  # [N, L]
-    xt = pad_segments(x, dest, length, gather).t().contiguous()  # [K, L]
-    dyq = quantize(dyt, cfg.wgrad, backend=qb, seed=seed, emit_expanded=emit)
-    xq = quantize(xt, replace(cfg.wgrad, rounding="nearest"), backend=qb, emit_expanded=emit)
+    x_recipe = replace(cfg.wgrad, rounding="nearest")
+    # CUDA (or the interpreter, unless the reference GEMM was asked for): straight from the sorted rows,
+    # byte-identical to the materialized path of the else branch
+    if dy.is_cuda or (_interpreting() and cfg.backend != "reference"):
+        from triage.kernels.nvfp4.triton_quant_t import quantize_columnwise
+
+        dyq = quantize_columnwise(
+            dy, cfg.wgrad, seed=seed, dest=dest, length=length, emit_expanded=emit, backend="triton"
+        )  # [N, L]
+        xq = quantize_columnwise(
+            x, x_recipe, gather=gather, dest=dest, length=length, emit_expanded=emit, backend="triton"
+        )  # [K, L]
+    else:  # the reference path: the padded layout materialized and transposed
+        dyt = pad_segments(dy, dest, length).t().contiguous()  # [N, L]
+        xt = pad_segments(x, dest, length, gather).t().contiguous()  # [K, L]
+        dyq = quantize(dyt, cfg.wgrad, backend=qb, seed=seed, emit_expanded=emit)
+        xq = quantize(xt, x_recipe, backend=qb, emit_expanded=emit)
     return grouped_wgrad(dyq, xq, padded, out_dtype=out_dtype, backend=cfg.backend, validate=False)
+
+
+def _interpreting() -> bool:
+    from triage.kernels.nvfp4.triton_quant import interpreting
+
+    return interpreting()
 
 
 def _qbackend(t: torch.Tensor) -> str:
