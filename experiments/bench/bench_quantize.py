@@ -8,10 +8,11 @@
    (device time only); effective bandwidth = (bytes read once + bytes written) / time, against the measured
    device copy bandwidth. Also quantize + emit_expanded, expand, dequantize, and a small tile sweep.
 
-Usage:  python experiments/bench/bench_quantize.py [--quick] [--skip-exact] [--ab] [--sweep]
+Usage:  python experiments/bench/bench_quantize.py [--quick] [--skip-exact] [--ab] [--sweep] [--columnwise]
         (writes $OUT/bench_quantize.json if $OUT set). ``--ab``: each case also on the general path
-        (``pairs=False``, the kernel before the bf16 fast path), side by side. The exact section checks the
-        default (fast) path and, for three variants per profile, the general path.
+        (``pairs=False``, the kernel before the bf16 fast path; +hadamard included), side by side. The exact
+        section checks the default (fast, Hadamard included) path and, for five variants per profile (two
+        with Hadamard), the general path.
 """
 
 from __future__ import annotations
@@ -61,8 +62,18 @@ def check_exact(quick: bool) -> list[dict]:
         {"block": "16x16"},
         {"rounding": "stochastic", "seed": 7},
         {"hadamard": True, "scale": "row"},
+        {"hadamard": True, "rounding": "stochastic", "seed": 7},
+        {"hadamard": True, "scale": "expert"},
+        {"hadamard": True, "block": "16x16", "rounding": "stochastic", "seed": 3},
         {"scale_source": "static", "static_amax": 100.0},
     ]
+    general = (  # also run on the general (non-pair) path
+        {},
+        {"block": "16x16"},
+        {"rounding": "stochastic", "seed": 7},
+        {"hadamard": True, "scale": "row"},
+        {"hadamard": True, "rounding": "stochastic", "seed": 7},
+    )
     results = []
     for p_i, profile in enumerate(PROFILES):
         x = adversarial(rows, k, seed=1000 + p_i, device="cuda").reshape(8, rows // 8, k)
@@ -74,16 +85,13 @@ def check_exact(quick: bool) -> list[dict]:
             r = {"profile": profile, "variant": v, "blocks": x.numel() // 16, **compare(ref, tri)}
             r["seconds"] = round(time.time() - t0, 2)
             results.append(r)
-            if v in (
-                {},
-                {"block": "16x16"},
-                {"rounding": "stochastic", "seed": 7},
-            ):  # the general (non-pair) path
+            if v in general:
                 r = compare(ref, quantize_triton(x, recipe, pairs=False))
                 results.append(
                     {"profile": profile, "variant": f"general path {v}", "blocks": x.numel() // 16, **r}
                 )
-        for v in ({}, {"scale": "row", "rounding": "stochastic"}, {"block": "16x16"}):
+        for v in ({}, {"scale": "row", "rounding": "stochastic"}, {"block": "16x16"},
+                  {"hadamard": True, "rounding": "stochastic"}):  # fmt: skip
             recipe = QuantRecipe(profile=profile, **v)
             for dt in (torch.bfloat16, torch.float16):
                 t = quantize(x, recipe, backend="triton", emit_expanded=dt)
@@ -97,15 +105,18 @@ def check_exact(quick: bool) -> list[dict]:
                 )  # fmt: skip
         # torch reference on CPU vs Triton on GPU (catches CPU/GPU differences in torch itself)
         xs = x[:1, :64].contiguous()
-        recipe = QuantRecipe(profile=profile, scale="row")
-        r = compare(
-            quantize(xs.cpu(), recipe, backend="torch"), quantize(xs, recipe, backend="triton").to("cpu")
-        )
-        results.append({"profile": profile, "variant": "cpu-reference-vs-gpu-triton", **r})
-        mid = midpoint_tensor(512, 4096, seed=p_i).cuda()
-        r = compare(quantize(mid, QuantRecipe(profile=profile), backend="torch"),
-                    quantize(mid, QuantRecipe(profile=profile), backend="triton"))  # fmt: skip
-        results.append({"profile": profile, "variant": "midpoints", **r})
+        for had in (False, True):  # hadamard: the GPU's bf16 rounding (cvt.rn) against the CPU's
+            recipe = QuantRecipe(profile=profile, scale="row", hadamard=had)
+            r = compare(
+                quantize(xs.cpu(), recipe, backend="torch"), quantize(xs, recipe, backend="triton").to("cpu")
+            )
+            name = "cpu-reference-vs-gpu-triton" + (" +hadamard" if had else "")
+            results.append({"profile": profile, "variant": name, **r})
+        for had in (False, True):  # hadamard: pre-rotated, so the transformed values are the midpoints
+            mid = midpoint_tensor(512, 4096, seed=p_i, hadamard=had).cuda()
+            recipe = QuantRecipe(profile=profile, hadamard=had)
+            r = compare(quantize(mid, recipe, backend="torch"), quantize(mid, recipe, backend="triton"))
+            results.append({"profile": profile, "variant": "midpoints" + (" +hadamard" if had else ""), **r})
     return results
 
 
@@ -177,9 +188,7 @@ def bench(quick: bool, ab: bool = False, sweep: bool = False) -> dict:
     for name, kw in cases:
         r = QuantRecipe(**kw)
         add(name, lambda r=r: quantize(x, r, backend="triton"))
-        if (
-            ab and "hadamard" not in kw
-        ):  # the same case on the general path (the kernel before the bf16 fast path)
+        if ab:  # the same case on the general path (the kernel before the bf16 fast path)
             add(name + " [general path]", lambda r=r: quantize_triton(x, r, pairs=False))
     for profile in PROFILES[1:]:
         r = QuantRecipe(profile=profile)
@@ -216,16 +225,145 @@ def bench(quick: bool, ab: bool = False, sweep: bool = False) -> dict:
     return {"copy_GB/s": round(copy_gbs, 1), "shape": [m, k], "rows": rows, "triton": triton.__version__}
 
 
+def bench_columnwise(quick: bool) -> dict:
+    """``--columnwise``: ``quantize_columnwise`` (1×16 blocks along the tokens, no transposed copy) against
+    the old ``quantize(<transposed / padded copy>)``: bytes identical? and both times (do_bench medians,
+    CUDA-graph replays where capturable). Dense: bf16 x [16384, 4096] (the NVFP4Linear wgrad operands);
+    MoE: 131072 routed rows (16384 tokens, top-8, 128 experts) into the 16-aligned segment layout, C=2048,
+    x gathered from the tokens (as ``nvfp4_wgrad``) and dy [131072, 1536] without gather. Also a bit-exact
+    check on adversarial blocks for every profile and a small tile sweep."""
+    from dataclasses import replace
+
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    from triage.kernels.moe import offsets_from_expert_ids
+    from triage.kernels.moe.grouped_gemm import pad_segments, padded_segments
+    from triage.kernels.nvfp4.triton_quant_t import columnwise_matrix, quantize_columnwise
+
+    PROFILES, QuantRecipe, _, quantize, adversarial, _, _ = _import()
+    rows, ok = [], True
+
+    def same(a, b) -> bool:
+        r = compare(a, b)
+        good = r["data_bytes_differ"] == 0 and r["scale_bytes_differ"] == 0 and r["outer_differ"] == 0
+        if a.amax is not None or b.amax is not None:
+            good &= torch.equal(a.amax.nan_to_num(-1.0), b.amax.nan_to_num(-1.0))
+        if a.expanded is not None or b.expanded is not None:
+            good &= torch.equal(a.expanded.view(torch.int16), b.expanded.view(torch.int16))
+        return bool(good)
+
+    def timed(fn) -> tuple[float, float]:
+        fn()
+        ms = do_bench(fn, warmup=10, rep=50, return_mode="median")
+        try:
+            graph = do_bench_cudagraph(fn, rep=50, return_mode="median")
+        except Exception:  # noqa: BLE001 - a path that cannot be captured
+            graph = float("nan")
+        return ms, graph
+
+    def row(case, old, new, nbytes):
+        nonlocal ok
+        identical = same(old(), new())
+        ok &= identical
+        t_old, g_old = timed(old)
+        t_new, g_new = timed(new)
+        best = min(t_new, g_new) if g_new == g_new else t_new
+        rows.append({
+            "case": case, "identical": identical, "old_ms": round(t_old, 4), "old_graph_ms": round(g_old, 4),
+            "new_ms": round(t_new, 4), "new_graph_ms": round(g_new, 4), "new_GB/s": round(nbytes / best / 1e6, 1),
+        })  # fmt: skip
+
+    # bit-exactness on adversarial blocks along the tokens (blocks of Y = xᵀ), every profile
+    t_adv, c_adv = (1024, 1024) if quick else (4096, 1024)
+    for p_i, profile in enumerate(PROFILES):
+        x = adversarial(c_adv, t_adv, seed=2000 + p_i, device="cuda").t().contiguous()  # [T, C]
+        for v in ({"hadamard": True, "rounding": "stochastic"}, {"hadamard": True, "scale": "row"}, {}):
+            recipe = QuantRecipe(profile=profile, **v)
+            y = columnwise_matrix(x)
+            got = quantize_columnwise(x, recipe, seed=9, emit_expanded=torch.bfloat16)
+            good = same(got, quantize(y, recipe, backend="triton", seed=9, emit_expanded=torch.bfloat16))
+            good &= same(replace(got, expanded=None), quantize(y, recipe, backend="torch", seed=9))
+            ok &= good
+            rows.append({"case": f"exact {profile} {v}", "identical": good})
+    # dense wgrad operands: dyᵀ (stochastic) / xᵀ (nearest), Hadamard, per tensor
+    m, k = (4096, 4096) if quick else (16384, 4096)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 3
+    nbytes = m * k * 2 + m * k // 2 + m * k // 16  # read once, write codes + scales
+    for name, recipe in (
+        (
+            "dense 1x16 hadamard stochastic tensor",
+            QuantRecipe(hadamard=True, rounding="stochastic", pad=True),
+        ),
+        ("dense 1x16 hadamard nearest tensor", QuantRecipe(hadamard=True, pad=True)),
+        (
+            "dense 1x16 hadamard stochastic row",
+            QuantRecipe(hadamard=True, rounding="stochastic", scale="row"),
+        ),
+        ("dense 1x16 nearest tensor (no hadamard)", QuantRecipe()),
+    ):
+        row(name, lambda r=recipe: quantize(x.t().contiguous(), r, seed=5),
+            lambda r=recipe: quantize_columnwise(x, r, seed=5), nbytes)  # fmt: skip
+    # MoE wgrad operands: sorted rows into the 16-aligned segment layout
+    tokens, experts, top_k = (2048, 128, 8) if quick else (16384, 128, 8)
+    torch.manual_seed(0)
+    idx = torch.randn(tokens, experts, device="cuda").topk(top_k, dim=-1).indices
+    order, offsets = offsets_from_expert_ids(idx, experts)
+    gather = order // top_k
+    n_rows = gather.numel()
+    _, dest, length = padded_segments(offsets, n_rows)
+    recipe = QuantRecipe(hadamard=True, rounding="stochastic", pad=True)
+    near = QuantRecipe(hadamard=True, pad=True)
+    x_tok = torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(n_rows, 1536, device="cuda", dtype=torch.bfloat16)
+    emit = torch.bfloat16
+    for name, src, g, r, c in (
+        ("moe x (gather) C=2048 nearest +exp", x_tok, gather, near, 2048),
+        ("moe dy C=1536 stochastic +exp", dy, None, recipe, 1536),
+    ):
+        nb = n_rows * c * 2 + length * c // 2 + length * c // 16 + length * c * 2
+        row(
+            name,
+            lambda src=src, g=g, r=r: quantize(
+                pad_segments(src, dest, length, g).t().contiguous(), r, seed=3, emit_expanded=emit
+            ),
+            lambda src=src, g=g, r=r: quantize_columnwise(
+                src, r, seed=3, gather=g, dest=dest, length=length, emit_expanded=emit
+            ),
+            nb,
+        )
+    # tile sweep (dense stochastic case)
+    recipe = QuantRecipe(hadamard=True, rounding="stochastic", pad=True)
+    for bc, bt, nw in ((128, 64, 4), (64, 64, 4), (128, 32, 4), (256, 64, 8), (128, 128, 8), (64, 128, 4),
+                       (256, 32, 4), (32, 64, 2)):  # fmt: skip
+        try:
+            fn = lambda bc=bc, bt=bt, nw=nw: quantize_columnwise(  # noqa: E731
+                x, recipe, seed=5, block_c=bc, block_t=bt, num_warps=nw
+            )
+            t, g = timed(fn)
+            rows.append(
+                {"case": f"sweep BC={bc} BT={bt} w{nw}", "new_ms": round(t, 4), "new_graph_ms": round(g, 4)}
+            )
+        except Exception as exc:  # noqa: BLE001 - report and keep sweeping
+            rows.append(
+                {"case": f"sweep BC={bc} BT={bt} w{nw}", "error": f"{type(exc).__name__}: {exc}"[:120]}
+            )
+    return {"rows": rows, "identical": ok, "moe_rows": n_rows, "moe_length": length}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer blocks, no tile sweep")
     ap.add_argument("--skip-exact", action="store_true")
     ap.add_argument("--ab", action="store_true", help="also time the general path (pairs=False) per case")
     ap.add_argument("--sweep", action="store_true", help="tile sweep (BR, BK, num_warps) of the fast path")
+    ap.add_argument("--columnwise", action="store_true",
+                    help="only the columnwise (transposed-operand) quantizer vs transpose + quantize")  # fmt: skip
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_quantize.py needs a CUDA device", file=sys.stderr)
         return 2
+    if args.columnwise:
+        return main_columnwise(args.quick)
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     ok = True
@@ -259,6 +397,30 @@ def main() -> int:
             json.dump(out, f, indent=1)
         print(f"wrote {path}")
     return 0 if ok else 1
+
+
+def main_columnwise(quick: bool) -> int:
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    res = bench_columnwise(quick)
+    print(f"{'case':58s} {'same':>5s} {'old ms':>8s} {'graph':>8s} {'new ms':>8s} {'graph':>8s} {'GB/s':>8s}")
+    for r in res["rows"]:
+        if "error" in r:
+            print(f"{r['case']:58s} {r['error']}")
+            continue
+        same = {True: "yes", False: "NO", None: "-"}[r.get("identical")]
+        print(
+            f"{r['case'][:58]:58s} {same:>5s} {r.get('old_ms', float('nan')):8.4f} "
+            f"{r.get('old_graph_ms', float('nan')):8.4f} {r.get('new_ms', float('nan')):8.4f} "
+            f"{r.get('new_graph_ms', float('nan')):8.4f} {r.get('new_GB/s', float('nan')):8.1f}"
+        )
+    print(f"moe layout: {res['moe_rows']} rows -> length {res['moe_length']}")
+    print("COLUMNWISE BYTES IDENTICAL: " + ("yes" if res["identical"] else "NO"))
+    if os.environ.get("OUT"):
+        path = os.path.join(os.environ["OUT"], "bench_quantize_columnwise.json")
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1)
+        print(f"wrote {path}")
+    return 0 if res["identical"] else 1
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
     PYTHONPATH=/tmp/t36 python experiments/bench/sass_quantize.py [old]
 (/tmp/t36: `pip install --no-deps --target /tmp/t36 triton==3.6.0`, the GPU image's Triton; without it the
-local Triton is used.) "old" also compiles the general path (PAIRS=False). One line per loop of the kernel.
+local Triton is used.) "old" also compiles the general path (PAIRS=False). One line per loop of the kernel
+(row scale: the amax sweep || the quantize loop); the last lines are the per-tensor amax pass with Hadamard.
 """
 
 import collections
@@ -99,7 +100,7 @@ def report(name, s, elems, threads):
         parts.append(
             f"{len(l)} ins = {len(l) * threads / elems:.2f}/elt [{', '.join(f'{k}{v}' for k, v in ops.most_common(8))}]"
         )
-    print(f"{name:34s}", " || ".join(parts), flush=True)
+    print(f"{name:40s}", " || ".join(parts), flush=True)
 
 
 def amax(name, BLOCK=4096, nw=8):
@@ -122,6 +123,21 @@ def amax(name, BLOCK=4096, nw=8):
     report(name, s, BLOCK, nw * 32)
 
 
+def amax_hadamard(name, pairs, BR=8, NB=32, nw=4):
+    """The per-tensor amax pass with Hadamard: general (``_amax_tiled_kernel``) or fast-path layout."""
+    if pairs:
+        fn, sig = q._amax_pairs_kernel, dict(x_ptr="*i32", amax_ptr="*i32", rows_per_group="i32", KP="i32")
+        cx = dict(PROPAGATE_NAN=False, SIGNS=q.SIGN_MASK, BR=BR, NB=NB)
+    else:
+        fn = q._amax_tiled_kernel
+        sig = dict(x_ptr="*i16", amax_ptr="*i32", rows_per_group="i32", K="i32", KP="i32")
+        cx = dict(PROPAGATE_NAN=False, HADAMARD=True, ROUND=1, SIGNS=q.SIGN_MASK, BR=BR, NB=NB)
+    sig.update({k: "constexpr" for k in cx})
+    div = tuple(k for k in sig if k not in cx)
+    s = compile_sass(fn.fn, signature=sig, constexprs=cx, num_warps=nw, divisible=div)
+    report(name, s, BR * NB * 16, nw * 32)
+
+
 def dump(name, s):
     l = max(loops(s), key=len)
     open(f"/tmp/q/{name}.loop", "w").write("\n".join(f"{a:05x} {op} {r}" for a, op, r in l))
@@ -139,7 +155,13 @@ if __name__ == "__main__":
         ("tensor modelopt", dict(PROFILE=2, SIGNBIT=False)),
         ("tensor ct", dict(PROFILE=3, SIGNBIT=False)),
         ("static + expanded", dict(OUTER=0, EXPANDED=1)),
+        ("row 1x16 nearest te +hadamard", dict(OUTER=2, HADAMARD=True)),
+        ("tensor 1x16 nearest te +hadamard", dict(HADAMARD=True)),
+        ("tensor 1x16 stochastic te +hadamard", dict(STOCHASTIC=True, HADAMARD=True)),
     ]:
         if "old" in sys.argv:
             quant("OLD " + nm, **kw)
-        quant("NEW " + nm, **P, **kw)
+        quant("NEW " + nm, **P, **{"NB": 16 if kw.get("TILE16") else 32, **kw})  # the default tiles
+    if "old" in sys.argv:
+        amax_hadamard("OLD amax pass +hadamard", False, BR=8, NB=16)
+    amax_hadamard("NEW amax pass +hadamard", True)

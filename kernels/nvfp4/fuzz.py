@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from .hadamard import inverse_hadamard16
+
 __all__ = ["adversarial", "midpoint_tensor"]
 
 MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
@@ -73,10 +75,18 @@ def adversarial(
     return out.reshape(rows, k).to(dtype).to(device)
 
 
-def midpoint_tensor(rows: int, k: int, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def midpoint_tensor(
+    rows: int, k: int, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16, hadamard: bool = False
+) -> torch.Tensor:
     """Blocks of exact E2M1 midpoints (times 2^e, block max 6 * 2^e) and a first block holding 2688, so the
-    per-tensor outer scale is exactly 1 in every profile and every midpoint lands exactly on a tie."""
+    per-tensor outer scale is exactly 1 in every profile and every midpoint lands exactly on a tie.
+    ``hadamard``: pre-rotated (the first block ``2688, 0, ..., 0``), so that the Hadamard transform
+    (``hadamard16``) of the bf16 result is that tensor again: its values are sums of few-bit terms, exact in
+    bf16 and fp32 (every block is, for these value ranges; the tests check)."""
     g = torch.Generator().manual_seed(seed)
     out = _midpoint_blocks(rows * k // 16, g)
     out[0, 0] = 2688.0
+    if hadamard:
+        out[0, 1:] = 0.0
+        return inverse_hadamard16(out.reshape(rows, k)).to(dtype)
     return out.reshape(rows, k).to(dtype)

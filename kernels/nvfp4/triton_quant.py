@@ -5,12 +5,14 @@ Tiles are 3-D ``[BR rows, NB blocks, 16]``, built straight from pointers, so eve
 and block scales broadcast back without a layout change. One program quantizes ``BR`` rows across all of K
 in ``BK = 16·NB`` chunks: load -> (Hadamard, rounded to the input dtype) -> block amax -> E4M3 block scale ->
 scaled values -> E2M1 codes (nearest or stochastic) -> packed bytes (+ optionally the exact ``q·s`` values,
-``emit_expanded``, for a stock tensor-core GEMM). Outer scale, never through the host (no device sync):
+``emit_expanded``, for a stock tensor-core GEMM). bf16 with ``K % 16 == 0`` takes a fast path (``PAIRS``,
+:func:`_quantize_pairs_step`): whole blocks per thread as int32 words of bf16 pairs, no shuffles, the
+Hadamard transform (if any) as register arithmetic. Outer scale, never through the host (no device sync):
 
 * ``"row"`` (dynamic): one kernel; the program first sweeps its rows for the row amax, then quantizes (the
   second read hits L2);
 * ``"tensor"`` / ``"expert"`` (dynamic): an amax kernel (flat 1-D sweep, integer max on the float bits,
-  one ``atomic_max`` per program into a zeroed buffer), then the quantize kernel, which turns the amax
+  one ``atomic_max`` per program into a zeroed buffer; with Hadamard a sweep of whole blocks), then the quantize kernel, which turns the amax
   into the outer scales itself (same formulas as the reference, ``div_rn``) and writes them out;
 * static / checkpoint / none: the outer scales come from the recipe alone, are computed once on the host
   with the reference's own torch code (CPU, IEEE) and passed as fp32 kernel arguments; one pass.
@@ -18,7 +20,8 @@ scaled values -> E2M1 codes (nearest or stochastic) -> packed bytes (+ optionall
 Exactness rules (Triton fp32 ``/`` is approximate, see docs): every division is ``tl.math.div_rn``; products
 feeding an add are exact (signs, powers of two) so FMA contraction cannot change a result; the E4M3 cast and
 the bf16 rounding are done with integer arithmetic (the interpreter's casts truncate, the GPU's round; the
-integer path is right on both).
+integer path is right on both), except the fast path's Hadamard outputs, rounded by the GPU's own
+``cvt.rn.bf16.f32`` (:func:`_bf16_rne_fast`; integer under the interpreter).
 """
 
 from __future__ import annotations
@@ -76,6 +79,10 @@ def _check_runnable(t: torch.Tensor) -> None:
 if HAVE_TRITON:
     #: the Triton interpreter's float casts and NaN-max rules differ from the GPU's: both paths are kept
     INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+    #: bf16 rounding of Hadamard outputs on the fast path by integer arithmetic (always under the interpreter,
+    #: whose casts truncate) instead of the GPU's ``cvt.rn.bf16.f32``; ``TRIAGE_NVFP4_HW_BF16=0`` forces it
+    #: on the GPU too (both are exact RNE; for A/B checks)
+    BF16_INT_ROUND = tl.constexpr(INTERPRETED.value or os.environ.get("TRIAGE_NVFP4_HW_BF16", "1") == "0")
 
     @triton.jit
     def _max_nan(a, b):
@@ -106,6 +113,16 @@ if HAVE_TRITON:
         bits = x.to(tl.uint32, bitcast=True)
         r = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         return tl.where(x != x, x, r.to(tl.float32, bitcast=True))
+
+    @triton.jit
+    def _bf16_rne_fast(x):
+        """:func:`_bf16_rne` (NaN only kept as some NaN) in the GPU's own conversion: ``cvt.rn.bf16.f32``
+        (one ``F2F`` per value, subnormals kept; what torch's CUDA ``.to(bfloat16)`` runs too) and an
+        exact widening, 2 instructions per value against ~6. The interpreter's cast truncates: there (and
+        with ``TRIAGE_NVFP4_HW_BF16=0``) the integer path."""
+        if BF16_INT_ROUND:
+            return _bf16_rne(x)
+        return x.to(tl.bfloat16).to(tl.float32)
 
     @triton.jit
     def _round_to(x, ROUND: tl.constexpr):
@@ -320,6 +337,37 @@ if HAVE_TRITON:
         if PROPAGATE_NAN:
             tl.atomic_max(amax_ptr + 2 * g + 1, tl.max(tl.max(has_nan, axis=1), axis=0))
 
+    @fast_launch
+    @triton.jit
+    def _amax_pairs_kernel(
+        x_ptr, amax_ptr, rows_per_group, KP,
+        PROPAGATE_NAN: tl.constexpr, SIGNS: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr,
+    ):  # fmt: skip
+        """:func:`_amax_tiled_kernel` with Hadamard on the bf16 fast path's layout (``x_ptr`` an int32 view of
+        bf16 pairs, ``K == KP``): whole blocks per thread, the transform in registers (:func:`_rht16_pairs`).
+        The final ``· 0.25`` and bf16 rounding are applied to each block's max (:func:`_rht_amax_finish`), so
+        the amax is the general path's to the bit."""
+        pid, g = tl.program_id(0), tl.program_id(1)
+        rows = pid * BR + tl.arange(0, BR)
+        rmask = rows < rows_per_group
+        grow = g.to(tl.int64) * rows_per_group + rows
+        j4 = tl.arange(0, 4)
+        m = tl.zeros((NB, BR), tl.float32)
+        has_nan = tl.zeros((NB, BR), tl.float32)
+        for k0 in range(0, KP, 16 * NB):
+            cb = k0 // 16 + tl.arange(0, NB)
+            off = grow[None, :, None] * (KP // 2) + (cb[:, None, None] * 8 + j4[None, None, :])
+            m3 = ((cb[:, None] < KP // 16) & rmask[None, :])[:, :, None]
+            a0, b0, a1, b1 = _load_pairs(x_ptr, off, m3, NB, BR, True, SIGNS, True)
+            m = tl.maximum(m, _rht_amax_finish(_amax4(a0, b0, a1, b1, True)))  # NaN-free
+            if PROPAGATE_NAN:  # the NaN-propagating block max: NaN iff the block holds one
+                n = _amax4(a0, b0, a1, b1, False)
+                has_nan = tl.maximum(has_nan, tl.where(n != n, 1.0, 0.0))
+        out = tl.max(tl.max(m, axis=1), axis=0)
+        tl.atomic_max(amax_ptr + 2 * g, out.to(tl.int32, bitcast=True))
+        if PROPAGATE_NAN:
+            tl.atomic_max(amax_ptr + 2 * g + 1, tl.max(tl.max(has_nan, axis=1), axis=0).to(tl.int32))
+
     @triton.jit
     def _e2m1_value(q):
         """E2M1 code (int32) -> fp32 value (exact), -0 for code 8: the bits of codes >= 2 are
@@ -376,6 +424,87 @@ if HAVE_TRITON:
     def _widen_pairs(w):
         """int32 words holding two bf16 (element 2j in the low half) -> (even, odd) elements as fp32 (exact)."""
         return (w << 16).to(tl.float32, bitcast=True), (w & -65536).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _split4(v, D0: tl.constexpr, D1: tl.constexpr):
+        """``[D0, D1, 4]`` (the 4 in one thread) -> its four ``[D0, D1]`` slices ``v[..., 0..3]`` (register
+        renames: no data moves)."""
+        p, q = tl.split(tl.reshape(v, (D0, D1, 2, 2)))  # entries {0, 2} and {1, 3}
+        v0, v2 = tl.split(p)
+        v1, v3 = tl.split(q)
+        return v0, v1, v2, v3
+
+    @triton.jit
+    def _join4(v0, v1, v2, v3, D0: tl.constexpr, D1: tl.constexpr):
+        """The inverse of :func:`_split4`."""
+        return tl.reshape(tl.join(tl.join(v0, v2), tl.join(v1, v3)), (D0, D1, 4))
+
+    @triton.jit
+    def _sgn(v, SIGNS: tl.constexpr, I: tl.constexpr):
+        """``v`` times the Hadamard sign of position ``I`` (+-1, exact: a negation at most)."""
+        return v * (1.0 - 2.0 * ((SIGNS >> I) & 1))
+
+    @triton.jit
+    def _bfly16(v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15):
+        """One radix-2 stage of hadamard._butterfly16 on 16 values: position ``2h + b`` -> ``8b + h`` with
+        ``(a + b, a - b)`` of the pair ``(v[2h], v[2h+1])``."""
+        return (
+            v0 + v1, v2 + v3, v4 + v5, v6 + v7, v8 + v9, v10 + v11, v12 + v13, v14 + v15,
+            v0 - v1, v2 - v3, v4 - v5, v6 - v7, v8 - v9, v10 - v11, v12 - v13, v14 - v15,
+        )  # fmt: skip
+
+    @triton.jit
+    def _rht16_pairs(a0, b0, a1, b1, NB: tl.constexpr, BR: tl.constexpr, SIGNS: tl.constexpr,
+                     RAW: tl.constexpr):  # fmt: skip
+        """Hadamard of whole 16-blocks held in one thread as the fast path's four ``[NB, BR, 4]`` pieces (any
+        two leading dims; elements ``2j``, ``2j+1``, ``8+2j``, ``9+2j``, j < 4), returned in the same
+        arrangement: the same fp32 operations in the same order as :func:`_rht16` / hadamard.py (signs, four
+        butterfly stages, * 0.25) as register arithmetic on 16 ``[NB, BR]`` values, then rounded to bf16
+        like the general path (``_round_to(., 1)``). ``RAW``: stop after the butterflies, for amaxes only
+        (:func:`_rht_amax_finish` applies the rest to a block max)."""
+        x0, x2, x4, x6 = _split4(a0, NB, BR)
+        x1, x3, x5, x7 = _split4(b0, NB, BR)
+        x8, x10, x12, x14 = _split4(a1, NB, BR)
+        x9, x11, x13, x15 = _split4(b1, NB, BR)
+        v = (
+            _sgn(x0, SIGNS, 0), _sgn(x1, SIGNS, 1), _sgn(x2, SIGNS, 2), _sgn(x3, SIGNS, 3),
+            _sgn(x4, SIGNS, 4), _sgn(x5, SIGNS, 5), _sgn(x6, SIGNS, 6), _sgn(x7, SIGNS, 7),
+            _sgn(x8, SIGNS, 8), _sgn(x9, SIGNS, 9), _sgn(x10, SIGNS, 10), _sgn(x11, SIGNS, 11),
+            _sgn(x12, SIGNS, 12), _sgn(x13, SIGNS, 13), _sgn(x14, SIGNS, 14), _sgn(x15, SIGNS, 15),
+        )  # fmt: skip
+        for _ in tl.static_range(4):
+            v = _bfly16(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7],
+                        v[8], v[9], v[10], v[11], v[12], v[13], v[14], v[15])  # fmt: skip
+        a0 = _join4(v[0], v[2], v[4], v[6], NB, BR)
+        b0 = _join4(v[1], v[3], v[5], v[7], NB, BR)
+        a1 = _join4(v[8], v[10], v[12], v[14], NB, BR)
+        b1 = _join4(v[9], v[11], v[13], v[15], NB, BR)
+        if not RAW:
+            a0 = _bf16_rne_fast(a0 * 0.25)
+            b0 = _bf16_rne_fast(b0 * 0.25)
+            a1 = _bf16_rne_fast(a1 * 0.25)
+            b1 = _bf16_rne_fast(b1 * 0.25)
+        return a0, b0, a1, b1
+
+    @triton.jit
+    def _rht_amax_finish(m):
+        """The block amax of the transformed values from the max ``m`` of the raw butterfly outputs
+        (``RAW``): ``rne_bf16(m · 0.25)``. Both ``· 0.25`` (correctly rounded) and the bf16 RNE are monotone
+        and odd, so ``max |rne(s · 0.25)| = rne(max |s| · 0.25)`` to the bit, NaN staying NaN (ignored or
+        propagated as before); one multiply and one rounding per block instead of per element."""
+        return _bf16_rne_fast(m * 0.25)
+
+    @triton.jit
+    def _load_pairs(x_ptr, off, m3, NB: tl.constexpr, BR: tl.constexpr, HADAMARD: tl.constexpr,
+                    SIGNS: tl.constexpr, RAW: tl.constexpr):  # fmt: skip
+        """Whole bf16 16-blocks from the int32 words at ``off`` (``[NB, BR, 4]``: elements 0..7) and ``off + 4``
+        (8..15), widened to fp32 as ``(a0, b0, a1, b1)`` (elements ``2j``, ``2j+1``, ``8+2j``, ``9+2j``),
+        Hadamard-rotated if asked (:func:`_rht16_pairs`, ``RAW`` as there); 0 where ``m3`` is false."""
+        a0, b0 = _widen_pairs(tl.load(x_ptr + off, mask=m3, other=0))
+        a1, b1 = _widen_pairs(tl.load(x_ptr + off + 4, mask=m3, other=0))
+        if HADAMARD:
+            a0, b0, a1, b1 = _rht16_pairs(a0, b0, a1, b1, NB, BR, SIGNS, RAW)
+        return a0, b0, a1, b1
 
     @triton.jit
     def _amax4(a0, b0, a1, b1, IGNORE_NAN: tl.constexpr):
@@ -451,12 +580,14 @@ if HAVE_TRITON:
     def _quantize_pairs_step(
         x_ptr, data_ptr, scale_ptr, exp_ptr, grow, rmask, k0, KP, enc, dec, one, r6, keyu,
         PROFILE: tl.constexpr, TILE16: tl.constexpr, STOCHASTIC: tl.constexpr, SIGNBIT: tl.constexpr,
-        EXPANDED: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr,
+        EXPANDED: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr, HADAMARD: tl.constexpr = False,
+        SIGNS: tl.constexpr = 0,
     ):  # fmt: skip
-        """One ``[BR, 16·NB]`` chunk of the bf16 fast path (``K == KP``, no Hadamard). Every thread holds
+        """One ``[BR, 16·NB]`` chunk of the bf16 fast path (``K == KP``). Every thread holds
         whole 16-blocks as int32 words of bf16 pairs (two 16-byte loads), so the block amax, the block scale
-        and its reciprocal are computed once per block and thread, widening is one op per element, and a
-        block's 8 code bytes leave as one 8-byte store. Tiles are ``[NB, BR, 4]`` (blocks first: Triton
+        and its reciprocal are computed once per block and thread, widening is one op per element, the
+        Hadamard transform (``HADAMARD``) is register arithmetic, and a block's 8 code bytes leave as one
+        8-byte store. Tiles are ``[NB, BR, 4]`` (blocks first: Triton
         orders threads along the first of equally contiguous dims, so a warp's lanes walk along a row and
         the scale bytes need no layout change); ``enc``/``dec``/``one``/``r6`` are ``[1, BR]``."""
         cb = k0 // 16 + tl.arange(0, NB)  # block columns [NB]
@@ -464,10 +595,7 @@ if HAVE_TRITON:
         bmask = (cb[:, None] < KP // 16) & rmask[None, :]  # [NB, BR]
         m3 = bmask[:, :, None]
         off = grow[None, :, None] * (KP // 2) + (cb[:, None, None] * 8 + j4[None, None, :])  # int32 words
-        w0 = tl.load(x_ptr + off, mask=m3, other=0)  # elements 0..7 of each block
-        w1 = tl.load(x_ptr + off + 4, mask=m3, other=0)  # elements 8..15
-        a0, b0 = _widen_pairs(w0)
-        a1, b1 = _widen_pairs(w1)
+        a0, b0, a1, b1 = _load_pairs(x_ptr, off, m3, NB, BR, HADAMARD, SIGNS, False)
         b = _amax4(a0, b0, a1, b1, PROFILE == 0)
         if TILE16:
             b = _tile16_amax_t(b, BR, NB, PROFILE)
@@ -513,7 +641,7 @@ if HAVE_TRITON:
         """Quantize rows ``[pid·BR, pid·BR + BR)`` of slice ``program_id(1)`` (16x16 tiles never cross slices).
 
         ``EXPANDED``: 0 none, 1 also write the exact ``q·s`` as bf16 (int16 bits), 2 as fp16, to ``exp_ptr``
-        ``[rows, KP]``. ``PAIRS``: the bf16 fast path (``K == KP``, no Hadamard), where ``x_ptr``, ``data_ptr``
+        ``[rows, KP]``. ``PAIRS``: the bf16 fast path (``K == KP``, Hadamard or not), where ``x_ptr``, ``data_ptr``
         and ``exp_ptr`` are int32 views (see :func:`_quantize_pairs_step`)."""
         BK: tl.constexpr = 16 * NB
         pid, s = tl.program_id(0), tl.program_id(1)
@@ -531,9 +659,11 @@ if HAVE_TRITON:
                         cb[None, :, None] * 8 + tl.arange(0, 4)[None, None, :]
                     )
                     m3 = (rmask[:, None] & (cb[None, :] < KP // 16))[:, :, None]
-                    a0, b0 = _widen_pairs(tl.load(x_ptr + off, mask=m3, other=0))
-                    a1, b1 = _widen_pairs(tl.load(x_ptr + off + 4, mask=m3, other=0))
-                    m = _max_nan(m, _amax4(a0, b0, a1, b1, PROFILE != 3))
+                    a0, b0, a1, b1 = _load_pairs(x_ptr, off, m3, BR, NB, HADAMARD, SIGNS, True)
+                    bm = _amax4(a0, b0, a1, b1, PROFILE != 3)
+                    if HADAMARD:  # * 0.25 and the bf16 rounding on the block max, not every element
+                        bm = _rht_amax_finish(bm)
+                    m = _max_nan(m, bm)
                 else:
                     x = _load_blocks(x_ptr, row0, rows, N, k0, K, BR, NB, HADAMARD, ROUND, SIGNS)
                     m = _max_nan(m, _block_amax(x, PROFILE != 3))  # NaN-free unless compressed-tensors
@@ -580,7 +710,7 @@ if HAVE_TRITON:
             if PAIRS:
                 _quantize_pairs_step(
                     x_ptr, data_ptr, scale_ptr, exp_ptr, grow, rmask, k0, KP, encT, decT, oneT, r6T, keyu,
-                    PROFILE, TILE16, STOCHASTIC, SIGNBIT, EXPANDED, BR, NB,
+                    PROFILE, TILE16, STOCHASTIC, SIGNBIT, EXPANDED, BR, NB, HADAMARD, SIGNS,
                 )  # fmt: skip
             else:
                 _quantize_step(
@@ -732,13 +862,19 @@ def _given_outer(recipe: QuantRecipe) -> tuple[float, float, float | None]:
 
 
 def _group_amax(
-    x2: torch.Tensor, recipe: QuantRecipe, groups: int, kp: int, br: int, nb: int
+    x2: torch.Tensor, recipe: QuantRecipe, groups: int, kp: int, br: int, nb: int, pairs: bool = False
 ) -> torch.Tensor:
-    """int32 ``[groups, 2]``: the bits of each group's NaN-free amax and a NaN flag (device only)."""
+    """int32 ``[groups, 2]``: the bits of each group's NaN-free amax and a NaN flag (device only).
+    ``pairs``: ``x2`` qualifies for the bf16 fast path (then Hadamard amaxes use its layout)."""
     buf = torch.zeros((groups, 2), dtype=torch.int32, device=x2.device)
     rows, k = x2.shape
     rows_per_group = rows // groups
     nan = recipe.profile == "compressed-tensors"
+    if recipe.hadamard and pairs:  # whole blocks per thread, the transform in registers
+        _amax_pairs_kernel[(triton.cdiv(rows_per_group, br), groups)](
+            x2.view(torch.int32), buf, rows_per_group, kp, PROPAGATE_NAN=nan, SIGNS=SIGN_MASK, BR=br, NB=nb,
+        )  # fmt: skip
+        return buf
     if recipe.hadamard:  # the transform needs whole 16-blocks of rows
         _amax_tiled_kernel[(triton.cdiv(rows_per_group, br), groups)](
             _bits(x2), buf, rows_per_group, k, kp,
@@ -768,7 +904,7 @@ def quantize_triton(
     """Triton twin of ``reference.quantize_reference`` (same bytes). ``block_rows``/``block_k`` (a multiple
     of 16) tune tiles. ``emit_expanded`` (bf16 or fp16): also return the exact ``q·s`` as
     ``NVFP4Tensor.expanded`` ``[..., Kp]``, written in the same pass. ``pairs``: use the bf16 fast path
-    when it applies (bf16, ``K % 16 == 0``, no Hadamard; default :data:`PAIRS_DEFAULT`); ``False`` forces
+    when it applies (bf16, ``K % 16 == 0``; default :data:`PAIRS_DEFAULT`); ``False`` forces
     the general path (for A/B timing and tests). Never synchronizes with the host."""
     _check_runnable(x)
     if emit_expanded is not None and emit_expanded not in EXPANDED_ID:
@@ -786,9 +922,7 @@ def quantize_triton(
     x2 = x.reshape(rows, k)
     if pairs is None:
         pairs = PAIRS_DEFAULT
-    pairs = (
-        pairs and dtype == torch.bfloat16 and not recipe.hadamard and k == kp and x2.storage_offset() % 2 == 0
-    )
+    pairs = pairs and dtype == torch.bfloat16 and k == kp and x2.storage_offset() % 2 == 0
     br_default, nb_default = _default_tiles(recipe, kp, pairs)
     br = block_rows or br_default
     nb = block_k // 16 if block_k else nb_default
@@ -803,7 +937,7 @@ def quantize_triton(
         mode, rows_per_outer, n_outer, out_shape = OUTER_ROW, 1, rows, gshape
     elif recipe.scale_source == "dynamic" and recipe.scale in ("tensor", "expert"):
         groups = shape[0] if recipe.scale == "expert" else 1
-        group_amax = _group_amax(x2, recipe, groups, kp, br, nb)
+        group_amax = _group_amax(x2, recipe, groups, kp, br, nb, pairs)
         mode, rows_per_outer, n_outer = OUTER_GROUP, rows // groups, groups
         out_shape = (groups,) + (1,) * (len(shape) - 1) if recipe.scale == "expert" else ()
     else:

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from triage.kernels.nvfp4 import PROFILES, QuantRecipe, dequantize, quantize
 from triage.kernels.nvfp4.fuzz import adversarial, midpoint_tensor
+from triage.kernels.nvfp4.hadamard import hadamard16
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 warnings.filterwarnings("ignore", category=RuntimeWarning)  # numpy overflow/NaN casts in the interpreter
@@ -56,6 +57,9 @@ VARIANTS = [
     {"hadamard": True},
     {"hadamard": True, "block": "16x16", "rounding": "stochastic"},
     {"hadamard": True, "scale": "row"},
+    {"hadamard": True, "scale": "expert"},
+    {"hadamard": True, "scale": "row", "rounding": "stochastic", "seed": 7},
+    {"hadamard": True, "scale_source": "static", "static_amax": 3.5},
 ]
 
 
@@ -75,8 +79,14 @@ def test_triton_matches_reference_dtypes(profile, dtype):
 
 
 @pytest.mark.parametrize("profile", PROFILES)
-def test_triton_midpoints(profile):
-    assert_same(midpoint_tensor(32, 128, seed=2).to(DEV), QuantRecipe(profile=profile))
+@pytest.mark.parametrize("hadamard", [False, True])
+def test_triton_midpoints(profile, hadamard):
+    x = midpoint_tensor(32, 128, seed=2, hadamard=hadamard).to(DEV)
+    if hadamard:  # the rotated values are the midpoint tensor (first block 2688, 0, ...): still on ties
+        y = midpoint_tensor(32, 128, seed=2)
+        y[0, 1:16] = 0.0
+        assert torch.equal(hadamard16(x), y.to(DEV))
+    assert_same(x, QuantRecipe(profile=profile, hadamard=hadamard))
 
 
 def test_triton_odd_shapes_padding_noncontiguous():
@@ -143,20 +153,25 @@ def test_triton_backend_errors_on_cpu_without_interpreter(monkeypatch):
 @pytest.mark.parametrize(
     "variant",
     [{}, {"scale": "row"}, {"block": "16x16"}, {"rounding": "stochastic", "seed": 11},
-     {"scale_source": "static", "static_amax": 3.5}],
+     {"scale_source": "static", "static_amax": 3.5}, {"hadamard": True},
+     {"hadamard": True, "scale": "row", "rounding": "stochastic", "seed": 11}],
     ids=lambda v: "-".join(f"{k}={v[k]}" for k in v) or "default",
 )  # fmt: skip
 def test_triton_bf16_pair_fast_path(profile, variant):
-    """The bf16 fast path (int32 pairs, whole blocks per thread; bf16, K % 16 == 0, no Hadamard) against the
-    reference and the general path, bytes and emit_expanded: several K chunks with a partial last chunk
-    (K = 16·21 with 8-block chunks), rows not a multiple of the tile, and shapes that fall back."""
+    """The bf16 fast path (int32 pairs, whole blocks per thread; bf16, K % 16 == 0; Hadamard in registers)
+    against the reference and the general path, bytes and emit_expanded: several K chunks with a partial last
+    chunk (K = 16·21 with 8-block chunks), rows not a multiple of the tile, non-contiguous input, and shapes
+    that fall back (fp16, K % 16 != 0, an odd storage offset)."""
     from triage.kernels.nvfp4.triton_quant import quantize_triton
 
     x = adversarial(37 if "block" not in variant else 48, 16 * 21, seed=21, device=DEV)
     assert x.dtype == torch.bfloat16
     recipe = QuantRecipe(profile=profile, **variant)
+    had = variant.get("hadamard", False)
     ref = quantize(x, recipe, backend="torch")
-    for kw in ({}, {"block_rows": 16, "block_k": 128}):
+    # Hadamard: one multi-chunk tiling (the rest of the loop machinery is the same as without), to save time
+    tiles = ({"block_rows": 32, "block_k": 128},) if had else ({}, {"block_rows": 16, "block_k": 128})
+    for kw in tiles:
         fast = quantize_triton(x, recipe, pairs=True, **kw)
         slow = quantize_triton(x, recipe, pairs=False, **kw)
         for t in (fast, slow):
@@ -164,13 +179,16 @@ def test_triton_bf16_pair_fast_path(profile, variant):
                 t.scale.view(torch.uint8), ref.scale.view(torch.uint8)
             )
             assert torch.equal(t.global_scale.nan_to_num(-1.0), ref.global_scale.nan_to_num(-1.0))
-    for dt in (torch.bfloat16, torch.float16):
-        e1 = quantize_triton(x, recipe, pairs=True, emit_expanded=dt, block_rows=16, block_k=128)
-        e2 = quantize_triton(x, recipe, pairs=False, emit_expanded=dt, block_rows=16, block_k=128)
+    for dt in (torch.float16,) if had else (torch.bfloat16, torch.float16):  # (+ test_nvfp4_expanded.py)
+        e1 = quantize_triton(x, recipe, pairs=True, emit_expanded=dt, **tiles[-1])
+        e2 = quantize_triton(x, recipe, pairs=False, emit_expanded=dt, **tiles[-1])
         assert torch.equal(e1.expanded.view(torch.int16), e2.expanded.view(torch.int16))
         assert torch.equal(e1.data, ref.data)
-    # not eligible: the fast path must fall back (and still be exact)
-    assert_same(adversarial(20, 48, dtype=torch.float16, seed=4, device=DEV), recipe)
+    # not eligible: the fast path must fall back (and still be exact); fp16 + Hadamard: test_..._dtypes
+    if not had:
+        assert_same(adversarial(20, 48, dtype=torch.float16, seed=4, device=DEV), recipe)
     if "block" not in variant:
         assert_same(x[:, :40], QuantRecipe(profile=profile, pad=True, **variant))  # K % 16 != 0
-    assert_same(x, QuantRecipe(profile=profile, hadamard=True, **variant))
+    if had:
+        assert_same(x.t().contiguous().t(), recipe)  # non-contiguous: copied, then the fast path
+        assert_same(x.flatten()[1 : 1 + 36 * 336].view(36, 336), recipe)  # odd offset: the general path
