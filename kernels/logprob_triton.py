@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triage.kernels._launch import fast_launch
+from triage.kernels._launch import cdiv, fast_launch, next_power_of_2
 
 
 @fast_launch
@@ -138,9 +138,9 @@ def lse_chunk_update_(
 ) -> None:
     """Fold one chunk of raw logits ``x`` [N, C] (fp32 or half, unit column stride) into the state in place."""
     n, c = x.shape
-    block_c = min(1024, triton.next_power_of_2(max(c, 16)))
+    block_c = min(1024, next_power_of_2(max(c, 16)))
     block_n = max(1, min(16, 4096 // block_c))
-    grid = (triton.cdiv(n, block_n),)
+    grid = (cdiv(n, block_n),)
     _lse_chunk_update_kernel[grid](
         x,
         x.stride(0),
@@ -185,9 +185,9 @@ def dlogits_chunk(
         out.element_size() != x.element_size()
         and out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
     )
-    block_c = min(1024, triton.next_power_of_2(max(c, 16)))
+    block_c = min(1024, next_power_of_2(max(c, 16)))
     block_n = max(1, min(8, 4096 // block_c))
-    grid = (triton.cdiv(n, block_n),)
+    grid = (cdiv(n, block_n),)
     with_entropy = grad_entropy is not None
     _dlogits_chunk_kernel[grid](
         x,

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triage.kernels._launch import fast_launch
+from triage.kernels._launch import cdiv, fast_launch
 from triage.kernels.nvfp4.gemm_triton import UNPACK_FACTOR, _epilogue, _load_tile, interpreting
 
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -186,7 +186,7 @@ def launch_grouped_gemm(
     num_warps, num_stages = cfg.pop("num_warps"), cfg.pop("num_stages")
     bm = cfg["BLOCK_M"]
     # tile -> (expert, first row), built on the device
-    n_tiles = triton.cdiv(T, bm) + E
+    n_tiles = cdiv(T, bm) + E
     tile_end, tiles = tile_table(offsets, bm)
     ids = torch.arange(n_tiles, device=out.device)
     tile_expert = torch.searchsorted(tile_end, ids, right=True)
@@ -198,7 +198,7 @@ def launch_grouped_gemm(
     dummy = out
     ga_mode = 0 if g_a is None else (1 if g_a.numel() == 1 else 2)
     gb_row = g_b.dim() == 2
-    grid = (n_tiles, triton.cdiv(N, cfg["BLOCK_N"]))
+    grid = (n_tiles, cdiv(N, cfg["BLOCK_N"]))
     if T == 0 or N == 0 or E == 0:
         return out
     _grouped_gemm_kernel[grid](
@@ -417,7 +417,7 @@ def launch_grouped_wgrad(
     if E == 0 or M == 0 or N == 0:
         return out
     dummy = out  # never dereferenced when the matching constexpr switch is off
-    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), E)
+    grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]), E)
     _grouped_wgrad_kernel[grid](
         a,
         a_scale if a_packed else dummy,

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triage.kernels._launch import fast_launch
+from triage.kernels._launch import cdiv, fast_launch, next_power_of_2
 
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
 
@@ -703,7 +703,7 @@ def _tile_config(M: int, N: int, K: int, split_k: int | None) -> dict:
         # Memory-bound decode: small M tile, wide K, split K until the grid fills the GPU.
         bm = 16 if M <= 16 else (32 if M <= 32 else 64)
         bn, bk = 64, 256
-        tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+        tiles = cdiv(M, bm) * cdiv(N, bn)
         if split_k is None:
             split_k = 1
             while tiles * split_k < 2 * _num_sms() and K // (split_k * 2) >= bk:
@@ -749,7 +749,7 @@ def launch_gemm(
     ws = torch.empty((split, M, N), device=out.device, dtype=torch.float32) if split > 1 else dummy
     out_mult = UNPACK_FACTOR ** (int(a_packed) + int(b_packed))
     by_hand = interpreting() and out.dtype == torch.bfloat16
-    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), split)
+    grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]), split)
     _gemm_kernel[grid](
         a,
         a_scale if a_packed else dummy,
@@ -809,7 +809,7 @@ def decode_config(M: int, N: int, K: int, split_k: int | None = None) -> dict:
     cfg = dict(DECODE_CONFIG_M16 if bm == 16 else DECODE_CONFIG, BM=bm)
     kb = -(-K // 16)
     if split_k is None:
-        tiles = triton.cdiv(N, cfg["BN"])
+        tiles = cdiv(N, cfg["BN"])
         split_k = 1
         while tiles * split_k < 2 * _num_sms() and kb // (split_k * 2) >= 4 * cfg["NB"]:
             split_k *= 2
@@ -841,7 +841,7 @@ def splitk_counters(device: torch.device, tiles: int) -> torch.Tensor:
     bufs = _SPLITK_COUNTERS.setdefault((device.type, device.index, stream), [])
     if bufs and bufs[-1].numel() >= tiles:
         return bufs[-1]
-    size = max(_SPLITK_COUNTERS_MIN, triton.next_power_of_2(tiles))
+    size = max(_SPLITK_COUNTERS_MIN, next_power_of_2(tiles))
     bufs.append(torch.zeros(size, dtype=torch.int32, device=device))
     return bufs[-1]
 
@@ -892,7 +892,7 @@ def launch_decode(
     split = cfg["SPLIT_K"]
     dummy = out
     part = torch.empty((split, M, N), device=out.device, dtype=torch.float32) if split > 1 else dummy
-    tiles = triton.cdiv(N, cfg["BN"])
+    tiles = cdiv(N, cfg["BN"])
     cnt = None
     if split > 1 and fused:
         if counters is not None:
@@ -933,7 +933,7 @@ def _splitk_reduce(ws, out, g_a, g_b, bias, out_mult, split) -> None:
     M, N = out.shape
     dummy = out
     bm, bn = (16, 16) if interpreting() else (16, 128)
-    _splitk_reduce_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
+    _splitk_reduce_kernel[(cdiv(M, bm), cdiv(N, bn))](
         ws, out, g_a if g_a is not None else dummy, g_b if g_b is not None else dummy,
         bias if bias is not None else dummy, M, N, out.stride(0), out.stride(1), out_mult,
         GA_MODE=_scale_mode(g_a), GB_MODE=_scale_mode(g_b), HAS_BIAS=bias is not None,
@@ -957,7 +957,7 @@ def launch_dot_scaled(
     bm, bn, bk = 128, 128, 128
     if K % bk:
         raise ValueError(f"the dot_scaled path needs K % {bk} == 0, got K={K}")
-    _dot_scaled_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
+    _dot_scaled_kernel[(cdiv(M, bm), cdiv(N, bn))](
         a,
         a_scale,
         b,

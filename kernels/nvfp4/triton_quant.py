@@ -31,7 +31,7 @@ import os
 
 import torch
 
-from .._launch import fast_launch
+from .._launch import cdiv, fast_launch, next_power_of_2
 from .format import BLOCK
 from .recipe import QuantRecipe
 from .reference import outer_scale_from_recipe
@@ -842,10 +842,10 @@ def _default_tiles(recipe: QuantRecipe, kp: int, pairs: bool = False) -> tuple[i
     (2026-11-29, two sessions; fast path 8×512 over 8×256: static 61.4 vs 59.1 %, per-row 43.6 vs 40.1 %,
     per-tensor 37.4 vs 36.7 % of copy)."""
     if interpreting():  # big tiles: the interpreter's cost is per op, not per element
-        return 64, min(64, triton.next_power_of_2(kp // 16))
+        return 64, min(64, next_power_of_2(kp // 16))
     if recipe.block == "16x16":
-        return 16, min(16, triton.next_power_of_2(kp // 16))
-    return 8, min(32 if pairs else 16, triton.next_power_of_2(kp // 16))
+        return 16, min(16, next_power_of_2(kp // 16))
+    return 8, min(32 if pairs else 16, next_power_of_2(kp // 16))
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
@@ -871,20 +871,20 @@ def _group_amax(
     rows_per_group = rows // groups
     nan = recipe.profile == "compressed-tensors"
     if recipe.hadamard and pairs:  # whole blocks per thread, the transform in registers
-        _amax_pairs_kernel[(triton.cdiv(rows_per_group, br), groups)](
+        _amax_pairs_kernel[(cdiv(rows_per_group, br), groups)](
             x2.view(torch.int32), buf, rows_per_group, kp, PROPAGATE_NAN=nan, SIGNS=SIGN_MASK, BR=br, NB=nb,
         )  # fmt: skip
         return buf
     if recipe.hadamard:  # the transform needs whole 16-blocks of rows
-        _amax_tiled_kernel[(triton.cdiv(rows_per_group, br), groups)](
+        _amax_tiled_kernel[(cdiv(rows_per_group, br), groups)](
             _bits(x2), buf, rows_per_group, k, kp,
             PROPAGATE_NAN=nan, HADAMARD=True, ROUND=ROUND_ID[x2.dtype], SIGNS=SIGN_MASK, BR=br, NB=nb,
         )  # fmt: skip
         return buf
     n = rows_per_group * k  # padding zeros never change an amax: sweep the real elements only
     block = 4096 if not interpreting() else 1024
-    chunk = block * max(1, min(16, triton.cdiv(n, block * 1024)))  # ~1k programs, one atomic each
-    _amax_flat_kernel[(triton.cdiv(n, chunk), groups)](
+    chunk = block * max(1, min(16, cdiv(n, block * 1024)))  # ~1k programs, one atomic each
+    _amax_flat_kernel[(cdiv(n, chunk), groups)](
         _bits(x2), buf, n, chunk, PROPAGATE_NAN=nan, ROUND=ROUND_ID[x2.dtype], BLOCK=block,
         num_warps=8 if not interpreting() else 4,
     )  # fmt: skip
@@ -953,7 +953,7 @@ def quantize_triton(
     expanded = None if emit_expanded is None else torch.empty((rows, kp), dtype=emit_expanded, device=dev)
     key = seed_key(recipe.seed if seed is None else seed)
     key = key - 2**32 if key >= 2**31 else key  # passed as int32, reinterpreted as uint32 in the kernel
-    grid = (triton.cdiv(n, br), slices)
+    grid = (cdiv(n, br), slices)
     extra = {} if num_warps is None else {"num_warps": num_warps}
     if pairs:  # int32 views: bf16 pairs in, 8 code bytes (two words) and bf16/fp16 pairs out
         xa, da = x2.view(torch.int32), data.view(torch.int32)
@@ -1004,9 +1004,9 @@ def dequantize_triton(
     gs = t.global_scale.float().contiguous()
     mode, rpo = _outer_mode(gs, rows)
     out = torch.empty((rows, k), dtype=out_dtype, device=t.data.device)
-    nb = min(block_k // 16, triton.next_power_of_2(kp // 16))
+    nb = min(block_k // 16, next_power_of_2(kp // 16))
     br = 64 if interpreting() else block_rows
-    grid = (triton.cdiv(rows, br), triton.cdiv(kp // 16, nb))
+    grid = (cdiv(rows, br), cdiv(kp // 16, nb))
     _dequantize_kernel[grid](
         t.data.contiguous(), t.scale.view(torch.uint8).contiguous(), gs, _bits(out), rows, k, kp, rpo,
         OUTER=mode, ROUND=ROUND_ID[out_dtype], BR=br, NB=nb,
@@ -1028,8 +1028,8 @@ def expand_triton(data: torch.Tensor, scale: torch.Tensor, kp: int, dtype: torch
     if R == 0:
         return out
     br, nb = (16, 16) if interpreting() else (16, 32)
-    nb = min(nb, triton.next_power_of_2(kp // 16))
-    _expand_kernel[(triton.cdiv(R, br), triton.cdiv(kp // 16, nb))](
+    nb = min(nb, next_power_of_2(kp // 16))
+    _expand_kernel[(cdiv(R, br), cdiv(kp // 16, nb))](
         data, scale, _bits(out), R, kp, data.stride(0), scale.stride(0),
         OUT_BF16=dtype == torch.bfloat16, BR=br, NB=nb,
     )  # fmt: skip

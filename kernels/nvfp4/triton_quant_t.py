@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import torch
 
-from .._launch import fast_launch
+from .._launch import cdiv, fast_launch
 from .api import BACKENDS, quantize
 from .format import BLOCK
 from .recipe import QuantRecipe
@@ -561,11 +561,11 @@ def _columnwise_triton(x, recipe, seed, gather, dest, L, emit_expanded, block_c,
         write_amax = amax_arg is not None
         amax_arg = 1.0 if amax_arg is None else amax_arg
         mode, n_outer, out_shape = OUTER_GIVEN, 1, ()
-    n_t, n_c = triton.cdiv(nblk, nb), triton.cdiv(C, bc)
+    n_t, n_c = cdiv(nblk, nb), cdiv(C, bc)
     if mode != OUTER_GIVEN:
         group_amax = torch.zeros((n_outer, 2), dtype=torch.int32, device=dev)
         tiles = _amax_tiles(n_t, n_c)
-        _amax_colwise_kernel[(triton.cdiv(n_t, tiles), n_c)](
+        _amax_colwise_kernel[(cdiv(n_t, tiles), n_c)](
             xa, src_arg, group_amax, C, L, sx0, sx1, tiles,
             PER_ROW=mode == OUTER_ROW, PROPAGATE_NAN=recipe.profile == "compressed-tensors",
             HADAMARD=recipe.hadamard, ROUND=round_id, SIGNS=SIGN_MASK, HAS_SRC=has_src, BC=bc, NB=nb,

@@ -125,3 +125,10 @@ def test_toggling_a_compile_knob_recompiles(fake_gpu):
     assert launcher.fn.slow_calls == 2 and launcher.hits == 0
     launcher[(1,)]("x", 32)
     assert launcher.hits == 1
+
+
+def test_host_cdiv_and_next_power_of_2_match_triton():
+    for n in range(-3, 2100):
+        assert _launch.next_power_of_2(n) == triton.next_power_of_2(n), n
+        for b in (1, 3, 16, 128):
+            assert _launch.cdiv(n, b) == triton.cdiv(n, b), (n, b)
