@@ -284,7 +284,7 @@ class _NVFP4LinearFn(torch.autograd.Function):
                 dx = gemm(dyq, wt, out_dtype=x.dtype, backend=config.gemm_backend)
             if ctx.needs_input_grad[1]:
                 # dy2ᵀ, x2ᵀ quantized straight from the row-major dy2, x2 (no transposed copy; same bytes)
-                dyt = _quantize_t(dy2, config.wgrad_recipe, config.quant_backend, seed=seed + 1)
+                dyt = _quantize_t(dy2, config.wgrad_recipe, config.quant_backend, seed=(seed + 1) % 2**32)
                 xt = _quantize_t(x2, replace(config.wgrad_recipe, rounding="nearest"), config.quant_backend)
                 dw = gemm(dyt, xt, out_dtype=torch.float32, backend=config.gemm_backend).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:

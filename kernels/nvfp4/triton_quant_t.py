@@ -485,8 +485,9 @@ def quantize_columnwise(
     ``L`` = the row count), byte for byte, without materializing Y (module docstring).
 
     ``L`` not a multiple of 16 needs ``recipe.pad`` (Y is zero-padded, as ``quantize`` does). ``gather``
-    and ``dest`` are not bounds-checked on the Triton path (no host sync); ``dest`` must not repeat a
-    column. ``x`` may have any strides (rows with contiguous channels are the fast layout; an ``x`` whose
+    and ``dest`` are not bounds-checked on the Triton path (no host sync): indices must lie in
+    ``[0, rows)`` / ``[0, L)`` (a negative ``gather`` index reads as a zero row there, where the reference
+    path raises; one ≥ the row count reads out of bounds); ``dest`` must not repeat a column. ``x`` may have any strides (rows with contiguous channels are the fast layout; an ``x`` whose
     transpose is contiguous goes straight to the row-major quantizer). ``backend``: as
     :func:`~triage.kernels.nvfp4.api.quantize` (``"auto"``: Triton on CUDA, the reference path elsewhere;
     ``"triton"`` also on CPU under ``TRITON_INTERPRET=1``). ``block_c``/``block_t`` (channels / tokens,

@@ -112,6 +112,19 @@ def test_nvfp4_backward_uses_the_te_operands():
     assert rel_err(layer.weight.grad, dy.double().T @ x.detach().double()) < 0.3
 
 
+def test_nvfp4_backward_seeds_wrap_at_2_32():
+    grad = dataclasses.replace(CFG.grad_recipe, seed=2**32 - 3)  # first backward: dy seed 2**32 - 1
+    cfg = dataclasses.replace(CFG_FP4_BWD, grad_recipe=grad)
+    layer = _layer(config=cfg)
+    x = _x(20, 48).requires_grad_()
+    dy = _x(20, 32, seed=2)
+    layer(x).backward(dy)  # the wgrad's dyᵀ seed wraps to 0 instead of failing the seed range check
+    r = cfg.wgrad_recipe
+    dyt = quantize(dy.T.contiguous(), r, backend="torch", seed=0)
+    xt = quantize(x.detach().T.contiguous(), dataclasses.replace(r, rounding="nearest"), backend="torch")
+    assert rel_err(layer.weight.grad, gemm_reference(dyt, xt, out_dtype=torch.float64)) < 2e-6
+
+
 def test_nvfp4_backward_is_unbiased_on_average():
     cfg = dataclasses.replace(CFG_FP4_BWD, gemm_backend="reference")
     layer = _layer(k=32, n=16, bias=False, config=cfg)
