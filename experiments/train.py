@@ -107,4 +107,5 @@ def run(args: argparse.Namespace) -> int:
         print(format_summary(report))
         print(f"model, recipe.yaml and report.json written to {output_dir.resolve()}")
     trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()  # finish trackers, destroy the process group (clean multi-process exit)
     return 0

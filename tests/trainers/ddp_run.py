@@ -58,6 +58,9 @@ def main(model_dir: str, output_dir: str) -> None:
 
     taus = trainer.accelerator.gather(torch.tensor([trainer.adaptive_tau.value], dtype=torch.float64))
     assert torch.all(taus == taus[0]), taus.tolist()
+    # as `triage train` does: without destroying the process group, gloo's threads can abort the process at
+    # interpreter exit ("terminate called without an active exception") after a successful run
+    trainer.accelerator.end_training()
 
 
 if __name__ == "__main__":
