@@ -448,6 +448,10 @@ def linear(quick: bool) -> None:
         ):
             alt = NVFP4Linear.from_linear(ref, NVFP4LinearConfig(input_recipe=recipe))
             rows.append((f"NVFP4Linear (bf16-backward), {label}", bench(lambda alt=alt: step(alt))))
+        # TE-style quantized backward (dgrad on the NVFP4 GEMM, wgrad operands quantized along the tokens by
+        # quantize_columnwise with the Hadamard transform and stochastic rounding)
+        te = NVFP4Linear.from_linear(ref, NVFP4LinearConfig(mode="nvfp4-backward"))
+        rows.append(("NVFP4Linear (nvfp4-backward)", bench(lambda: step(te))))
         with torch.no_grad():
             rows.append(("  forward only: bf16", bench(lambda: ref(x))))
             rows.append(("  forward only: NVFP4Linear", bench(lambda: fp4(x))))
@@ -458,6 +462,32 @@ def linear(quick: bool) -> None:
         for name, ms in rows:
             emit(f"| {M}×{N}×{K} | {name} | {ms:.3f} | {tflops(M, N, K, ms) * 3:.0f} | {ms_bf16 / ms:.2f} |")
     emit()
+    emit(nvfp4_backward_check())
+    emit()
+
+
+def nvfp4_backward_check(M: int = 1000, N: int = 384, K: int = 512) -> str:
+    """nvfp4-backward gradients with the Triton quantizers (columnwise wgrad operands) against the same layer
+    with the torch reference quantizers: identical quantized bytes, so only fp32 accumulation order differs."""
+    from triage.kernels import NVFP4Linear, NVFP4LinearConfig
+
+    torch.manual_seed(3)
+    ref = torch.nn.Linear(K, N, bias=True, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)  # M % 16 != 0: the wgrad pads the tokens
+    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    grads = []
+    for qb in ("triton", "torch"):
+        layer = NVFP4Linear.from_linear(ref, NVFP4LinearConfig(mode="nvfp4-backward", quant_backend=qb))
+        xi = x.clone().requires_grad_(True)
+        ref.weight.grad = None
+        layer(xi).backward(dy)
+        grads.append((xi.grad.double(), layer.weight.grad.double()))
+    errs = [float((a - b).abs().max() / b.abs().max()) for a, b in zip(grads[0], grads[1])]
+    ok = all(e < 1e-5 for e in errs)
+    return (
+        f"nvfp4-backward {M}×{N}×{K}, Triton vs torch quantizers: dx rel err {errs[0]:.1e}, "
+        f"dW rel err {errs[1]:.1e} -> {'ok' if ok else 'FAIL'}"
+    )
 
 
 def main() -> None:
