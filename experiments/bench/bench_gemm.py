@@ -227,11 +227,15 @@ DECODE_CONFIGS = [
     dict(BN=bn, NB=nb, num_warps=w, num_stages=st, XMODE=2, PREFETCH=False)
     for (bn, nb, w) in [(64, 16, 2), (64, 16, 4), (64, 32, 2), (32, 32, 2), (128, 16, 4)]
     for st in (2, 3, 4)
-] + [dict(BN=64, NB=8, num_warps=2, num_stages=1, XMODE=2, PREFETCH=False)]  # fmt: skip
+] + [dict(BN=64, NB=8, num_warps=2, num_stages=1, XMODE=2, PREFETCH=False)] + [
+    dict(BN=64, NB=16, num_warps=2, num_stages=st, XMODE=2, PREFETCH=False, PAIRED_SCALE=True) for st in (2, 3)
+]  # fmt: skip
 DECODE_SPLITS = (4, 8, 16, 32)
 # (session 2's sweep: 2-warp mma.sync tiles with a 3-stage cp.async pipeline won; the loads-only probe says
 # the kernel needs more bytes in flight, hence the deeper / wider K steps here. With the split-K reduction
 # folded into the kernel a higher split costs no second launch, hence splits 4..32 and 4 warps at 64x256.)
+# PAIRED_SCALE (session 4, offline SASS): the W4A16 (bf16) unpack without the PRMT half-swaps around each
+# HMUL2, 1245 -> 1037 instructions per K step per thread; compare with the same tile without it.
 
 
 @contextlib.contextmanager

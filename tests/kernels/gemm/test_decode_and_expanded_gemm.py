@@ -145,6 +145,28 @@ def test_decode_kernel_variants(xmode, prefetch, N, K):
     assert rel_err(out, gemm_w4a16_reference(x, w, out_dtype=torch.float64)) < FP32_TOL
 
 
+@pytest.mark.parametrize("xdtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M,N,K", [(1, 37, 208), (16, 32, 512)])
+def test_decode_paired_scale_same_bits(xdtype, M, N, K):
+    """``PAIRED_SCALE`` (opt-in: the bf16 unpack's scale multiply as inline ``mul.rn.bf16x2``) gives the
+    default's bits, NaN scales included. Under the interpreter (no inline asm) it takes the default path, so
+    there this checks the plumbing; on a GPU it checks the asm."""
+    gen = torch.Generator().manual_seed(M + N)
+    x = torch.randn(M, K, generator=gen).to(xdtype).to(device())
+    w = random_nvfp4((N, K), gen=gen, scale="row", scale_exp=(-9, 4), zero_block_frac=0.2)
+    w.scale.view(torch.uint8)[3, 1] = 0x7F  # e4m3 NaN: row 3 NaN on both paths
+    g_b = w.global_scale.reshape(-1)
+    cfg = gt.decode_config(M, N, K, 2)
+    outs = []
+    for paired in (False, True):
+        out = _poisoned(M, N, torch.bfloat16)
+        gt.launch_decode(x, w.data, w.scale, K, out, None, g_b, None, config=dict(cfg, PAIRED_SCALE=paired))
+        outs.append(out)
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    fin = torch.arange(N, device=out.device) != 3
+    assert torch.isnan(outs[1][:, 3]).all() and not torch.isnan(outs[1][:, fin]).any()
+
+
 # (M, N, K, split_k, x dtype, out dtype, g_a per row?, w scale, bias?): ragged N (masked rows), ragged K-tail
 # (K % 16 != 0: padded weight, and KB % NB != 0), even tiles, empty trailing K slices (split 8 of 13 blocks)
 _FUSED_CASES = [
