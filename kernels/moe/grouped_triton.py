@@ -23,7 +23,14 @@ import triton
 import triton.language as tl
 
 from triage.kernels._launch import cdiv, fast_launch
-from triage.kernels.nvfp4.gemm_triton import UNPACK_FACTOR, _epilogue, _load_tile, interpreting
+from triage.kernels.nvfp4.gemm_triton import (
+    UNPACK_FACTOR,
+    _epilogue,
+    _load_tile,
+    _scale_mode,
+    _swizzled_tile,
+    interpreting,
+)
 
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 #: GPU tile of the grouped GEMM: the best of the H200 sweep (bench_grouped_gemm.py --sweep, 2026-11-29:
@@ -147,6 +154,18 @@ def tile_table(offsets: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch
     return tile_end, tiles
 
 
+def _dot_dtype(a, a_packed: bool, b, b_packed: bool, what: str) -> tuple[torch.dtype, str]:
+    """tl.dot operand dtype and precision: the dense operands' dtype (fp16 when both are packed); fp32
+    "ieee" under the interpreter for bf16 (its bf16 tl.dot is broken; fp32 holds q·s exactly)."""
+    dense = [t.dtype for t, p in ((a, a_packed), (b, b_packed)) if not p]
+    if dense and any(d != dense[0] for d in dense):
+        raise TypeError(f"dense {what} operands must share a dtype, got {dense}")
+    dot_dtype = dense[0] if dense else torch.float16
+    if interpreting() and dot_dtype == torch.bfloat16:
+        dot_dtype = torch.float32
+    return dot_dtype, "ieee" if dot_dtype == torch.float32 else "tf32"
+
+
 def launch_grouped_gemm(
     a: torch.Tensor,
     a_scale: torch.Tensor | None,
@@ -168,15 +187,7 @@ def launch_grouped_gemm(
     T, N = out.shape
     E = offsets.numel() - 1
     a_packed, b_packed = a_scale is not None, b_scale is not None
-    dense = [t.dtype for t, p in ((a, a_packed), (b, b_packed)) if not p]
-    if dense and any(d != dense[0] for d in dense):
-        raise TypeError(f"dense grouped-GEMM operands must share a dtype, got {dense}")
-    dot_dtype = dense[0] if dense else torch.float16
-    precision = "tf32"
-    if interpreting() and dot_dtype == torch.bfloat16:
-        dot_dtype = torch.float32  # bf16 tl.dot is broken in the interpreter; fp32 holds q·s exactly
-    if dot_dtype == torch.float32:
-        precision = "ieee"
+    dot_dtype, precision = _dot_dtype(a, a_packed, b, b_packed, "grouped-GEMM")
     if config is None:
         if interpreting():
             config = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=1)
@@ -196,7 +207,7 @@ def launch_grouped_gemm(
     tile_expert = tile_expert.to(torch.int32)
     tile_row0 = tile_row0.to(torch.int64)
     dummy = out
-    ga_mode = 0 if g_a is None else (1 if g_a.numel() == 1 else 2)
+    ga_mode = _scale_mode(g_a)
     gb_row = g_b.dim() == 2
     grid = (n_tiles, cdiv(N, cfg["BLOCK_N"]))
     if T == 0 or N == 0 or E == 0:
@@ -299,13 +310,7 @@ def _grouped_wgrad_kernel(
     """
     pid = tl.program_id(0)
     e = tl.program_id(1)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    group = GROUP_M * num_n
-    first_m = (pid // group) * GROUP_M
-    group_m = min(num_m - first_m, GROUP_M)
-    pid_m = first_m + ((pid % group) % group_m)
-    pid_n = (pid % group) // group_m
+    pid_m, pid_n = _swizzled_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = offs_m < M
@@ -372,10 +377,6 @@ def _grouped_wgrad_kernel(
         tl.store(c_ptrs, zero, mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _scale_mode(g: torch.Tensor | None) -> int:
-    return 0 if g is None else (1 if g.numel() == 1 else 2)
-
-
 def launch_grouped_wgrad(
     a: torch.Tensor,
     a_scale: torch.Tensor | None,
@@ -398,15 +399,7 @@ def launch_grouped_wgrad(
     """
     E, M, N = out.shape
     a_packed, b_packed = a_scale is not None, b_scale is not None
-    dense = [t.dtype for t, p in ((a, a_packed), (b, b_packed)) if not p]
-    if dense and any(d != dense[0] for d in dense):
-        raise TypeError(f"dense grouped-wgrad operands must share a dtype, got {dense}")
-    dot_dtype = dense[0] if dense else torch.float16
-    precision = "tf32"
-    if interpreting() and dot_dtype == torch.bfloat16:
-        dot_dtype = torch.float32  # bf16 tl.dot is broken in the interpreter; fp32 holds q·s exactly
-    if dot_dtype == torch.float32:
-        precision = "ieee"
+    dot_dtype, precision = _dot_dtype(a, a_packed, b, b_packed, "grouped-wgrad")
     if config is None:
         if interpreting():
             config = _INTERPRETER_WGRAD_CONFIG
