@@ -69,6 +69,7 @@ if HAVE_TRITON:
 
     from .triton_quant import (
         INTERPRETED,
+        _bfly16,
         _block_factor,
         _block_scale,
         _e2m1_code,
@@ -77,6 +78,7 @@ if HAVE_TRITON:
         _max_nan,
         _outer_from_row_amax,
         _round_to,
+        _sgn,
     )
 
 __all__ = ["columnwise_matrix", "columnwise_source", "quantize_columnwise"]
@@ -106,38 +108,23 @@ if HAVE_TRITON:
         return v
 
     @triton.jit
-    def _bfly(v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15):
-        """One radix-2 stage of ``hadamard._butterfly16``: index ``2h + b`` -> ``b·8 + h``, ``(a+b, a-b)``."""
-        return (
-            v0 + v1, v2 + v3, v4 + v5, v6 + v7, v8 + v9, v10 + v11, v12 + v13, v14 + v15,
-            v0 - v1, v2 - v3, v4 - v5, v6 - v7, v8 - v9, v10 - v11, v12 - v13, v14 - v15,
-        )  # fmt: skip
-
-    @triton.jit
-    def _sgn(v, J: tl.constexpr, SIGNS: tl.constexpr):
-        """``v · sign[J]`` (TE's sign vector as a bit mask of the negative positions; · 1.0 is skipped)."""
-        if (SIGNS >> J) & 1:
-            v = v * -1.0
-        return v
-
-    @triton.jit
     def _h16(
         v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15,
         SIGNS: tl.constexpr, ROUND: tl.constexpr,
     ):  # fmt: skip
         """The 16-point RHT of the blocks held as 16 tensors (element j of every block in ``vj``): signs,
         4 butterflies, × 0.25, rounded to the input dtype; the fp32 ops of ``triton_quant._rht16``."""
-        v0, v1, v2, v3 = _sgn(v0, 0, SIGNS), _sgn(v1, 1, SIGNS), _sgn(v2, 2, SIGNS), _sgn(v3, 3, SIGNS)
-        v4, v5, v6, v7 = _sgn(v4, 4, SIGNS), _sgn(v5, 5, SIGNS), _sgn(v6, 6, SIGNS), _sgn(v7, 7, SIGNS)
-        v8, v9, v10, v11 = _sgn(v8, 8, SIGNS), _sgn(v9, 9, SIGNS), _sgn(v10, 10, SIGNS), _sgn(v11, 11, SIGNS)
+        v0, v1, v2, v3 = _sgn(v0, SIGNS, 0), _sgn(v1, SIGNS, 1), _sgn(v2, SIGNS, 2), _sgn(v3, SIGNS, 3)
+        v4, v5, v6, v7 = _sgn(v4, SIGNS, 4), _sgn(v5, SIGNS, 5), _sgn(v6, SIGNS, 6), _sgn(v7, SIGNS, 7)
+        v8, v9, v10, v11 = _sgn(v8, SIGNS, 8), _sgn(v9, SIGNS, 9), _sgn(v10, SIGNS, 10), _sgn(v11, SIGNS, 11)
         v12, v13, v14, v15 = (
-            _sgn(v12, 12, SIGNS),
-            _sgn(v13, 13, SIGNS),
-            _sgn(v14, 14, SIGNS),
-            _sgn(v15, 15, SIGNS),
+            _sgn(v12, SIGNS, 12),
+            _sgn(v13, SIGNS, 13),
+            _sgn(v14, SIGNS, 14),
+            _sgn(v15, SIGNS, 15),
         )
         for _ in tl.static_range(4):
-            v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15 = _bfly(
+            v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15 = _bfly16(
                 v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15
             )
         return (
