@@ -35,7 +35,11 @@ RECIPE = {  # a `triage train` recipe (base.yaml is layered under it by load_rec
 
 
 def main(model_dir: str, output_dir: str) -> None:
+    import faulthandler
+
     import yaml
+
+    faulthandler.dump_traceback_later(120, exit=True)  # a hang prints every thread's stack for the test
 
     from triage.experiments.recipes import load_recipe
 
@@ -58,9 +62,13 @@ def main(model_dir: str, output_dir: str) -> None:
 
     taus = trainer.accelerator.gather(torch.tensor([trainer.adaptive_tau.value], dtype=torch.float64))
     assert torch.all(taus == taus[0]), taus.tolist()
-    # as `triage train` does: without destroying the process group, gloo's threads can abort the process at
-    # interpreter exit ("terminate called without an active exception") after a successful run
-    trainer.accelerator.end_training()
+    # as `triage train` does: release the DDP model, then destroy the process group. Without destroying it,
+    # gloo's threads can abort the process at exit ("terminate called without an active exception"); freeing
+    # the DDP reducer after destroying it can hang.
+    accelerator = trainer.accelerator
+    del trainer
+    accelerator.free_memory()
+    accelerator.end_training()
 
 
 if __name__ == "__main__":

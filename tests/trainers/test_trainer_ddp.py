@@ -29,7 +29,13 @@ def test_two_process_accelerate_run(tiny_model_dir, tmp_path):
         "--main_process_port", str(_free_port()),
         os.path.join(HERE, "ddp_run.py"), tiny_model_dir, str(tmp_path),
     ]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=150)
+    except subprocess.TimeoutExpired as e:  # ddp_run.py dumps its stacks at 120 s: show where it hung
+        out, err = (
+            x.decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (e.stdout, e.stderr)
+        )
+        pytest.fail(f"accelerate launch hung:\n{out[-3000:]}\n{err[-8000:]}")
     if proc.returncode != 0:
         pytest.fail(
             f"accelerate launch failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
