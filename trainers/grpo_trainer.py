@@ -201,8 +201,9 @@ class TriageGRPOTrainer(GRPOTrainer):
     def _uses_sampler_logps(self) -> bool:
         return self._needs_sampler_logps or self.args.log_mismatch_metrics
 
-    def _check_rollout(self, prompts, prompt_ids, completion_ids, logprobs, source: str) -> None:
-        """``validate_rollout`` (sample-named errors) when TRIAGE uses the sampler log-probs; pure TRL otherwise."""
+    def _check_rollout(self, prompts, prompt_ids, completion_ids, logprobs, source: str, env_mask=None) -> None:
+        """``validate_rollout`` (sample-named errors) when TRIAGE uses the sampler log-probs; pure TRL otherwise.
+        ``env_mask``: a multi-turn ``rollout_func``'s (TRL's) model-vs-environment token mask."""
         if not self._uses_sampler_logps:
             return
         if logprobs is None:
@@ -214,7 +215,9 @@ class TriageGRPOTrainer(GRPOTrainer):
             return
         rollout = {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
         try:
-            validate_rollout(rollout, trainer_vocab_size(self), eos_ids=self.eos_token_ids, prompts=prompts)
+            validate_rollout(
+                rollout, trainer_vocab_size(self), eos_ids=self.eos_token_ids, prompts=prompts, env_mask=env_mask
+            )
         except RolloutValidationError as err:
             raise RolloutValidationError(f"{source}: {err}") from None
 
@@ -233,6 +236,7 @@ class TriageGRPOTrainer(GRPOTrainer):
                     output["completion_ids"],
                     output["logprobs"],
                     f"rollout_func {name}",
+                    env_mask=output.get("env_mask"),
                 )
             return output
 

@@ -126,3 +126,39 @@ def test_many_problems_are_summarised():
     out = {"prompt_ids": [[5]] * n, "completion_ids": [[7]] * n, "logprobs": [[float("nan")]] * n}
     msg = check(out, "and more; showing the first 3", prompts=None, max_reported=3)
     assert msg.count("returned NaN") == 3
+
+
+def multiturn():
+    """Two assistant turns: turn 1 ends with EOS (2), then environment tokens (an EOS inside them too, and a
+    placeholder NaN log-prob), then turn 2 ending with EOS."""
+    out = good()
+    out["completion_ids"][0] = [10, 2, 30, 2, 31, 11, 2]
+    out["logprobs"][0] = [-0.5, -0.1, math.nan, 0.0, 0.0, -1.0, -0.2]
+    out["env_mask"] = [[1, 1, 0, 0, 0, 1, 1], [1, 1, 1]]
+    return out
+
+
+def test_env_mask_lets_an_eos_end_a_turn_and_skips_environment_logprobs():
+    out = multiturn()
+    validate_rollout(out, 100, eos_ids=[2], prompts=PROMPTS, env_mask=out["env_mask"])
+    # without the mask the same completion breaks two rules
+    check(out, "log-prob NaN")
+    check(out, "EOS id 2 before the last token", env_mask=[[1] * 7, [1, 1, 1]])
+
+
+def test_env_mask_still_checks_model_tokens():
+    out = multiturn()
+    out["logprobs"][0][5] = math.nan  # a model token of turn 2
+    msg = check(out, "log-prob NaN", env_mask=out["env_mask"])
+    assert "sample 0" in msg and "position 5" in msg
+    out = multiturn()
+    out["completion_ids"][0][5] = 2  # EOS inside a turn (followed by a model token)
+    msg = check(out, "EOS id 2 before the last token", env_mask=out["env_mask"])
+    assert "position 5" in msg
+
+
+def test_env_mask_must_match_the_completion():
+    out = multiturn()
+    msg = check(out, "env_mask must hold one 0/1 per completion token", env_mask=[[1, 0], [1, 1, 1]])
+    assert "sample 0" in msg
+    check(out, "env_mask must hold", env_mask=[out["env_mask"][0], [1, 2, 1]])

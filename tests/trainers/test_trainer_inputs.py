@@ -61,6 +61,26 @@ def test_missing_logprobs_key_is_an_error(trainer):
         trainer._generate_and_score_completions(_rows(trainer))
 
 
+def test_multi_turn_rollout_with_env_mask_trains(trainer):
+    """TRL's multi-turn ``env_mask``: a turn may end with EOS before environment tokens, whose log-probs are
+    placeholders (NaN here). Validation accepts it; TRL masks the environment tokens out of δ and the loss."""
+    eos = trainer.processing_class.eos_token_id
+
+    def two_turns(out):
+        out["env_mask"] = []
+        for i, c in enumerate(out["completion_ids"]):
+            env = [5, eos, 6]  # tool output, its chat template's end-of-turn included
+            out["completion_ids"][i] = [7, eos] + env + c
+            out["logprobs"][i] = [-1.0, -0.5] + [math.nan] * 3 + out["logprobs"][i]
+            out["env_mask"].append([1, 1, 0, 0, 0] + [1] * len(c))
+
+    trainer.rollout_func = trainer._validated(PerturbedRollout(corrupt=two_turns))
+    inputs = trainer._generate_and_score_completions(_rows(trainer))
+    assert inputs["tool_mask"][:, 2:5].eq(0).all() and inputs["tool_mask"][:, :2].eq(1).all()
+    loss = trainer.compute_loss(trainer.model, inputs)
+    assert torch.isfinite(loss)
+
+
 def test_nan_sampler_logprob_reaching_the_loss_is_named(trainer):
     """A batch built elsewhere (bypassing the rollout checks) still fails loudly, naming row and position."""
     trainer.rollout_func = trainer._validated(PerturbedRollout())

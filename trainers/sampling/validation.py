@@ -21,7 +21,10 @@ Rules (each violation is reported with the sample index, the head of its prompt 
 * an EOS id (``eos_ids``) may only be the last completion token: a completion that continues after EOS means the
   engine did not stop there (``ignore_eos``, a wrong stop list) and the learner would train on text the policy
   never meant to produce;
-* prompts are not empty (the learner needs at least one context token to score the first completion token).
+* prompts are not empty (the learner needs at least one context token to score the first completion token);
+* multi-turn rollouts (TRL's ``env_mask``: 1 = model token, 0 = environment/tool token): log-probs are
+  checked at model tokens only, and an EOS id may end a turn (stand right before an environment token) or sit
+  inside environment text; ``env_mask`` itself must hold one 0/1 per completion token.
 """
 
 from __future__ import annotations
@@ -115,6 +118,7 @@ def validate_rollout(
     prompts: Sequence[Any] | None = None,
     logprob_tol: float = 1e-4,
     max_reported: int = 5,
+    env_mask: Sequence[Sequence[int]] | None = None,
 ) -> None:
     """Check a rollout dict against the rules in this module's docstring; raise on the first problems.
 
@@ -125,6 +129,9 @@ def validate_rollout(
         prompts: the raw prompts the source received (one per entry); used for the count check and messages.
         logprob_tol: largest accepted log-prob (rounding above 0).
         max_reported: how many problems the error lists (the total count is always given).
+        env_mask: TRL's multi-turn ``env_mask`` from a ``rollout_func`` (per completion token: 1 = sampled by
+            the model, 0 = inserted by the environment/tool). Log-probs are checked only at model tokens, and
+            an EOS id may also end a turn, i.e. stand before an environment token (or inside one).
 
     Raises:
         RolloutValidationError: naming the sample index, the prompt head and the token position.
@@ -180,14 +187,32 @@ def validate_rollout(
             problems.append(
                 f"{where}: completion position {bad[0]}: token id {bad[1]!r} is not in [0, {vocab_size})"
             )
+        model = None  # positions sampled by the model (all, without env_mask)
+        if env_mask is not None:
+            m = env_mask[i] if i < len(env_mask) else None
+            if not isinstance(m, (list, tuple)) or len(m) != len(c) or any(v not in (0, 1) for v in m):
+                problems.append(
+                    f"{where}: env_mask must hold one 0/1 per completion token ({len(c)}), got "
+                    f"{m if not isinstance(m, (list, tuple)) else f'{len(m)} values'}"
+                )
+                continue
+            model = np.asarray(m, dtype=bool)
         if len(lp) != len(c):
             problems.append(
                 f"{where}: {len(c)} completion tokens but {len(lp)} log-probs (one per completion token needed)"
             )
+        elif model is not None:  # environment tokens were not sampled: their log-probs are placeholders
+            pos = np.flatnonzero(model)
+            if (bad := _first_bad_logprob([lp[t] for t in pos], logprob_tol)) is not None:
+                t = int(pos[bad[0]])
+                problems.append(f"{where}: completion position {t}: log-prob {_describe_logprob(bad[1])}")
         elif (bad := _first_bad_logprob(lp, logprob_tol)) is not None:
             problems.append(f"{where}: completion position {bad[0]}: log-prob {_describe_logprob(bad[1])}")
         if eos and len(c) > 1 and _first_bad_id(c, None) is None:
-            early = np.flatnonzero(np.isin(np.asarray(c[:-1]), list(eos)))
+            is_eos = np.isin(np.asarray(c[:-1]), list(eos))
+            if model is not None:  # an EOS may end a turn (next token from the environment) or sit in one
+                is_eos &= model[:-1] & model[1:]
+            early = np.flatnonzero(is_eos)
             if early.size:
                 t = int(early[0])
                 problems.append(
