@@ -53,6 +53,7 @@ from .sampling.base import SamplerSource, trainer_vocab_size
 from .sampling.validation import RolloutValidationError, validate_rollout
 
 TRIAGE_STATE_FILE = "triage_state.json"
+SAMPLER_STATE_FILE = "sampler_state_{rank}.json"  # per process: each rank's sampler draws its own stream
 
 
 def _torch_dtype(value, where: str) -> torch.dtype:
@@ -201,7 +202,9 @@ class TriageGRPOTrainer(GRPOTrainer):
     def _uses_sampler_logps(self) -> bool:
         return self._needs_sampler_logps or self.args.log_mismatch_metrics
 
-    def _check_rollout(self, prompts, prompt_ids, completion_ids, logprobs, source: str, env_mask=None) -> None:
+    def _check_rollout(
+        self, prompts, prompt_ids, completion_ids, logprobs, source: str, env_mask=None
+    ) -> None:
         """``validate_rollout`` (sample-named errors) when TRIAGE uses the sampler log-probs; pure TRL otherwise.
         ``env_mask``: a multi-turn ``rollout_func``'s (TRL's) model-vs-environment token mask."""
         if not self._uses_sampler_logps:
@@ -216,7 +219,11 @@ class TriageGRPOTrainer(GRPOTrainer):
         rollout = {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
         try:
             validate_rollout(
-                rollout, trainer_vocab_size(self), eos_ids=self.eos_token_ids, prompts=prompts, env_mask=env_mask
+                rollout,
+                trainer_vocab_size(self),
+                eos_ids=self.eos_token_ids,
+                prompts=prompts,
+                env_mask=env_mask,
             )
         except RolloutValidationError as err:
             raise RolloutValidationError(f"{source}: {err}") from None
@@ -348,18 +355,30 @@ class TriageGRPOTrainer(GRPOTrainer):
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
-        if self.args.should_save:
-            from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-            folder = os.path.join(
-                self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-            )
+        folder = os.path.join(
+            self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        )
+        if self.args.should_save:
             state = {
                 "adaptive_tau": self.adaptive_tau.state_dict(),
                 "triage_config": self.triage_config.to_dict(),
             }
             with open(os.path.join(folder, TRIAGE_STATE_FILE), "w") as f:
                 json.dump(state, f, indent=2)
+        source = self._sampler_source()
+        sampler_state = source.state_dict() if source is not None else {}
+        if sampler_state:  # every process saves its own (as transformers does for its RNG states)
+            os.makedirs(folder, exist_ok=True)
+            name = SAMPLER_STATE_FILE.format(rank=self.accelerator.process_index)
+            with open(os.path.join(folder, name), "w") as f:
+                json.dump(sampler_state, f)
+
+    def _sampler_source(self) -> SamplerSource | None:
+        """The built-in sampler source behind ``rollout_func`` (possibly wrapped by :meth:`_validated`)."""
+        source = getattr(self.rollout_func, "inner", self.rollout_func)
+        return source if isinstance(source, SamplerSource) else None
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
@@ -373,3 +392,8 @@ class TriageGRPOTrainer(GRPOTrainer):
             raise FileNotFoundError(
                 f"{path} is missing: cannot resume the adaptive τ (tau='auto') from checkpoint {checkpoint}"
             )
+        source = self._sampler_source()
+        path = os.path.join(checkpoint, SAMPLER_STATE_FILE.format(rank=self.accelerator.process_index))
+        if source is not None and os.path.exists(path):  # absent: a checkpoint from before any rollout
+            with open(path) as f:
+                source.load_state_dict(json.load(f))

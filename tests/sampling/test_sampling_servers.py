@@ -96,6 +96,25 @@ def test_seeds_are_deterministic_and_distinct(fake_server, fake_trainer):
         assert seeds == list(range(100, 100 + len(seeds)))
 
 
+def test_seed_counter_survives_a_checkpoint(fake_server, fake_trainer):
+    """A client restored from ``state_dict`` continues the seed sequence (a resumed run redraws nothing)."""
+
+    def seeds_of_one_call(client):
+        fake_server.requests.clear()
+        client(PROMPTS, fake_trainer)
+        bodies = [b for _, b in fake_server.requests]
+        if isinstance(client, SGLangClient):
+            return sorted(sp["sampling_seed"] for b in bodies for sp in b["sampling_params"])
+        return sorted(b["seed"] for b in bodies)
+
+    for client, fresh in zip(clients(fake_server.url, seed=100), clients(fake_server.url, seed=100)):
+        first = seeds_of_one_call(client)
+        state = client.state_dict()
+        assert state == {"counter": len(first)}
+        fresh.load_state_dict(state)
+        assert seeds_of_one_call(fresh) == seeds_of_one_call(client) == [s + len(first) for s in first]
+
+
 def test_seeds_are_offset_per_process(fake_server, fake_trainer):
     from types import SimpleNamespace
 

@@ -204,6 +204,14 @@ class SamplerSource:
         """Sample one completion per prompt: ``{"completion_ids": [...], "logprobs": [...]}``."""
         raise NotImplementedError
 
+    def state_dict(self) -> dict:
+        """This process's random-stream position (JSON-serialisable), saved in every checkpoint so that a
+        resumed run draws the completions the uninterrupted run would have drawn. Empty by default."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` (called on resume, before the first rollout)."""
+
     def params_for(self, trainer: Any) -> SamplingParams:
         return self.params if self.params is not None else SamplingParams.from_args(trainer.args)
 

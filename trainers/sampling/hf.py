@@ -251,6 +251,9 @@ class HFSampler(SamplerSource):
         self.kv_cache_dtype = kv_cache_dtype
         self.copy: torch.nn.Module | None = None
         self._generator: torch.Generator | None = None
+        self._restored_state: torch.Tensor | None = (
+            None  # a checkpoint's generator state, applied on first use
+        )
 
     # -- generation ------------------------------------------------------------------------------------------
     def _generator_for(self, device: torch.device) -> torch.Generator:
@@ -259,7 +262,21 @@ class HFSampler(SamplerSource):
             seed += RANK_SEED_STRIDE * self.rank  # processes of one run must not draw the same samples
             self._generator = torch.Generator(device=device)
             self._generator.manual_seed(seed)
+            if self._restored_state is not None:
+                self._generator.set_state(self._restored_state)
+                self._restored_state = None
         return self._generator
+
+    def state_dict(self) -> dict:
+        """The sampler generator's state (per process; empty before the first rollout)."""
+        if self._generator is None:
+            return {} if self._restored_state is None else {"generator": self._restored_state.tolist()}
+        return {"generator": self._generator.get_state().tolist()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "generator" in state:
+            self._restored_state = torch.tensor(state["generator"], dtype=torch.uint8)
+            self._generator = None  # rebuilt on the model's device at the next rollout, then restored
 
     def generate(
         self,

@@ -23,7 +23,6 @@ server it is the pre-temperature ``log_softmax(logits)`` instead: only equivalen
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -62,7 +61,14 @@ class SGLangClient(SamplerSource):
         self.seed = seed
         self.http = http or HTTPOptions()
         self.extra_sampling_params = dict(extra_sampling_params or {})
-        self._entry_counter = itertools.count()
+        self._next_entry = 0  # running entry counter (seed offsets); saved in checkpoints
+
+    def state_dict(self) -> dict:
+        """The running seed counter (with ``seed`` set, each request's seed is ``seed`` + offsets + counter)."""
+        return {"counter": self._next_entry}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._next_entry = int(state.get("counter", self._next_entry))
 
     def sampling_params(self, params: SamplingParams, eos_ids: Sequence[int]) -> dict:
         """SGLang's ``sampling_params`` object for ``params``."""
@@ -115,7 +121,8 @@ class SGLangClient(SamplerSource):
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, eos_ids: Sequence[int]) -> dict:
         sampling = self.sampling_params(params, eos_ids)
         base = None if self.seed is None else self.seed + RANK_SEED_STRIDE * self.rank
-        seeds = None if base is None else [base + next(self._entry_counter) for _ in prompt_ids]
+        seeds = None if base is None else [base + self._next_entry + j for j in range(len(prompt_ids))]
+        self._next_entry += len(prompt_ids) if base is not None else 0
         size = self.http.batch_size
         requests = [
             (prompt_ids[i : i + size], None if seeds is None else seeds[i : i + size])

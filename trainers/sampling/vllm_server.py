@@ -24,7 +24,6 @@ This client does not talk to ``trl vllm-serve`` (a different API).
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -94,7 +93,14 @@ class VLLMServerClient(SamplerSource):
         self.seed = seed
         self.http = http or HTTPOptions()
         self.extra_body = dict(extra_body or {})
-        self._run_counter = itertools.count()
+        self._next_run = 0  # running request counter (seed offsets); saved in checkpoints
+
+    def state_dict(self) -> dict:
+        """The running seed counter (with ``seed`` set, each request's seed is ``seed`` + offsets + counter)."""
+        return {"counter": self._next_run}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._next_run = int(state.get("counter", self._next_run))
 
     def request_body(
         self, prompts: list[list[int]], n: int, params: SamplingParams, eos_ids: Sequence[int]
@@ -120,7 +126,8 @@ class VLLMServerClient(SamplerSource):
         """Requests as ``(prompts, n, seed)``: equal-length runs packed up to ``batch_size`` entries."""
         if self.seed is not None:
             base = self.seed + RANK_SEED_STRIDE * self.rank
-            return [([p], n, base + next(self._run_counter)) for p, n in runs]
+            first, self._next_run = self._next_run, self._next_run + len(runs)
+            return [([p], n, base + first + j) for j, (p, n) in enumerate(runs)]
         plan: list[tuple[list[list[int]], int, int | None]] = []
         for p, n in runs:
             if plan and plan[-1][1] == n and (len(plan[-1][0]) + 1) * n <= self.http.batch_size:
