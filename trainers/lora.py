@@ -26,8 +26,9 @@ Adaptive quantization noise (AQN; QeRL, Huang et al. 2025, arXiv:2510.11696, §3
 noise ``Z ~ N(0, σ²I)`` folded into the RMSNorm scales that feed the quantized projections,
 ``w_noise = w + Z`` (Eq. 10), so that ``RMSNorm_noise(x)·Ŵᵀ = RMSNorm(x)·(diag(1 + Z/w)·Ŵ)ᵀ`` perturbs every
 row of the frozen weight multiplicatively without touching the NVFP4 bytes. σ follows the exponential
-schedule of Eq. 8, ``σ(k) = σ_start·(σ_end/σ_start)^((k−1)/(K−1))`` over K evenly spaced stages of
-training; the first stage carries the quantization noise only (σ = 0), as in the paper. Off by default
+schedule of Eq. 8 over K evenly spaced stages k = 0…K−1 of training: the first stage carries the
+quantization noise only (σ = 0), as in the paper, and the K−1 noisy stages follow
+``σ(k) = σ_start·(σ_end/σ_start)^((k−1)/(K−2))`` (``k/(K−1)`` with ``quant_noise_first_stage=False``). Off by default
 (add :class:`AQNCallback`).
 """
 

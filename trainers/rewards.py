@@ -207,7 +207,8 @@ def math_verify_score(solution_str: str, ground_truth: str | int) -> float:
 
 def completion_text(completion: Any, index: int | None = None) -> str:
     """The response text of one TRL completion: a plain string, or a list of chat messages whose assistant
-    contents are concatenated in order (TRL gives ``[{"role": "assistant", "content": text}]``)."""
+    contents are concatenated in order (TRL gives ``[{"role": "assistant", "content": text}]``). A tool-call
+    message without content adds nothing; a list of content parts adds its ``text`` parts."""
     where = "" if index is None else f" (completion {index})"
     if isinstance(completion, str):
         return completion
@@ -217,6 +218,14 @@ def completion_text(completion: Any, index: int | None = None) -> str:
             if message.get("role", "assistant") != "assistant":
                 continue
             content = message.get("content")
+            if content is None and message.get("tool_calls"):  # a tool-call-only message: no answer text
+                continue
+            if isinstance(content, Sequence) and not isinstance(content, str):  # content parts
+                content = "".join(
+                    p.get("text") or ""
+                    for p in content
+                    if isinstance(p, Mapping) and p.get("type", "text") == "text"
+                )
             if not isinstance(content, str):
                 raise TypeError(f"assistant message content must be a str{where}, got {content!r}")
             parts.append(content)

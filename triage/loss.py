@@ -72,7 +72,12 @@ def aggregate_loss(
     num_items_in_batch: torch.Tensor | float | None = None,
     max_completion_length: int | None = None,
 ) -> torch.Tensor:
-    """Reduce masked ℓ to a scalar with TRL's normalisation for ``loss_type`` (module docstring)."""
+    """Reduce masked ℓ to a scalar with TRL's normalisation for ``loss_type`` (module docstring). An empty
+    batch (no row) gives 0, like a batch without a valid token."""
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type={loss_type!r}: TRIAGE supports {LOSS_TYPES}")
+    if per_token_loss.size(0) == 0:  # the per-row means below would be 0/0
+        return (per_token_loss * mask).sum()
     if loss_type == "grpo":
         return ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
     if loss_type == "bnpo":

@@ -103,6 +103,21 @@ def test_no_valid_token_gives_zero_loss_and_defined_metrics():
         logps.grad = None
 
 
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo"])
+def test_empty_batch_gives_zero_loss(loss_type):
+    logps = torch.zeros(0, 4, requires_grad=True)
+    loss = policy_loss(
+        logps,
+        torch.zeros(0, 4),
+        torch.zeros(0),
+        torch.zeros(0, 4),
+        loss_type=loss_type,
+        max_completion_length=4,
+    )
+    assert loss.item() == 0.0
+    loss.backward()
+
+
 def test_masked_tokens_stay_in_the_normaliser():
     torch.manual_seed(0)
     logps = -torch.rand(2, 4)

@@ -151,7 +151,13 @@ def test_completion_text_forms():
     with pytest.raises(TypeError, match="completion 3"):
         completion_text(12, index=3)
     with pytest.raises(TypeError, match="content"):
-        completion_text([{"role": "assistant", "content": None}])
+        completion_text([{"role": "assistant", "content": None}])  # no text and no tool call: broken output
+    tool_call = {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "calc"}}]}
+    parts = {
+        "role": "assistant",
+        "content": [{"type": "text", "text": "Answer: "}, {"type": "text", "text": "3"}],
+    }
+    assert completion_text([tool_call, {"role": "tool", "content": "3"}, parts]) == "Answer: 3"
 
 
 def test_trl_reward_dapo_column_conversational_and_plain():
