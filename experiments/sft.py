@@ -270,13 +270,14 @@ def train_sft(
         window.append(out.loss.detach())
         last = step == config.steps
         over_time = config.max_seconds is not None and time.perf_counter() - start > config.max_seconds
-        if step % 50 == 0 or last or over_time:
+        evaluate = bool(config.eval_every) and step % config.eval_every == 0 and not (last or over_time)
+        if step % 50 == 0 or last or over_time or evaluate:  # an eval line reports the loss up to its step
             mean = float(torch.stack(window).float().mean())
             window = []
             if not math.isfinite(mean):
                 raise FloatingPointError(f"SFT loss is {mean} at step {step}: lower SFTConfig.learning_rate")
             losses.append({"step": step, "loss": mean})
-        if (config.eval_every and step % config.eval_every == 0) and not (last or over_time):
+        if evaluate:
             acc = greedy_accuracy(model, tokenizer, held_out, config.max_new_tokens, config.eval_batch_size)
             evals.append({"step": step, **acc})
             log(

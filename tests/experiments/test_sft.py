@@ -127,3 +127,13 @@ def test_checkpoint_is_reused_for_the_same_config_and_refused_for_another(memori
     assert "reusing" in logs[0]
     with pytest.raises(ValueError, match=r"another config \(differs in \['steps'\]\)"):
         ensure_sft_checkpoint(SFTConfig(**{**MEMORISE.to_dict(), "steps": 101}), out)
+
+
+def test_evaluations_more_often_than_loss_logging(tmp_path):
+    """``eval_every`` below the 50-step loss window: each evaluation line reports the loss up to its step."""
+    cfg = SFTConfig(**{**MEMORISE.to_dict(), "steps": 6, "eval_every": 2, "n_eval": 2})
+    logs: list[str] = []
+    record = train_sft(cfg, tmp_path / "ckpt", log=logs.append, device="cpu")
+    assert [e["step"] for e in record["eval"]] == [2, 4, 6]
+    assert [entry["step"] for entry in record["loss"]] == [2, 4, 6]
+    assert sum("held-out greedy accuracy" in line for line in logs) == 3
