@@ -64,7 +64,11 @@ def summarize(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 
 def _class_totals(steps: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, float | None]]:
-    """Token-weighted over the run: share = Σ class tokens / Σ tokens; weight = Σ class weight / Σ class tokens."""
+    """Token-weighted over the run: share = Σ class tokens / Σ tokens; weight = Σ class weight / Σ class tokens.
+
+    Each logged entry holds TRL's averages over the micro-batches since the last log, so the weighting is
+    per logged entry: exact with ``logging_steps=1`` and no gradient accumulation, otherwise the mean of the
+    averaged shares weighted by the averaged token counts (a close approximation when batches are alike)."""
     tokens = {c: 0.0 for c in CLASSES}
     weight = {c: 0.0 for c in CLASSES}
     total = 0.0

@@ -184,6 +184,8 @@ class SamplerSource:
             trainer's current weights (the HF sampler syncs its own copy; servers need your hook, e.g. a
             ``/update_weights_from_disk`` call after saving).
         validate: run :func:`validate_rollout` on every output (on by default; switch off only to debug).
+            Inside ``TriageGRPOTrainer`` the trainer still validates the rollout whenever it uses the sampler
+            log-probs (any correction but ``none``, or mismatch metrics on): δ must never see a NaN.
     """
 
     name = "source"
