@@ -1,0 +1,34 @@
+"""compile_check.launch_spec mirrors Triton's launcher specialization (what the offline sm_90 compile builds)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+tl = triton.language
+
+from triage.experiments.bench.compile_check import launch_spec  # noqa: E402
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _toy(x_ptr, y_ptr, n, stride, seed, alpha, flag, maybe, BLOCK: tl.constexpr, MODE: tl.constexpr = 2):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs * stride, mask=offs < n) * alpha + seed, mask=offs < n)
+
+
+def test_launch_spec_types_constexprs_and_divisibility():
+    if not hasattr(_toy, "arg_names") or type(_toy).__name__ != "InterpretedFunction":
+        pytest.skip("launch_spec reads interpreted launches (CPU tests run under TRITON_INTERPRET=1)")
+    x = torch.zeros(64, dtype=torch.bfloat16)
+    y = torch.zeros(33, dtype=torch.float32)[1:]  # a 4-byte offset: not 16-byte aligned
+    spec = launch_spec(_toy, (x, y, 32, 1, 16, 0.5, True, None), dict(BLOCK=32, num_warps=2))
+    assert spec["name"] == "_toy" and spec["num_warps"] == 2 and spec["num_stages"] == 3
+    sig = spec["signature"]
+    assert sig["x_ptr"] == "*bf16" and sig["y_ptr"] == "*fp32" and sig["n"] == "i32" and sig["alpha"] == "fp32"
+    assert sig["flag"] == "i1" and sig["seed"] == "i32"  # do_not_specialize: stays an i32 even though 16 | 16
+    # an int equal to 1 becomes a constexpr, None is a constexpr, defaults are filled in
+    assert spec["constexprs"] == {"stride": 1, "maybe": None, "BLOCK": 32, "MODE": 2}
+    assert sig["stride"] == sig["maybe"] == sig["BLOCK"] == "constexpr"
+    assert spec["divisible"] == ["x_ptr", "n"]  # y_ptr misaligned; seed not specialized
+    assert launch_spec(_toy, (x, y, 2**40, 3, 0, 1.0, False, None), dict(BLOCK=32))["signature"]["n"] == "i64"
