@@ -39,8 +39,9 @@ Weight cache. ``W_q`` (and, for the large-M path, its exact bf16 expansion ``q·
 scale as a host float) is cached on the module and reused until the weight changes. The key is
 ``(W._version, W.data_ptr(), W.dtype, W.shape)``: in-place updates through autograd-visible ops
 (``optimizer.step()``, ``param.copy_()`` under no_grad, ``load_state_dict``) bump ``_version``; replacing
-``param.data`` changes ``data_ptr``. Writing through ``param.data.copy_(...)`` does NOT bump the version
-counter: call :meth:`NVFP4Linear.invalidate_cache` after doing that. With gradient checkpointing the recomputed forward hits the cache.
+``param.data`` changes ``data_ptr`` (the cache holds a reference to the weight it quantized, not a copy,
+so that storage cannot be freed and its address reused by a new weight while cached). Writing through
+``param.data.copy_(...)`` does NOT bump the version counter: call :meth:`NVFP4Linear.invalidate_cache` after doing that. With gradient checkpointing the recomputed forward hits the cache.
 
 Gradients are returned in the dtypes of x and W. The quantization and both backward GEMMs run with the
 backends of :mod:`triage.kernels.nvfp4` (Triton on CUDA, torch reference on CPU; ``backend=`` overrides).
@@ -166,6 +167,7 @@ class _WeightCache:
 
     def __init__(self) -> None:
         self.key: tuple | None = None
+        self.source: torch.Tensor | None = None
         self.quantized: NVFP4Tensor | None = None
         self.expanded: torch.Tensor | None = None
         self.scale_host: float | None = None
@@ -197,6 +199,10 @@ class _WeightCache:
         if config.mode == "nvfp4-backward":
             self.transposed = transpose_16x16(q)
         self.key = key
+        # keeps the keyed storage alive, so its address (in the key) cannot be reused by a new weight while
+        # this entry is cached; a reference to the master weight, not a copy (an old weight replaced through
+        # ``param.data`` stays allocated until the next forward or invalidate_cache())
+        self.source = weight.detach()
         return self
 
     def host_scale(self) -> float:
@@ -354,6 +360,11 @@ class NVFP4Linear(nn.Linear):
             raise ValueError(f"NVFP4Linear: input has last dim {x.shape[-1]}, expected {self.in_features}")
         if x.device != self.weight.device:
             raise ValueError(f"NVFP4Linear: input is on {x.device} but the weight is on {self.weight.device}")
+        if x.numel() == 0:
+            # no tokens (the quantizer needs data): nn.Linear's empty output in x's dtype, connected to W and b
+            # so that backward gives them zero gradients
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            return nn.functional.linear(x, self.weight.to(x.dtype), bias)
         cache = self._weight_cache.get(self.weight, self.config)
         return _NVFP4LinearFn.apply(x, self.weight, self.bias, self.config, cache, self._grad_calls)
 

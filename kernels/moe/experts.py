@@ -51,6 +51,7 @@ from triage.kernels.nvfp4.recipe import QuantRecipe
 from triage.kernels.nvfp4.tensor import NVFP4Tensor
 
 from .grouped_gemm import (
+    check_offsets,
     expand_experts,
     grouped_gemm,
     grouped_mm,
@@ -78,7 +79,8 @@ class MoEQuantConfig:
             layer). Each operand is quantized once for all experts, so its outer scale (``scale="tensor"``:
             one amax; ``"row"``: one per row) spans every expert's tokens, not one expert's.
         backend: grouped-GEMM backend (see :func:`~triage.kernels.moe.grouped_gemm.grouped_gemm`).
-        validate: check expert ids (one host sync per layer call).
+        validate: check expert ids (one host sync per layer call); :func:`grouped_nvfp4_linear` checks its
+            ``offsets`` and ``gather`` instead.
     """
 
     activation: QuantRecipe = field(default_factory=QuantRecipe)
@@ -133,6 +135,7 @@ class _WeightCache:
 
     def __init__(self) -> None:
         self.key = None
+        self.source: torch.Tensor | None = None
         self.value = None
         self.transposed_value: NVFP4Tensor | None = None
         self.backwards = 0  # nvfp4-backward calls: seeds the stochastic rounding
@@ -144,6 +147,10 @@ class _WeightCache:
             self.value = (wq, expand_experts(wq, torch.bfloat16) if expanded else None)
             self.transposed_value = None
             self.key = key
+            # keeps the keyed storage alive, so its address (in the key) cannot be reused by a new weight
+            # while this entry is cached; a reference to the master weight, not a copy (an old weight
+            # replaced through ``param.data`` stays allocated until the next forward)
+            self.source = weight.detach()
         return self.value
 
     def transposed(self) -> NVFP4Tensor:
@@ -316,8 +323,24 @@ def _auto_backend(x: torch.Tensor) -> str:
 
 def grouped_nvfp4_linear(x, weight, offsets, cfg: MoEQuantConfig, gather=None, cache=None) -> torch.Tensor:
     """Differentiable grouped NVFP4 linear: rows ``x[gather]`` (or ``x``) sorted by expert, ``weight``
-    [E, N, K] (high-precision master), ``offsets`` [E+1]. Returns [rows, N] in x's dtype."""
+    [E, N, K] (high-precision master), ``offsets`` [E+1]. Returns [rows, N] in x's dtype.
+
+    With ``cfg.validate``, ``gather`` (entries in [0, T)) and ``offsets`` (E+1 bounds from 0 to the routed
+    row count, never decreasing) are checked first (host syncs)."""
+    if cfg.validate:
+        _check_routing(x, weight, offsets, gather)
     return _GroupedNVFP4Linear.apply(x, weight, gather, offsets, cfg, cache or _WeightCache())
+
+
+def _check_routing(x, weight, offsets, gather) -> None:
+    rows = x.shape[0]
+    if gather is not None:
+        if gather.dim() != 1 or gather.dtype.is_floating_point or gather.dtype == torch.bool:
+            raise TypeError(f"gather must be a 1-D integer tensor, got {gather.dtype} {tuple(gather.shape)}")
+        if bool(((gather < 0) | (gather >= x.shape[0])).any()):
+            raise ValueError(f"gather has entries outside [0, {x.shape[0]}) (rows of x)")
+        rows = gather.numel()
+    check_offsets(offsets, rows, weight.shape[0])
 
 
 class NVFP4MoeExperts(nn.Module):
@@ -336,13 +359,38 @@ class NVFP4MoeExperts(nn.Module):
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         cfg = self.config
+        hidden = self.gate_up_proj.shape[-1]
+        if hidden_states.dim() != 2 or hidden_states.shape[1] != hidden:
+            raise ValueError(
+                f"NVFP4MoeExperts: hidden_states must be [T, {hidden}], got {tuple(hidden_states.shape)}"
+            )
+        if top_k_index.dim() != 2 or top_k_index.shape[0] != hidden_states.shape[0]:
+            raise ValueError(
+                f"NVFP4MoeExperts: top_k_index must be [T, k] with T = {hidden_states.shape[0]} (the rows of "
+                f"hidden_states), got {tuple(top_k_index.shape)}"
+            )
+        if top_k_weights.shape != top_k_index.shape:
+            raise ValueError(
+                f"NVFP4MoeExperts: top_k_weights must have top_k_index's shape {tuple(top_k_index.shape)}, "
+                f"got {tuple(top_k_weights.shape)}"
+            )
+        if hidden_states.shape[0] == 0:
+            # no tokens (nn.Linear's rule; the quantizer needs data): an empty [0, H] output, still connected
+            # to the inputs and the expert weights so that backward gives them zero gradients
+            dtype = hidden_states.dtype
+            gate, up = nn.functional.linear(hidden_states, self.gate_up_proj[0].to(dtype)).chunk(2, dim=-1)
+            out = nn.functional.linear(self.act_fn(gate) * up, self.down_proj[0].to(dtype))
+            return out * top_k_weights.sum(-1, keepdim=True).to(dtype)
         k = top_k_index.shape[-1]
         order, offsets = offsets_from_expert_ids(top_k_index, self.num_experts, validate=cfg.validate)
         token = order // k
-        gate_up = grouped_nvfp4_linear(hidden_states, self.gate_up_proj, offsets, cfg, token, self._caches[0])
+        # offsets and token come from the checked ids: no second validation (grouped_nvfp4_linear's)
+        gate_up = _GroupedNVFP4Linear.apply(
+            hidden_states, self.gate_up_proj, token, offsets, cfg, self._caches[0]
+        )
         gate, up = gate_up.chunk(2, dim=-1)
         h = self.act_fn(gate) * up
-        out = grouped_nvfp4_linear(h, self.down_proj, offsets, cfg, None, self._caches[1])
+        out = _GroupedNVFP4Linear.apply(h, self.down_proj, None, offsets, cfg, self._caches[1])
         out = out * top_k_weights.reshape(-1)[order, None].to(out.dtype)
         final = torch.zeros_like(hidden_states)
         return final.index_add_(0, token, out.to(final.dtype))

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import torch
 
-from triage.kernels.nvfp4.gemm import _E2M1, _k_of, _padded, expand
+from triage.kernels.nvfp4.gemm import _E2M1, _hadamard, _k_of, _padded, expand
 
 __all__ = [
     "LARGE_BACKEND",
@@ -77,6 +77,8 @@ def offsets_from_expert_ids(
     """Sort routed rows by expert: returns ``(order, offsets)`` with ``expert_ids.flatten()[order]``
     non-decreasing and ``offsets`` int64 [E+1]. Device ops only; ``validate`` checks ids are in [0, E)
     (one host sync) and names the first bad position."""
+    if expert_ids.dtype.is_floating_point or expert_ids.dtype.is_complex or expert_ids.dtype == torch.bool:
+        raise TypeError(f"expert_ids must be an integer tensor, got {expert_ids.dtype}")
     flat = expert_ids.reshape(-1)
     if validate:
         bad = (flat < 0) | (flat >= num_experts)
@@ -123,6 +125,12 @@ def _check_operands(a, w, offsets, out_dtype, validate, rows=None):
         raise ValueError(f"a must be [T, K] and w [E, N, K], got {tuple(a.shape)} and {tuple(w.shape)}")
     if Ka != Kw:
         raise ValueError(f"reduction dims differ: a has K={Ka}, w has K={Kw}")
+    ha, hw = _hadamard(a), _hadamard(w)
+    if (ha is None) != (hw is None):
+        raise ValueError(
+            "recipes do not fit: exactly one operand went through the Hadamard transform "
+            f"(a: {ha!r}, w: {hw!r}); a·wᵀ is only preserved when both did (H·Hᵀ = I)"
+        )
     if out_dtype not in _OUT_DTYPES:
         raise ValueError(f"out_dtype must be one of {_OUT_DTYPES}, got {out_dtype}")
     if a.data.device != w.data.device or offsets.device != a.data.device:
@@ -164,19 +172,24 @@ def expand_experts(w, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
 # ----- references -----
 
 
-def dequantize64(t) -> torch.Tensor:
-    """fp64 ``q·s·g`` of an NVFP4 operand of any rank (g broadcast: per tensor, row or expert), K cropped."""
+def dequantize64(t, crop: bool = True) -> torch.Tensor:
+    """fp64 ``q·s·g`` of an NVFP4 operand of any rank (g broadcast: per tensor, row or expert), K cropped.
+
+    ``crop=False`` keeps the padded columns [..., Kp]: after a Hadamard transform they are not zero, and a
+    product of two padded operands contracts over all Kp columns (as the dense ``gemm_reference``).
+    """
     Kp = _padded(t.shape[-1])
     codes = torch.stack([t.data & 0xF, t.data >> 4], dim=-1).reshape(*t.data.shape[:-1], Kp).long()
     q = torch.tensor(_E2M1, dtype=torch.float64, device=t.data.device)[codes]
     s = t.scale.double().repeat_interleave(16, dim=-1)
-    return (q * s * t.global_scale.double())[..., : t.shape[-1]]
+    v = q * s * t.global_scale.double()
+    return v[..., : t.shape[-1]] if crop else v
 
 
 def grouped_gemm_reference(a, w, offsets, *, out_dtype=torch.bfloat16, validate: bool = True) -> torch.Tensor:
     """Loop of per-expert fp64 matmuls on dequantized operands (reads the offsets on the host)."""
     T, E, N, _ = _check_operands(a, w, offsets, out_dtype, validate)
-    xa, wv = dequantize64(a), dequantize64(w)
+    xa, wv = dequantize64(a, crop=False), dequantize64(w, crop=False)  # K padded alike on both operands
     out = torch.zeros((T, N), dtype=torch.float64, device=a.data.device)
     o = offsets.long().tolist()
     for e in range(E):

@@ -7,7 +7,10 @@ the formulas each ``profile`` implements.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
+
+import torch
 
 __all__ = ["BLOCKS", "PROFILES", "QuantRecipe", "ROUNDINGS", "SCALES", "SCALE_SOURCES"]
 
@@ -34,8 +37,9 @@ class QuantRecipe:
             and ``compressed-tensors`` (``input_global_scale``), a DECODE scale ``amax/2688`` for ``torchao``
             and ``modelopt`` (``input_scale`` / ``weight_scale_2``)). Static and checkpoint need
             ``scale="tensor"``.
-        static_amax: the outer amax for ``scale_source="static"`` (finite, > 0).
-        checkpoint_scale: the stored outer scale for ``scale_source="checkpoint"`` (finite, > 0).
+        static_amax: the outer amax for ``scale_source="static"`` (a real number, finite and > 0 in fp32 with
+            a finite fp32 reciprocal: the outer scales are computed in fp32).
+        checkpoint_scale: the stored outer scale for ``scale_source="checkpoint"`` (same rule).
         rounding: ``"nearest"`` (ties to even) or ``"stochastic"`` (unbiased, seeded by ``seed``).
         seed: stochastic-rounding seed (``quantize(..., seed=)`` overrides it per call).
         hadamard: apply the 16-point random Hadamard transform (TE's fixed sign vector) to every 16-element
@@ -68,6 +72,10 @@ class QuantRecipe:
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"QuantRecipe.{name} must be one of {allowed}, got {value!r}")
+        for name in ("hadamard", "pad"):  # a truthy "no" must not switch a feature on
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"QuantRecipe.{name} must be a bool, got {value!r}")
         if self.block == "16x16" and self.scale == "row":
             raise ValueError("QuantRecipe: block='16x16' tiles span 16 rows, so scale='row' is not allowed")
         if self.scale_source == "static":
@@ -83,7 +91,7 @@ class QuantRecipe:
             raise ValueError("QuantRecipe: static_amax is only used with scale_source='static'")
         if self.scale_source != "checkpoint" and self.checkpoint_scale is not None:
             raise ValueError("QuantRecipe: checkpoint_scale is only used with scale_source='checkpoint'")
-        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
             raise ValueError(f"QuantRecipe.seed must be an int in [0, 2**32), got {self.seed!r}")
 
     @property
@@ -93,11 +101,18 @@ class QuantRecipe:
 
 
 def _check_positive(name: str, value: float | None) -> None:
+    """The outer scales are computed in fp32 (``2688/amax``, ``1/scale``): the value must be finite and > 0
+    as an fp32, and so must its fp32 reciprocal (else the global scale becomes inf or 0: NaN / zero output)."""
     if value is None:
         raise ValueError(f"QuantRecipe.{name} is required for this scale_source")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"QuantRecipe.{name} must be a real number (int or float), got {value!r}")
     try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"QuantRecipe.{name} must be a number, got {value!r}") from None
-    if not math.isfinite(v) or v <= 0:
-        raise ValueError(f"QuantRecipe.{name} must be finite and > 0, got {value!r}")
+        v32 = torch.tensor(float(value), dtype=torch.float32)  # rounds 1e39 to inf, 1e-50 to 0
+    except OverflowError:  # an int beyond float64
+        v32 = torch.tensor(math.inf)
+    if not (torch.isfinite(v32) and v32 > 0 and torch.isfinite(1 / v32)):
+        raise ValueError(
+            f"QuantRecipe.{name} must be finite and > 0 in float32, with a finite float32 reciprocal "
+            f"(about 2.9e-39 to 3.4e38), got {value!r}"
+        )

@@ -25,7 +25,9 @@ def test_launch_spec_types_constexprs_and_divisibility():
     spec = launch_spec(_toy, (x, y, 32, 1, 16, 0.5, True, None), dict(BLOCK=32, num_warps=2))
     assert spec["name"] == "_toy" and spec["num_warps"] == 2 and spec["num_stages"] == 3
     sig = spec["signature"]
-    assert sig["x_ptr"] == "*bf16" and sig["y_ptr"] == "*fp32" and sig["n"] == "i32" and sig["alpha"] == "fp32"
+    assert (
+        sig["x_ptr"] == "*bf16" and sig["y_ptr"] == "*fp32" and sig["n"] == "i32" and sig["alpha"] == "fp32"
+    )
     assert sig["flag"] == "i1" and sig["seed"] == "i32"  # do_not_specialize: stays an i32 even though 16 | 16
     # an int equal to 1 becomes a constexpr, None is a constexpr, defaults are filled in
     assert spec["constexprs"] == {"stride": 1, "maybe": None, "BLOCK": 32, "MODE": 2}

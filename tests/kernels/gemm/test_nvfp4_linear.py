@@ -81,6 +81,35 @@ def test_weight_cache_follows_the_version_counter():
     assert not torch.equal(layer(x), y2)
 
 
+def test_weight_cache_is_not_fooled_by_a_reused_address():
+    """Replacing ``param.data`` frees the old storage unless the cache holds it; a new weight allocated at
+    the freed address (same version, shape, dtype) must not hit the old W_q."""
+    layer = _layer(bias=False)
+    x = _x(4, 48)
+    with torch.no_grad():  # no autograd graph holding the old weight either
+        for _ in range(20):
+            layer(x)
+            old_ptr = layer.weight.data_ptr()
+            layer.weight.data = torch.randn_like(layer.weight)  # the old storage is freed (if unreferenced)
+            new = [torch.randn_like(layer.weight) for _ in range(8)]  # the allocator tends to hand it back
+            layer.weight.data = next((t for t in new if t.data_ptr() == old_ptr), new[0])
+            del new
+            y = layer(x)
+            layer.invalidate_cache()
+            assert torch.equal(y, layer(x))
+
+
+def test_zero_tokens_give_an_empty_output_like_nn_linear():
+    layer = _layer().to(torch.bfloat16)
+    x = torch.randn(2, 0, 48, dtype=torch.bfloat16, device=device(), requires_grad=True)
+    y = layer(x)
+    assert y.shape == (2, 0, 32) and y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert x.grad.shape == x.shape
+    assert layer.weight.grad.dtype == torch.bfloat16 and not layer.weight.grad.any()
+    assert layer.bias.grad is not None and not layer.bias.grad.any()
+
+
 def test_transpose_16x16_equals_quantizing_the_transpose():
     w = _x(32, 48, seed=3)
     wq = quantize(w, QuantRecipe(block="16x16"), backend="torch")

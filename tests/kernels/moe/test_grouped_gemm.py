@@ -1,5 +1,7 @@
 """Grouped NVFP4 GEMM (Triton kernel under the interpreter) against a loop of per-expert fp64 matmuls."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ from triage.kernels.moe import (
 )
 from triage.kernels.moe.experts import MoEQuantConfig, grouped_nvfp4_linear
 from triage.kernels.nvfp4.api import quantize
+from triage.kernels.nvfp4.gemm import gemm_reference
 from triage.kernels.nvfp4.recipe import QuantRecipe
 
 COUNTS = {
@@ -211,3 +214,61 @@ def test_bad_gather_rows_are_rejected():
         grouped_gemm(a, w, offs, a_rows=torch.full((25,), 99))
     with pytest.raises(ValueError, match="1-D integer"):
         grouped_gemm(a, w, offs, a_rows=torch.zeros(25))
+
+
+def test_hadamard_on_one_operand_is_rejected():
+    a, w, offs = _operands([3, 2, 4, 1], k=32)
+    a_h = quantize(torch.randn(10, 32), QuantRecipe(hadamard=True), backend="torch")
+    with pytest.raises(ValueError, match="exactly one operand went through the Hadamard transform"):
+        grouped_gemm(a_h, w, offs, backend="reference")
+    with pytest.raises(ValueError, match="exactly one operand went through the Hadamard transform"):
+        grouped_gemm(a_h, w, offs, backend="triton")
+
+
+def test_padded_hadamard_reference_keeps_the_rotated_padding():
+    """K=20 padded to 32 and rotated: the padding columns are not zero, the product contracts over all 32
+    (as the dense reference and the kernel do)."""
+    gen = torch.Generator().manual_seed(12)
+    x, w = torch.randn(9, 20, generator=gen), torch.randn(2, 8, 20, generator=gen)
+    a = quantize(x, QuantRecipe(pad=True, hadamard=True), backend="torch")
+    wq = quantize(w, QuantRecipe(pad=True, hadamard=True, scale="expert"), backend="torch")
+    offs = _offsets([4, 5])
+    ref = grouped_gemm_reference(a, wq, offs, out_dtype=torch.float32)
+    rows = [(0, 4), (4, 9)]
+    dense = torch.cat(
+        [gemm_reference(a, _expert(wq, e), out_dtype=torch.float32)[lo:hi] for e, (lo, hi) in enumerate(rows)]
+    )
+    torch.testing.assert_close(ref, dense, rtol=1e-6, atol=1e-6 * dense.abs().max().item())
+    y = grouped_gemm(a, wq, offs, out_dtype=torch.float32, backend="triton")
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def _expert(w, e):
+    """Expert e of NVFP4 expert weights as a dense [N, K] operand (its outer scale as a per-tensor one)."""
+    return w.__class__(
+        data=w.data[e], scale=w.scale[e], global_scale=w.global_scale[e].reshape(()),
+        recipe=dataclasses.replace(w.recipe, scale="tensor"),
+        shape=torch.Size(tuple(w.shape)[1:]), dtype=w.dtype,
+    )  # fmt: skip
+
+
+def test_grouped_linear_validates_offsets_and_gather():
+    x, w = torch.randn(6, 32), torch.randn(4, 16, 32)
+    cfg = MoEQuantConfig(backend="reference")
+    with pytest.raises(ValueError, match="does not match the token count 6"):
+        grouped_nvfp4_linear(x, w, torch.tensor([0, 2, 3, 4, 4]), cfg)  # rows 4, 5 belong to no expert
+    with pytest.raises(ValueError, match="expected num_experts \\+ 1 = 5"):
+        grouped_nvfp4_linear(x, w, torch.tensor([0, 3, 6]), cfg)
+    with pytest.raises(ValueError, match="does not match the token count 3"):
+        grouped_nvfp4_linear(x, w, _offsets([2, 2, 2, 0]), cfg, torch.tensor([0, 5, 1]))
+    with pytest.raises(ValueError, match="gather has entries outside \\[0, 6\\)"):
+        grouped_nvfp4_linear(x, w, _offsets([1, 1, 0, 1]), cfg, torch.tensor([0, 6, 1]))
+    with pytest.raises(TypeError, match="gather must be a 1-D integer tensor"):
+        grouped_nvfp4_linear(x, w, _offsets([1, 1, 0, 1]), cfg, torch.tensor([0.0, 2.0, 1.0]))
+    y = grouped_nvfp4_linear(x, w, _offsets([1, 1, 0, 1]), cfg, torch.tensor([0, 5, 1]))
+    assert y.shape == (3, 16)
+
+
+def test_float_expert_ids_are_a_dtype_error():
+    with pytest.raises(TypeError, match="expert_ids must be an integer tensor, got torch.float32"):
+        offsets_from_expert_ids(torch.tensor([[0.0, 1.0]]), 2)

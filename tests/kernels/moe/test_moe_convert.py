@@ -92,6 +92,55 @@ def test_bad_expert_ids_raise():
         experts(torch.randn(2, 32), torch.tensor([[0, 1], [4, 1]]), torch.rand(2, 2))
 
 
+def test_bad_shapes_raise():
+    model = _tiny_moe()
+    convert_moe_experts(model)
+    experts = model.model.layers[0].mlp.experts
+    h, idx, w = torch.randn(6, 32), torch.randint(0, 4, (6, 2)), torch.rand(6, 2)
+    with pytest.raises(ValueError, match=r"hidden_states must be \[T, 32\], got \(2, 3, 32\)"):
+        experts(h.reshape(2, 3, 32), idx.reshape(2, 3, 2), w.reshape(2, 3, 2))
+    with pytest.raises(ValueError, match=r"top_k_index must be \[T, k\] with T = 6 .*got \(8, 2\)"):
+        experts(h, torch.zeros(8, 2, dtype=torch.long), torch.rand(8, 2))
+    with pytest.raises(
+        ValueError, match=r"top_k_weights must have top_k_index's shape \(6, 2\), got \(6, 3\)"
+    ):
+        experts(h, idx, torch.rand(6, 3))
+
+
+@pytest.mark.parametrize("mode", ["bf16-backward", "nvfp4-backward"])
+def test_zero_tokens_give_an_empty_output(mode):
+    model = _tiny_moe()
+    convert_moe_experts(
+        model, MoEQuantConfig(backward=mode, weight=QuantRecipe(scale="expert", block="16x16"))
+    )
+    experts = model.model.layers[0].mlp.experts
+    h = torch.randn(0, 32, requires_grad=True)
+    w = torch.rand(0, 2, requires_grad=True)
+    y = experts(h, torch.zeros(0, 2, dtype=torch.long), w)
+    assert y.shape == (0, 32) and y.dtype == h.dtype
+    y.sum().backward()
+    assert h.grad.shape == h.shape and w.grad.shape == w.shape
+    for p in (experts.gate_up_proj, experts.down_proj):
+        assert p.grad is not None and p.grad.shape == p.shape and not p.grad.any()
+
+
+def test_expert_weight_cache_is_not_fooled_by_a_reused_address():
+    """A replaced ``param.data`` whose new storage lands on the freed address (same version, shape and
+    dtype) must be quantized anew: the cache holds the keyed storage so that address cannot be reused."""
+    cache, recipe = _WeightCache(), QuantRecipe(scale="expert")
+    w = torch.nn.Parameter(torch.randn(4, 16, 32))
+    with torch.no_grad():
+        for _ in range(20):
+            cache.get(w, recipe, False)
+            old_ptr = w.data_ptr()
+            w.data = torch.randn_like(w)  # the old storage is freed (if unreferenced)
+            new = [torch.randn_like(w) for _ in range(8)]  # the allocator tends to hand it back
+            w.data = next((t for t in new if t.data_ptr() == old_ptr), new[0])
+            del new
+            wq = cache.get(w, recipe, False)[0]
+            assert torch.equal(wq.data, quantize(w.detach(), recipe, backend="torch").data)
+
+
 @pytest.mark.parametrize("mode", ["dequantized", "bf16-backward", "nvfp4-backward"])
 def test_converted_model_trains_and_generates(mode):
     model = _tiny_moe(seed=3)

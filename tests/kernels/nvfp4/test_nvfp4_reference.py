@@ -329,6 +329,18 @@ def test_bad_input(x, recipe, err, match):
         ({"scale_source": "static", "static_amax": float("nan")}, "finite and > 0"),
         ({"scale_source": "static", "static_amax": -1.0}, "finite and > 0"),
         ({"scale_source": "checkpoint", "checkpoint_scale": float("inf")}, "finite and > 0"),
+        # finite in float64 but not in float32 (the outer scale would be inf or 0): NaN / zero outputs
+        ({"scale_source": "static", "static_amax": 1e39}, "static_amax must be finite and > 0 in float32"),
+        ({"scale_source": "static", "static_amax": 1e-50}, "static_amax must be finite and > 0 in float32"),
+        ({"scale_source": "checkpoint", "checkpoint_scale": 1e39}, "checkpoint_scale .*float32"),
+        ({"scale_source": "checkpoint", "checkpoint_scale": 1e-39}, "finite float32 reciprocal"),
+        # wrong types: a truthy string must not switch a feature on
+        ({"scale_source": "static", "static_amax": "3"}, "static_amax must be a real number"),
+        ({"scale_source": "static", "static_amax": True}, "static_amax must be a real number"),
+        ({"pad": "no"}, "pad must be a bool"),
+        ({"hadamard": "no"}, "hadamard must be a bool"),
+        ({"hadamard": 1}, "hadamard must be a bool"),
+        ({"seed": True}, "seed"),
         ({"scale_source": "static", "static_amax": 1.0, "scale": "row"}, "scale='tensor'"),
         ({"block": "16x16", "scale": "row"}, "16x16"),
         ({"rounding": "up"}, "rounding"),
@@ -339,6 +351,15 @@ def test_bad_input(x, recipe, err, match):
 def test_bad_recipe(kw, match):
     with pytest.raises(ValueError, match=match):
         QuantRecipe(**kw)
+
+
+def test_recipe_accepts_real_numbers_in_the_float32_range():
+    for v in (3, 2.5, 3e-39, 3.4e38):
+        assert QuantRecipe(scale_source="static", static_amax=v).static_amax == v
+    assert (
+        QuantRecipe(profile="modelopt", scale_source="checkpoint", checkpoint_scale=1e-30).checkpoint_scale
+        == 1e-30
+    )
 
 
 def test_bad_backend_and_seed():
