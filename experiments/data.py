@@ -150,7 +150,8 @@ def _canonical_row(row: Mapping[str, Any], i: int, split: str | None) -> dict[st
     """Map a row of any supported layout to the schema.
 
     Layouts: DAPO/verl (``prompt`` = messages, ``reward_model``), open-r1 processed (``prompt`` = user
-    string, ``solution``), or plain (``problem`` + ``answer``/``solution``).
+    string, ``solution``), or plain (``problem`` + ``answer``, else ``solution``; ``answer`` wins when both
+    exist, since plain files such as AIME keep a worked solution in ``solution``).
     """
     where = f"row {i}"
     prompt = row.get("prompt")
@@ -159,12 +160,12 @@ def _canonical_row(row: Mapping[str, Any], i: int, split: str | None) -> dict[st
     if isinstance(reward_model, Mapping) and reward_model.get("ground_truth") is not None:
         truth = reward_model["ground_truth"]
         style = reward_model.get("style") or DAPO_STYLE
-    elif row.get("solution") is not None and not isinstance(row.get("solution"), Mapping):
-        truth, style = row["solution"], DAPO_STYLE
-    elif row.get("answer") is not None:
+    elif row.get("answer") is not None:  # before `solution`: plain files (AIME) keep a worked solution there
         truth, style = row["answer"], DAPO_STYLE
+    elif row.get("solution") is not None and not isinstance(row.get("solution"), Mapping):
+        truth, style = row["solution"], DAPO_STYLE  # open-r1 processed: `solution` is the final answer
     else:
-        raise ValueError(f"{where}: no ground truth (expected reward_model.ground_truth, solution or answer)")
+        raise ValueError(f"{where}: no ground truth (expected reward_model.ground_truth, answer or solution)")
     truth = _integer_string(truth, where)
 
     if isinstance(prompt, str):

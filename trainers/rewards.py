@@ -236,10 +236,10 @@ def completion_text(completion: Any, index: int | None = None) -> str:
 def ground_truths_from_columns(n: int, columns: Mapping[str, Any]) -> list[str]:
     """Ground truth of each of ``n`` rows from the dataset columns TRL passes as keyword arguments.
 
-    Looks for ``reward_model`` (DAPO: a dict with ``"ground_truth"`` per row), then ``solution``, then
-    ``answer``. Raises ``ValueError`` naming the row when a value is missing, ``None`` or malformed.
+    Looks for ``reward_model`` (DAPO: a dict with ``"ground_truth"`` per row), then ``answer``, then
+    ``solution`` (``answer`` first: plain datasets such as AIME keep a worked solution in ``solution``). Raises ``ValueError`` naming the row when a value is missing, ``None`` or malformed.
     """
-    for column in ("reward_model", "solution", "answer"):
+    for column in ("reward_model", "answer", "solution"):
         values = columns.get(column)
         if values is None:
             continue
@@ -260,7 +260,7 @@ def ground_truths_from_columns(n: int, columns: Mapping[str, Any]) -> list[str]:
         return truths
     present = sorted(k for k in columns if not k.startswith(("log_", "trainer_")))
     raise ValueError(
-        "no ground truth: expected a 'reward_model' (DAPO: {'ground_truth': ...}), 'solution' or 'answer' "
+        "no ground truth: expected a 'reward_model' (DAPO: {'ground_truth': ...}), 'answer' or 'solution' "
         f"dataset column; the reward function received {present}"
     )
 

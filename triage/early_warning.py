@@ -132,6 +132,8 @@ class EarlyWarningReport:
     alarms: dict[str, Alarm] = field(default_factory=dict)
     reward_fall: Alarm | None = None
     steps: int = 0
+    armed: int = 0  # tail signals whose warm-up baseline is complete (0: nothing was watched)
+    warmup: int = 50
 
     @property
     def first_alarm(self) -> Alarm | None:
@@ -146,7 +148,12 @@ class EarlyWarningReport:
         return self.reward_fall.step - first.step
 
     def summary(self) -> str:
-        if not self.alarms:
+        if not self.alarms and not self.armed:
+            line = (
+                f"early warning: not evaluated — no negative-tail metric (triage/amplify_down/*) reached the "
+                f"{self.warmup}-value warm-up in {self.steps} logged steps"
+            )
+        elif not self.alarms:
             line = f"early warning: no sustained rise of the negative tail in {self.steps} logged steps"
         else:
             parts = [
@@ -156,8 +163,11 @@ class EarlyWarningReport:
             line = "early warning: " + "; ".join(parts)
         if self.reward_fall is not None:
             line += f"\nreward fell from step {self.reward_fall.step}"
-            if self.lead_steps is not None:
-                line += f" — {self.lead_steps} steps after the first tail alarm"
+            lead = self.lead_steps
+            if lead is not None and lead >= 0:
+                line += f" — {lead} steps after the first tail alarm"
+            elif lead is not None:
+                line += f" — {-lead} steps BEFORE the first tail alarm (no early warning)"
         return line
 
 
@@ -168,7 +178,7 @@ class EarlyWarning:
         self.config = config or EarlyWarningConfig()
         self.detectors = {name: Cusum(name, self.config) for name in SIGNALS}
         self.reward = Cusum("reward_fall", self.config)
-        self.report = EarlyWarningReport()
+        self.report = EarlyWarningReport(warmup=self.config.warmup)
         self._last_step: int | None = None
 
     def signals(self, record: Mapping, step: int) -> dict[str, float]:
@@ -205,6 +215,7 @@ class EarlyWarning:
             if alarm is not None:
                 self.report.alarms[name] = alarm
                 raised.append(alarm)
+        self.report.armed = sum(d.mean is not None for d in self.detectors.values())
         reward = _number(record, self.config.reward_key, step)
         if reward is not None:
             fall = self.reward.update(step, -reward)

@@ -76,16 +76,21 @@ def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
     return data
 
 
-def merge(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
-    """``update`` over ``base``: mappings merge recursively, everything else is replaced (copies)."""
+def merge(base: Mapping[str, Any], update: Mapping[str, Any], replace_sources: bool = True) -> dict[str, Any]:
+    """``update`` over ``base``: mappings merge recursively, everything else is replaced (copies). A dataset
+    spec that names a ``source`` replaces the old spec whole (``replace_sources``; off while the dotted
+    overrides of one command line are gathered, so their order does not matter)."""
     out = copy.deepcopy(dict(base))
     for key, value in update.items():
         old = out.get(key)
         replace_whole = (
-            key in _REPLACE_WHEN_SOURCE_CHANGES and isinstance(value, Mapping) and "source" in value
+            replace_sources
+            and key in _REPLACE_WHEN_SOURCE_CHANGES
+            and isinstance(value, Mapping)
+            and "source" in value
         )
         if isinstance(old, Mapping) and isinstance(value, Mapping) and not replace_whole:
-            out[key] = merge(old, value)
+            out[key] = merge(old, value, replace_sources)
         else:
             out[key] = copy.deepcopy(value)
     return out
@@ -113,7 +118,7 @@ def parse_overrides(overrides: Mapping[str, Any] | Iterable[str] | None) -> dict
         layer = {parts[-1]: value}
         for part in reversed(parts[:-1]):
             layer = {part: layer}
-        nested = merge(nested, layer)
+        nested = merge(nested, layer, replace_sources=False)
     return nested
 
 

@@ -25,10 +25,13 @@ def test_diagnose_tiny_writes_table_and_plots(tmp_path, capsys):
 def test_diagnose_log_and_errors(tmp_path, capsys):
     log = tmp_path / "log.jsonl"
     log.write_text(
-        "\n".join(json.dumps({"step": s, "triage/amplify_down/share": 0.01}) for s in range(1, 40))
+        "\n".join(json.dumps({"step": s, "triage/amplify_down/share": 0.01}) for s in range(1, 70))
     )
     assert main(["diagnose", "--log", str(log)]) == 0
     assert "no sustained rise" in capsys.readouterr().out
+    log.write_text("\n".join(log.read_text().splitlines()[:39]))  # shorter than the warm-up
+    assert main(["diagnose", "--log", str(log)]) == 0
+    assert "not evaluated" in capsys.readouterr().out
     assert main(["diagnose"]) == 2
     assert main(["diagnose", "--preset", "tiny"]) == 2
     assert (

@@ -52,6 +52,23 @@ def test_flat_noise_and_a_single_spike_do_not_alarm():
     assert "no sustained rise" in report.summary()
 
 
+def test_a_log_too_short_or_without_tail_metrics_is_not_evaluated():
+    rising = synthetic_log(steps=30, rise_at=1)  # shorter than the 50-value warm-up
+    assert (
+        "not evaluated" in scan_log(rising).summary()
+        and "no sustained rise" not in scan_log(rising).summary()
+    )
+    rewards_only = [{"step": r["step"], "reward": r["reward"]} for r in synthetic_log(steps=200, fall_at=100)]
+    summary = scan_log(rewards_only).summary()
+    assert "not evaluated" in summary and "reward fell" in summary
+
+
+def test_reward_falling_before_the_tail_alarm_is_said_plainly():
+    report = scan_log(synthetic_log(rise_at=200, fall_at=110))
+    assert report.lead_steps < 0
+    assert f"{-report.lead_steps} steps BEFORE the first tail alarm" in report.summary()
+
+
 def test_non_finite_metric_is_an_immediate_alarm():
     log = synthetic_log(steps=60)
     log[40]["triage/amplify_down/share"] = float("nan")

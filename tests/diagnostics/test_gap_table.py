@@ -60,3 +60,17 @@ def test_write_gap_table(table, tmp_path):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = format_table(table)
     assert "precision" in text and "w4a4" in text and "mean|δ|" in text
+
+
+def test_sample_batch_with_a_tokenizer_without_pad_token(trained):
+    """Llama/Mistral-style tokenizers have no pad token: the batch pads with EOS (pads are masked)."""
+    import copy
+
+    from triage.trainers.diagnostics.preset import sample_batch
+
+    model, tokenizer = trained
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.pad_token = None
+    assert tokenizer.pad_token_id is None
+    batch = sample_batch(model, tokenizer, 4, 6, seed=3)
+    assert batch.input_ids.shape[0] == 4

@@ -130,6 +130,9 @@ def test_local_files_parquet_jsonl_and_plain(tmp_path):
     ds = load_local(plain.parent, split="test")
     _check_schema(ds)
     assert ds[0]["reward_model"]["ground_truth"] == "4" and ds[0]["extra_info"]["split"] == "test"
+    # AIME's layout: `answer` is the ground truth, `solution` a worked solution
+    plain.write_text(json.dumps({"problem": "Compute 2+2.", "solution": "2+2 is 4.", "answer": "4"}) + "\n")
+    assert load_local(plain.parent)[0]["reward_model"]["ground_truth"] == "4"
     with pytest.raises(FileNotFoundError):
         load_local(tmp_path / "missing.parquet")
 

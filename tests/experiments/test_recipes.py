@@ -113,6 +113,8 @@ def test_presets():
             recipe["dataset"]["source"] == "dapo-math-17k" and recipe["eval_dataset"]["source"] == "aime-2024"
         )
         assert launch["vllm_serve"]["kv_cache_dtype"] == "fp8"
+        # verl's lr warm-up (10) counts rollout steps; TRL's warmup_steps counts optimizer steps (16 per rollout)
+        assert recipe["warmup_steps"] == 10 * recipe["generation_batch_size"] // 512
     assert moe["launch"]["accelerate_config"] == "fsdp2"
     # tiny: NVFP4 sampler with per-token scales + fp8 KV vs the learner's tensor-wide amax
     assert tiny["sampler"] == "hf" and tiny["use_vllm"] is False
@@ -146,6 +148,9 @@ def test_overrides_and_files(tmp_path):
     # a dataset with a new source replaces the old spec whole
     recipe = load_recipe("tiny/tis", {"dataset": {"source": "aime24"}})
     assert recipe["dataset"] == {"source": "aime24"}
+    # ... but the dotted overrides of one command line are gathered first, in any order
+    for order in (["dataset.limit=5", "dataset.source=aime24"], ["dataset.source=aime24", "dataset.limit=5"]):
+        assert parse_overrides(order) == {"dataset": {"limit": 5, "source": "aime24"}}
     mine = tmp_path / "mine.yaml"
     mine.write_text("preset: tiny\narm: icepop\nicepop_high: 3.0\nmodel_name_or_path: /ckpt\n")
     recipe = load_recipe(mine, {"icepop_low": 0.25})

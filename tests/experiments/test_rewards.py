@@ -184,6 +184,16 @@ def test_trl_reward_dapo_column_conversational_and_plain():
     assert dapo_accuracy_reward(completions=["Answer: 7"], answer=[7]) == [1.0]
 
 
+def test_answer_column_wins_over_a_worked_solution(aime24_rows):
+    """A plain dataset with both columns (AIME: `solution` is the worked text): `answer` is the ground truth."""
+    row = aime24_rows[0]
+    truth = str(int(row["answer"]))
+    scores = dapo_accuracy_reward(
+        completions=[f"... Answer: {truth}"], solution=[row["solution"]], answer=[row["answer"]]
+    )
+    assert scores == [1.0]
+
+
 def test_trl_reward_bad_ground_truth_names_the_row():
     with pytest.raises(ValueError, match="row 1: reward_model"):
         dapo_accuracy_reward(completions=["a", "b"], reward_model=[{"ground_truth": "1"}, {"answer": "2"}])

@@ -120,12 +120,9 @@ def sample_batch(
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     params = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens)
+    # pads are masked out, so a tokenizer without a pad token (Llama, Mistral) pads with its EOS id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     out = sample_with_kv_cache(
-        model.eval(),
-        prompts,
-        params,
-        [tokenizer.eos_token_id],
-        generator=generator,
-        pad_id=tokenizer.pad_token_id,
+        model.eval(), prompts, params, [tokenizer.eos_token_id], generator=generator, pad_id=pad
     )
-    return TokenBatch.from_lists(prompts, out["completion_ids"], tokenizer.pad_token_id)
+    return TokenBatch.from_lists(prompts, out["completion_ids"], pad)
