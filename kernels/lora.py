@@ -413,13 +413,14 @@ class FrozenNVFP4Linear(nn.Module):
             if current is None:
                 error_msgs.append(f"{key}: this FrozenNVFP4Linear has no {name} (got a tensor)")
                 continue
-            if t.dtype != current.dtype or tuple(t.shape) != tuple(current.shape):
+            quant = name in QUANT_BUFFERS  # exact bytes: never cast; the bias follows this module's dtype
+            if (quant and t.dtype != current.dtype) or tuple(t.shape) != tuple(current.shape):
                 error_msgs.append(
                     f"{key}: expected {current.dtype} {tuple(current.shape)}, got {t.dtype} {tuple(t.shape)}"
                 )
                 continue
             if t is not current:
-                self._buffers[name] = t.detach().to(current.device)
+                self._buffers[name] = t.detach().to(device=current.device, dtype=current.dtype)
                 self._expanded = None
         if strict:
             known = {prefix + n for n in self._buffers}

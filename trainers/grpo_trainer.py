@@ -32,7 +32,8 @@ rank) and saved with each checkpoint (``triage_state.json``).
 must be present when ``correction != "none"``, one per completion token, finite and ≤ 0 (1e-4 slack); token
 ids must be inside the vocabulary; a completion must not be empty (at least EOS). A group whose rewards are
 all equal has advantage 0: its tokens are ``inert`` (no policy gradient whatever their weight), counted in the
-``triage/inert/share`` metric.
+``triage/inert/share`` metric. When the sampler log-probs are used, an active ``nn.Dropout`` (e.g. LoRA's
+``lora_dropout``) needs ``disable_dropout=True``: the learner's train-mode forward would count it as δ.
 """
 
 from __future__ import annotations
@@ -171,15 +172,28 @@ class TriageGRPOTrainer(GRPOTrainer):
         if lora_on_nvfp4:
             # QeRL setting: frozen NVFP4 base (quantized bytes only) + PEFT LoRA adapters (docs/trainer.md).
             from triage.kernels.lora import NVFP4BaseConfig
+            from triage.kernels.nvfp4.recipe import QuantRecipe
             from triage.trainers.lora import nvfp4_lora_model
 
+            recipe = _quant_recipe(args.quant_recipe)
             model, kwargs["peft_config"] = nvfp4_lora_model(
                 model,
                 kwargs["peft_config"],
-                quant_recipe=_quant_recipe(args.quant_recipe),
-                base_config=NVFP4BaseConfig(mode=args.lora_base_mode),
+                quant_recipe=recipe,
+                # the activation recipe of a w4a4 base is quant_recipe too (as for convert_to_nvfp4)
+                base_config=NVFP4BaseConfig(mode=args.lora_base_mode, input_recipe=recipe or QuantRecipe()),
                 model_init_kwargs=args.model_init_kwargs if isinstance(model, str) else None,
             )
+        if args.use_vllm and not isinstance(model, str):
+            from triage.kernels.lora import FrozenNVFP4Linear
+
+            if any(isinstance(m, FrozenNVFP4Linear) for m in model.modules()):
+                raise ValueError(
+                    "use_vllm=True cannot train LoRA over a frozen NVFP4 base: TRL's weight sync sends the merged "
+                    "named_parameters(), and FrozenNVFP4Linear keeps its weights in buffers, so vLLM would keep "
+                    "sampling the initial projections. Use sampler='hf' (it shares the base with the learner), or "
+                    "a sampler source with a weight_sync that sends triage.trainers.lora.merged_state_dict(model)"
+                )
         if args.aqn is not None:
             from triage.trainers.lora import AQNCallback, AQNConfig
 
@@ -187,6 +201,17 @@ class TriageGRPOTrainer(GRPOTrainer):
 
         super().__init__(model, reward_funcs, args, rollout_func=rollout_func, **kwargs)
 
+        if self._uses_sampler_logps and not args.disable_dropout:
+            dropout = [
+                n for n, m in self.model.named_modules() if isinstance(m, torch.nn.Dropout) and m.p > 0
+            ]
+            if dropout:
+                raise ValueError(
+                    f"the model has active dropout ({dropout[0]!r}, {len(dropout)} module(s), e.g. LoRA's "
+                    "lora_dropout): the learner's log-probs come from a train-mode forward with dropout while the "
+                    "sampler's do not, so dropout noise would be counted as mismatch δ. Set disable_dropout=True "
+                    "(TriageGRPOConfig, from GRPOConfig) or lora_dropout=0"
+                )
         if args.learner_precision == "nvfp4" and not lora_on_nvfp4:
             self._convert_learner_to_nvfp4(args.quant_recipe)
         self._triage_inputs: dict[str, Any] | None = None

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -44,7 +45,9 @@ from typing import Any
 import torch
 from peft import LoraConfig, PeftModel
 from peft.tuners.lora.layer import Linear as PeftLoraLinear
+from peft.tuners.lora.layer import LoraLayer
 from peft.tuners.tuners_utils import check_adapters_to_merge
+from peft.utils import ModulesToSaveWrapper
 from torch import nn
 from transformers import TrainerCallback
 
@@ -272,6 +275,11 @@ class AdaptiveQuantizationNoise:
     The clean weights are kept (``aqn_clean_weight``, a non-persistent buffer on each norm) so that
     :meth:`remove` restores them bit for bit and the exports write them. The norm weights must be frozen
     (an optimizer update on a noisy weight would be lost at the next resample).
+
+    Floor: the noise is folded in the norm weights' own dtype, so a perturbation below half an ulp of ``w``
+    rounds away (bf16, ``|w| ≈ 1``: half an ulp is 2⁻⁸ ≈ 3.9e-3, and σ ≲ 1e-3 leaves almost nothing).
+    :meth:`apply` measures the realised std of ``w_noise − w`` after the cast and warns (once per σ) when
+    it is below half the requested σ.
     """
 
     BUFFER = "aqn_clean_weight"
@@ -280,6 +288,7 @@ class AdaptiveQuantizationNoise:
         self.config = config or AQNConfig()
         self.norms: list[tuple[str, nn.Module]] = []
         self.sigma = 0.0
+        self._warned: set[float] = set()
 
     def attach(self, model: nn.Module) -> AdaptiveQuantizationNoise:
         self.norms = [
@@ -310,6 +319,7 @@ class AdaptiveQuantizationNoise:
             raise RuntimeError("AQN.apply before attach(model)")
         self.sigma = aqn_sigma(step, total_steps, self.config)
         gen = torch.Generator().manual_seed(self.config.seed + int(step))
+        realised = []
         for _, m in self.norms:
             clean = getattr(m, self.BUFFER)
             if self.sigma == 0.0:
@@ -317,6 +327,17 @@ class AdaptiveQuantizationNoise:
                 continue
             eps = torch.randn(clean.shape, generator=gen, dtype=torch.float32).to(clean.device)
             m.weight.copy_((clean.float() + self.sigma * eps).to(clean.dtype))
+            realised.append((m.weight.float() - clean.float()).flatten())
+        if realised and self.sigma not in self._warned:
+            std = torch.cat(realised).std(correction=0).item()
+            if std < 0.5 * self.sigma:
+                self._warned.add(self.sigma)
+                warnings.warn(
+                    f"AQN: realised noise std {std:.3g} for the requested sigma {self.sigma:.3g}: the noise is "
+                    f"below the resolution of the norm weights' dtype ({self.norms[0][1].weight.dtype}; half an "
+                    "ulp of |w|) and rounds away; use a larger sigma or keep the norm weights in float32",
+                    stacklevel=2,
+                )
         return self.sigma
 
     @torch.no_grad()
@@ -337,23 +358,27 @@ class AQNCallback(TrainerCallback):
     The noise is resampled at the optimizer steps that start a generation (GRPO: every
     ``steps_per_generation × num_iterations`` micro-batches), so the sampler's rollout and the learner's
     forward/backward on it see the same perturbed policy — the noise never enters δ. (Resampling per forward,
-    as QeRL's Eq. 7 reads, would add it to the measured engine mismatch.) ``history`` records (step, σ).
+    as QeRL's Eq. 7 reads, would add it to the measured engine mismatch.) The schedule counts from the step
+    training (re)starts at: a resumed run generates first at its resume step (TRL's generation counter
+    restarts), so the noise is resampled there too. ``history`` records (step, σ).
     """
 
     def __init__(self, config: AQNConfig | None = None):
         self.noise = AdaptiveQuantizationNoise(config)
         self.history: list[tuple[int, float]] = []
+        self._start_step = 0
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if model is None:
             raise ValueError("AQNCallback needs the trainer's model")
         self.noise.attach(model)
+        self._start_step = state.global_step
 
     def on_step_begin(self, args, state, control, **kwargs):
         every = int(getattr(args, "steps_per_generation", None) or 1) * int(
             getattr(args, "num_iterations", 1) or 1
         )
-        if (state.global_step * args.gradient_accumulation_steps) % every == 0:
+        if ((state.global_step - self._start_step) * args.gradient_accumulation_steps) % every == 0:
             sigma = self.noise.apply(state.global_step, max(state.max_steps, 1))
             self.history.append((state.global_step, sigma))
 
@@ -368,18 +393,26 @@ def _unwrapped(model: nn.Module) -> nn.Module:
     return model.get_base_model() if isinstance(model, PeftModel) else model
 
 
+#: State-dict name parts of adapter tensors: LoRA's and PEFT's ``modules_to_save`` copies.
+_ADAPTER_NAMES = (*PeftLoraLinear.adapter_layer_names, *ModulesToSaveWrapper.adapter_layer_names)
+
+
 def _is_adapter_key(key: str) -> bool:
-    return any(f".{n}." in key or key.startswith(f"{n}.") for n in PeftLoraLinear.adapter_layer_names)
+    return any(f".{n}." in key or key.startswith(f"{n}.") for n in _ADAPTER_NAMES)
 
 
 def _clean_key(name: str) -> str:
-    return name.replace(".base_layer.", ".").removesuffix(".base_layer")
+    """The plain model name of a PEFT-wrapped module/tensor name (LoRA ``base_layer``, ``modules_to_save``'s
+    ``original_module``)."""
+    for wrapper in (".base_layer", ".original_module"):
+        name = name.replace(f"{wrapper}.", ".").removesuffix(wrapper)
+    return name
 
 
 def base_state(model: nn.Module) -> tuple[dict, dict]:
     """``(quantized, tensors)`` of a (PEFT) model's base under plain model names: ``{"<m>.weight":
-    NVFP4Tensor}`` for the frozen NVFP4 layers and ``{name: tensor}`` for everything else, adapters excluded,
-    AQN noise removed (clean norm weights)."""
+    NVFP4Tensor}`` for the frozen NVFP4 layers and ``{name: tensor}`` for everything else, adapters excluded
+    (``modules_to_save``: the original module), AQN noise removed (clean norm weights)."""
     base = _unwrapped(model)
     quantized: dict = {}
     tensors: dict[str, torch.Tensor] = {}
@@ -403,24 +436,69 @@ def base_state(model: nn.Module) -> tuple[dict, dict]:
     return quantized, tensors
 
 
+@torch.no_grad()
 def merged_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """A plain state dict with the active adapters merged: ``W = Ŵ + Σ B·A·α/r`` (fp32, then ``dtype``,
-    default the base weight's dtype) for each LoRA-wrapped NVFP4 layer; other frozen NVFP4 layers are
-    dequantized; everything else as in :func:`base_state`."""
+    """A plain state dict with the active adapters merged, under plain model names.
+
+    Every PEFT LoRA layer (over a frozen NVFP4 base or a high-precision one, e.g. a layer skipped from
+    conversion) gets ``W = W_base + Σ B·A·α/r`` and, with ``lora_bias``, ``b = b_base + Σ b_B·α/r`` (fp32,
+    then ``dtype``, default the base tensor's dtype); the active ``modules_to_save`` copies replace their
+    originals; other frozen NVFP4 layers are dequantized; everything else as in :func:`base_state`. Raises
+    ``ValueError`` for what a plain checkpoint of the architecture cannot hold: ``lora_bias`` on a layer
+    without a bias, or an adapted tensor tied to another one (e.g. ``lm_head`` with tied embeddings).
+    """
+    base = _unwrapped(model)
     quantized, tensors = base_state(model)
     out = dict(tensors)
-    lora_layers = {
-        _clean_key(n): m for n, m in _unwrapped(model).named_modules() if isinstance(m, NVFP4LoraLinear)
-    }
     for key, q in quantized.items():
-        name = key[: -len(".weight")]
-        w = q.dequantize(torch.float32)
-        layer = lora_layers.get(name)
-        if layer is not None and not layer.disable_adapters and not layer.merged:
-            for a in layer.active_adapters:
-                if a in layer.lora_A:
-                    w = w + layer.get_delta_weight(a).float()
-        out[key] = w.to(dtype or q.dtype)
+        out[key] = q.dequantize(torch.float32).to(dtype or q.dtype)
+    merged: set[str] = set()
+    for name, m in base.named_modules():
+        prefix = _clean_key(name)
+        if isinstance(m, ModulesToSaveWrapper):
+            active = m.active_adapters
+            if m.disable_adapters or not active or active[0] not in m.modules_to_save:
+                continue
+            for k, t in m.modules_to_save[active[0]].state_dict().items():
+                out[f"{prefix}.{k}"] = t
+                merged.add(f"{prefix}.{k}")
+            continue
+        if not isinstance(m, LoraLayer) or m.disable_adapters or m.merged:
+            continue
+        adapters = [a for a in m.active_adapters if a in m.lora_A or a in m.lora_embedding_A]
+        if not adapters:
+            continue
+        key = f"{prefix}.weight"
+        q = quantized.get(key)
+        w = q.dequantize(torch.float32) if q is not None else tensors[key].float()
+        for a in adapters:
+            w = w + m.get_delta_weight(a).float()
+        out[key] = w.to(dtype or (q.dtype if q is not None else tensors[key].dtype))
+        merged.add(key)
+        biased = [a for a in adapters if m.lora_bias.get(a)]
+        if biased:
+            bkey = f"{prefix}.bias"
+            if bkey not in tensors:
+                raise ValueError(
+                    f"merged_state_dict: {prefix!r} has an adapter with lora_bias=True but no base bias, so a "
+                    "merged checkpoint of this architecture cannot hold it; save it unmerged"
+                )
+            b = tensors[bkey].float()
+            for a in biased:
+                b = b + m.lora_B[a].bias.float() * m.scaling[a]
+            out[bkey] = b.to(dtype or tensors[bkey].dtype)
+            merged.add(bkey)
+    aliases: dict[int, list[str]] = {}
+    for k, t in base.state_dict(keep_vars=True).items():
+        if t is not None and not _is_adapter_key(k):
+            aliases.setdefault(id(t), []).append(_clean_key(k))
+    for group in aliases.values():
+        if len(group) > 1 and merged.intersection(group) and not merged.issuperset(group):
+            raise ValueError(
+                f"merged_state_dict: {sorted(group)} are tied, and the adapters change only "
+                f"{sorted(merged.intersection(group))}; a merged checkpoint of the tied architecture cannot hold "
+                "that (untie the weights before training, or save unmerged)"
+            )
     return out
 
 
@@ -512,7 +590,7 @@ def load_nvfp4_lora(
 
 
 def adapter_parameters(model: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
-    """The trainable LoRA parameters (name, tensor)."""
+    """The adapter parameters (name, tensor): LoRA's and the ``modules_to_save`` copies."""
     return [(n, p) for n, p in model.named_parameters() if _is_adapter_key(n)]
 
 

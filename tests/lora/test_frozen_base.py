@@ -223,3 +223,17 @@ def test_k_not_a_multiple_of_16_with_padded_recipes(mode):
         )
     y.sum().backward()
     torch.testing.assert_close(x.grad.double(), torch.ones(2, 5, 24, dtype=torch.float64) @ _dense64(layer))
+
+
+def test_loading_the_learner_state_into_a_bf16_copy_casts_only_the_bias():
+    """A bf16 sampler copy (HFSampler ``sampler_model="copy"``) reloads the learner's state at every sync."""
+    layer, _ = _frozen(16, 32)
+    dup = copy.deepcopy(layer).to(torch.bfloat16)
+    dup.load_state_dict(layer.state_dict())  # the second sync: an fp32 bias into the bf16 copy
+    dup.load_state_dict(layer.state_dict())
+    assert dup.bias.dtype == torch.bfloat16 and torch.equal(dup.bias, layer.bias.bfloat16())
+    assert dup.qweight.data_ptr() == layer.qweight.data_ptr()
+    bad = dict(layer.state_dict())
+    bad["weight_scale"] = bad["weight_scale"].float()  # the quantized bytes are never cast
+    with pytest.raises(RuntimeError, match="weight_scale: expected"):
+        dup.load_state_dict(bad)

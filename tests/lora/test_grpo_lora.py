@@ -156,3 +156,57 @@ def test_lora_config_fields_are_validated():
         TriageGRPOConfig(output_dir="x", lora_base_mode="w8a8")
     with pytest.raises(ValueError, match="aqn"):
         TriageGRPOConfig(output_dir="x", aqn="{not json")
+
+
+def _wired_trainer(tokenizer, tmp_path, lora: dict | None = None, **overrides):
+    """A trainer that freezes the NVFP4 base itself (learner_precision="nvfp4" + peft_config); not trained."""
+    from triage.trainers import TriageGRPOConfig, TriageGRPOTrainer
+    from triage.trainers.tiny import build_model
+
+    values = dict(
+        output_dir=str(tmp_path / "run"),
+        use_cpu=True,
+        bf16=False,
+        max_steps=1,
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=4,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        sampler="hf",
+        learner_precision="nvfp4",
+    )
+    values.update(overrides)
+    return TriageGRPOTrainer(
+        model=build_model(tokenizer, seed=0),
+        reward_funcs=_reward,
+        args=TriageGRPOConfig(**values),
+        train_dataset=_dataset(),
+        processing_class=tokenizer,
+        peft_config=LoraConfig(**{"r": 4, "lora_alpha": 8, "target_modules": "all-linear", **(lora or {})}),
+    )
+
+
+def test_trainer_quant_recipe_sets_the_frozen_base_activation_recipe_too(tokenizer, tmp_path):
+    trainer = _wired_trainer(tokenizer, tmp_path, lora_base_mode="w4a4", quant_recipe={"scale": "row"})
+    frozen = [m for m in trainer.model.modules() if isinstance(m, FrozenNVFP4Linear)]
+    assert frozen and all(m.weight_recipe.scale == "row" for m in frozen)
+    assert all(m.config.mode == "w4a4" and m.config.input_recipe.scale == "row" for m in frozen)
+
+
+def test_trainer_refuses_vllm_weight_sync_of_a_frozen_nvfp4_base(tokenizer, tmp_path):
+    """TRL's vLLM sync sends named_parameters(); the frozen base lives in buffers and would never arrive."""
+    with pytest.raises(ValueError, match="use_vllm=True cannot train LoRA over a frozen NVFP4 base"):
+        _wired_trainer(tokenizer, tmp_path, sampler=None, use_vllm=True)
+
+
+def test_trainer_refuses_dropout_when_it_would_enter_delta(tokenizer, tmp_path):
+    """The learner's train-mode forward drops units, the sampler's does not: that is not engine mismatch."""
+    with pytest.raises(ValueError, match="disable_dropout=True"):
+        _wired_trainer(tokenizer, tmp_path, lora={"lora_dropout": 0.1})
+    trainer = _wired_trainer(tokenizer, tmp_path, lora={"lora_dropout": 0.1}, disable_dropout=True)
+    assert not any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in trainer.model.modules())
+    _wired_trainer(  # no sampler log-probs used: dropout is the user's choice
+        tokenizer, tmp_path, lora={"lora_dropout": 0.1}, correction="none", log_mismatch_metrics=False
+    )

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import warnings
+from types import SimpleNamespace
+
 import pytest
 import torch
 from lora_testkit import FAST
@@ -12,6 +15,7 @@ from triage.kernels.nvfp4 import load_nvfp4_checkpoint
 from triage.trainers.lora import (
     BASE_SUBDIR,
     AdaptiveQuantizationNoise,
+    AQNCallback,
     AQNConfig,
     NVFP4LoraLinear,
     adapter_parameters,
@@ -25,7 +29,7 @@ from triage.trainers.lora import (
 
 
 def _lora(model, mode="w4a4", **lora):
-    cfg = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", **lora)
+    cfg = LoraConfig(**{"r": 4, "lora_alpha": 8, "target_modules": "all-linear", **lora})
     base = NVFP4BaseConfig(mode=mode, **FAST)
     model, cfg = nvfp4_lora(model, cfg, base)
     peft_model = get_peft_model(model, cfg)
@@ -197,3 +201,133 @@ def test_nvfp4_lora_model_loads_converts_and_freezes_a_saved_model(tmp_path):
     assert len(frozen) == 14 and all(m.config.mode == "w4a16" for m in frozen)
     with pytest.raises(ValueError, match="model_init_kwargs"):
         nvfp4_lora_model(model, LoraConfig(), model_init_kwargs={"dtype": "bfloat16"})
+
+
+def test_aqn_warns_once_when_the_noise_is_below_the_norm_dtype_resolution(nvfp4_model):
+    model = _lora(nvfp4_model, mode="w4a16")
+    small = AQNConfig(sigma_start=1e-4, sigma_end=1e-4, num_stages=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # fp32 norm weights hold σ = 1e-4
+        AdaptiveQuantizationNoise(small).attach(model).apply(1, 2)
+    model.to(torch.bfloat16)  # half an ulp of w = 1 is 2^-8: σ = 1e-4 rounds away
+    noise = AdaptiveQuantizationNoise(small).attach(model)
+    with pytest.warns(UserWarning, match="std 0 for the requested sigma 0.0001: the noise is below"):
+        noise.apply(1, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        noise.apply(1, 2)  # once per σ
+        noise.remove()
+        AdaptiveQuantizationNoise(AQNConfig(num_stages=2)).attach(model).apply(1, 2)  # 1e-2 survives bf16
+
+
+def test_aqn_callback_resamples_at_the_resume_step(nvfp4_model):
+    """TRL generates at the step training (re)starts at, then every steps_per_generation × num_iterations."""
+    nvfp4_model.requires_grad_(False)
+    args = SimpleNamespace(steps_per_generation=1, num_iterations=2, gradient_accumulation_steps=1)
+
+    def resamples(start: int, end: int) -> list[int]:
+        callback = AQNCallback(AQNConfig(num_stages=2, quant_noise_first_stage=False))
+        state = SimpleNamespace(global_step=start, max_steps=end)
+        callback.on_train_begin(args, state, None, model=nvfp4_model)
+        for step in range(start, end):
+            state.global_step = step
+            callback.on_step_begin(args, state, None)
+        callback.on_train_end(args, state, None)
+        return [s for s, _ in callback.history]
+
+    assert resamples(0, 6) == [0, 2, 4]
+    assert resamples(3, 6) == [3, 5]  # resumed from checkpoint-3: generations at 3 and 5
+
+
+def _nvfp4_tiny(tokenizer, skip=("lm_head", "*embed*"), **config):
+    """A tiny Qwen3 (fp32; ``config`` overrides Qwen3Config fields) with its Linear layers in NVFP4."""
+    from transformers import Qwen3ForCausalLM
+
+    from triage.kernels import NVFP4LinearConfig, convert_to_nvfp4
+    from triage.trainers.tiny import build_model
+
+    cfg = build_model(tokenizer).config
+    for k, v in config.items():
+        setattr(cfg, k, v)
+    torch.manual_seed(0)
+    return convert_to_nvfp4(Qwen3ForCausalLM(cfg), NVFP4LinearConfig(**FAST), skip=skip)
+
+
+def _merged_logits(model, ids) -> torch.Tensor:
+    """Logits of a plain model of the same architecture loaded (strictly) from ``merged_state_dict``."""
+    from transformers import Qwen3ForCausalLM
+
+    plain = Qwen3ForCausalLM(model.config).eval()
+    plain.load_state_dict(merged_state_dict(model), strict=True)
+    with torch.no_grad():
+        return plain(ids).logits
+
+
+def test_merged_export_adds_the_lora_bias_to_the_base_bias(tokenizer):
+    model = _lora(
+        _nvfp4_tiny(tokenizer, attention_bias=True),
+        mode="w4a16",
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+        lora_bias=True,
+    )
+    q = model.base_model.model.model.layers[0].self_attn.q_proj
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name and name.endswith(".bias"):
+                p.normal_(0, 0.5)
+    state = merged_state_dict(model)
+    expect = q.base_layer.bias + q.lora_B["default"].bias * q.scaling["default"]
+    assert torch.equal(state["model.layers.0.self_attn.q_proj.bias"], expect)
+    ids = torch.randint(3, 400, (2, 7))
+    with torch.no_grad():
+        y = model(ids).logits
+    torch.testing.assert_close(_merged_logits(model, ids), y, rtol=1e-4, atol=1e-4)
+    with pytest.warns(UserWarning, match="no bias"):  # PEFT's own warning: lora_bias on a layer without bias
+        no_bias = _lora(_nvfp4_tiny(tokenizer), mode="w4a16", target_modules=["q_proj"], lora_bias=True)
+    with pytest.raises(ValueError, match="lora_bias=True but no base bias"):
+        merged_state_dict(no_bias)
+
+
+def test_merged_export_merges_adapters_on_high_precision_layers_too(tokenizer):
+    """LoRA on layers left in high precision (skipped from conversion; lm_head) is merged like the rest."""
+    model = _lora(
+        _nvfp4_tiny(tokenizer, skip=("lm_head", "*embed*", "*layers.1.mlp.*"), tie_word_embeddings=False),
+        mode="w4a16",
+        target_modules=["q_proj", "gate_proj", "down_proj", "lm_head"],
+    )
+    gate = model.base_model.model.model.layers[1].mlp.gate_proj
+    assert type(gate.base_layer) is torch.nn.Linear
+    state = merged_state_dict(model)
+    expect = gate.base_layer.weight + gate.get_delta_weight("default")
+    assert torch.equal(state["model.layers.1.mlp.gate_proj.weight"], expect)
+    ids = torch.randint(3, 400, (2, 7))
+    with torch.no_grad():
+        y = model(ids).logits
+    torch.testing.assert_close(_merged_logits(model, ids), y, rtol=1e-4, atol=1e-4)
+    tied = _lora(_nvfp4_tiny(tokenizer), mode="w4a16", target_modules=["q_proj", "lm_head"])
+    with pytest.raises(ValueError, match="tied"):  # ΔW on lm_head only: a tied checkpoint cannot hold it
+        merged_state_dict(tied)
+
+
+def test_modules_to_save_export_the_trained_copy_merged_and_the_original_as_base(tokenizer, tmp_path):
+    from triage.trainers.tiny import TinyModelSpec, build_model
+
+    model = _lora(
+        _nvfp4_tiny(tokenizer, tie_word_embeddings=False), mode="w4a16", modules_to_save=["lm_head"]
+    )
+    head = model.base_model.model.lm_head
+    with torch.no_grad():
+        head.modules_to_save["default"].weight.mul_(1.5)  # the trained copy differs from the original
+    ids = torch.randint(3, 400, (2, 7))
+    with torch.no_grad():
+        y = model(ids).logits
+    state = merged_state_dict(model)
+    assert [k for k in state if "lm_head" in k] == ["lm_head.weight"]
+    assert torch.equal(state["lm_head.weight"], head.modules_to_save["default"].weight)
+    torch.testing.assert_close(_merged_logits(model, ids), y, rtol=1e-4, atol=1e-4)
+    save_nvfp4_lora(model, tmp_path)
+    skeleton = build_model(tokenizer, TinyModelSpec(tie_word_embeddings=False), seed=3)
+    loaded = load_nvfp4_lora(skeleton, tmp_path, NVFP4BaseConfig(mode="w4a16", **FAST))
+    assert torch.equal(loaded.base_model.model.lm_head.original_module.weight, head.original_module.weight)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, y)
