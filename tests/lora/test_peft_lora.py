@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+import zlib
 from types import SimpleNamespace
 
 import pytest
@@ -32,11 +33,14 @@ def _lora(model, mode="w4a4", **lora):
     cfg = LoraConfig(**{"r": 4, "lora_alpha": 8, "target_modules": "all-linear", **lora})
     base = NVFP4BaseConfig(mode=mode, **FAST)
     model, cfg = nvfp4_lora(model, cfg, base)
+    torch.manual_seed(0)  # lora_A's init: the same adapters whatever ran before
     peft_model = get_peft_model(model, cfg)
-    with torch.no_grad():  # non-zero B so that the adapters change the output
+    with (
+        torch.no_grad()
+    ):  # non-zero B so that the adapters change the output (crc32: stable across processes)
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:
-                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(hash(name) % 2**31))
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(zlib.crc32(name.encode())))
     return peft_model
 
 
@@ -77,7 +81,7 @@ def test_only_adapters_train_and_the_base_bytes_do_not_change(nvfp4_model):
 
 def test_merge_requantizes_and_unmerge_restores_the_exact_bytes(nvfp4_model):
     model = _lora(nvfp4_model, mode="w4a16")
-    ids = torch.randint(3, 400, (2, 7))
+    ids = torch.randint(3, 400, (2, 7), generator=torch.Generator().manual_seed(1))
     before_bytes = _base_bytes(model)
     with torch.no_grad():
         y = model(ids).logits
@@ -87,7 +91,8 @@ def test_merge_requantizes_and_unmerge_restores_the_exact_bytes(nvfp4_model):
         again = model(ids).logits
     assert _base_bytes(model) == before_bytes and torch.equal(again, y)
     # the merged layer is Q(Ŵ + ΔW): close to the unmerged output, not equal (a new rounding)
-    assert 0 < (merged - y).abs().max() < 0.25 * y.abs().max()
+    rel = float((merged - y).abs().max() / y.abs().max())
+    assert 0 < rel < 0.25, rel
 
 
 @pytest.mark.parametrize("layout", ["modelopt", "compressed-tensors"])
