@@ -79,6 +79,9 @@ __all__ = [
 
 #: Where :func:`save_nvfp4_lora` writes the NVFP4 base checkpoint, inside the adapter directory.
 BASE_SUBDIR = "nvfp4_base"
+#: The frozen base's compute settings (mode, activation recipe), saved beside the base so that
+#: :func:`load_nvfp4_lora` rebuilds the same numerics without being told.
+BASE_CONFIG_FILE = "triage_base_config.json"
 #: ``init_lora_weights`` values that do not read the base weight (the others need a dense one).
 _PLAIN_INITS = (True, False, "gaussian")
 
@@ -548,6 +551,9 @@ def save_nvfp4_lora(
         model.save_pretrained(out)
         quantized, tensors = base_state(model)
         write_nvfp4_base(out / BASE_SUBDIR, quantized, tensors, layout=layout, config=config)
+        frozen = next((m for m in base.modules() if isinstance(m, FrozenNVFP4Linear)), None)
+        if frozen is not None:
+            _write_base_config(out / BASE_SUBDIR / BASE_CONFIG_FILE, frozen.config)
     generation = getattr(base, "generation_config", None)
     if generation is not None and hasattr(generation, "save_pretrained"):
         generation.save_pretrained(out)
@@ -577,16 +583,43 @@ def load_nvfp4_lora(
 ) -> PeftModel:
     """Inverse of :func:`save_nvfp4_lora` (unmerged): load ``path/nvfp4_base`` into ``model`` (a skeleton of
     the architecture, e.g. ``AutoModelForCausalLM.from_config``) as frozen NVFP4 layers, then the PEFT
-    adapters. Returns the ``PeftModel``."""
+    adapters. Returns the ``PeftModel``. ``base_config`` defaults to the one saved with the base (mode and
+    activation recipe; Triton/torch backends stay "auto"), else ``NVFP4BaseConfig()``."""
     path = Path(path)
     if not (path / BASE_SUBDIR).is_dir():
         raise FileNotFoundError(f"{path}: no {BASE_SUBDIR}/ (not written by save_nvfp4_lora(merged=False))")
+    saved = path / BASE_SUBDIR / BASE_CONFIG_FILE
+    if base_config is None and saved.is_file():
+        base_config = _read_base_config(saved)
     load_nvfp4_base(model, path / BASE_SUBDIR, base_config)
     config = LoraConfig.from_pretrained(str(path))
     config._register_custom_module({FrozenNVFP4Linear: NVFP4LoraLinear})
     return PeftModel.from_pretrained(
         model, str(path), adapter_name=adapter_name, is_trainable=is_trainable, config=config
     )
+
+
+def _write_base_config(path: Path, config: NVFP4BaseConfig) -> None:
+    import dataclasses
+    import json
+
+    recipe = dataclasses.asdict(config.input_recipe)
+    data = {"mode": config.mode, "input_recipe": recipe, "cache_expanded": config.cache_expanded}
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def _read_base_config(path: Path) -> NVFP4BaseConfig:
+    import json
+
+    data = json.loads(path.read_text())
+    try:
+        return NVFP4BaseConfig(
+            mode=data["mode"],
+            input_recipe=QuantRecipe(**data["input_recipe"]),
+            cache_expanded=bool(data.get("cache_expanded", False)),
+        )
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"{path}: not a valid NVFP4 base config ({err})") from None
 
 
 def adapter_parameters(model: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:

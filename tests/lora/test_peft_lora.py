@@ -336,3 +336,25 @@ def test_modules_to_save_export_the_trained_copy_merged_and_the_original_as_base
     assert torch.equal(loaded.base_model.model.lm_head.original_module.weight, head.original_module.weight)
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, y)
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+def test_load_without_base_config_rebuilds_the_saved_numerics(nvfp4_model, tokenizer, tmp_path, mode):
+    """The base's mode and activation recipe are saved beside it: a reload without ``base_config`` computes
+    the same logits (a per-token activation scale here, not the default per-tensor one)."""
+    from triage.kernels.nvfp4.recipe import QuantRecipe
+    from triage.trainers.lora import BASE_CONFIG_FILE
+    from triage.trainers.tiny import build_model
+
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+    base = NVFP4BaseConfig(mode=mode, input_recipe=QuantRecipe(scale="row"), **FAST)
+    model, cfg = nvfp4_lora(nvfp4_model, cfg, base)
+    model = get_peft_model(model, cfg)
+    save_nvfp4_lora(model, tmp_path, tokenizer=tokenizer)
+    assert (tmp_path / BASE_SUBDIR / BASE_CONFIG_FILE).is_file()
+    loaded = load_nvfp4_lora(build_model(tokenizer, seed=3), tmp_path)
+    frozen = [m for m in loaded.modules() if type(m).__name__ == "FrozenNVFP4Linear"]
+    assert frozen and all(m.config.mode == mode and m.config.input_recipe.scale == "row" for m in frozen)
+    ids = torch.randint(3, 400, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=1e-6)
