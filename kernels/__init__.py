@@ -19,6 +19,7 @@ _LAZY = {
     "grouped_gemm_reference": "triage.kernels.moe",
     "offsets_from_expert_ids": "triage.kernels.moe",
     "convert_moe_experts": "triage.kernels.moe.experts",
+    "convert_moe_experts_from_nvfp4": "triage.kernels.moe.experts",
     "NVFP4MoeExperts": "triage.kernels.moe.experts",
     "MoEQuantConfig": "triage.kernels.moe.experts",
     "FrozenNVFP4Linear": "triage.kernels.lora",

@@ -103,11 +103,11 @@ def resolve_sampler_kwargs(kind: str, kwargs: dict | None) -> dict:
     if precision is not None:
         kwargs["sampler_model"] = "copy"
         kwargs.setdefault("dtype", torch.bfloat16)
-    if precision == "nvfp4":
-        from triage.kernels import convert_to_nvfp4
-
+    if precision == "nvfp4":  # from an NVFP4 learner's high-precision weights, with the sampler's own recipe
         recipe = _quant_recipe(quant_recipe)
-        steps.append(lambda m: convert_to_nvfp4(m, recipe))
+        steps.append(
+            lambda m: _to_nvfp4(m, recipe)
+        )  # the HF sampler unconverts an NVFP4 learner's copy first
     if user_prepare is not None:
         steps.append(user_prepare)
     if steps:
@@ -119,6 +119,24 @@ def resolve_sampler_kwargs(kind: str, kwargs: dict | None) -> dict:
 
         kwargs["prepare_model"] = prepare_model
     return kwargs
+
+
+def _to_nvfp4(model, recipe):
+    """``convert_to_nvfp4`` (Linear layers) and ``convert_moe_experts`` (fused MoE experts; weights with one
+    outer scale per expert) with one recipe, in place."""
+    import dataclasses
+
+    from triage.kernels import convert_moe_experts, convert_to_nvfp4
+    from triage.kernels.moe.experts import MoEQuantConfig
+
+    convert_to_nvfp4(model, recipe)
+    moe = (
+        MoEQuantConfig()
+        if recipe is None
+        else MoEQuantConfig(activation=recipe, weight=dataclasses.replace(recipe, scale="expert"))
+    )
+    convert_moe_experts(model, moe)
+    return model
 
 
 def _quant_recipe(value):
@@ -284,20 +302,30 @@ class TriageGRPOTrainer(GRPOTrainer):
     # --- NVFP4 learner -------------------------------------------------------------------------------------
 
     def _convert_learner_to_nvfp4(self, quant_recipe) -> None:
-        """Replace the learner's Linear layers by NVFP4 ones in place (``triage.kernels.convert_to_nvfp4``)."""
+        """Replace the learner's Linear layers and fused MoE experts by NVFP4 ones in place (``convert_to_nvfp4``,
+        ``convert_moe_experts``)."""
         try:
-            from triage.kernels import convert_to_nvfp4
+            import triage.kernels.linear  # noqa: F401  (the NVFP4 layers; a clear error if they do not import)
         except ImportError as err:
             raise ImportError(
                 "learner_precision='nvfp4' needs triage.kernels.convert_to_nvfp4 (kernels/linear.py), which is "
                 f"not available in this install: {err}"
             ) from err
         model = self.accelerator.unwrap_model(self.model)
-        converted = convert_to_nvfp4(model, _quant_recipe(quant_recipe))
+        converted = _to_nvfp4(model, _quant_recipe(quant_recipe))  # Linear layers and fused MoE experts
         if converted is not model:
             raise RuntimeError(
                 "convert_to_nvfp4 must convert the learner in place (the optimizer holds its params)"
             )
+
+    def create_optimizer(self, *args, **kwargs):
+        optimizer = super().create_optimizer(*args, **kwargs)
+        cached = [m for m in self.model.modules() if type(m).__name__ in ("NVFP4Linear", "NVFP4MoeExperts")]
+        if cached and hasattr(optimizer, "register_step_post_hook"):
+            # The quantized-weight caches key on the weight's version and address; a sharded run (FSDP2)
+            # re-gathers parameters into storage without bumping the version, so drop them after each step.
+            optimizer.register_step_post_hook(lambda *_: [m.invalidate_cache() for m in cached])
+        return optimizer
 
     # --- the loss ------------------------------------------------------------------------------------------
 

@@ -59,9 +59,8 @@ RECIPE_SECTIONS = ("model_name_or_path", "dataset", "eval_dataset", "reward_func
 LAUNCH_KEYS = ("accelerate_config", "train_nodes", "gpus_per_node", "vllm_serve", "vllm_extra_args")
 _COMPOSE_KEYS = ("preset", "arm")
 _REPLACE_WHEN_SOURCE_CHANGES = ("dataset", "eval_dataset")
-# keyword arguments an NVFP4 HF sampler takes on top of HFSampler's own (see docs/experiments.md)
+# sampler_kwargs the HF sampler alone takes (precision/quant_recipe on top of HFSampler's own; docs/experiments.md)
 _SAMPLER_NUMERICS_KEYS = ("precision", "quant_recipe", "kv_cache_dtype")
-_KV_CACHE_DTYPES = ("auto", "bf16", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
@@ -109,7 +108,11 @@ def parse_overrides(overrides: Mapping[str, Any] | Iterable[str] | None) -> dict
             if not isinstance(text, str) or "=" not in text:
                 raise ValueError(f"an override is KEY=VALUE, got {text!r}")
             key, value = text.split("=", 1)
-            items.append((key.strip(), yaml.safe_load(value)))
+            parsed = yaml.safe_load(value)
+            # YAML 1.1 reads no/yes/on/off as booleans; only true/false mean one (``eval_strategy=no`` is "no")
+            if isinstance(parsed, bool) and value.strip().lower() not in ("true", "false"):
+                parsed = value.strip()
+            items.append((key.strip(), parsed))
     nested: dict[str, Any] = {}
     for key, value in items:
         parts = key.split(".")
@@ -214,27 +217,29 @@ def _check_sampler(recipe: Mapping[str, Any]) -> None:
     kwargs = recipe.get("sampler_kwargs") or {}
     if not isinstance(kwargs, Mapping):
         raise ValueError(f"sampler_kwargs must be a mapping, got {kwargs!r}")
-    if recipe.get("sampler") == "hf":
-        from triage.trainers.sampling.hf import HFSampler
-
-        names = set(inspect.signature(HFSampler).parameters) | set(_SAMPLER_NUMERICS_KEYS)
-        unknown = [k for k in kwargs if k not in names]
-        if unknown:
+    if recipe.get("sampler") != "hf":
+        numerics = [k for k in _SAMPLER_NUMERICS_KEYS if k in kwargs]
+        if numerics:
             raise ValueError(
-                f"sampler_kwargs: unknown keys {unknown} for sampler 'hf'; keys: {sorted(names)}"
+                f"sampler_kwargs.{numerics[0]} applies to sampler 'hf' only, got sampler "
+                f"{recipe.get('sampler')!r} (an engine's numerics are set on its server, e.g. launch.vllm_serve)"
             )
+        return
+    from triage.trainers.sampling.hf import KV_CACHE_DTYPES, HFSampler
+
+    names = set(inspect.signature(HFSampler).parameters) | set(_SAMPLER_NUMERICS_KEYS)
+    unknown = [k for k in kwargs if k not in names]
+    if unknown:
+        raise ValueError(f"sampler_kwargs: unknown keys {unknown} for sampler 'hf'; keys: {sorted(names)}")
     if "precision" in kwargs and kwargs["precision"] not in ("bf16", "nvfp4"):
         raise ValueError(f"sampler_kwargs.precision must be 'bf16' or 'nvfp4', got {kwargs['precision']!r}")
     if "quant_recipe" in kwargs:
         if kwargs.get("precision") != "nvfp4":
             raise ValueError("sampler_kwargs.quant_recipe needs sampler_kwargs.precision: nvfp4")
         _check_quant_recipe(kwargs["quant_recipe"], "sampler_kwargs.quant_recipe")
-    allowed = _KV_CACHE_DTYPES
-    if recipe.get("sampler") == "hf":
-        from triage.trainers.sampling.hf import KV_CACHE_DTYPES as allowed  # what the HF sampler emulates
-    if "kv_cache_dtype" in kwargs and kwargs["kv_cache_dtype"] not in allowed:
+    if "kv_cache_dtype" in kwargs and kwargs["kv_cache_dtype"] not in KV_CACHE_DTYPES:  # what it emulates
         raise ValueError(
-            f"sampler_kwargs.kv_cache_dtype must be one of {allowed}, got {kwargs['kv_cache_dtype']!r}"
+            f"sampler_kwargs.kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kwargs['kv_cache_dtype']!r}"
         )
 
 

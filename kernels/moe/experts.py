@@ -205,7 +205,8 @@ class _GroupedNVFP4Linear(torch.autograd.Function):
     def backward(ctx, dy):
         if ctx.cfg.backward == "nvfp4-backward":
             return _nvfp4_backward(ctx, dy)
-        gather, offsets = ctx.saved_tensors[:2]
+        saved = ctx.saved_tensors  # unpacked once: non-reentrant gradient checkpointing allows only one
+        gather, offsets = saved[:2]
         dtype = dy.dtype
         if ctx.quantized is not None:
             a, wq = ctx.quantized
@@ -214,7 +215,7 @@ class _GroupedNVFP4Linear(torch.autograd.Function):
                 dequantize(wq, dtype, backend=_qbackend(dy)),
             )
         else:
-            x, w = ctx.saved_tensors[2], ctx.saved_tensors[3].to(dtype)
+            x, w = saved[2], saved[3].to(dtype)
             x_rows = x[gather] if gather is not None else x
         dy = dy.contiguous()
         dx = dw = None
@@ -356,6 +357,19 @@ class NVFP4MoeExperts(nn.Module):
         self.down_proj = experts.down_proj
         self.act_fn = experts.act_fn
         self._caches = (_WeightCache(), _WeightCache())
+        # the replaced module, unregistered (its parameters are the ones above): to_experts() puts it back
+        object.__setattr__(self, "_replaced", experts)
+
+    def to_experts(self) -> nn.Module:
+        """The original (high-precision) experts module, holding this module's current parameters."""
+        original = self._replaced
+        original.gate_up_proj, original.down_proj = self.gate_up_proj, self.down_proj
+        return original
+
+    def invalidate_cache(self) -> None:
+        """Drop the cached quantized weights (the stochastic-rounding call counters are kept)."""
+        for cache in self._caches:
+            cache.key, cache.source, cache.value, cache.transposed_value = None, None, None, None
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         cfg = self.config
@@ -434,4 +448,15 @@ def convert_moe_experts(model: nn.Module, config: MoEQuantConfig | None = None) 
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, NVFP4MoeExperts(module, config))
+    return [n for n, _ in targets]
+
+
+def convert_moe_experts_from_nvfp4(model: nn.Module) -> list[str]:
+    """Inverse of :func:`convert_moe_experts`: every :class:`NVFP4MoeExperts` back to the module it replaced
+    (same parameters), in place. Returns the converted module names."""
+    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, NVFP4MoeExperts)]
+    for name, module in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, module.to_experts())
     return [n for n, _ in targets]

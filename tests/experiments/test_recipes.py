@@ -142,6 +142,14 @@ def test_tiny_recipe_data_and_reward_wire_up():
 def test_overrides_and_files(tmp_path):
     assert parse_overrides(["a.b=1", "a.c=[1, 2]", "d=null"]) == {"a": {"b": 1, "c": [1, 2]}, "d": None}
     assert parse_overrides({"quant_recipe.scale": "row"}) == {"quant_recipe": {"scale": "row"}}
+    # YAML 1.1 booleans other than true/false stay the text they are (eval_strategy=no is TRL's "no")
+    assert parse_overrides(["eval_strategy=no", "a=On", "b=true", "c=FALSE"]) == {
+        "eval_strategy": "no",
+        "a": "On",
+        "b": True,
+        "c": False,
+    }
+    assert load_recipe("tiny/tis", ["eval_strategy=no"])["eval_strategy"] == "no"
     recipe = load_recipe("tiny/tis", ["quant_recipe.hadamard=true", "max_steps=3"])
     assert recipe["quant_recipe"]["hadamard"] is True and recipe["quant_recipe"]["profile"] == "te"
     assert recipe["max_steps"] == 3
@@ -191,6 +199,10 @@ def test_overrides_and_files(tmp_path):
         ({"sampler_kwargs.quant_recipe.profile": "vllm"}, "sampler_kwargs.quant_recipe: QuantRecipe.profile"),
         ({"sampler_kwargs.kv_cache_dtype": "int4"}, "kv_cache_dtype"),
         ({"sampler_kwargs.temperatur": 1.0}, "unknown keys \\['temperatur'\\] for sampler 'hf'"),
+        (
+            {"sampler": "sglang"},
+            "sampler_kwargs.precision applies to sampler 'hf' only, got sampler 'sglang'",
+        ),
         ({"reward_funcs": ["dapo_accuracy", "format"]}, "reward_funcs: unknown reward 'format'"),
         ({"reward_funcs": [{"soft_overlong": {"cache_length": 100}}]}, "cache_length"),
         ({"dataset.difficulty": 9}, "difficulty must be an int in 1..5"),
@@ -206,6 +218,14 @@ def test_overrides_and_files(tmp_path):
 def test_validation_names_the_bad_key(overrides, match):
     with pytest.raises(ValueError, match=match):
         load_recipe("tiny/triage", overrides)
+
+
+def test_sampler_numerics_keys_need_the_hf_sampler():
+    engine = {"use_vllm": False, "sampler": "sglang", "sampler_kwargs.base_url": "http://127.0.0.1:1"}
+    assert load_recipe("qwen3-4b/triage", engine)["sampler"] == "sglang"
+    for key, value in (("kv_cache_dtype", "fp8"), ("precision", "bf16")):
+        with pytest.raises(ValueError, match=f"sampler_kwargs.{key} applies to sampler 'hf' only"):
+            load_recipe("qwen3-4b/triage", {**engine, f"sampler_kwargs.{key}": value})
 
 
 def test_build_catches_trl_batch_rules():

@@ -79,6 +79,36 @@ def test_left_padded_batch_equals_one_by_one(tiny_model, tokenizer, prompt_ids):
         )
 
 
+def test_repetition_penalty_ignores_left_padding(tiny_model, tokenizer):
+    # pad id = EOS (as on Qwen3): a penalised pad would lower EOS in a row padded only because of its batch-mates
+    model, eos = copy.deepcopy(tiny_model), tokenizer.eos_token_id
+    short = tokenizer("What is 12?")["input_ids"]
+    longer = tokenizer("Let x be such that 3x + 4 = 19. Find x, then compute 7 * 8 - 3.")["input_ids"]
+    assert eos not in short + longer
+    with torch.no_grad():  # raise the short prompt's EOS logit by 4 so that EOS is a likely first token
+        h = model.model(torch.tensor([short])).last_hidden_state[0, -1]
+        model.lm_head.weight[eos] += 4.0 * h / h.norm() ** 2
+    params = SamplingParams(max_new_tokens=1, repetition_penalty=1.5)
+
+    def first_token_logps(batch):  # processed log-prob of each first token the short prompt drew
+        g = torch.Generator().manual_seed(0)
+        out = sample_with_kv_cache(
+            model, batch * 32, params, [eos], generator=g, logprobs_mode="processed", pad_id=eos
+        )
+        rows = zip(out["completion_ids"][:: len(batch)], out["logprobs"][:: len(batch)])
+        return {c[0]: lp[0] for c, lp in rows}
+
+    alone, batched = first_token_logps([short]), first_token_logps([short, longer])
+    common = sorted(alone.keys() & batched.keys())
+    assert eos in common
+    torch.testing.assert_close(
+        torch.tensor([batched[t] for t in common]),
+        torch.tensor([alone[t] for t in common]),
+        atol=2e-5,
+        rtol=0,
+    )
+
+
 def test_eos_stops_the_row_and_is_included(tiny_model, prompt_ids):
     params = SamplingParams(max_new_tokens=8, top_k=1)
     free = sample_with_kv_cache(tiny_model, prompt_ids, params, eos_ids=[], pad_id=0)
@@ -165,6 +195,18 @@ def test_copy_mode_casts_prepares_and_resyncs_on_step_change(tiny_model, tokeniz
     inplace([CHATS[0]] * 2, trainer)
     assert inplace.copy is first_copy  # refreshed in place
     torch.testing.assert_close(inplace.copy.model.norm.weight, model.model.norm.weight)
+
+
+def test_copy_keeps_rope_inv_freq_at_the_source_precision(tiny_model):
+    # like from_pretrained(dtype=bf16) and the engines: RoPE frequencies stay fp32 under a bf16 copy
+    dup = HFSampler(sampler_model="copy", dtype=torch.bfloat16)._build_copy(tiny_model)
+    assert next(dup.parameters()).dtype == torch.bfloat16
+    source = dict(tiny_model.named_buffers())
+    inv_freq = {n: b for n, b in dup.named_buffers() if n.endswith("inv_freq")}
+    assert inv_freq
+    for name, buf in inv_freq.items():
+        assert buf.dtype == torch.float32 and torch.equal(buf, source[name]), name
+        assert buf.data_ptr() != source[name].data_ptr()  # the copy's own tensor
 
 
 class _NoAccelerator:

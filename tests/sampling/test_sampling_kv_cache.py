@@ -62,6 +62,27 @@ def test_bf16_cache_on_bf16_model_changes_nothing(tiny_model, tokenizer, prompt_
     assert _sample(model, prompt_ids, tokenizer, "auto") == native
 
 
+def test_fp8_scales_ignore_left_padding(tiny_model, tokenizer):
+    # the fp8 scales are calibrated on the prefill's valid positions: a row's log-probs do not depend on what
+    # the pad id's embedding is (the long prompt is never padded; the short one is mostly padding)
+    short = tokenizer("What is 12?")["input_ids"]
+    longer = tokenizer("Let x be such that 3x + 4 = 19. Find x, then compute 7 * 8 - 3. " * 2)["input_ids"]
+    pad = tokenizer.eos_token_id
+    params = SamplingParams(max_new_tokens=4, top_k=1)
+    loud = copy.deepcopy(tiny_model)
+    # untie the LM head so that only the pad's input embedding changes
+    loud.lm_head.weight = torch.nn.Parameter(loud.lm_head.weight.detach().clone())
+    with torch.no_grad():
+        emb = loud.get_input_embeddings().weight
+        emb[pad] = 100 * torch.randn(emb.shape[1], generator=torch.Generator().manual_seed(0))
+    quiet, noisy = (
+        sample_with_kv_cache(m, [short, longer], params, [pad], pad_id=pad, kv_cache_dtype="fp8")
+        for m in (tiny_model, loud)
+    )
+    assert noisy["completion_ids"] == quiet["completion_ids"] and len(quiet["logprobs"][1]) == 4
+    assert noisy["logprobs"] == quiet["logprobs"]
+
+
 def test_fp8_cache_moves_logprobs_slightly(tiny_model, tokenizer, prompt_ids):
     native = _sample(tiny_model, prompt_ids, tokenizer, None)
     fp8 = _sample(tiny_model, prompt_ids, tokenizer, "fp8_e4m3")
@@ -86,9 +107,9 @@ def test_fp8_cache_is_the_diagnostics_emulation(tiny_model, tokenizer, prompt_id
     calls = []
     real = kvcache.kv_cache
 
-    def spy(config, fmt="native", granularity="tensor"):
+    def spy(config, fmt="native", *args, **kwargs):
         calls.append(fmt)
-        return real(config, fmt, granularity)
+        return real(config, fmt, *args, **kwargs)
 
     monkeypatch.setattr(kvcache, "kv_cache", spy)
     _sample(tiny_model, prompt_ids[:1], tokenizer, "fp8_e4m3", SamplingParams(max_new_tokens=2))

@@ -173,9 +173,35 @@ def test_nvfp4_learner_and_nvfp4_sampler_copy(tiny_model_dir, tmp_path, monkeypa
     assert any(isinstance(m, NVFP4Linear) for m in trainer.model.modules())
     logs = _train(trainer)
     copy = trainer.rollout_func.copy
-    assert any(isinstance(m, NVFP4Linear) for m in copy.modules())
+    layers = [m for m in copy.modules() if isinstance(m, NVFP4Linear)]
+    # the copy is converted from the learner's high-precision weights with the sampler's own recipe
+    assert layers and all(m.config.input_recipe.scale == "row" for m in layers)
     assert "forward" not in copy.__dict__  # runs its own (NVFP4) forward, not the learner's patched one
     assert logs[0]["triage/mean_abs_delta"] > 1e-3  # two different NVFP4 recipes disagree
+    # the learner's quantized-weight caches are dropped after each optimizer step (sharded params, FSDP2)
+    assert all(m._weight_cache.key is None for m in trainer.model.modules() if isinstance(m, NVFP4Linear))
+
+
+def test_bf16_sampler_copy_of_an_nvfp4_learner_is_bf16(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    from triage.kernels import NVFP4Linear
+
+    trainer = make_trainer(
+        tiny_model_dir,
+        tmp_path,
+        max_steps=1,
+        per_device_train_batch_size=2,
+        max_completion_length=3,
+        learner_precision="nvfp4",
+        sampler="hf",
+        sampler_kwargs={"seed": 0, "precision": "bf16"},
+        rollout=None,
+    )
+    _train(trainer)
+    copy = trainer.rollout_func.copy
+    assert not any(isinstance(m, NVFP4Linear) for m in copy.modules())
+    assert any(isinstance(m, NVFP4Linear) for m in trainer.model.modules())  # the learner stays NVFP4
+    assert next(copy.parameters()).dtype == torch.bfloat16
 
 
 def test_sequence_level_importance_sampling_and_trl_opsm_compose(tiny_model_dir, tmp_path):
@@ -188,3 +214,41 @@ def test_sequence_level_importance_sampling_and_trl_opsm_compose(tiny_model_dir,
         off_policy_mask_threshold=0.1,
     )
     _train(trainer)
+
+
+def test_nvfp4_learner_converts_fused_moe_experts(tmp_path, monkeypatch):
+    """A Qwen3-MoE learner: the fused experts become NVFP4MoeExperts (one outer scale per expert), the router
+    stays high precision; a bf16 sampler copy gets the original experts back."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from triage.kernels import NVFP4MoeExperts
+    from triage.trainers.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        max_position_embeddings=256, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model_dir = tmp_path / "moe"
+    Qwen3MoeForCausalLM(config).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    trainer = make_trainer(
+        str(model_dir),
+        tmp_path / "out",
+        max_steps=1,
+        per_device_train_batch_size=2,
+        max_completion_length=3,
+        learner_precision="nvfp4",
+        sampler="hf",
+        sampler_kwargs={"seed": 0, "precision": "bf16"},
+        rollout=None,
+    )
+    experts = [m for m in trainer.model.modules() if isinstance(m, NVFP4MoeExperts)]
+    assert len(experts) == 2 and all(m.config.weight.scale == "expert" for m in experts)
+    _train(trainer)
+    copy = trainer.rollout_func.copy
+    assert not any(isinstance(m, NVFP4MoeExperts) for m in copy.modules())
+    assert type(copy.model.layers[0].mlp.experts).__name__ == "Qwen3MoeExperts"

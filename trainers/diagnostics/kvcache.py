@@ -7,9 +7,10 @@ emulation rounds every stored state:
     k̂ = clamp(k / s_k, ±448) → e4m3 → · s_k      (likewise v; s = amax / 448)
 
 with the scale ``s`` calibrated on the first ``update`` (the prefill) and then frozen, one per layer and
-``granularity``: ``"tensor"`` (one scale for K, one for V) or ``"head"`` (one per KV head). The states
-attention sees are the rounded ones, prefill included. ``fmt="bf16"`` rounds through bfloat16 instead
-(no scale): a bf16 cache under an fp32 model.
+``granularity``: ``"tensor"`` (one scale for K, one for V) or ``"head"`` (one per KV head). Given the
+prefill's ``attention_mask`` (B, T), the amax is taken over its valid positions only (padding is no token).
+The states attention sees are the rounded ones, prefill included. ``fmt="bf16"`` rounds through bfloat16
+instead (no scale): a bf16 cache under an fp32 model.
 
 transformers versions. The cache is transformers' own ``DynamicCache`` built from the model config, with
 its full-attention ``cache_utils.DynamicLayer`` layers replaced by :class:`QuantizedKVLayer` (a
@@ -38,7 +39,13 @@ _FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 class QuantizedKVLayer(DynamicLayer):
     """A ``DynamicLayer`` whose stored keys/values are rounded through ``fmt`` (see the module docstring)."""
 
-    def __init__(self, fmt: str = "fp8", granularity: str = "tensor", **kwargs) -> None:
+    def __init__(
+        self,
+        fmt: str = "fp8",
+        granularity: str = "tensor",
+        attention_mask: torch.Tensor | None = None,
+        **kwargs,
+    ) -> None:
         super().__init__(**kwargs)
         if fmt not in ("bf16", "fp8"):
             raise ValueError(f"QuantizedKVLayer: fmt must be 'bf16' or 'fp8', got {fmt!r}")
@@ -47,10 +54,13 @@ class QuantizedKVLayer(DynamicLayer):
                 f"QuantizedKVLayer: granularity must be one of {GRANULARITIES}, got {granularity!r}"
             )
         self.fmt, self.granularity = fmt, granularity
+        self.attention_mask = attention_mask  # the prefill's (B, T); calibration skips its 0 positions
         self.scales: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _scale(self, x: torch.Tensor) -> torch.Tensor:
         a = x.detach().float().abs()
+        if self.attention_mask is not None:  # (B, H, T, D) keys/values; pad positions do not calibrate
+            a = a * self.attention_mask.to(device=a.device, dtype=a.dtype)[:, None, :, None]
         amax = a.amax() if self.granularity == "tensor" else a.amax(dim=(0, 2, 3), keepdim=True)
         if not torch.isfinite(amax).all():
             raise ValueError(
@@ -71,8 +81,12 @@ class QuantizedKVLayer(DynamicLayer):
         return super().update(self.round(key_states, ks), self.round(value_states, vs), *args, **kwargs)
 
 
-def kv_cache(config, fmt: str = "native", granularity: str = "tensor") -> DynamicCache:
-    """A fresh cache for ``config``: ``DynamicCache`` for ``"native"``, else one ``QuantizedKVLayer`` per layer."""
+def kv_cache(
+    config, fmt: str = "native", granularity: str = "tensor", attention_mask: torch.Tensor | None = None
+) -> DynamicCache:
+    """A fresh cache for ``config``: ``DynamicCache`` for ``"native"``, else one ``QuantizedKVLayer`` per layer.
+
+    ``attention_mask``: the prefill's (B, T) mask; the fp8 scales are calibrated on its valid positions only."""
     if fmt not in KV_FORMATS:
         raise ValueError(f"kv cache format must be one of {KV_FORMATS}, got {fmt!r}")
     cache = DynamicCache(config=config)
@@ -88,7 +102,7 @@ def kv_cache(config, fmt: str = "native", granularity: str = "tensor") -> Dynami
                 f"kv_cache({fmt!r}): layer {i} of this model's cache is a {type(layer).__name__}; the {fmt} "
                 "emulation covers full-attention layers (cache_utils.DynamicLayer) only"
             )
-    cache.layers = [QuantizedKVLayer(fmt, granularity) for _ in cache.layers]
+    cache.layers = [QuantizedKVLayer(fmt, granularity, attention_mask) for _ in cache.layers]
     return cache
 
 

@@ -199,7 +199,7 @@ def _learner(model: nn.Module, batch: TokenBatch, temperature: float) -> torch.T
 @torch.no_grad()
 def _sampler(model: nn.Module, batch: TokenBatch, path: ExecutionPath) -> torch.Tensor:
     ids, mask, pos, p = batch.input_ids, batch.attention_mask, batch.position_ids, batch.prompt_width
-    cache = kv_cache(model.config, path.kv_cache, path.kv_granularity)
+    cache = kv_cache(model.config, path.kv_cache, path.kv_granularity, attention_mask=mask[:, :p])
     name = cache_argument(model)
     out = model(
         input_ids=ids[:, :p],

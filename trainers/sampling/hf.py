@@ -24,8 +24,8 @@ the trainer's weights whenever ``trainer.state.global_step`` changes.
 ``None``/``"auto"``/``"native"`` keep them in the model's dtype (transformers' ``DynamicCache``); ``"bf16"``
 rounds them through bfloat16 (a no-op on a bf16 model); ``"fp8"``/``"fp8_e4m3"`` store
 ``e4m3(k / s_k) · s_k`` with one scale per layer for K and one for V, ``s = amax / 448`` calibrated on the
-prefill and then frozen (the emulation of :mod:`triage.trainers.diagnostics.kvcache`). The learner's
-full-sequence forward never rounds its keys/values, so an fp8 cache adds to the engine mismatch δ.
+prefill's non-pad positions and then frozen (the emulation of :mod:`triage.trainers.diagnostics.kvcache`). The
+learner's full-sequence forward never rounds its keys/values, so an fp8 cache adds to the engine mismatch δ.
 """
 
 from __future__ import annotations
@@ -87,14 +87,16 @@ def _kv_format(kv_cache_dtype: str | None) -> str:
     return _KV_FORMAT[kv_cache_dtype]
 
 
-def _new_cache(model: torch.nn.Module, kv_cache_dtype: str | None = None):
+def _new_cache(
+    model: torch.nn.Module, kv_cache_dtype: str | None = None, attention_mask: torch.Tensor | None = None
+):
     from transformers import DynamicCache
 
     fmt = _kv_format(kv_cache_dtype)
     if fmt != "native":
         from triage.trainers.diagnostics.kvcache import kv_cache
 
-        return kv_cache(model.config, fmt)
+        return kv_cache(model.config, fmt, attention_mask=attention_mask)
     try:
         return DynamicCache(config=model.config)
     except TypeError:  # older transformers
@@ -145,7 +147,7 @@ def sample_with_kv_cache(
     cache_name = cache_argument(model)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(base.forward).parameters else {}
-    cache = _new_cache(model, kv_cache_dtype)
+    cache = _new_cache(model, kv_cache_dtype, attention_mask=mask)
 
     out = model(
         input_ids=input_ids,
@@ -155,7 +157,9 @@ def sample_with_kv_cache(
         **{cache_name: cache},
         **keep,
     )
-    seen = input_ids  # what repetition penalty looks at (prompt + completion so far), as in generate
+    # what repetition penalty looks at (prompt + completion so far), as in generate; pads become the id one
+    # past the logits, which the processor clamps into an extra column and drops (a pad is not a seen token)
+    seen = input_ids.masked_fill(mask == 0, out.logits.shape[-1])
     next_pos = positions[:, -1] + 1
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     tokens, logps, alive = [], [], []
@@ -359,11 +363,25 @@ class HFSampler(SamplerSource):
             if hasattr(dup, name):
                 getattr(dup, name)()
                 break
+        if self.dtype is not None or self.prepare_model is not None:
+            # other numerics than the learner's: start from its high-precision form (an NVFP4 learner's
+            # NVFP4Linear / NVFP4MoeExperts back to nn.Linear / the original experts, same parameters)
+            from triage.kernels import convert_from_nvfp4, convert_moe_experts_from_nvfp4
+
+            convert_from_nvfp4(dup)
+            convert_moe_experts_from_nvfp4(dup)
         if self.dtype is not None:
             dup = dup.to(self.dtype)
         if self.prepare_model is not None:
             prepared = self.prepare_model(dup)
             dup = prepared if prepared is not None else dup
+        # ``.to(dtype)`` also casts RoPE's ``inv_freq`` buffers, which ``from_pretrained(dtype=...)`` and the
+        # engines keep in fp32 (non-persistent: a later sync never repairs them): restore the source's.
+        for name, buf in source.named_buffers():
+            if name.endswith("inv_freq"):
+                module, _, attr = name.rpartition(".")
+                target = dup.get_submodule(module)
+                target._buffers[attr] = buf.detach().to(target._buffers[attr].device, copy=True)
         dup.requires_grad_(False)
         return dup.eval()
 

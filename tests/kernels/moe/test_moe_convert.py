@@ -124,6 +124,49 @@ def test_zero_tokens_give_an_empty_output(mode):
         assert p.grad is not None and p.grad.shape == p.shape and not p.grad.any()
 
 
+@pytest.mark.parametrize("mode", ["bf16-backward", "dequantized", "nvfp4-backward"])
+def test_gradient_checkpointing_gives_the_same_gradients(mode):
+    """Non-reentrant checkpointing (HF's default) unpacks saved tensors once: the backward must too."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = _tiny_moe()
+    convert_moe_experts(
+        model, MoEQuantConfig(backward=mode, weight=QuantRecipe(scale="expert", block="16x16"))
+    )
+    experts = model.model.layers[0].mlp.experts
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(12, 32, generator=gen)
+    idx = torch.randint(0, 4, (12, 2), generator=gen)
+    w = torch.rand(12, 2, generator=gen)
+    grads = []
+    for wrap in (False, True):
+        experts.zero_grad()
+        y = checkpoint(experts, h, idx, w, use_reentrant=False) if wrap else experts(h, idx, w)
+        y.square().sum().backward()
+        grads.append([p.grad.clone() for p in (experts.gate_up_proj, experts.down_proj)])
+    for plain, ckpt in zip(*grads):
+        if mode == "nvfp4-backward":  # stochastic rounding draws anew per backward call: close, not equal
+            assert torch.isfinite(ckpt).all() and (ckpt - plain).norm() < 0.3 * plain.norm()
+        else:
+            torch.testing.assert_close(ckpt, plain, rtol=0, atol=0)
+
+
+def test_convert_back_restores_the_original_experts_with_the_same_parameters():
+    from triage.kernels import convert_moe_experts_from_nvfp4
+
+    model = _tiny_moe()
+    original = model.model.layers[0].mlp.experts
+    convert_moe_experts(model)
+    converted = model.model.layers[0].mlp.experts
+    assert isinstance(converted, NVFP4MoeExperts)
+    assert convert_moe_experts_from_nvfp4(model) == [
+        "model.layers.0.mlp.experts",
+        "model.layers.1.mlp.experts",
+    ]
+    back = model.model.layers[0].mlp.experts
+    assert back is original and back.gate_up_proj is converted.gate_up_proj
+
+
 def test_expert_weight_cache_is_not_fooled_by_a_reused_address():
     """A replaced ``param.data`` whose new storage lands on the freed address (same version, shape and
     dtype) must be quantized anew: the cache holds the keyed storage so that address cannot be reused."""
