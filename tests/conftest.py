@@ -1,12 +1,24 @@
 """Suite-wide setup: without a CUDA device, Triton kernels run under its interpreter.
 
-TRITON_INTERPRET is read when triton first compiles a kernel's launcher, so it must be set before any test
-module (of any folder) imports code that imports triton — hence here, at the root, at collection time.
+TRITON_INTERPRET is read when a kernel is decorated (``@triton.jit`` returns an interpreted function only if
+it is set then) and when its launcher is built, so it must be set before any test module (of any folder)
+imports code that imports triton — hence here, at the root, at collection time. The kernel modules are
+imported here too: a test that later sets ``TRITON_INTERPRET=0`` (to run the torch twins) must not be the
+first importer, or its kernels would be decorated for a GPU that is not there and break every later test.
 """
 
+import importlib
 import os
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    for _module in (
+        "triage.kernels.nvfp4.triton_quant",
+        "triage.kernels.nvfp4.triton_quant_t",
+        "triage.kernels.nvfp4.gemm_triton",
+        "triage.kernels.moe.grouped_triton",
+        "triage.kernels.logprob_triton",
+    ):
+        importlib.import_module(_module)
