@@ -103,11 +103,10 @@ def resolve_sampler_kwargs(kind: str, kwargs: dict | None) -> dict:
     if precision is not None:
         kwargs["sampler_model"] = "copy"
         kwargs.setdefault("dtype", torch.bfloat16)
-    if precision == "nvfp4":  # from an NVFP4 learner's high-precision weights, with the sampler's own recipe
+    if precision == "nvfp4":
+        # the sampler's own recipe (the HF sampler first turns an NVFP4 learner's copy back to high precision)
         recipe = _quant_recipe(quant_recipe)
-        steps.append(
-            lambda m: _to_nvfp4(m, recipe)
-        )  # the HF sampler unconverts an NVFP4 learner's copy first
+        steps.append(lambda m: _to_nvfp4(m, recipe))
     if user_prepare is not None:
         steps.append(user_prepare)
     if steps:
