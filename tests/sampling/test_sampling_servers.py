@@ -139,6 +139,24 @@ def test_generation_kwargs_override_or_are_refused(fake_server, fake_trainer):
         SGLangClient(fake_server.url, http=FAST)(PROMPTS[:3], fake_trainer)
 
 
+def test_sampling_params_from_args_none_values():
+    from types import SimpleNamespace
+
+    from triage.trainers.sampling import SamplingParams
+
+    args = SimpleNamespace(
+        max_completion_length=8, temperature=0.7, generation_kwargs={"top_k": None, "top_p": None}
+    )
+    params = SamplingParams.from_args(args)
+    assert (params.top_k, params.top_p, params.max_new_tokens) == (0, 1.0, 8)  # None: the filter is off
+    with pytest.raises(ValueError, match="temperature.*None"):
+        SamplingParams.from_args(
+            SimpleNamespace(max_completion_length=8, temperature=0.7, generation_kwargs={"temperature": None})
+        )
+    with pytest.raises(ValueError, match="max_completion_length"):
+        SamplingParams.from_args(SimpleNamespace(max_completion_length=None, temperature=1.0))
+
+
 @pytest.mark.parametrize("kind", ["sglang", "vllm"])
 def test_http_error_carries_the_server_message(fake_server, fake_trainer, kind):
     fake_server.mode = "http_error"

@@ -61,6 +61,8 @@ class SamplingParams:
         ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``); any other key is an error
         rather than silently ignored: pass engine-specific options to the source itself.
         """
+        if getattr(args, "max_completion_length", None) is None:
+            raise ValueError("the sampler sources need args.max_completion_length (an int >= 1), got None")
         values = dict(
             max_new_tokens=int(args.max_completion_length),
             temperature=float(args.temperature),
@@ -78,7 +80,13 @@ class SamplingParams:
                 f"generation_kwargs {unknown} are not understood by the sampler sources (known: {sorted(values)}); "
                 "pass engine options to the source (extra_sampling_params / extra_body)"
             )
-        values.update(extra)
+        off = {"top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}  # None in generation_kwargs means "off"
+        for key, value in extra.items():
+            if value is None and key in off:
+                value = off[key]
+            elif value is None and key != "min_p":
+                raise ValueError(f"generation_kwargs[{key!r}] is None; give a number")
+            values[key] = value
         return cls(**values)
 
     @property
