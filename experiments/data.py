@@ -25,6 +25,7 @@ import inspect
 import json
 import os
 import random
+import re
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -109,7 +110,7 @@ def _integer_string(value: Any, where: str) -> str:
         if not value.strip():
             raise ValueError(f"{where}: empty ground truth")
         text = value.strip()
-        if text.lstrip("+-").isdigit():
+        if re.fullmatch(r"[+-]?[0-9]+", text):  # ASCII digits only ("²".isdigit() is True, int() refuses it)
             return str(int(text))
         return text
     raise ValueError(
