@@ -589,7 +589,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--set",
-        nargs="*",
+        action="extend",
+        nargs="+",
         default=[],
         metavar="KEY=VALUE",
         help="recipe overrides for every arm (YAML values, dotted keys), e.g. --set learning_rate=1e-4",
@@ -606,13 +607,11 @@ def resolve_preset(args: argparse.Namespace) -> AblationPreset:
             raise ValueError("--steps must be >= 1")
         preset = dataclasses.replace(preset, steps=args.steps)
     if args.set:
-        import yaml
-
-        from triage.experiments.recipes import parse_overrides
+        from triage.experiments.recipes import parse_overrides, parse_value
 
         parse_overrides(args.set)  # malformed KEY=VALUE is an error now, not after the SFT
         pairs = (text.split("=", 1) for text in args.set)
-        overrides = {**preset.overrides, **{k.strip(): yaml.safe_load(v) for k, v in pairs}}
+        overrides = {**preset.overrides, **{k.strip(): parse_value(v) for k, v in pairs}}
         preset = dataclasses.replace(preset, overrides=overrides)
     return preset
 

@@ -44,6 +44,9 @@ if [[ -n ${SLURM_JOB_ID:-} ]]; then MODE=${MODE:-slurm}; else MODE=${MODE:-manua
 LAUNCHER=${LAUNCHER:-accelerate}
 MASTER_PORT=${MASTER_PORT:-29500}
 STAMP=$(date +%Y%m%d-%H%M%S)
+if [[ $MODE == manual && -z ${RUN_DIR:-} ]]; then  # each node would pick its own timestamped folder
+  echo "manual mode needs RUN_DIR (the same shared folder on every node)" >&2; exit 2
+fi
 RUN_DIR=${RUN_DIR:-runs/$(echo "$RECIPE" | tr '/.' '--')-$STAMP}
 
 run() {  # print, then run unless DRY_RUN
@@ -68,7 +71,6 @@ case $MODE in
     ;;
   manual)
     [[ ${ROLE:-} == vllm || ${ROLE:-} == train ]] || { echo "manual mode needs ROLE=vllm or ROLE=train" >&2; exit 2; }
-    : "${RUN_DIR:?manual mode needs RUN_DIR (the same shared folder on every node)}"
     if [[ $ROLE == train ]]; then
       : "${NODE_RANK:?manual training needs NODE_RANK}" "${MASTER_ADDR:?manual training needs MASTER_ADDR}"
       : "${VLLM_HOST:?manual training needs VLLM_HOST (the sampler node)}"

@@ -22,6 +22,7 @@ import copy
 import difflib
 import inspect
 import os
+import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ __all__ = [
     "load_yaml",
     "merge",
     "parse_overrides",
+    "parse_value",
     "load_recipe",
     "validate_recipe",
     "split_recipe",
@@ -95,6 +97,22 @@ def merge(base: Mapping[str, Any], update: Mapping[str, Any], replace_sources: b
     return out
 
 
+_FLOAT_WITHOUT_DOT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
+def parse_value(text: str) -> Any:
+    """The value of a ``KEY=VALUE`` override, parsed as YAML with two fixes to YAML 1.1: ``no``/``yes``/``on``/
+    ``off`` stay strings (only true/false are booleans: ``eval_strategy=no`` is "no"), and ``3e-5`` is a float
+    (PyYAML wants ``3.0e-5``)."""
+    parsed = yaml.safe_load(text)
+    stripped = text.strip()
+    if isinstance(parsed, bool) and stripped.lower() not in ("true", "false"):
+        return stripped
+    if isinstance(parsed, str) and _FLOAT_WITHOUT_DOT.fullmatch(stripped):
+        return float(stripped)
+    return parsed
+
+
 def parse_overrides(overrides: Mapping[str, Any] | Iterable[str] | None) -> dict[str, Any]:
     """Overrides as a nested mapping. Accepts a mapping (dotted keys allowed: ``{"quant_recipe.scale": "row"}``)
     or ``KEY=VALUE`` strings whose value is parsed as YAML (``["max_steps=5", "dataset.n=64"]``)."""
@@ -108,11 +126,7 @@ def parse_overrides(overrides: Mapping[str, Any] | Iterable[str] | None) -> dict
             if not isinstance(text, str) or "=" not in text:
                 raise ValueError(f"an override is KEY=VALUE, got {text!r}")
             key, value = text.split("=", 1)
-            parsed = yaml.safe_load(value)
-            # YAML 1.1 reads no/yes/on/off as booleans; only true/false mean one (``eval_strategy=no`` is "no")
-            if isinstance(parsed, bool) and value.strip().lower() not in ("true", "false"):
-                parsed = value.strip()
-            items.append((key.strip(), parsed))
+            items.append((key.strip(), parse_value(value)))
     nested: dict[str, Any] = {}
     for key, value in items:
         parts = key.split(".")

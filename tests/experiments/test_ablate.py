@@ -162,6 +162,14 @@ def test_bad_arm_and_bad_override_are_errors(tmp_path):
     assert not (tmp_path / "sft").exists()  # nothing was trained
 
 
+def test_repeated_set_flags_accumulate_and_parse_like_recipe_overrides(tmp_path):
+    args = _args(tmp_path, "--set", "learning_rate=3e-5", "--set", "save_strategy=no", "seed=1")
+    overrides = ablate.resolve_preset(args).overrides
+    assert (
+        overrides["learning_rate"] == 3e-5 and overrides["save_strategy"] == "no" and overrides["seed"] == 1
+    )
+
+
 # ---------------------------------------------------------------------------------------------------------
 # units
 

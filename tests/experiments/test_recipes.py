@@ -156,6 +156,11 @@ def test_overrides_and_files(tmp_path):
     # a dataset with a new source replaces the old spec whole
     recipe = load_recipe("tiny/tis", {"dataset": {"source": "aime24"}})
     assert recipe["dataset"] == {"source": "aime24"}
+    # YAML 1.1 fixes: 3e-5 is a float (PyYAML wants 3.0e-5); no/yes/on/off stay strings
+    assert parse_overrides(["learning_rate=3e-5", "a=1E3", "b=1e", "c=1.5"]) == {
+        "learning_rate": 3e-5, "a": 1000.0, "b": "1e", "c": 1.5
+    }  # fmt: skip
+    assert load_recipe("tiny/tis", ["learning_rate=3e-5"])["learning_rate"] == 3e-5
     # ... but the dotted overrides of one command line are gathered first, in any order
     for order in (["dataset.limit=5", "dataset.source=aime24"], ["dataset.source=aime24", "dataset.limit=5"]):
         assert parse_overrides(order) == {"dataset": {"limit": 5, "source": "aime24"}}
@@ -324,3 +329,22 @@ def test_launch_script_dry_run_slurm(tmp_path):
 
 def test_recipes_module_exports():
     assert recipes.RECIPE_DIR == EXPERIMENTS / "recipes"
+
+
+def test_launch_script_manual_mode_requires_a_shared_run_dir(tmp_path):
+    """Without RUN_DIR every node would write its own timestamped folder: manual mode refuses to start."""
+    script = EXPERIMENTS / "cluster" / "launch_multinode.sh"
+    env = {k: v for k, v in os.environ.items() if k not in ("RUN_DIR", "SLURM_JOB_ID")}
+    env.update(
+        ROLE="train", NODE_RANK="1", MASTER_ADDR="n0", VLLM_HOST="n9", DRY_RUN="1", PYTHON=sys.executable
+    )
+    result = subprocess.run(
+        ["bash", str(script), "qwen3-4b/triage"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2 and "manual mode needs RUN_DIR" in result.stderr
+    assert not (tmp_path / "runs").exists()
