@@ -67,14 +67,28 @@ __all__ = [
 DEFAULT_SKIP = (
     "lm_head",
     "*.lm_head",
-    "*embed_tokens*",
+    "*embed*",  # embed_tokens, embed_in (GPT-NeoX), embed_positions, word_embeddings
+    "wte",
+    "*.wte",
+    "wpe",
+    "*.wpe",
     "*norm*",
     "*.mlp.gate",
+    "*block_sparse_moe.gate",
     "*router*",
     "*shared_expert_gate",
 )
-#: Sibling modules the engines fuse into one GEMM with one outer scale (vLLM ``packed_modules_mapping``).
-FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+#: Sibling modules the engines fuse into one GEMM with one outer scale (vLLM ``packed_modules_mapping``):
+#: q/k/v, gate/up, MLA's q_a/kv_a (DeepSeek-V2/V3), Mixtral-style expert w1/w3.
+FUSED_GROUPS = (
+    ("q_proj", "k_proj", "v_proj"),
+    ("gate_proj", "up_proj"),
+    ("q_a_proj", "kv_a_proj_with_mqa"),
+    ("w1", "w3"),
+)
+#: Model types whose transformers-5 fused experts (``experts.gate_up_proj``) unfuse to the checkpoint names
+#: written here (``experts.{e}.gate_proj/up_proj/down_proj``); other models rename their experts on load.
+UNFUSE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
 HF_QUANT_CONFIG = "hf_quant_config.json"
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -152,7 +166,12 @@ def export_nvfp4_checkpoint(
     """
     lay = get_layout(layout)
     recipe = _check_recipe(recipe or QuantRecipe(profile=lay.profile), lay)
-    state = _unfuse_experts(_state_dict(model_or_state_dict))
+    raw = _state_dict(model_or_state_dict)
+    _check_fused_experts(model_or_state_dict, raw, skip)
+    state = _unfuse_experts(raw)
+    if isinstance(model_or_state_dict, torch.nn.Module):  # embeddings stay high precision whatever their name
+        embeddings = [n for n, m in model_or_state_dict.named_modules() if isinstance(m, torch.nn.Embedding)]
+        skip = (*((skip,) if isinstance(skip, str) else tuple(skip)), *embeddings)
     targets, excluded = _plan(state, skip)
     groups = _fused_groups(targets, excluded, fused_groups) if share_fused_scales else {}
     amax = {m: _weight_amax(m, state[f"{m}.weight"], recipe) for m in targets}
@@ -233,6 +252,23 @@ def _state_dict(obj) -> dict[str, torch.Tensor]:
     raise TypeError(
         f"export_nvfp4_checkpoint: expected an nn.Module or a state dict, got {type(obj).__name__}"
     )
+
+
+def _check_fused_experts(obj, state: dict[str, torch.Tensor], skip) -> None:
+    """Refuse fused experts of a model type whose checkpoint names differ from the ones written here."""
+    config = getattr(obj, "config", None)
+    model_type = getattr(config, "model_type", None)
+    skip = (skip,) if isinstance(skip, str) else tuple(skip)
+    fused = any(
+        k.endswith(".experts.gate_up_proj") and t.dim() == 3 and not _skipped(k.rpartition(".")[0], skip)
+        for k, t in state.items()
+    )
+    if fused and model_type is not None and model_type not in UNFUSE_MODEL_TYPES:
+        raise ValueError(
+            f"export_nvfp4_checkpoint: {model_type!r} stores fused experts that its checkpoints name differently "
+            f"(known: {UNFUSE_MODEL_TYPES}); pass a state dict with the checkpoint's own expert names, or skip "
+            "the experts (skip=(..., '*experts*'))"
+        )
 
 
 def _unfuse_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

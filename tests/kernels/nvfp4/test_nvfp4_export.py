@@ -19,6 +19,7 @@ from triage.kernels.nvfp4 import (
     load_nvfp4_checkpoint,
     quantize,
 )
+from triage.kernels.nvfp4.export import DEFAULT_SKIP
 
 LAYOUTS = ("modelopt", "compressed-tensors")
 PROFILE = {"modelopt": "modelopt", "compressed-tensors": "compressed-tensors"}
@@ -546,3 +547,50 @@ def test_unsupported_fused_expert_layout_is_an_error(tmp_path):
     sd = {"m.experts.gate_up_proj": torch.randn(2, 32, 64), "m.experts.down_proj": torch.randn(2, 64, 32)}
     with pytest.raises(ValueError, match=r"m\.experts\.gate_up_proj.*not \[E, 2I, H\]"):
         export_nvfp4_checkpoint(sd, tmp_path)
+
+
+def test_mla_q_a_and_kv_a_share_one_outer_scale(tmp_path):
+    """vLLM fuses DeepSeek MLA's q_a_proj and kv_a_proj_with_mqa into one GEMM with one outer scale."""
+    gen = torch.Generator().manual_seed(0)
+    sd = {
+        "l.attn.q_a_proj.weight": torch.randn(32, 64, generator=gen),
+        "l.attn.kv_a_proj_with_mqa.weight": 4 * torch.randn(16, 64, generator=gen),
+    }
+    res = export_nvfp4_checkpoint(sd, tmp_path)
+    q, kv = (res.weights[f"l.attn.{m}.weight"] for m in ("q_a_proj", "kv_a_proj_with_mqa"))
+    assert torch.equal(q.global_scale, kv.global_scale)
+
+
+def test_embeddings_stay_high_precision_whatever_their_name(tmp_path):
+    """GPT-NeoX's embed_in, GPT-2's wte/wpe (names) and any nn.Embedding (modules) are never quantized."""
+    gen = torch.Generator().manual_seed(0)
+    sd = {
+        n: torch.randn(64, 32, generator=gen)
+        for n in ("gpt_neox.embed_in.weight", "wte.weight", "h.0.mlp.fc.weight")
+    }
+    res = export_nvfp4_checkpoint(sd, tmp_path / "sd")
+    assert set(res.weights) == {"h.0.mlp.fc.weight"}
+    assert {"gpt_neox.embed_in", "wte"} <= set(res.excluded)
+
+    model = torch.nn.ModuleDict({"tok": torch.nn.Embedding(64, 32), "proj": torch.nn.Linear(32, 32)})
+    res = export_nvfp4_checkpoint(model, tmp_path / "module")
+    assert set(res.weights) == {"proj.weight"} and "tok" in res.excluded
+
+
+def test_fused_experts_of_an_unknown_model_type_are_refused(tmp_path):
+    """Mixtral & co. rename their experts on load: writing Qwen3-MoE names would not load in an engine."""
+
+    class Toy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            from transformers import MixtralConfig
+
+            self.config = MixtralConfig()
+            self.mlp = torch.nn.Module()
+            self.mlp.experts = torch.nn.Module()
+            self.mlp.experts.gate_up_proj = torch.nn.Parameter(torch.randn(2, 64, 32))
+            self.mlp.experts.down_proj = torch.nn.Parameter(torch.randn(2, 32, 32))
+
+    with pytest.raises(ValueError, match="'mixtral' stores fused experts"):
+        export_nvfp4_checkpoint(Toy(), tmp_path / "a")
+    export_nvfp4_checkpoint(Toy(), tmp_path / "b", skip=(*DEFAULT_SKIP, "*experts*"))  # skipped: fine
