@@ -77,11 +77,12 @@ class TriageGRPOConfig(GRPOConfig):
     correct_down: str = field(default=_D.correct_down, metadata=_help("policy for δ > τ, A < 0", POLICIES))
     is_cap: float = field(default=_D.is_cap, metadata=_help("C in the 'is' policy / tis: w = min(e^δ, C)"))
     soft_rate: float = field(default=_D.soft_rate, metadata=_help("λ in 'soft': w = exp(−λ(|δ| − τ))"))
-    tail_floor: float | None = field(
+    # ``float | str | None``: the command line passes strings, so ``--tail_floor null`` can switch it off
+    tail_floor: float | str | None = field(
         default=_D.tail_floor,
         metadata=_help("amplify-down tokens with δ < −tail_floor get w = 0 (null: off)"),
     )
-    guard_kappa: float | None = field(
+    guard_kappa: float | str | None = field(
         default=_D.guard_kappa,
         metadata=_help("sequence guard κ on the negative-tail mass of A < 0 responses (null: off)"),
     )
@@ -155,6 +156,18 @@ class TriageGRPOConfig(GRPOConfig):
                 raise ValueError(
                     f"TriageGRPOConfig.tau={self.tau!r}: expected a float ≥ 0 (nats) or 'auto'"
                 ) from None
+        for name in ("tail_floor", "guard_kappa"):  # strings from the command line (or YAML's 5e-2)
+            value = getattr(self, name)
+            if isinstance(value, str):
+                if value.strip().lower() in ("none", "null", "off"):
+                    setattr(self, name, None)
+                else:
+                    try:
+                        setattr(self, name, float(value))
+                    except ValueError:
+                        raise ValueError(
+                            f"TriageGRPOConfig.{name}={value!r}: expected a number or null (off)"
+                        ) from None
         self.triage_config()  # validates every TRIAGE field, naming the offending one
 
         if self.vllm_importance_sampling_correction is None:

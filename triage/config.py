@@ -112,8 +112,9 @@ class TriageConfig:
         return self.tau == "auto"
 
     def fixed_tau(self) -> float:
-        """τ for a fixed-tolerance config; ``tau_init`` when adaptive and no tracker value is given."""
-        return float(self.tau_init if self.adaptive else self.tau)
+        """τ for a fixed-tolerance config; when adaptive and no tracker value is given, the tracker's start
+        ``max(tau_floor, tau_init)`` (what ``AdaptiveTau`` begins with)."""
+        return float(max(self.tau_floor, self.tau_init) if self.adaptive else self.tau)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

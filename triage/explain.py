@@ -149,6 +149,12 @@ def load_config(args: argparse.Namespace) -> TriageConfig:
             raise SystemExit(
                 f"{args.config}: expected a mapping of config fields, got {type(loaded).__name__}"
             )
+        if "preset" in loaded or "arm" in loaded:  # layered: its TRIAGE fields live in base/preset/arm files
+            raise ValueError(
+                f"{args.config} is a layered recipe (preset/arm), which this core command does not resolve; "
+                f"flatten it first: python -m triage.experiments.recipes {args.config} -o flat.yaml, then "
+                "triage explain --config flat.yaml"
+            )
         values.update(loaded.get("triage", loaded) if isinstance(loaded.get("triage"), dict) else loaded)
     values.update({k: v for k, v in vars(args).items() if k in TriageConfig.field_names()})
     for f in fields(TriageConfig):  # "none" switches off an optional knob (tail_floor, guard_kappa)

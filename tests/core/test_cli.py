@@ -45,6 +45,21 @@ def test_explain_flags_and_yaml(tmp_path, capsys):
     assert "correction" in capsys.readouterr().out
 
 
+def test_explain_refuses_a_layered_recipe_it_would_misread(tmp_path, capsys):
+    """preset/arm layers hold the TRIAGE fields: reading the file flat would explain the wrong correction."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("preset: tiny\narm: grpo-none\n")
+    assert main(["explain", "--config", str(recipe)]) == 2
+    assert "layered recipe" in capsys.readouterr().out
+
+
+def test_adaptive_tau_starts_at_the_trackers_value():
+    from triage import AdaptiveTau, TriageConfig
+
+    config = TriageConfig(tau="auto", tau_init=1e-4, tau_floor=1e-3)
+    assert config.fixed_tau() == AdaptiveTau(config).value == 1e-3
+
+
 def test_module_entry_point_runs():
     result = subprocess.run(
         [sys.executable, "-m", "triage", "explain", "--correction", "none"],

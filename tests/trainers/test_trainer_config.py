@@ -55,6 +55,13 @@ def test_yaml_and_cli_parsing(tmp_path):
     )
     assert args.sampler_kwargs == {"seed": 3}
     assert args.vllm_importance_sampling_correction is False
+    # the command line switches the optional knobs off with null (strings reach __post_init__)
+    (args,) = parser.parse_args_and_config(
+        ["--config", str(recipe), "--tail_floor", "0.5", "--guard_kappa", "null"]
+    )
+    assert args.tail_floor == 0.5 and args.guard_kappa is None and args.triage_config().guard_kappa is None
+    with pytest.raises(ValueError, match="tail_floor='x'"):
+        parser.parse_args_and_config(["--config", str(recipe), "--tail_floor", "x"])
 
 
 def test_recipe_sampler_keys_become_hf_sampler_arguments():
