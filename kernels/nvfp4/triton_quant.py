@@ -125,6 +125,19 @@ if HAVE_TRITON:
         return x.to(tl.bfloat16).to(tl.float32)
 
     @triton.jit
+    def _widen(v, ROUND: tl.constexpr):
+        """A loaded tile as fp32. bf16 (``ROUND == 1``) is passed as int16 bits and widened exactly (the
+        interpreter's bf16 cast is wrong)."""
+        if ROUND == 1:
+            if INTERPRETED:
+                v = ((v.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+            else:
+                v = v.to(tl.bfloat16, bitcast=True).to(tl.float32)
+        else:
+            v = v.to(tl.float32)
+        return v
+
+    @triton.jit
     def _round_to(x, ROUND: tl.constexpr):
         """Round fp32 to the input dtype (0: fp32 as is, 1: bf16, 2: fp16), back as fp32."""
         if ROUND == 1:
@@ -263,14 +276,7 @@ if HAVE_TRITON:
         cols = (k0 + 16 * tl.arange(0, NB))[None, :, None] + j[None, None, :]
         r = rows[:, None, None]
         ptrs = x_ptr + (row0 + r).to(tl.int64) * K + cols
-        x = tl.load(ptrs, mask=(r < n_rows) & (cols < K), other=0)
-        if ROUND == 1:  # bf16 passed as int16 bits: widen exactly (the interpreter's bf16 cast is wrong)
-            if INTERPRETED:
-                x = ((x.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
-            else:
-                x = x.to(tl.bfloat16, bitcast=True).to(tl.float32)
-        else:
-            x = x.to(tl.float32)
+        x = _widen(tl.load(ptrs, mask=(r < n_rows) & (cols < K), other=0), ROUND)
         if HADAMARD:
             M: tl.constexpr = BR * NB
             x = tl.reshape(_round_to(_rht16(tl.reshape(x, (M, 16)), M, 16, SIGNS), ROUND), (BR, NB, 16))

@@ -79,6 +79,7 @@ if HAVE_TRITON:
         _outer_from_row_amax,
         _round_to,
         _sgn,
+        _widen,
     )
 
 __all__ = ["columnwise_matrix", "columnwise_source", "quantize_columnwise"]
@@ -97,15 +98,9 @@ if HAVE_TRITON:
         else:
             s = tl.where(l < L, l, -1)
         m = (s >= 0)[:, None] & cmask[None, :]
-        v = tl.load(x_ptr + s.to(tl.int64)[:, None] * sx0 + c64[None, :] * sx1, mask=m, other=0)
-        if ROUND == 1:  # bf16 passed as int16 bits: widen exactly (the interpreter's bf16 cast is wrong)
-            if INTERPRETED:
-                v = ((v.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
-            else:
-                v = v.to(tl.bfloat16, bitcast=True).to(tl.float32)
-        else:
-            v = v.to(tl.float32)
-        return v
+        return _widen(
+            tl.load(x_ptr + s.to(tl.int64)[:, None] * sx0 + c64[None, :] * sx1, mask=m, other=0), ROUND
+        )
 
     @triton.jit
     def _h16(
