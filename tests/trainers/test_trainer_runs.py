@@ -150,6 +150,14 @@ def test_rollout_wrapper_keeps_perturbed_rollout_deterministic(tiny_model_dir, t
     assert [h["loss"] for h in a] == [h["loss"] for h in b]
 
 
+def _nvfp4_learner(model_dir, output_dir, **args):
+    """One-step trainer: NVFP4 learner, built-in HF sampler (``sampler_kwargs`` picks its numerics)."""
+    values = dict(
+        max_steps=1, per_device_train_batch_size=2, max_completion_length=3, learner_precision="nvfp4"
+    )
+    return make_trainer(model_dir, output_dir, sampler="hf", rollout=None, **values, **args)
+
+
 def test_nvfp4_learner_and_nvfp4_sampler_copy(tiny_model_dir, tmp_path, monkeypatch):
     """learner_precision='nvfp4' converts the learner's Linears; the recipes' hf sampler keys build an NVFP4 copy.
 
@@ -158,17 +166,11 @@ def test_nvfp4_learner_and_nvfp4_sampler_copy(tiny_model_dir, tmp_path, monkeypa
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     from triage.kernels import NVFP4Linear
 
-    trainer = make_trainer(
+    trainer = _nvfp4_learner(
         tiny_model_dir,
         tmp_path,
-        max_steps=1,
-        per_device_train_batch_size=2,
-        max_completion_length=3,
-        learner_precision="nvfp4",
         quant_recipe={"block": "1x16", "scale": "tensor", "profile": "te"},
-        sampler="hf",
         sampler_kwargs={"seed": 0, "precision": "nvfp4", "quant_recipe": {"scale": "row"}},
-        rollout=None,
     )
     assert any(isinstance(m, NVFP4Linear) for m in trainer.model.modules())
     logs = _train(trainer)
@@ -186,17 +188,7 @@ def test_bf16_sampler_copy_of_an_nvfp4_learner_is_bf16(tiny_model_dir, tmp_path,
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     from triage.kernels import NVFP4Linear
 
-    trainer = make_trainer(
-        tiny_model_dir,
-        tmp_path,
-        max_steps=1,
-        per_device_train_batch_size=2,
-        max_completion_length=3,
-        learner_precision="nvfp4",
-        sampler="hf",
-        sampler_kwargs={"seed": 0, "precision": "bf16"},
-        rollout=None,
-    )
+    trainer = _nvfp4_learner(tiny_model_dir, tmp_path, sampler_kwargs={"seed": 0, "precision": "bf16"})
     _train(trainer)
     copy = trainer.rollout_func.copy
     assert not any(isinstance(m, NVFP4Linear) for m in copy.modules())
@@ -235,16 +227,8 @@ def test_nvfp4_learner_converts_fused_moe_experts(tmp_path, monkeypatch):
     model_dir = tmp_path / "moe"
     Qwen3MoeForCausalLM(config).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    trainer = make_trainer(
-        str(model_dir),
-        tmp_path / "out",
-        max_steps=1,
-        per_device_train_batch_size=2,
-        max_completion_length=3,
-        learner_precision="nvfp4",
-        sampler="hf",
-        sampler_kwargs={"seed": 0, "precision": "bf16"},
-        rollout=None,
+    trainer = _nvfp4_learner(
+        str(model_dir), tmp_path / "out", sampler_kwargs={"seed": 0, "precision": "bf16"}
     )
     experts = [m for m in trainer.model.modules() if isinstance(m, NVFP4MoeExperts)]
     assert len(experts) == 2 and all(m.config.weight.scale == "expert" for m in experts)

@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+from _same_bytes import assert_same_bytes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -22,18 +23,7 @@ warnings.filterwarnings("ignore", category=RuntimeWarning)  # numpy overflow/NaN
 def assert_same(x, recipe, seed=None):
     a = quantize(x, recipe, backend="torch", seed=seed)
     b = quantize(x, recipe, backend="triton", seed=seed)
-    assert a.data.shape == b.data.shape and a.scale.shape == b.scale.shape
-    bad_data = (a.data != b.data).sum().item()
-    bad_scale = (a.scale.view(torch.uint8) != b.scale.view(torch.uint8)).sum().item()
-    assert bad_data == 0 and bad_scale == 0, (
-        f"{recipe}: {bad_data} data bytes, {bad_scale} scale bytes differ"
-    )
-    for name in ("global_scale", "global_encode_scale", "amax"):
-        ga, gb = getattr(a, name), getattr(b, name)
-        assert (ga is None) == (gb is None), name
-        if ga is not None:
-            assert ga.shape == gb.shape, name
-            assert torch.equal(ga.nan_to_num(-1.0), gb.nan_to_num(-1.0)), name
+    assert_same_bytes(a, b, recipe)
     return a, b
 
 

@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from _same_bytes import assert_same_bytes
 
 from triage.kernels.nvfp4 import PROFILES, QuantRecipe, quantize
 from triage.kernels.nvfp4 import triton_quant_t as qt
@@ -27,18 +28,7 @@ def bits(t):
 
 def assert_identical(a, b, expanded_bits=True):
     assert a.shape == b.shape and a.dtype == b.dtype and a.recipe == b.recipe
-    assert a.data.shape == b.data.shape and a.scale.shape == b.scale.shape
-    bad_data = (a.data != b.data).sum().item()
-    bad_scale = (a.scale.view(torch.uint8) != b.scale.view(torch.uint8)).sum().item()
-    assert bad_data == 0 and bad_scale == 0, (
-        f"{a.recipe}: {bad_data} data bytes, {bad_scale} scale bytes differ"
-    )
-    for name in ("global_scale", "global_encode_scale", "amax"):
-        ga, gb = getattr(a, name), getattr(b, name)
-        assert (ga is None) == (gb is None), name
-        if ga is not None:
-            assert ga.shape == gb.shape, name
-            assert torch.equal(ga.nan_to_num(-1.0), gb.nan_to_num(-1.0)), name
+    assert_same_bytes(a, b, a.recipe)
     assert (a.expanded is None) == (b.expanded is None)
     if a.expanded is not None:
         assert a.expanded.dtype == b.expanded.dtype and a.expanded.shape == b.expanded.shape
