@@ -189,6 +189,40 @@ PRESETS: dict[str, AblationPreset] = {
         n_eval=256,
         arm_seconds=45.0,
     ),
+    # the mismatch testbed (one H200): a 10.6M-parameter Qwen3 (6 layers, hidden 384) SFT'd on running sums of
+    # 11-13 two-digit numbers (139-173-token worked solutions), then 300 RL steps x 16 prompts x 8 completions
+    # of up to 256 tokens. Long completions let small per-token gaps compound; the levels set the numerics.
+    "testbed": AblationPreset(
+        name="testbed",
+        sft=SFTConfig(
+            hidden_size=384,
+            intermediate_size=1152,
+            num_hidden_layers=6,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            head_dim=64,
+            difficulty=(6,),
+            n_train=16384,
+            n_eval=256,
+            steps=3000,
+            max_seconds=150.0,
+            batch_size=64,
+            learning_rate=1e-3,
+            warmup_steps=100,
+            eval_every=0,
+            max_new_tokens=192,
+            eval_batch_size=256,
+        ),
+        steps=300,
+        prompts=16,
+        generations=8,
+        max_completion_length=256,
+        learning_rate=5e-5,
+        warmup_steps=10,
+        eval_every=25,
+        n_eval=128,
+        arm_seconds=300.0,
+    ),
 }
 
 

@@ -164,8 +164,8 @@ def greedy_accuracy(
 ) -> dict[str, Any]:
     """Greedy-decoding accuracy on ``dataset`` (DAPO's rule: +1 ⇔ correct), overall and per difficulty.
 
-    Decodes with the HF sampler's KV-cache loop (``top_k=1``) in the model's own numerics (an NVFP4 model
-    runs its NVFP4 forward). Returns ``{"accuracy", "by_difficulty": {level: accuracy}, "n"}``.
+    Decodes with the HF sampler's KV-cache loop (``top_k=1``, ``decode="auto"``: CUDA-graph replay on a GPU) in
+    the model's own numerics (an NVFP4 model runs its NVFP4 forward). Returns ``{"accuracy", "by_difficulty": {level: accuracy}, "n"}``.
     """
     import torch
 
@@ -186,6 +186,7 @@ def greedy_accuracy(
                 params,
                 [tokenizer.eos_token_id],
                 pad_id=tokenizer.pad_token_id,
+                decode="auto",
             )
             texts = tokenizer.batch_decode(out["completion_ids"], skip_special_tokens=True)
             for row, text in zip(batch, texts):

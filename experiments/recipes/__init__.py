@@ -245,13 +245,13 @@ def _check_sampler(recipe: Mapping[str, Any]) -> None:
     unknown = [k for k in kwargs if k not in names]
     if unknown:
         raise ValueError(f"sampler_kwargs: unknown keys {unknown} for sampler 'hf'; keys: {sorted(names)}")
-    if "precision" in kwargs and kwargs["precision"] not in ("bf16", "nvfp4"):
+    if kwargs.get("precision") not in (None, "bf16", "nvfp4"):  # null: no copy of its own numerics
         raise ValueError(f"sampler_kwargs.precision must be 'bf16' or 'nvfp4', got {kwargs['precision']!r}")
-    if "quant_recipe" in kwargs:
+    if kwargs.get("quant_recipe") is not None:
         if kwargs.get("precision") != "nvfp4":
             raise ValueError("sampler_kwargs.quant_recipe needs sampler_kwargs.precision: nvfp4")
         _check_quant_recipe(kwargs["quant_recipe"], "sampler_kwargs.quant_recipe")
-    if "kv_cache_dtype" in kwargs and kwargs["kv_cache_dtype"] not in KV_CACHE_DTYPES:  # what it emulates
+    if kwargs.get("kv_cache_dtype") is not None and kwargs["kv_cache_dtype"] not in KV_CACHE_DTYPES:
         raise ValueError(
             f"sampler_kwargs.kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kwargs['kv_cache_dtype']!r}"
         )
