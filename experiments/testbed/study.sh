@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# Mismatch-testbed pilot (one GPU): SFT the `testbed` preset's model once, then STEPS vanilla-GRPO steps at
-# every candidate learner/sampler mismatch level, all levels as parallel processes. Prints, per level, the
-# measured mean |δ| over the first steps and the seconds per step: what the dose-response study is sized by.
+# Mismatch testbed (one GPU): SFT the `testbed` preset's model once, then every (level, arm, seed) run as its
+# own process, all in parallel, each stopping cleanly at BUDGET seconds (its JSON then says complete: false).
+# Prints mean ± std over seeds per (level, arm): mean |δ| (step 1, run), reward and held-out accuracy (first
+# and last), entropy, steps done and seconds per step.
 #
-#   RUN_DIR=runs/testbed STEPS=5 bash experiments/testbed/pilot.sh        # MINI=1: smoke sizes on a CPU
+#   RUN_DIR=runs/testbed LEVELS="aligned pair" ARMS=grpo-none SEEDS="0 1 2" STEPS=300 BUDGET=420 \
+#     bash experiments/testbed/study.sh                                      # MINI=1: smoke sizes on a CPU
+#
+# A run's seed sets `seed` (TRL's prompt order and init), `data_seed` and the sampler's generator.
 #
 # Levels (`--set` overrides of the tiny recipe; "fp32 learner" = no autocast, fp32 weights and activations):
 #   aligned             fp32 learner; the sampler is the learner's own model (shared), native KV cache
@@ -16,9 +20,12 @@
 #   pair-bf16           the tiny preset as shipped (NVFP4 learner under bf16 autocast)
 set -u
 R=${RUN_DIR:-runs/testbed}
-STEPS=${STEPS:-5}
+STEPS=${STEPS:-300}
+BUDGET=${BUDGET:-100000}
 MINI=${MINI:+--mini}
 LEVELS=${LEVELS:-aligned bf16-sampler nvfp4-row nvfp4-row-fp8kv nvfp4-tensor-fp8kv pair pair-bf16}
+ARMS=${ARMS:-grpo-none}
+SEEDS=${SEEDS:-0}
 FP32="--set bf16=false --set learner_precision=bf16 --set quant_recipe=null"
 NOKV="--set sampler_kwargs.kv_cache_dtype=null"
 declare -A LEVEL=(
@@ -38,23 +45,13 @@ from triage.experiments.sft import ensure_sft_checkpoint
 p = PRESETS['testbed']
 ensure_sft_checkpoint((mini(p) if sys.argv[1] else p).sft, sys.argv[2])
 " "$MINI" "$R/sft" || exit 1
-for lvl in $LEVELS; do
-  mkdir -p "$R/$lvl" && ln -sfn ../sft "$R/$lvl/sft"
+for lvl in $LEVELS; do for arm in $ARMS; do for seed in $SEEDS; do
+  d="$R/$lvl/$arm/s$seed"
+  mkdir -p "$d" && ln -sfn "$(cd "$R" && pwd)/sft" "$d/sft"
   # shellcheck disable=SC2086
-  python -m triage ablate --preset testbed $MINI --arms grpo-none --no-plots --steps "$STEPS" \
-    --output "$R/$lvl" ${LEVEL[$lvl]} >"$R/$lvl.log" 2>&1 &
-done
+  python -m triage ablate --preset testbed $MINI --arms "$arm" --no-plots --steps "$STEPS" --output "$d" \
+    --time-budget "$BUDGET" --set seed="$seed" --set data_seed="$seed" --set sampler_kwargs.seed="$seed" \
+    ${LEVEL[$lvl]} >"$d/run.log" 2>&1 &
+done; done; done
 wait
-python - "$R" $LEVELS <<'PY'
-import json, sys
-from pathlib import Path
-root = Path(sys.argv[1])
-print(f"{'level':20s} {'|δ| step 1':>10s} {'|δ| mean':>9s} {'reward':>7s} {'s/step':>7s}")
-for lvl in sys.argv[2:]:
-    f = root / lvl / "arms" / "grpo-none.json"
-    if not f.is_file():
-        print(f"{lvl:20s} FAILED: see {lvl}.log"); continue
-    e = json.loads(f.read_text()); s = e["series"]; d = [x for x in s["mean_abs_delta"] if x is not None]
-    print(f"{lvl:20s} {d[0]:10.5f} {sum(d)/len(d):9.5f} {sum(s['reward'])/len(s['reward']):7.3f} "
-          f"{e['seconds']/len(s['step']):7.2f}")
-PY
+python -m triage.experiments.testbed_summary "$R"
