@@ -8,6 +8,8 @@
 #     bash experiments/testbed/study.sh                                      # MINI=1: smoke sizes on a CPU
 #
 # A run's seed sets `seed` (TRL's prompt order and init), `data_seed` and the sampler's generator.
+# SFT_ONLY=1 trains (or finds) the shared checkpoint and exits, so several study.sh with other LEVELS/ARMS can
+# then share one RUN_DIR in parallel.
 #
 # Levels (`--set` overrides of the tiny recipe; "fp32 learner" = no autocast, fp32 weights and activations):
 #   aligned             fp32 learner; the sampler is the learner's own model (shared), native KV cache
@@ -45,6 +47,7 @@ from triage.experiments.sft import ensure_sft_checkpoint
 p = PRESETS['testbed']
 ensure_sft_checkpoint((mini(p) if sys.argv[1] else p).sft, sys.argv[2])
 " "$MINI" "$R/sft" || exit 1
+[ -n "${SFT_ONLY:-}" ] && exit 0   # SFT_ONLY=1: only the shared checkpoint (then several study.sh at once)
 for lvl in $LEVELS; do for arm in $ARMS; do for seed in $SEEDS; do
   d="$R/$lvl/$arm/s$seed"
   mkdir -p "$d" && ln -sfn "$(cd "$R" && pwd)/sft" "$d/sft"
