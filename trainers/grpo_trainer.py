@@ -98,16 +98,17 @@ def check_rewards(
     bad = explicit_nan | (nan & ~may_be_missing) | (~nan & ~(rewards.abs() <= REWARD_MAX))
     total = (rewards * weights.to(rewards.device)[None, :]).nansum(dim=1)
     too_large = ~(total.abs() <= REWARD_MAX)
-    if not torch.stack([bad.any(), too_large.any()]).any().item():
-        return
-    if bad.any():
+    any_bad, any_too_large = torch.stack([bad.any(), too_large.any()]).tolist()
+    if any_bad:
         row, col = bad.nonzero()[0].tolist()
         value = rewards[row, col].item()
         raise ValueError(
             f"reward function {names[col]!r} returned {value} for {describe_sample(row)}: a reward must be a"
             f" finite number with |reward| <= {REWARD_MAX:g} (None marks a sample the function does not score);"
-            f" {int(bad.sum())} such reward(s) in this batch. TRL would give the sample's group advantages of 0"
+            f" {int(bad.sum())} such reward(s) in this batch. TRL would silently turn it into advantages of 0"
         )
+    if not any_too_large:
+        return
     row = int(too_large.nonzero()[0, 0])
     parts = ", ".join(f"{n}={rewards[row, i].item():g}" for i, n in enumerate(names))
     raise ValueError(
@@ -381,7 +382,7 @@ class TriageGRPOTrainer(GRPOTrainer):
 
         check_rewards(
             rewards,
-            gather(explicit_nan.to(rewards.device)),
+            gather(explicit_nan.to(rewards.device, torch.uint8)).bool(),  # uint8: every backend gathers it
             self.reward_func_names,
             self.reward_weights,
             [not isinstance(f, torch.nn.Module) for f in funcs],

@@ -23,6 +23,8 @@ trainer's job. With ``weights`` None (or all ones) the value equals TRL's bit fo
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from triage.mismatch import (
@@ -86,7 +88,7 @@ def aggregate_loss(
         raise ValueError(f"loss_type={loss_type!r}: TRIAGE supports {LOSS_TYPES}")
     if max_completion_length is not None and (
         isinstance(max_completion_length, bool)
-        or not isinstance(max_completion_length, int)
+        or not isinstance(max_completion_length, numbers.Integral)
         or max_completion_length < 1
     ):
         raise ValueError(
