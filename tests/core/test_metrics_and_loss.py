@@ -190,6 +190,15 @@ def test_loss_rejects_a_max_completion_length_below_one(length):
             loss_type="dr_grpo",
             max_completion_length=length,
         )
+    one = policy_loss(
+        torch.zeros(1, 2),
+        torch.zeros(1, 2),
+        torch.ones(1),
+        torch.ones(1, 2),
+        loss_type="dr_grpo",
+        max_completion_length=np.int64(4),
+    )
+    assert one.item() == -0.5  # a numpy integer is an integer
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), 9998.0, 3e38])
