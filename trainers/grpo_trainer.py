@@ -34,6 +34,20 @@ ids must be inside the vocabulary; a completion must not be empty (at least EOS)
 all equal has advantage 0: its tokens are ``inert`` (no policy gradient whatever their weight), counted in the
 ``triage/inert/share`` metric. When the sampler log-probs are used, an active ``nn.Dropout`` (e.g. LoRA's
 ``lora_dropout``) needs ``disable_dropout=True``: the learner's train-mode forward would count it as δ.
+
+**Rewards** (checked on the gathered rewards, so every process raises the same error, naming the reward
+function and the sample): a reward function may return ``None`` for a sample it does not score (TRL's rule:
+TRL stores it as NaN and leaves it out of the group statistics), but not NaN, ±inf, or a reward, or weighted
+sum of a sample's rewards, beyond ``REWARD_MAX`` = 1e18 in magnitude; a reward model must return finite
+scores within it. TRL would turn each of these into NaN advantages or an overflowing group std and then
+into advantages of 0 (``nan_to_num``), silently dropping the whole group.
+
+**Resuming inside a generation window.** TRL generates once per ``steps_per_generation · num_iterations``
+micro-steps and trains on the buffered batch in between. A checkpoint saved inside such a window also stores
+this process's buffer and micro-step counter (``generation_buffer_<rank>.pt``), so the resumed run trains on
+the same completions as the uninterrupted one; a checkpoint inside a window without that file is refused
+(resuming would regenerate mid-window and diverge). A checkpoint whose saved TRIAGE config differs from the
+run's gets a warning listing the fields (old → new).
 """
 
 from __future__ import annotations
@@ -41,20 +55,66 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from accelerate.utils import gather
 from trl import GRPOTrainer
+from trl.trainer.utils import is_async_callable
 
 from triage import AdaptiveTau, delta_quantiles, metrics_from_sums, mismatch_sums, token_gap, token_weights
 
 from .config import TriageGRPOConfig
 from .sampling.base import SamplerSource, trainer_vocab_size
-from .sampling.validation import RolloutValidationError, validate_rollout
+from .sampling.validation import RolloutValidationError, prompt_head, validate_rollout
 
 TRIAGE_STATE_FILE = "triage_state.json"
 SAMPLER_STATE_FILE = "sampler_state_{rank}.json"  # per process: each rank's sampler draws its own stream
+GENERATION_STATE_FILE = "generation_buffer_{rank}.pt"  # per process: a checkpoint inside a generation window
+# Largest |reward| (and |weighted sum of a sample's rewards|): TRL's fp32 group std squares deviations from
+# the group mean, (2 · 1e18)² · 2 (Bessel) < 3.4e38 = fp32 max; beyond that the std overflows to inf and
+# every advantage of the group becomes 0.
+REWARD_MAX = 1e18
+
+
+def check_rewards(
+    rewards: torch.Tensor,
+    explicit_nan: torch.Tensor,
+    names: list[str],
+    weights: torch.Tensor,
+    nan_means_missing: list[bool],
+    describe_sample: Callable[[int], str],
+) -> None:
+    """Raise ``ValueError`` naming the reward function and the sample for a reward TRL would silently turn into
+    zero advantages (module docstring, "Rewards"). One host sync.
+
+    ``rewards`` (N, F) fp32 as TRL gathers them (``None`` → NaN); ``explicit_nan`` (N, F) where a function
+    returned NaN itself; ``nan_means_missing[f]``: whether NaN in column f can stand for ``None`` (a reward
+    function, not a reward model); ``describe_sample(row)`` words a gathered row."""
+    may_be_missing = torch.tensor(nan_means_missing, device=rewards.device)[None, :]
+    nan = torch.isnan(rewards)
+    bad = explicit_nan | (nan & ~may_be_missing) | (~nan & ~(rewards.abs() <= REWARD_MAX))
+    total = (rewards * weights.to(rewards.device)[None, :]).nansum(dim=1)
+    too_large = ~(total.abs() <= REWARD_MAX)
+    any_bad, any_too_large = torch.stack([bad.any(), too_large.any()]).tolist()
+    if any_bad:
+        row, col = bad.nonzero()[0].tolist()
+        value = rewards[row, col].item()
+        raise ValueError(
+            f"reward function {names[col]!r} returned {value} for {describe_sample(row)}: a reward must be a"
+            f" finite number with |reward| <= {REWARD_MAX:g} (None marks a sample the function does not score);"
+            f" {int(bad.sum())} such reward(s) in this batch. TRL would silently turn it into advantages of 0"
+        )
+    if not any_too_large:
+        return
+    row = int(too_large.nonzero()[0, 0])
+    parts = ", ".join(f"{n}={rewards[row, i].item():g}" for i, n in enumerate(names))
+    raise ValueError(
+        f"the weighted sum of the rewards of {describe_sample(row)} is {total[row].item():g} ({parts}):"
+        f" beyond {REWARD_MAX:g}, TRL's group std overflows and every advantage of the group becomes 0"
+    )
 
 
 def _torch_dtype(value, where: str) -> torch.dtype:
@@ -298,6 +358,38 @@ class TriageGRPOTrainer(GRPOTrainer):
         self._check_rollout(None, prompt_ids, completion_ids, logprobs, source)
         return completion_ids, logprobs
 
+    # --- rewards ---------------------------------------------------------------------------------------------
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        """TRL's rewards (gathered over processes), refusing the rewards of ``check_rewards``."""
+        explicit_nan = torch.zeros(len(prompts), len(self.reward_funcs), dtype=torch.bool)
+        funcs = self.reward_funcs
+        self.reward_funcs = [
+            f if isinstance(f, torch.nn.Module) else _marking_nan(f, explicit_nan[:, i])
+            for i, f in enumerate(funcs)
+        ]
+        try:
+            rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        finally:
+            self.reward_funcs = funcs
+        n_local, rank = len(prompts), self.accelerator.process_index
+        several = self.accelerator.num_processes > 1
+
+        def describe_sample(row: int) -> str:
+            process, index = divmod(row, n_local)
+            where = f"sample {index}" + (f" of process {process}" if several else "")
+            return where + (f" (prompt {prompt_head(prompts[index])!r})" if process == rank else "")
+
+        check_rewards(
+            rewards,
+            gather(explicit_nan.to(rewards.device, torch.uint8)).bool(),  # uint8: every backend gathers it
+            self.reward_func_names,
+            self.reward_weights,
+            [not isinstance(f, torch.nn.Module) for f in funcs],
+            describe_sample,
+        )
+        return rewards
+
     # --- NVFP4 learner -------------------------------------------------------------------------------------
 
     def _convert_learner_to_nvfp4(self, quant_recipe) -> None:
@@ -410,6 +502,13 @@ class TriageGRPOTrainer(GRPOTrainer):
             }
             with open(os.path.join(folder, TRIAGE_STATE_FILE), "w") as f:
                 json.dump(state, f, indent=2)
+        if self._step % self._generate_every != 0 and self._buffered_inputs is not None:
+            # inside a generation window: the rest of the window trains on these completions
+            os.makedirs(folder, exist_ok=True)
+            name = GENERATION_STATE_FILE.format(rank=self.accelerator.process_index)
+            torch.save(
+                {"step": self._step, "buffered_inputs": self._buffered_inputs}, os.path.join(folder, name)
+            )
         source = self._sampler_source()
         sampler_state = source.state_dict() if source is not None else {}
         if sampler_state:  # every process saves its own (as transformers does for its RNG states)
@@ -417,6 +516,11 @@ class TriageGRPOTrainer(GRPOTrainer):
             name = SAMPLER_STATE_FILE.format(rank=self.accelerator.process_index)
             with open(os.path.join(folder, name), "w") as f:
                 json.dump(sampler_state, f)
+
+    @property
+    def _generate_every(self) -> int:
+        """Micro-steps between two generations (TRL's ``_prepare_inputs``)."""
+        return self.args.steps_per_generation * self.num_iterations
 
     def _sampler_source(self) -> SamplerSource | None:
         """The built-in sampler source behind ``rollout_func`` (possibly wrapped by :meth:`_validated`)."""
@@ -430,13 +534,75 @@ class TriageGRPOTrainer(GRPOTrainer):
         path = os.path.join(checkpoint, TRIAGE_STATE_FILE)
         if os.path.exists(path):
             with open(path) as f:
-                self.adaptive_tau.load_state_dict(json.load(f)["adaptive_tau"])
+                state = json.load(f)
+            try:
+                self.adaptive_tau.load_state_dict(state["adaptive_tau"])
+            except ValueError as err:
+                raise ValueError(f"{path}: {err}") from None
+            self._compare_triage_config(state.get("triage_config") or {}, checkpoint)
         elif self.triage_config.adaptive:
             raise FileNotFoundError(
                 f"{path} is missing: cannot resume the adaptive τ (tau='auto') from checkpoint {checkpoint}"
             )
+        self._load_generation_window(checkpoint)
         source = self._sampler_source()
         path = os.path.join(checkpoint, SAMPLER_STATE_FILE.format(rank=self.accelerator.process_index))
         if source is not None and os.path.exists(path):  # absent: a checkpoint from before any rollout
             with open(path) as f:
                 source.load_state_dict(json.load(f))
+
+    def _compare_triage_config(self, saved: dict[str, Any], checkpoint: str) -> None:
+        """Warn when the checkpoint was trained with another TRIAGE config (a deliberate change is allowed)."""
+        now = self.triage_config.to_dict()
+        changed = [
+            f"{k}: {saved.get(k, '(not saved)')!r} → {v!r}" for k, v in now.items() if saved.get(k) != v
+        ]
+        if changed:
+            warnings.warn(
+                f"resuming from {checkpoint} with a TRIAGE config that differs from the one it was trained with"
+                f" ({'; '.join(changed)}): the resumed run is not a continuation of the saved one",
+                stacklevel=2,
+            )
+
+    def _load_generation_window(self, checkpoint: str) -> None:
+        """Restore the buffered generation batch of a checkpoint saved inside a generation window."""
+        path = os.path.join(checkpoint, GENERATION_STATE_FILE.format(rank=self.accelerator.process_index))
+        if os.path.exists(path):
+            saved = torch.load(path, map_location=self.accelerator.device, weights_only=True)
+            self._step, self._buffered_inputs = saved["step"], saved["buffered_inputs"]
+            return
+        step = self.state.global_step * self.args.gradient_accumulation_steps
+        if step % self._generate_every != 0:
+            raise ValueError(
+                f"checkpoint {checkpoint} was saved inside a generation window (micro-step {step}; TRL generates"
+                f" every steps_per_generation · num_iterations = {self._generate_every} micro-steps) and has no"
+                f" {os.path.basename(path)}: resuming would regenerate mid-window and diverge from the"
+                " uninterrupted run. Resume from a checkpoint saved by TriageGRPOTrainer, or from one at a"
+                " generation boundary"
+            )
+
+
+def _marking_nan(func: Callable, explicit_nan: torch.Tensor) -> Callable:
+    """``func`` (sync or async, as TRL calls it) that marks in ``explicit_nan`` the samples it returned NaN for
+    (not None: TRL turns None into NaN too, and that one means "not scored")."""
+
+    def mark(output):
+        for i, reward in enumerate(output):
+            try:
+                if reward is not None and i < len(explicit_nan) and math.isnan(float(reward)):
+                    explicit_nan[i] = True
+            except (TypeError, ValueError):  # not a number: TRL's own conversion reports it
+                pass
+        return output
+
+    if is_async_callable(func):
+
+        async def marking(*args, **kwargs):
+            return mark(await func(*args, **kwargs))
+
+    else:
+
+        def marking(*args, **kwargs):
+            return mark(func(*args, **kwargs))
+
+    return marking

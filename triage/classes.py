@@ -15,12 +15,13 @@ A = 0 wins over the δ test (an inert token has no update direction, whatever it
 
 from __future__ import annotations
 
+import math
 from enum import IntEnum
 
 import torch
 
 from triage.config import TriageConfig
-from triage.mismatch import as_mask, expand_advantages
+from triage.mismatch import Check, advantages_checks, as_mask, broadcast_advantages, delta_checks, raise_first
 
 
 class TokenClass(IntEnum):
@@ -51,9 +52,35 @@ POLICY_CLASSES = (
 def resolve_tau(config: TriageConfig, tau: float | None) -> float:
     """The τ in force: the explicit argument, else the config's fixed τ (``tau_init`` when adaptive)."""
     value = config.fixed_tau() if tau is None else float(tau)
-    if not value >= 0.0:  # also catches NaN
-        raise ValueError(f"tau must be a number ≥ 0, got {tau!r}")
+    if not 0.0 <= value < math.inf:  # also catches NaN
+        raise ValueError(f"tau must be a finite number ≥ 0, got {tau!r}")
     return value
+
+
+def checked_inputs(
+    delta: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *extra: Check
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(valid mask, fp32 (B, T) advantages) after validating δ like ``token_gap``'s output (finite, below
+    ``DELTA_MAX`` at valid positions) and the advantages (finite), plus any ``extra`` checks: one host sync."""
+    valid = as_mask(mask, delta.shape)
+    adv = broadcast_advantages(advantages, delta.shape)
+    raise_first([*delta_checks(delta, valid), *advantages_checks(adv), *extra])
+    return valid, adv
+
+
+def classes_of(delta: torch.Tensor, adv: torch.Tensor, valid: torch.Tensor, tau: float) -> torch.Tensor:
+    """``classify_tokens`` on inputs already validated (``checked_inputs``) and τ resolved."""
+    d = delta.float()
+    codes = torch.full(delta.shape, int(TokenClass.CONSISTENT), dtype=torch.int8, device=delta.device)
+    low, high = d < -tau, d > tau
+    up, down = adv > 0, adv < 0
+    codes[low & down] = int(TokenClass.AMPLIFY_DOWN)
+    codes[low & up] = int(TokenClass.CORRECT_UP)
+    codes[high & up] = int(TokenClass.AMPLIFY_UP)
+    codes[high & down] = int(TokenClass.CORRECT_DOWN)
+    codes[adv == 0] = int(TokenClass.INERT)
+    codes[~valid] = int(TokenClass.PAD)
+    return codes
 
 
 def classify_tokens(
@@ -63,19 +90,11 @@ def classify_tokens(
     config: TriageConfig | None = None,
     tau: float | None = None,
 ) -> torch.Tensor:
-    """(B, T) int8 ``TokenClass`` codes for δ (B, T), advantages (B,) or (B, T) and the valid-token mask."""
+    """(B, T) int8 ``TokenClass`` codes for δ (B, T), advantages (B,) or (B, T) and the valid-token mask.
+
+    Raises ``ValueError`` naming row and position for a δ that ``token_gap`` cannot return (NaN, ±inf, or
+    ≥ ``DELTA_MAX``) at a valid position, and for NaN/inf advantages."""
     config = config or TriageConfig()
-    valid = as_mask(mask, delta.shape)
-    adv = expand_advantages(advantages, delta.shape)
     t = resolve_tau(config, tau)
-    d = delta.float()
-    codes = torch.full(delta.shape, int(TokenClass.CONSISTENT), dtype=torch.int8, device=delta.device)
-    low, high = d < -t, d > t
-    up, down = adv > 0, adv < 0
-    codes[low & down] = int(TokenClass.AMPLIFY_DOWN)
-    codes[low & up] = int(TokenClass.CORRECT_UP)
-    codes[high & up] = int(TokenClass.AMPLIFY_UP)
-    codes[high & down] = int(TokenClass.CORRECT_DOWN)
-    codes[adv == 0] = int(TokenClass.INERT)
-    codes[~valid] = int(TokenClass.PAD)
-    return codes
+    valid, adv = checked_inputs(delta, advantages, mask)
+    return classes_of(delta, adv, valid, t)

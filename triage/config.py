@@ -1,7 +1,9 @@
 """``TriageConfig``: which mismatch correction to apply and how TRIAGE weighs each token class.
 
 Every field is validated in ``__post_init__`` with an error that names the field and the accepted values,
-so a typo in a YAML recipe fails at start-up, not after an hour of training.
+so a typo in a YAML recipe fails at start-up, not after an hour of training. The config is frozen: a
+validated config cannot be edited into an invalid one (``dataclasses.replace(config, field=value)`` builds a
+new, validated config).
 """
 
 from __future__ import annotations
@@ -16,9 +18,13 @@ SEQ_MIS_LEVELS = ("product", "geometric")
 
 # The per-class policy fields, in TokenClass order (consistent first, then the four tails).
 CLASS_POLICY_FIELDS = ("consistent", "amplify_down", "correct_up", "amplify_up", "correct_down")
+# Largest tolerance a config may set (fixed ``tau``, ``tau_init``, ``tau_floor``), in nats: a band |δ| ≤ 1
+# already calls a probability ratio of e ≈ 2.7 either way "consistent", wider than the default IS cap (2).
+# A wider band switches the correction off for the gaps it exists for (use ``correction="none"`` for that).
+TAU_MAX = 1.0
 
 
-@dataclass
+@dataclass(frozen=True)
 class TriageConfig:
     """Mismatch-correction settings (DESIGN §2; docs/triage.md has the full table).
 
@@ -67,39 +73,48 @@ class TriageConfig:
     def __post_init__(self) -> None:
         if self.correction not in CORRECTIONS:
             raise ValueError(f"TriageConfig.correction={self.correction!r}: expected one of {CORRECTIONS}")
-        if isinstance(self.tau, str):
-            if self.tau != "auto":
-                try:
-                    self.tau = float(self.tau)
-                except ValueError:
-                    raise ValueError(
-                        f"TriageConfig.tau={self.tau!r}: expected a float ≥ 0 (nats) or 'auto'"
-                    ) from None
+        if isinstance(self.tau, str) and self.tau != "auto":
+            try:
+                object.__setattr__(self, "tau", float(self.tau))  # frozen: the one normalisation
+            except ValueError:
+                raise ValueError(
+                    f"TriageConfig.tau={self.tau!r}: expected a float in [0, {TAU_MAX}] (nats) or 'auto'"
+                ) from None
         if not isinstance(self.tau, str):
-            _check_number("tau", self.tau, minimum=0.0)
+            _check_number("tau", self.tau, minimum=0.0, maximum=TAU_MAX)
         for name in CLASS_POLICY_FIELDS:
             value = getattr(self, name)
             if value not in POLICIES:
                 raise ValueError(f"TriageConfig.{name}={value!r}: expected one of {POLICIES}")
-        _check_number("is_cap", self.is_cap, minimum=0.0, strict=True)
+        # C < 1 would cut the weight of on-policy tokens (r = 1) below 1: a cap, not a down-weighting rule.
+        _check_number("is_cap", self.is_cap, minimum=1.0)
         _check_number("soft_rate", self.soft_rate, minimum=0.0)
         if self.tail_floor is not None:
             _check_number("tail_floor", self.tail_floor, minimum=0.0)
         if self.guard_kappa is not None:
             _check_number("guard_kappa", self.guard_kappa, minimum=0.0, strict=True)
-        _check_number("tau_init", self.tau_init, minimum=0.0)
+        _check_number("tau_init", self.tau_init, minimum=0.0, maximum=TAU_MAX)
         _check_number("tau_multiplier", self.tau_multiplier, minimum=0.0, strict=True)
-        _check_number("tau_floor", self.tau_floor, minimum=0.0)
+        _check_number("tau_floor", self.tau_floor, minimum=0.0, maximum=TAU_MAX)
         _check_number("tau_ema", self.tau_ema, minimum=0.0)
         if self.tau_ema >= 1.0:
             raise ValueError(f"TriageConfig.tau_ema={self.tau_ema}: expected 0 ≤ tau_ema < 1")
+        # veto_floor is a ratio e^δ: at ≥ 1 every response with one token below the sampler would be dropped.
         _check_number("veto_floor", self.veto_floor, minimum=0.0, strict=True)
+        if self.veto_floor >= 1.0:
+            raise ValueError(f"TriageConfig.veto_floor={self.veto_floor!r}: expected 0 < veto_floor < 1")
+        # The kept ratio band must contain r = 1 (no mismatch), or on-policy tokens would be masked.
         for low, high in (("icepop_low", "icepop_high"), ("seq_mis_low", "seq_mis_high")):
             lo, hi = getattr(self, low), getattr(self, high)
             _check_number(low, lo, minimum=0.0)
             _check_number(high, hi, minimum=0.0, strict=True)
             if lo >= hi:
                 raise ValueError(f"TriageConfig.{low}={lo} must be < {high}={hi}")
+            if not lo <= 1.0 <= hi:
+                raise ValueError(
+                    f"TriageConfig.{low}={lo}, {high}={hi}: the kept band must contain the ratio 1 "
+                    f"({low} ≤ 1 ≤ {high})"
+                )
         if self.seq_mis_level not in SEQ_MIS_LEVELS:
             raise ValueError(
                 f"TriageConfig.seq_mis_level={self.seq_mis_level!r}: expected one of {SEQ_MIS_LEVELS}"
@@ -131,9 +146,13 @@ class TriageConfig:
         return cls(**{k: v for k, v in values.items() if k in names})
 
 
-def _check_number(name: str, value: Any, *, minimum: float, strict: bool = False) -> None:
+def _check_number(
+    name: str, value: Any, *, minimum: float, strict: bool = False, maximum: float | None = None
+) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"TriageConfig.{name}={value!r}: expected a finite number")
     if value < minimum or (strict and value == minimum):
         relation = ">" if strict else "≥"
         raise ValueError(f"TriageConfig.{name}={value!r}: expected {relation} {minimum}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"TriageConfig.{name}={value!r}: expected ≤ {maximum} (nats; see TAU_MAX)")

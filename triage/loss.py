@@ -23,9 +23,19 @@ trainer's job. With ``weights`` None (or all ones) the value equals TRL's bit fo
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
-from triage.mismatch import as_mask, check_logps, check_same_shape, expand_advantages
+from triage.mismatch import (
+    advantages_checks,
+    as_mask,
+    broadcast_advantages,
+    check_same_shape,
+    logps_checks,
+    raise_first,
+    weights_checks,
+)
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
 
@@ -76,6 +86,14 @@ def aggregate_loss(
     batch (no row) gives 0, like a batch without a valid token."""
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type={loss_type!r}: TRIAGE supports {LOSS_TYPES}")
+    if max_completion_length is not None and (
+        isinstance(max_completion_length, bool)
+        or not isinstance(max_completion_length, numbers.Integral)
+        or max_completion_length < 1
+    ):
+        raise ValueError(
+            f"max_completion_length={max_completion_length!r}: expected an integer >= 1 (the dr_grpo normaliser)"
+        )
     if per_token_loss.size(0) == 0:  # the per-row means below would be 0/0
         return (per_token_loss * mask).sum()
     if loss_type == "grpo":
@@ -113,15 +131,24 @@ def policy_loss(
 
     ``logps`` (B, T) carries the gradient; ``old_logps`` (B, T) is detached; ``advantages`` (B,) or (B, T);
     ``mask`` (B, T) of 0/1; ``weights`` (B, T) from ``token_weights`` or None. Half-precision log-probs are
-    computed in fp32. Raises on shape mismatches and on NaN/inf log-probs or advantages at valid positions.
+    computed in fp32. Raises on shape mismatches, on NaN/inf log-probs or advantages, on NaN, inf or negative
+    weights at valid positions (one host sync for all of them), and on ``max_completion_length`` < 1.
+    Padding positions of every tensor may hold anything.
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type={loss_type!r}: TRIAGE supports {LOSS_TYPES}")
     check_same_shape(logps, "logps", old_logps, "old_logps")
     valid = as_mask(mask, logps.shape)
-    check_logps(logps.detach(), valid, "logps")
-    check_logps(old_logps, valid, "old_logps")
-    expand_advantages(advantages.detach(), logps.shape)  # validates shape and finiteness
+    checks = [
+        *logps_checks(logps, valid, "logps"),
+        *logps_checks(old_logps, valid, "old_logps"),
+        *advantages_checks(broadcast_advantages(advantages, logps.shape)),
+    ]
+    if weights is not None:
+        if tuple(weights.shape) != tuple(logps.shape):
+            raise ValueError(f"weights has shape {tuple(weights.shape)}, logps has {tuple(logps.shape)}")
+        checks += weights_checks(weights, valid)
+    raise_first(checks)
     logps = logps.float() if logps.dtype != torch.float32 else logps
     old_logps = old_logps.detach().float()
     advantages = advantages.detach().float()
@@ -142,9 +169,10 @@ def policy_loss(
         importance_sampling_level=importance_sampling_level,
     )
     if weights is not None:
-        if tuple(weights.shape) != tuple(logps.shape):
-            raise ValueError(f"weights has shape {tuple(weights.shape)}, logps has {tuple(logps.shape)}")
-        per_token_loss = per_token_loss * weights.detach().to(per_token_loss.dtype)
+        weights = torch.where(
+            valid, weights.detach().to(per_token_loss.dtype), torch.zeros((), device=logps.device)
+        )
+        per_token_loss = per_token_loss * weights
     return aggregate_loss(
         per_token_loss,
         mask,

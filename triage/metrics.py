@@ -30,10 +30,10 @@ from __future__ import annotations
 
 import torch
 
-from triage.classes import TokenClass, classify_tokens, resolve_tau
+from triage.classes import TokenClass, checked_inputs, classes_of, resolve_tau
 from triage.config import TriageConfig
-from triage.mismatch import as_mask, expand_advantages
-from triage.weights import guarded_sequences
+from triage.mismatch import as_mask, weights_checks
+from triage.weights import guarded_of
 
 QUANTILES = {"p0.1": 0.001, "p1": 0.01, "p50": 0.5, "p99": 0.99, "p99.9": 0.999}
 STAT_CLASSES = tuple(c for c in TokenClass if c != TokenClass.PAD)
@@ -50,19 +50,22 @@ def mismatch_sums(
     config: TriageConfig | None = None,
     tau: float | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Raw sums and counts (0-d float64 tensors on δ's device) — all-reduce them with SUM."""
+    """Raw sums and counts (0-d float64 tensors on δ's device) — all-reduce them with SUM.
+
+    δ and the advantages are validated as in ``classify_tokens``, the weights as loss weights (finite, ≥ 0 at
+    valid positions); one host sync."""
     config = config or TriageConfig()
-    valid = as_mask(mask, delta.shape)
     if tuple(weights.shape) != tuple(delta.shape):
         raise ValueError(f"weights has shape {tuple(weights.shape)}, delta has {tuple(delta.shape)}")
-    adv = expand_advantages(advantages.detach(), delta.shape).double()
     t = resolve_tau(config, tau)
+    valid, adv = checked_inputs(delta, advantages, mask, *weights_checks(weights, as_mask(mask, delta.shape)))
+    adv = adv.double()
     d = torch.where(valid, delta.detach().double(), torch.zeros((), dtype=torch.float64, device=delta.device))
     w = torch.where(
         valid, weights.detach().double(), torch.zeros((), dtype=torch.float64, device=delta.device)
     )
     v = valid.double()
-    classes = classify_tokens(d, adv, valid, config, tau=t)
+    classes = classes_of(d, adv, valid, t)
     ratio = torch.exp(d.clamp(max=80.0))
     mass = (w * adv).abs()
 
@@ -74,7 +77,7 @@ def mismatch_sums(
         "sum_k3": ((ratio - 1.0 - d) * v).sum(),
         "sum_kl_learner_sampler": ((ratio * d - ratio + 1.0) * v).sum(),
         "suppressed": ((w < SUPPRESSED_BELOW) & valid).double().sum(),
-        "guarded": guarded_sequences(d, adv, valid, config, tau=t).double().sum(),
+        "guarded": guarded_of(d, adv, valid, config, t).double().sum(),
         "mass": mass.sum(),
     }
     for cls in STAT_CLASSES:

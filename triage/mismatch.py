@@ -6,15 +6,45 @@ engine mismatch only, not the drift of the current update.
 
 Every function here validates what it is given and raises ``ValueError`` naming the offending tensor, row
 and position: a NaN in a log-prob silently turns into a NaN loss several steps later, which is much harder
-to trace back to the engine that produced it.
+to trace back to the engine that produced it. The checks are vectorised and a public function fetches
+all of its checks' verdicts in one host sync (``raise_first``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterable
 
 import torch
 
 # A sampler log-prob above this is not a log-probability (allows fp rounding of log 1 = 0).
 LOGPROB_MAX = 1e-4
+# A sampler log-prob at or below this is an engine's sentinel for −inf (vLLM's OpenAI server writes −9999,
+# other engines finfo.min), not a measurement: the token was drawn from the distribution the engine reports,
+# and a draw lands on a token of log-prob ≤ −1000 with probability ≤ V · e^−1000 (≈ 10^−427 for V = 10^7
+# tokens), while log(1/V) ≥ −16 for any sane vocabulary. Such a value would make δ ≈ 10^3 … 10^38 and hand
+# the token the IS cap.
+SAMPLER_LOGPROB_MIN = -1e3
+# The largest δ that ``token_gap`` can return: learner log-prob ≤ 0 minus a sampler log-prob above
+# SAMPLER_LOGPROB_MIN. A larger δ handed to the core directly means such a sentinel got through.
+DELTA_MAX = -SAMPLER_LOGPROB_MIN
+
+# One input check: the bool tensor of offending positions and a function that words the error from it.
+Check = tuple[torch.Tensor, Callable[[torch.Tensor], str]]
+
+
+def raise_first(checks: Iterable[Check]) -> None:
+    """Raise ``ValueError`` for the first check with an offending position, in order.
+
+    All checks cost one host sync together (one ``any`` per check, fetched at once); the message is built
+    only on failure. This keeps validation at one sync per call of the public functions.
+    """
+    checks = list(checks)
+    if not checks:
+        return
+    flags = torch.stack([bad.any() for bad, _ in checks]).tolist()
+    for (bad, describe), flag in zip(checks, flags):
+        if flag:
+            raise ValueError(describe(bad))
 
 
 def as_mask(mask: torch.Tensor, shape: torch.Size, name: str = "mask") -> torch.Tensor:
@@ -38,60 +68,135 @@ def _first_bad(bad: torch.Tensor) -> tuple[int, int]:
     return row, pos
 
 
-def check_logps(logps: torch.Tensor, mask: torch.Tensor, name: str, *, is_sampler: bool = False) -> None:
-    """Raise if ``logps`` has NaN/±inf, or (sampler) a value above 0, at a valid (mask=1) position."""
-    values = logps.float()
-    bad = ~torch.isfinite(values) & mask
-    if bad.any():
-        row, pos = _first_bad(bad)
-        value = values[row, pos].item()
+def _at(values: torch.Tensor, bad: torch.Tensor) -> tuple[int, int, float]:
+    row, pos = _first_bad(bad)
+    return row, pos, values[row, pos].item()
+
+
+def logps_checks(
+    logps: torch.Tensor, mask: torch.Tensor, name: str, *, is_sampler: bool = False
+) -> list[Check]:
+    """Checks of ``logps`` at valid (mask=1) positions: NaN/±inf; for the sampler also a value above
+    ``LOGPROB_MAX`` (not a log-prob) or at/below ``SAMPLER_LOGPROB_MIN`` (an engine's −inf sentinel)."""
+    values = logps.detach().float()
+
+    def non_finite(bad: torch.Tensor) -> str:
+        row, pos, value = _at(values, bad)
         hint = ""
         if value == float("-inf") and is_sampler:
             hint = " (the engine returned -inf for a sampled token: check its top-k/top-p/logprobs mode)"
         elif value != value:
             hint = " (NaN: a missing log-prob, or an overflow upstream)"
-        raise ValueError(
+        return (
             f"{name} is {value} at row {row}, position {pos} (a valid completion token);"
             f" {int(bad.sum())} such value(s) in total{hint}"
         )
+
+    checks: list[Check] = [(~torch.isfinite(values) & mask, non_finite)]
     if is_sampler:
-        over = (values > LOGPROB_MAX) & mask
-        if over.any():
-            row, pos = _first_bad(over)
-            raise ValueError(
-                f"{name} is {values[row, pos].item():.6g} > 0 at row {row}, position {pos}: not a log-probability"
+
+        def positive(bad: torch.Tensor) -> str:
+            row, pos, value = _at(values, bad)
+            return (
+                f"{name} is {value:.6g} > 0 at row {row}, position {pos}: not a log-probability"
                 " (did the engine return a probability, a logit, or a sign-flipped value?)"
             )
+
+        def sentinel(bad: torch.Tensor) -> str:
+            row, pos, value = _at(values, bad)
+            return (
+                f"{name} is {value:.6g} at row {row}, position {pos}: an engine's sentinel for -inf, not a"
+                f" log-prob (values <= {SAMPLER_LOGPROB_MIN:g} cannot be sampled; vLLM writes -9999, other"
+                f" engines finfo.min); {int(bad.sum())} such value(s) in total. Check the engine's"
+                " top-k/top-p/logprobs mode"
+            )
+
+        checks.append(((values > LOGPROB_MAX) & mask, positive))
+        checks.append(((values <= SAMPLER_LOGPROB_MIN) & mask, sentinel))
+    return checks
+
+
+def check_logps(logps: torch.Tensor, mask: torch.Tensor, name: str, *, is_sampler: bool = False) -> None:
+    """Raise the first problem ``logps_checks`` finds (one host sync)."""
+    raise_first(logps_checks(logps, mask, name, is_sampler=is_sampler))
+
+
+def delta_checks(delta: torch.Tensor, mask: torch.Tensor, name: str = "delta") -> list[Check]:
+    """δ handed to the core directly must look like ``token_gap``'s output at valid positions: finite and
+    below ``DELTA_MAX`` (a larger δ means a sampler log-prob at an engine's −inf sentinel)."""
+    values = delta.detach().float()
+
+    def describe(bad: torch.Tensor) -> str:
+        row, pos, value = _at(values, bad)
+        why = (
+            f"δ ≥ {DELTA_MAX:g} means a sampler log-prob ≤ {SAMPLER_LOGPROB_MIN:g}, an engine's -inf sentinel"
+            if value == value and value != float("-inf")
+            else "a NaN/inf log-prob upstream"
+        )
+        return (
+            f"{name} is {value} at row {row}, position {pos} (a valid completion token): {why};"
+            f" {int(bad.sum())} such value(s) in total (token_gap validates the log-probs it is built from)"
+        )
+
+    return [(~(torch.isfinite(values) & (values < DELTA_MAX)) & mask, describe)]
+
+
+def weights_checks(weights: torch.Tensor, mask: torch.Tensor, name: str = "weights") -> list[Check]:
+    """Loss weights must be finite and ≥ 0 at valid positions (a negative weight flips the update)."""
+    values = weights.detach().float()
+
+    def describe(bad: torch.Tensor) -> str:
+        row, pos, value = _at(values, bad)
+        return (
+            f"{name} is {value} at row {row}, position {pos} (a valid completion token): a loss weight must be"
+            f" finite and >= 0; {int(bad.sum())} such value(s) in total"
+        )
+
+    return [(~(torch.isfinite(values) & (values >= 0)) & mask, describe)]
+
+
+def broadcast_advantages(advantages: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Advantages (B,) or (B, T) → fp32 (B, T), raising on a shape that does not fit (no value check)."""
+    adv = advantages.detach().float()
+    if adv.dim() == 1:
+        if adv.shape[0] != shape[0]:
+            raise ValueError(f"advantages has shape {tuple(adv.shape)} but the batch has {shape[0]} rows")
+        return adv[:, None].expand(shape)
+    if tuple(adv.shape) != tuple(shape):
+        raise ValueError(f"advantages has shape {tuple(adv.shape)}; expected ({shape[0]},) or {tuple(shape)}")
+    return adv
+
+
+def advantages_checks(adv: torch.Tensor) -> list[Check]:
+    """Broadcast advantages (B, T) must be finite everywhere."""
+
+    def describe(bad: torch.Tensor) -> str:
+        row, pos, value = _at(adv, bad)
+        return f"advantages is {value} at row {row} (position {pos}): rewards or their std?"
+
+    return [(~torch.isfinite(adv), describe)]
 
 
 def expand_advantages(advantages: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     """Advantages (B,) or (B, T) → fp32 (B, T); raises on NaN/inf or a shape that does not fit."""
-    adv = advantages.float()
-    if adv.dim() == 1:
-        if adv.shape[0] != shape[0]:
-            raise ValueError(f"advantages has shape {tuple(adv.shape)} but the batch has {shape[0]} rows")
-        adv = adv[:, None].expand(shape)
-    elif tuple(adv.shape) != tuple(shape):
-        raise ValueError(f"advantages has shape {tuple(adv.shape)}; expected ({shape[0]},) or {tuple(shape)}")
-    bad = ~torch.isfinite(adv)
-    if bad.any():
-        row, pos = _first_bad(bad)
-        raise ValueError(
-            f"advantages is {adv[row, pos].item()} at row {row} (position {pos}): rewards or their std?"
-        )
+    adv = broadcast_advantages(advantages, shape)
+    raise_first(advantages_checks(adv))
     return adv
 
 
 def token_gap(learner_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """δ = learner_logps − sampler_logps in fp32, (B, T), exactly 0 where ``mask`` is 0.
 
-    Raises ``ValueError`` on a shape mismatch (naming both shapes), on NaN/±inf in either tensor at a valid
-    position (naming row and position), and on a sampler log-prob above 0 (beyond 1e-4).
+    Raises ``ValueError`` on a shape mismatch (naming both shapes), and, naming row and position, on NaN/±inf
+    in either tensor at a valid position, on a sampler log-prob above 0 (beyond ``LOGPROB_MAX`` = 1e-4) and on
+    a sampler log-prob ≤ ``SAMPLER_LOGPROB_MIN`` = −1000 (an engine's −inf sentinel). One host sync.
     Padding positions may hold anything (NaN included): they are ignored.
     """
     check_same_shape(learner_logps, "learner_logps", sampler_logps, "sampler_logps")
     valid = as_mask(mask, learner_logps.shape)
-    check_logps(learner_logps, valid, "learner_logps")
-    check_logps(sampler_logps, valid, "sampler_logps", is_sampler=True)
+    raise_first(
+        logps_checks(learner_logps, valid, "learner_logps")
+        + logps_checks(sampler_logps, valid, "sampler_logps", is_sampler=True)
+    )
     delta = learner_logps.detach().float() - sampler_logps.detach().float()
     return torch.where(valid, delta, torch.zeros((), dtype=delta.dtype, device=delta.device))

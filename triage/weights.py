@@ -22,9 +22,8 @@ import math
 
 import torch
 
-from triage.classes import POLICY_CLASSES, TokenClass, classify_tokens, resolve_tau
+from triage.classes import POLICY_CLASSES, TokenClass, checked_inputs, classes_of, resolve_tau
 from triage.config import TriageConfig
-from triage.mismatch import as_mask, expand_advantages
 
 
 def _policy_weight(policy: str, delta: torch.Tensor, tau: float, config: TriageConfig) -> torch.Tensor:
@@ -76,13 +75,14 @@ def token_weights(
     """(B, T) fp32 detached weights for the configured correction; 0 where ``mask`` is 0.
 
     ``tau`` overrides the config's τ (pass ``AdaptiveTau.value`` when ``config.tau == "auto"``).
-    Sequence-level modes broadcast one weight over the response's tokens.
+    Sequence-level modes broadcast one weight over the response's tokens. δ and the advantages are validated
+    as in ``classify_tokens`` (one host sync).
     """
     config = config or TriageConfig()
-    delta = delta.detach().float()
-    valid = as_mask(mask, delta.shape)
-    adv = expand_advantages(advantages.detach(), delta.shape)
-    delta = torch.where(valid, delta, torch.zeros((), device=delta.device))  # padding never leaks in
+    t = resolve_tau(config, tau)
+    valid, adv = checked_inputs(delta, advantages, mask)
+    # padding never leaks in
+    delta = torch.where(valid, delta.detach().float(), torch.zeros((), device=delta.device))
     mode = config.correction
 
     if mode == "none":
@@ -108,8 +108,7 @@ def token_weights(
         catastrophic = (delta < math.log(config.veto_floor)) & valid
         weights = (~catastrophic.any(-1)).float()[:, None].expand_as(delta)
     elif mode == "triage":
-        t = resolve_tau(config, tau)
-        classes = classify_tokens(delta, adv, valid, config, tau=t)
+        classes = classes_of(delta, adv, valid, t)
         weights = torch.ones_like(delta)  # INERT tokens: no gradient anyway; weight 1 keeps them neutral
         for cls in POLICY_CLASSES:
             policy = getattr(config, cls.label)
@@ -132,11 +131,19 @@ def guarded_sequences(
     config: TriageConfig,
     tau: float | None = None,
 ) -> torch.Tensor:
-    """(B,) bool: responses the TRIAGE sequence guard scaled down (always False for other modes)."""
-    valid = as_mask(mask, delta.shape)
+    """(B,) bool: responses the TRIAGE sequence guard scaled down (always False for other modes). δ and the
+    advantages are validated as in ``classify_tokens``."""
+    t = resolve_tau(config, tau)
+    valid, adv = checked_inputs(delta, advantages, mask)
+    return guarded_of(delta, adv, valid, config, t)
+
+
+def guarded_of(
+    delta: torch.Tensor, adv: torch.Tensor, valid: torch.Tensor, config: TriageConfig, tau: float
+) -> torch.Tensor:
+    """``guarded_sequences`` on inputs already validated (``checked_inputs``) and τ resolved."""
     if config.correction != "triage" or config.guard_kappa is None:
         return torch.zeros(delta.shape[0], dtype=torch.bool, device=delta.device)
-    adv = expand_advantages(advantages.detach(), delta.shape)
     delta = torch.where(valid, delta.detach().float(), torch.zeros((), device=delta.device))
-    classes = classify_tokens(delta, adv, valid, config, tau=tau)
+    classes = classes_of(delta, adv, valid, tau)
     return sequence_guard_scale(delta, adv, classes, valid, config.guard_kappa) < 1.0

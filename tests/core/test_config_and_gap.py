@@ -1,5 +1,6 @@
 """TriageConfig validation and δ = token_gap(...) input checks."""
 
+import dataclasses
 import math
 
 import pytest
@@ -36,11 +37,29 @@ def test_defaults_follow_design():
         ({"tau_ema": 1.0}, "tau_ema"),
         ({"guard_kappa": 0.0}, "guard_kappa"),
         ({"soft_rate": True}, "soft_rate"),
+        # values that would invert a field's meaning
+        ({"is_cap": 0.5}, "is_cap"),  # would cut on-policy tokens (r = 1) to 0.5
+        ({"veto_floor": 1.0}, "veto_floor"),  # would drop every response with a token below the sampler
+        ({"tau_floor": 50.0}, "tau_floor"),  # τ ≥ 50 nats: every token "consistent"
+        ({"tau_init": 2.0}, "tau_init"),
+        ({"tau": 3.0}, "tau"),
+        ({"icepop_low": 1.5, "icepop_high": 5.0}, "icepop_low"),  # band without r = 1
+        ({"seq_mis_low": 0.1, "seq_mis_high": 0.9}, "seq_mis_low"),
     ],
 )
 def test_bad_config_names_the_field(kwargs, fragment):
     with pytest.raises(ValueError, match=fragment):
         TriageConfig(**kwargs)
+
+
+def test_config_is_frozen():
+    c = TriageConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.is_cap = -3.0
+    assert c.is_cap == 2.0
+    assert dataclasses.replace(c, is_cap=3.0).is_cap == 3.0  # the way to change a field: validated again
+    with pytest.raises(ValueError, match="is_cap"):
+        dataclasses.replace(c, is_cap=-3.0)
 
 
 def test_tau_strings():
@@ -95,3 +114,23 @@ def test_gap_rejects_positive_sampler_logprob_but_allows_rounding():
     sampler[1, 1] = 0.3
     with pytest.raises(ValueError, match="row 1, position 1.*not a log-probability"):
         token_gap(-torch.ones(2, 2), sampler, torch.ones(2, 2))
+
+
+@pytest.mark.parametrize("sentinel", [-9999.0, torch.finfo(torch.float32).min, -1e3])
+def test_gap_rejects_engine_sentinels_for_minus_inf(sentinel):
+    """vLLM writes -9999 for -inf, other engines finfo.min: δ would be 1e4..3e38 and take the IS cap."""
+    sampler = -torch.ones(3, 4)
+    sampler[2, 1] = sentinel
+    sampler[0, 3] = sentinel  # padding: ignored
+    mask = torch.ones(3, 4)
+    mask[0, 3] = 0
+    with pytest.raises(ValueError, match=r"sampler_logps is .* at row 2, position 1: an engine's sentinel"):
+        token_gap(-torch.ones(3, 4), sampler, mask)
+    sampler[2, 1] = -999.0  # just above the threshold: a (very unlikely) real log-prob
+    assert token_gap(-torch.ones(3, 4), sampler, mask)[2, 1] == pytest.approx(998.0)
+
+
+def test_gap_sentinel_rule_is_for_the_sampler_only():
+    learner = -torch.ones(1, 2)
+    learner[0, 1] = -5000.0  # a learner that disagrees catastrophically is data (δ = -4999), not a sentinel
+    assert token_gap(learner, -torch.ones(1, 2), torch.ones(1, 2))[0, 1] == -4999.0

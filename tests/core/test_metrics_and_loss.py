@@ -10,6 +10,7 @@ from triage import (
     AdaptiveTau,
     TokenClass,
     TriageConfig,
+    classify_tokens,
     delta_quantiles,
     metrics_from_sums,
     mismatch_metrics,
@@ -156,6 +157,105 @@ def test_loss_rejects_bad_input():
         policy_loss(
             torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1), torch.ones(1, 2), loss_type="dr_grpo"
         )
+
+
+@pytest.mark.parametrize(
+    "weight, fragment",
+    [
+        (float("nan"), "weights is nan at row 1, position 0"),
+        (-0.5, "weights is -0.5 at row 1, position 0"),
+        (float("inf"), "weights is inf at row 1, position 0"),
+    ],
+)
+def test_loss_rejects_nan_negative_or_infinite_weights(weight, fragment):
+    logps, adv, mask = -torch.ones(2, 3), torch.tensor([1.0, -1.0]), torch.ones(2, 3)
+    mask[0, 2] = 0
+    weights = torch.ones(2, 3)
+    weights[0, 2] = float("nan")  # padding may hold anything
+    good = policy_loss(logps, logps, adv, mask, weights)
+    assert torch.isfinite(good)
+    weights[1, 0] = weight
+    with pytest.raises(ValueError, match=fragment):
+        policy_loss(logps, logps, adv, mask, weights)
+
+
+@pytest.mark.parametrize("length", [0, -4, 2.5, True])
+def test_loss_rejects_a_max_completion_length_below_one(length):
+    with pytest.raises(ValueError, match="max_completion_length"):
+        policy_loss(
+            torch.zeros(1, 2),
+            torch.zeros(1, 2),
+            torch.ones(1),
+            torch.ones(1, 2),
+            loss_type="dr_grpo",
+            max_completion_length=length,
+        )
+    one = policy_loss(
+        torch.zeros(1, 2),
+        torch.zeros(1, 2),
+        torch.ones(1),
+        torch.ones(1, 2),
+        loss_type="dr_grpo",
+        max_completion_length=np.int64(4),
+    )
+    assert one.item() == -0.5  # a numpy integer is an integer
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), 9998.0, 3e38])
+@pytest.mark.parametrize("api", ["classify_tokens", "token_weights", "mismatch_metrics", "adaptive"])
+def test_delta_handed_directly_is_validated_like_token_gaps_output(api, bad):
+    """δ = 9998 is what a −9999 sentinel makes of a sampler log-prob: refused as token_gap would."""
+    delta, adv, mask = torch.zeros(2, 3), torch.tensor([1.0, -1.0]), torch.ones(2, 3)
+    mask[0, 2] = 0
+    delta[0, 2] = float("nan")  # padding may hold anything
+    calls = {
+        "classify_tokens": lambda d: classify_tokens(d, adv, mask),
+        "token_weights": lambda d: token_weights(d, adv, mask),
+        "mismatch_metrics": lambda d: mismatch_metrics(d, adv, mask, torch.ones(2, 3)),
+        "adaptive": lambda d: AdaptiveTau(TriageConfig(tau="auto")).update(d, mask),
+    }
+    calls[api](delta)
+    delta[1, 2] = bad
+    with pytest.raises(ValueError, match="delta is .* at row 1, position 2"):
+        calls[api](delta)
+
+
+def test_metrics_reject_bad_weights():
+    delta, adv, mask = torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2)
+    with pytest.raises(ValueError, match="weights is nan at row 0, position 1"):
+        mismatch_metrics(delta, adv, mask, torch.tensor([[1.0, float("nan")]]))
+
+
+def test_an_infinite_tau_is_refused():
+    with pytest.raises(ValueError, match="tau"):
+        token_weights(torch.zeros(1, 1), torch.ones(1), torch.ones(1, 1), tau=float("inf"))
+
+
+@pytest.mark.parametrize(
+    "state, fragment",
+    [
+        ({"scale": float("nan"), "steps": 3}, "'scale'=nan"),
+        ({"scale": float("inf"), "steps": 3}, "'scale'=inf"),
+        ({"scale": -0.1, "steps": 3}, "'scale'=-0.1"),
+        ({"scale": 0.02, "steps": -1}, "'steps'=-1"),
+        ({"scale": 0.02, "steps": 2.5}, "'steps'=2.5"),
+        ({"scale": 0.02}, "no \\['steps'\\]"),
+    ],
+)
+def test_adaptive_tau_refuses_a_corrupt_state(state, fragment):
+    tracker = AdaptiveTau(TriageConfig(tau="auto"))
+    before = tracker.state_dict()
+    with pytest.raises(ValueError, match=fragment):
+        tracker.load_state_dict(state)
+    assert tracker.state_dict() == before
+
+
+@pytest.mark.parametrize("median", [float("nan"), float("inf"), -1.0])
+def test_adaptive_tau_refuses_a_non_finite_median(median):
+    tracker = AdaptiveTau(TriageConfig(tau="auto"))
+    with pytest.raises(ValueError, match="median"):
+        tracker.update_from_median(median)
+    assert tracker.steps == 0
 
 
 def test_adaptive_tau_tracks_median_and_round_trips():

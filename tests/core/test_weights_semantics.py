@@ -99,7 +99,7 @@ def test_correct_up_never_weighs_less_than_amplify_down_at_equal_gap(mag, a):
     assert one(-mag, a, cfg) >= one(-mag, -a, cfg)
 
 
-@given(d=deltas, a=nonzero_adv, cap=st.floats(0.5, 10.0))
+@given(d=deltas, a=nonzero_adv, cap=st.floats(1.0, 10.0))
 def test_is_and_mask_policies(d, a, cap):
     cfg = no_guard(
         consistent="is",

@@ -106,3 +106,75 @@ def test_group_with_equal_rewards_is_inert(tiny_model_dir, tmp_path):
     assert all(p.grad is None or torch.all(p.grad == 0) for p in trainer.model.parameters())
     assert trainer._metrics["train"]["triage/inert/share"][-1] == 1.0
     assert trainer._metrics["train"]["triage/suppressed_frac"][-1] == 0.0
+
+
+def _rewarding(values):
+    """A reward function returning ``values`` (by sample index) and ``-1.0``/``1.0`` elsewhere."""
+
+    def scripted_reward(completions, **kwargs):
+        return [values.get(i, float(i % 2)) for i in range(len(completions))]
+
+    return scripted_reward
+
+
+@pytest.mark.parametrize(
+    "value, pattern",
+    [
+        (float("nan"), r"reward function 'scripted_reward' returned nan for sample 1 \(prompt 'What is 0"),
+        (math.inf, r"reward function 'scripted_reward' returned inf for sample 1"),
+        (-math.inf, r"reward function 'scripted_reward' returned -inf for sample 1"),
+        (1e39, r"returned inf for sample 1"),  # a Python float beyond fp32: inf in TRL's tensor
+        (3e19, r"returned 3.* for sample 1"),  # finite, but its group std overflows fp32
+    ],
+)
+def test_a_reward_that_would_zero_its_groups_advantages_is_refused(trainer, value, pattern):
+    trainer.rollout_func = trainer._validated(PerturbedRollout())
+    funcs = trainer.reward_funcs
+    trainer.reward_funcs = [_rewarding({1: value})]
+    trainer.reward_func_names = ["scripted_reward"]
+    try:
+        with pytest.raises(ValueError, match=pattern):
+            trainer._generate_and_score_completions(_rows(trainer))
+    finally:
+        trainer.reward_funcs, trainer.reward_func_names = funcs, ["length_reward"]
+
+
+def test_none_reward_keeps_trls_missing_semantics(trainer):
+    """None = the function does not score that sample (TRL's rule): no error, the sample gets advantage 0 and
+    the rest of its group keeps its advantages."""
+    trainer.rollout_func = trainer._validated(PerturbedRollout())
+    funcs = trainer.reward_funcs
+    trainer.reward_funcs = [_rewarding({1: None, 2: 5.0})]
+    try:
+        inputs = trainer._generate_and_score_completions(_rows(trainer))
+    finally:
+        trainer.reward_funcs = funcs
+    adv = inputs["advantages"].tolist()
+    assert adv[1] == 0.0 and adv[0] == 0.0  # group 0: one scored sample left, nothing to compare against
+    assert adv[2] > 0 > adv[3]  # group 1 untouched
+
+
+def test_weighted_reward_sum_beyond_the_limit_is_refused(tiny_model_dir, tmp_path):
+    """Each reward is within REWARD_MAX, their weighted sum is not: TRL's group std would overflow."""
+
+    def big(completions, **kwargs):
+        return [9e17 * (i % 2) for i in range(len(completions))]
+
+    trainer = make_trainer(tiny_model_dir, tmp_path, reward=[big, big])
+    trainer.model.train()
+    with pytest.raises(
+        ValueError, match=r"weighted sum of the rewards of sample 1 .* is 1\.8e\+18 \(big=9e\+17"
+    ):
+        trainer._generate_and_score_completions(_rows(trainer))
+
+
+def test_check_rewards_refuses_nan_from_a_reward_model():
+    """A reward model (an nn.Module) never returns None, so a NaN in its column is always an error."""
+    from triage.trainers.grpo_trainer import check_rewards
+
+    rewards = torch.tensor([[0.5, float("nan")], [0.1, 0.2]])
+    no_nan = torch.zeros(2, 2, dtype=torch.bool)
+    args = (rewards, no_nan, ["fn", "rm"], torch.ones(2))
+    check_rewards(*args, [True, True], lambda r: f"sample {r}")  # NaN in a function's column: None
+    with pytest.raises(ValueError, match="reward function 'rm' returned nan for sample 0"):
+        check_rewards(*args, [True, False], lambda r: f"sample {r}")

@@ -1,14 +1,15 @@
-"""Checkpoint save + resume reproduces the uninterrupted run, adaptive τ included."""
+"""Checkpoint save + resume reproduces the uninterrupted run, adaptive τ and generation windows included."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 from trainer_testkit import make_trainer
 
-from triage.trainers.grpo_trainer import SAMPLER_STATE_FILE, TRIAGE_STATE_FILE
+from triage.trainers.grpo_trainer import GENERATION_STATE_FILE, SAMPLER_STATE_FILE, TRIAGE_STATE_FILE
 
 
 def _losses(trainer):
@@ -76,3 +77,58 @@ def test_resume_restores_the_builtin_samplers_random_stream(tiny_model_dir, tmp_
         assert resumed[step] == full[step], (
             f"step {step}: resumed {resumed[step]} vs uninterrupted {full[step]}"
         )
+
+
+WINDOW = dict(tau="auto", max_steps=4, save_strategy="steps", save_steps=1)
+
+
+@pytest.fixture(scope="module", params=[{"steps_per_generation": 2}, {"num_iterations": 2}], ids=str)
+def windowed_run(request, tiny_model_dir, tmp_path_factory):
+    """An uninterrupted run that generates every 2 optimizer steps; checkpoints 1 and 3 lie inside a window."""
+    out = tmp_path_factory.mktemp("window")
+    trainer = make_trainer(tiny_model_dir, out / "full", **WINDOW, **request.param)
+    trainer.train()
+    return request.param, out / "full", _losses(trainer)
+
+
+def test_resume_inside_a_generation_window_reproduces_the_uninterrupted_run(
+    windowed_run, tiny_model_dir, tmp_path
+):
+    knobs, run_dir, want = windowed_run
+    checkpoint = run_dir / "checkpoint-1"
+    assert (checkpoint / GENERATION_STATE_FILE.format(rank=0)).exists()
+    assert not (run_dir / "checkpoint-2" / GENERATION_STATE_FILE.format(rank=0)).exists()  # a boundary
+    resumed = make_trainer(tiny_model_dir, tmp_path, **WINDOW, **knobs)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    got = _losses(resumed)
+    for step in (2, 3, 4):
+        assert got[step] == want[step], f"step {step}: resumed {got[step]} vs uninterrupted {want[step]}"
+
+
+def test_a_checkpoint_inside_a_window_without_its_buffer_is_refused(windowed_run, tiny_model_dir, tmp_path):
+    knobs, run_dir, _ = windowed_run
+    checkpoint = tmp_path / "checkpoint-1"
+    shutil.copytree(run_dir / "checkpoint-1", checkpoint)
+    os.remove(checkpoint / GENERATION_STATE_FILE.format(rank=0))
+    again = make_trainer(tiny_model_dir, tmp_path / "b", **WINDOW, **knobs)
+    with pytest.raises(ValueError, match="inside a generation window .* would regenerate mid-window"):
+        again.train(resume_from_checkpoint=str(checkpoint))
+
+
+def test_resuming_with_another_triage_config_warns(windowed_run, tiny_model_dir, tmp_path):
+    knobs, run_dir, _ = windowed_run
+    again = make_trainer(tiny_model_dir, tmp_path, **{**WINDOW, "max_steps": 3}, **knobs, is_cap=3.0)
+    with pytest.warns(UserWarning, match="is_cap: 2.0 → 3.0"):
+        again.train(resume_from_checkpoint=str(run_dir / "checkpoint-2"))
+
+
+def test_a_corrupt_adaptive_tau_state_is_refused(windowed_run, tiny_model_dir, tmp_path):
+    knobs, run_dir, _ = windowed_run
+    checkpoint = tmp_path / "checkpoint-2"
+    shutil.copytree(run_dir / "checkpoint-2", checkpoint)
+    state = json.loads((checkpoint / TRIAGE_STATE_FILE).read_text())
+    state["adaptive_tau"]["scale"] = float("nan")  # json writes NaN
+    (checkpoint / TRIAGE_STATE_FILE).write_text(json.dumps(state))
+    again = make_trainer(tiny_model_dir, tmp_path / "b", **WINDOW, **knobs)
+    with pytest.raises(ValueError, match=r"triage_state.json: AdaptiveTau state 'scale'=nan"):
+        again.train(resume_from_checkpoint=str(checkpoint))
