@@ -36,6 +36,7 @@ __all__ = [
     "RECIPE_SECTIONS",
     "LAUNCH_KEYS",
     "ACCELERATE_DIR",
+    "CPU_LAYER",
     "load_yaml",
     "merge",
     "parse_overrides",
@@ -50,6 +51,7 @@ __all__ = [
 
 RECIPE_DIR = Path(__file__).resolve().parent
 ACCELERATE_DIR = RECIPE_DIR.parent / "accelerate"
+CPU_LAYER = RECIPE_DIR / "cpu.yaml"  # the CPU overrides (load_recipe(..., cpu=True), `triage train --cpu`)
 ARMS = ("grpo-none", "tis", "icepop", "opsm", "triage", "triage-mask")
 # Not run by default: the follow-ups of the first local ablation (docs/results.md §3); `--arms` selects them.
 FOLLOW_UP_ARMS = ("triage-keep-down", "triage-no-is", "triage-no-guard", "triage-no-floor")
@@ -157,10 +159,13 @@ def load_recipe(
     overrides: Mapping[str, Any] | Iterable[str] | None = None,
     *,
     validate: bool = True,
+    cpu: bool = False,
 ) -> dict[str, Any]:
     """The flat recipe for ``"PRESET/ARM"`` or a YAML file, with ``overrides`` applied last.
 
-    Validated with :func:`validate_recipe` unless ``validate=False``. Unknown keys are errors.
+    ``cpu=True`` layers :data:`CPU_LAYER` between the recipe and ``overrides``: the tiny model built locally,
+    CPU and fp32, 8 steps, a small eval (a laptop smoke run of the ``tiny`` preset). Validated with
+    :func:`validate_recipe` unless ``validate=False``. Unknown keys are errors.
     """
     text = os.fspath(path_or_name)
     path = Path(text)
@@ -176,7 +181,10 @@ def load_recipe(
             f"{text!r} is neither a recipe file nor PRESET/ARM (presets: {', '.join(PRESETS)}; "
             f"arms: {', '.join(ALL_ARMS)})"
         )
-    recipe = merge(_compose(layer), parse_overrides(overrides))
+    recipe = _compose(layer)
+    if cpu:
+        recipe = merge(recipe, load_yaml(CPU_LAYER))
+    recipe = merge(recipe, parse_overrides(overrides))
     if validate:
         validate_recipe(recipe)
     return recipe
