@@ -49,6 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="layer experiments/recipes/cpu.yaml over the recipe: a laptop smoke run of the tiny preset "
         "(the tiny model built locally, CPU, fp32, 8 steps, a small eval)",
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: 1 with --cpu, torch's otherwise)",
+    )
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides (YAML values)")
 
 
@@ -115,6 +121,11 @@ def run(args: argparse.Namespace) -> int:
     from triage.trainers.report import format_summary, write_report
 
     recipe = load_recipe(args.config, args.overrides, cpu=args.cpu)
+    threads = args.threads if args.threads is not None else (1 if args.cpu else None)
+    if threads is not None:  # the tiny model's ops are too small to gain from threads; they only contend
+        import torch
+
+        torch.set_num_threads(threads)
     output_dir = Path(
         args.output_dir or recipe.get("output_dir") or Path("runs") / Path(str(args.config)).stem
     )

@@ -22,7 +22,9 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KEY=VALUE",
         help="override a field (dotted keys reach into mappings; VALUE is YAML)",
     )
-    parser.add_argument("--cpu", action="store_true", help="layer the CPU overrides (cpu.yaml) over the recipe")
+    parser.add_argument(
+        "--cpu", action="store_true", help="layer the CPU overrides (cpu.yaml) over the recipe"
+    )
     parser.add_argument("-o", "--output", type=Path, help="write the recipe here instead of stdout")
     parser.add_argument("--list", action="store_true", help="list the shipped PRESET/ARM names")
     args = parser.parse_args(argv)
