@@ -12,9 +12,9 @@ TRL's fields plus the TRIAGE fields) — plus a few sections (``triage.experimen
     learning_rate: 1.0e-6                                       # ... and any GRPOConfig field
     sampler: hf                                                 # or use_vllm: true, ...
 
-``load_recipe`` layers ``base.yaml`` ← ``preset:`` ← ``arm:`` ← the file ← ``KEY=VALUE`` overrides given after
-the options (``triage train --config r.yaml max_steps=5 dataset.n=64``), validates every key, and the
-trainer runs under ``accelerate launch``::
+``load_recipe`` layers ``base.yaml`` ← ``preset:`` ← ``arm:`` ← the file ← (``--cpu``: ``recipes/cpu.yaml``) ←
+``KEY=VALUE`` overrides given after the options (``triage train --config r.yaml max_steps=5 dataset.n=64``),
+validates every key, and the trainer runs under ``accelerate launch``::
 
     accelerate launch --config_file experiments/accelerate/ddp.yaml -m triage train --config recipe.yaml
 
@@ -43,7 +43,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a checkpoint folder, or 'latest' for the newest checkpoint in output_dir",
     )
     parser.add_argument("--no-report", action="store_true", help="skip report.json and the plots")
+    parser.add_argument(
+        "--cpu",
+        action="store_true",
+        help="layer experiments/recipes/cpu.yaml over the recipe: a laptop smoke run of the tiny preset "
+        "(the tiny model built locally, CPU, fp32, 8 steps, a small eval)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: 1 with --cpu, torch's otherwise)",
+    )
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides (YAML values)")
+
+
+def _check_model_path(name: str) -> None:
+    """A ``model_name_or_path`` that cannot be a hub model id (``huggingface_hub``'s rule: ``./runs/x``,
+    ``a/b/c``, an absolute path) names a local folder: a missing one is a ``FileNotFoundError`` naming it,
+    instead of a hub lookup error."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if name == TINY_MODEL or Path(name).exists():
+        return
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        raise FileNotFoundError(
+            f"model_name_or_path {name!r}: no such folder (and not a hub model id). The tiny preset expects the "
+            "SFT checkpoint of `triage ablate --preset local --output runs/ablate`; for a laptop smoke run with "
+            "a locally built tiny model, add --cpu"
+        ) from None
 
 
 def _model_path(name: str, output_dir: Path) -> str:
@@ -70,6 +101,7 @@ def build_trainer(recipe: dict, output_dir: str | os.PathLike):
 
     _, sections = split_recipe(recipe)
     output_dir = Path(output_dir)
+    _check_model_path(sections["model_name_or_path"])  # first: on a laptop this error says --cpu
     args = build_config(recipe, output_dir=str(output_dir))
     train_dataset = load_from_spec(sections["dataset"])
     eval_dataset = load_from_spec(sections["eval_dataset"]) if sections.get("eval_dataset") else None
@@ -88,7 +120,12 @@ def run(args: argparse.Namespace) -> int:
     from triage.experiments.recipes import dump_recipe, load_recipe
     from triage.trainers.report import format_summary, write_report
 
-    recipe = load_recipe(args.config, args.overrides)
+    recipe = load_recipe(args.config, args.overrides, cpu=args.cpu)
+    threads = args.threads if args.threads is not None else (1 if args.cpu else None)
+    if threads is not None:  # the tiny model's ops are too small to gain from threads; they only contend
+        import torch
+
+        torch.set_num_threads(threads)
     output_dir = Path(
         args.output_dir or recipe.get("output_dir") or Path("runs") / Path(str(args.config)).stem
     )

@@ -4,6 +4,12 @@ Every ``TriageConfig`` field (``correction``, ``tau``, the per-class policies, .
 same name and the same default, so a recipe YAML, ``TrlParser`` and the command line set them like any other
 ``GRPOConfig`` field. ``config.triage_config()`` returns the validated ``TriageConfig``.
 
+Drop-in default: TRIAGE needs the sampler's per-token log-probs, which TRL's plain transformers generation does
+not return. So with ``use_vllm=False``, no ``sampler`` and a correction other than ``"none"``, ``sampler``
+resolves to ``"hf"`` (the built-in HF sampler on the learner's own weights), and ``GRPOConfig(...)`` →
+``TriageGRPOConfig(...)`` with the same arguments trains. ``sampler_kwargs`` and ``quant_recipe`` are checked
+here, at construction, with the same "did you mean" errors as the recipes.
+
 Two of TRL's own switches overlap with TRIAGE, and the rule is (docs/trainer.md, "TRL's own corrections"):
 
 * ``vllm_importance_sampling_correction`` (TRL's truncated/masked IS against vLLM log-probs; ``True`` by
@@ -18,7 +24,10 @@ Two of TRL's own switches overlap with TRIAGE, and the rule is (docs/trainer.md,
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import json
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +38,9 @@ from triage.config import SEQ_MIS_LEVELS
 
 LEARNER_PRECISIONS = ("bf16", "nvfp4")
 SAMPLER_KINDS = ("hf", "sglang", "vllm-server", "offline")
+# sampler_kwargs the HF sampler alone takes: precision / quant_recipe on top of HFSampler's own arguments
+# (grpo_trainer.resolve_sampler_kwargs turns them into a sampler copy), kv_cache_dtype (an HFSampler argument)
+SAMPLER_NUMERICS_KEYS = ("precision", "quant_recipe", "kv_cache_dtype")
 
 _D = TriageConfig()  # the single source of the TRIAGE defaults
 
@@ -38,6 +50,96 @@ def _help(text: str, choices: tuple[str, ...] | None = None) -> dict[str, Any]:
     if choices is not None:
         meta["choices"] = list(choices)
     return meta
+
+
+def did_you_mean(key: str, known: Iterable[str]) -> str:
+    """``" (did you mean 'x'?)"`` for the closest of ``known`` (difflib), or ``""``."""
+    close = difflib.get_close_matches(key, list(known), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _first_unknown(value: Mapping, known: Iterable[str]) -> str | None:
+    """``"'key' (did you mean 'x'?)"`` for the first key of ``value`` not in ``known``; ``None`` if all are."""
+    known = list(known)
+    unknown = [k for k in value if k not in known]
+    return f"{unknown[0]!r}{did_you_mean(str(unknown[0]), known)}" if unknown else None
+
+
+def resolve_sampler(sampler: str | None, use_vllm: bool, correction: str) -> str | None:
+    """The sampler source a config uses: ``sampler`` when set; otherwise ``"hf"`` (the built-in HF sampler, on
+    the learner's own weights) when TRL's own generation could not give the sampler log-probs the correction
+    needs (``use_vllm`` off, ``correction != "none"``); otherwise ``None`` (TRL's own generation: vLLM, or
+    plain transformers generation for ``correction="none"``, exactly ``GRPOTrainer``)."""
+    if sampler is None and not use_vllm and correction != "none":
+        return "hf"
+    return sampler
+
+
+def check_quant_recipe(value: Any, where: str) -> None:
+    """``value`` (a mapping of ``QuantRecipe`` fields, or a ``QuantRecipe``) builds a ``QuantRecipe``; else a
+    ``ValueError`` naming ``where`` and the bad field (with a close-match hint for a typo)."""
+    from triage.kernels.nvfp4.recipe import QuantRecipe
+
+    if isinstance(value, QuantRecipe):
+        return
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{where} must be a mapping of QuantRecipe fields, got {value!r}")
+    names = sorted(inspect.signature(QuantRecipe).parameters)
+    bad = _first_unknown(value, names)
+    if bad:
+        raise ValueError(f"{where}: unknown QuantRecipe field {bad}; fields: {names}")
+    try:
+        QuantRecipe(**value)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{where}: {err}") from None
+
+
+def check_sampler_kwargs(kind: str | None, kwargs: Mapping | None, where: str = "sampler_kwargs") -> None:
+    """``kwargs`` suit ``make_sampler(kind, **kwargs)``: every key is an argument of the sampler class (plus
+    :data:`SAMPLER_NUMERICS_KEYS` for ``"hf"``; a typo gets a close-match hint), the class's required
+    arguments are there, and the HF numerics keys have valid values. ``ValueError`` naming the key otherwise.
+    An engine's numerics are set on its server: the numerics keys are refused for every other sampler."""
+    kwargs = kwargs or {}
+    if kind is None:
+        if kwargs:
+            raise ValueError(
+                f"{where} is set but sampler is None (TRL's own generation takes no sampler_kwargs)"
+            )
+        return
+    if kind not in SAMPLER_KINDS:
+        raise ValueError(f"sampler={kind!r}: expected None or one of {SAMPLER_KINDS}")
+    from .sampling.factory import _registry
+    from .sampling.hf import KV_CACHE_DTYPES
+
+    if kind != "hf":
+        numerics = [k for k in SAMPLER_NUMERICS_KEYS if k in kwargs]
+        if numerics:
+            raise ValueError(
+                f"{where}.{numerics[0]} applies to sampler 'hf' only, got sampler {kind!r} (an engine's "
+                "numerics are set on its server, e.g. launch.vllm_serve)"
+            )
+    params = {
+        name: p
+        for name, p in inspect.signature(_registry()[kind]).parameters.items()
+        if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    }
+    names = sorted({*params, *(SAMPLER_NUMERICS_KEYS if kind == "hf" else ())})
+    bad = _first_unknown(kwargs, names)
+    if bad:
+        raise ValueError(f"{where}: unknown key for sampler {kind!r}: {bad}; keys: {names}")
+    missing = [name for name, p in params.items() if p.default is p.empty and name not in kwargs]
+    if missing:
+        raise ValueError(f"{where}: sampler {kind!r} needs the key {missing[0]!r}")
+    if kwargs.get("precision") not in (None, "bf16", "nvfp4"):
+        raise ValueError(f"{where}.precision must be 'bf16' or 'nvfp4', got {kwargs['precision']!r}")
+    if "quant_recipe" in kwargs:
+        if kwargs.get("precision") != "nvfp4":
+            raise ValueError(f"{where}.quant_recipe needs {where}.precision: nvfp4")
+        check_quant_recipe(kwargs["quant_recipe"], f"{where}.quant_recipe")
+    if kwargs.get("kv_cache_dtype") not in (None, *KV_CACHE_DTYPES):  # what the HF sampler emulates
+        raise ValueError(
+            f"{where}.kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kwargs['kv_cache_dtype']!r}"
+        )
 
 
 @dataclass
@@ -54,10 +156,13 @@ class TriageGRPOConfig(GRPOConfig):
             ``triage.kernels.convert_to_nvfp4`` and ``quant_recipe``).
         quant_recipe: the learner's ``QuantRecipe`` fields as a mapping (JSON string on the CLI); ``None``: the
             Transformer Engine defaults of ``NVFP4LinearConfig``. ``"nvfp4"`` only.
-        sampler: where completions and sampler log-probs come from when no ``rollout_func`` is passed —
-            ``None`` (TRL's own generation: ``use_vllm`` or transformers), or a ``triage.trainers.sampling``
-            source: ``"hf"``, ``"sglang"``, ``"vllm-server"``, ``"offline"``.
-        sampler_kwargs: keyword arguments for ``make_sampler(sampler, **sampler_kwargs)`` (dict or JSON).
+        sampler: where completions and sampler log-probs come from when no ``rollout_func`` is passed — a
+            ``triage.trainers.sampling`` source: ``"hf"``, ``"sglang"``, ``"vllm-server"``, ``"offline"``; or
+            ``None``, resolved at construction by :func:`resolve_sampler`: ``"hf"`` (the built-in sampler on
+            the learner's own weights) with ``use_vllm=False`` and a correction, TRL's own generation with
+            ``use_vllm=True`` or ``correction="none"``.
+        sampler_kwargs: keyword arguments for ``make_sampler(sampler, **sampler_kwargs)`` (dict or JSON),
+            checked against the sampler class's signature at construction (:func:`check_sampler_kwargs`).
         log_mismatch_metrics: log the ``triage/...`` metrics whenever sampler log-probs exist (also with
             ``correction="none"``, where they do not change the loss). Off: no δ is computed at all.
     """
@@ -130,7 +235,10 @@ class TriageGRPOConfig(GRPOConfig):
     )
     sampler: str | None = field(
         default=None,
-        metadata=_help("sampler source when no rollout_func is given (None: TRL's own generation)"),
+        metadata=_help(
+            "sampler source when no rollout_func is given (None: 'hf' with use_vllm off and a correction, "
+            "else TRL's own generation)"
+        ),
     )
     sampler_kwargs: dict | str | None = field(
         default=None, metadata=_help("keyword arguments of make_sampler (dict, or a JSON string on the CLI)")
@@ -205,10 +313,9 @@ class TriageGRPOConfig(GRPOConfig):
             raise ValueError(f"TriageGRPOConfig.aqn must be a mapping of AQNConfig fields, got {self.aqn!r}")
         if self.learner_precision == "bf16" and self.quant_recipe is not None:
             raise ValueError("quant_recipe is only used with learner_precision='nvfp4'")
-        if self.sampler is not None and self.sampler not in SAMPLER_KINDS:
-            raise ValueError(
-                f"TriageGRPOConfig.sampler={self.sampler!r}: expected None or one of {SAMPLER_KINDS}"
-            )
+        if self.quant_recipe is not None:
+            check_quant_recipe(self.quant_recipe, "TriageGRPOConfig.quant_recipe")
+        self.sampler = resolve_sampler(self.sampler, self.use_vllm, self.correction)
         if isinstance(self.sampler_kwargs, str):
             try:
                 self.sampler_kwargs = json.loads(self.sampler_kwargs)
@@ -218,8 +325,7 @@ class TriageGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"TriageGRPOConfig.sampler_kwargs must be a mapping, got {self.sampler_kwargs!r}"
             )
-        if self.sampler_kwargs and self.sampler is None:
-            raise ValueError("sampler_kwargs is set but sampler is None")
+        check_sampler_kwargs(self.sampler, self.sampler_kwargs, "TriageGRPOConfig.sampler_kwargs")
         super().__post_init__()
 
     def triage_config(self) -> TriageConfig:

@@ -211,6 +211,25 @@ def _quant_recipe(value):
     return QuantRecipe(**value)
 
 
+def _check_prompt_column(**datasets) -> None:
+    """Every given dataset (``eval_dataset`` may be a dict of them) has the ``"prompt"`` column GRPO samples
+    from: a clear error at construction instead of a ``KeyError`` at the first step. A dataset whose columns
+    are unknown until iterated (an ``IterableDataset`` without features) is not checked."""
+    named = []
+    for name, dataset in datasets.items():
+        if isinstance(dataset, dict):
+            named += [(f"{name}[{key!r}]", d) for key, d in dataset.items()]
+        elif dataset is not None:
+            named.append((name, dataset))
+    for name, dataset in named:
+        columns = getattr(dataset, "column_names", None)
+        if columns is not None and "prompt" not in columns:
+            raise ValueError(
+                f"{name} has no 'prompt' column (columns: {list(columns)}): GRPO samples its completions from "
+                "it; rename yours, e.g. dataset.rename_column('question', 'prompt')"
+            )
+
+
 class TriageGRPOTrainer(GRPOTrainer):
     """``GRPOTrainer`` + TRIAGE (module docstring). Same constructor; ``args`` is a ``TriageGRPOConfig``."""
 
@@ -225,6 +244,9 @@ class TriageGRPOTrainer(GRPOTrainer):
             )
         if posargs:
             raise TypeError("pass TriageGRPOTrainer's arguments after `args` by keyword")
+        _check_prompt_column(
+            train_dataset=kwargs.get("train_dataset"), eval_dataset=kwargs.get("eval_dataset")
+        )
         self.triage_config = args.triage_config()
         self.adaptive_tau = AdaptiveTau(self.triage_config)
 

@@ -4,6 +4,12 @@ Each subcommand lives in its own module that exposes ``add_arguments(parser)`` a
 Modules are imported only when their subcommand is chosen, so ``triage --help`` and ``triage explain``
 never import TRL or Triton (the core layer stays torch-only; the CLI is the one place that dispatches
 upwards, and it does so lazily by module name).
+
+Errors: a user error — :data:`USER_ERRORS`, what the library raises for a bad config, recipe, file, path or
+input (``ValueError``, ``OSError`` such as ``FileNotFoundError``, ``KeyError``) — prints one line
+``triage: error: <message>`` on stderr and exits 2, like argparse's own usage errors. ``--debug`` (before or
+after the command) re-raises it with its traceback. Anything else is a bug, not bad input: it is never
+caught and shows its traceback (exit 1).
 """
 
 from __future__ import annotations
@@ -13,6 +19,10 @@ import importlib
 import sys
 
 from triage._version import __version__
+
+#: exceptions the CLI reports as one line (exit 2): bad input, not bugs (module docstring)
+USER_ERRORS = (ValueError, OSError, KeyError)
+DEBUG_FLAG = "--debug"
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -32,16 +42,35 @@ def _top_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="triage",
         description="triage-rl: mismatch-aware low-precision RL for LLMs.",
-        epilog=f"commands:\n{lines}\n\nRun `triage COMMAND --help` for a command's options.",
+        epilog=(
+            f"commands:\n{lines}\n\nRun `triage COMMAND --help` for a command's options. A bad config, recipe, "
+            "file or input prints one line, `triage: error: ...` (exit 2); --debug shows its traceback."
+        ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"triage-rl {__version__}")
+    parser.add_argument(DEBUG_FLAG, action="store_true", help=_DEBUG_HELP)
     parser.add_argument("command", nargs="?", choices=sorted(COMMANDS), help=argparse.SUPPRESS)
     return parser
 
 
+_DEBUG_HELP = "show the traceback of an error instead of the one-line 'triage: error: ...'"
+
+
+def _message(err: BaseException) -> str:
+    """The error's text. A ``KeyError`` that carries a sentence gives it without the quotes ``str(KeyError)``
+    adds; a bare missing key keeps its type (``KeyError: 'x'``), which says more than ``'x'``."""
+    if isinstance(err, KeyError):
+        text = err.args[0] if len(err.args) == 1 else None
+        return text if isinstance(text, str) and " " in text else f"KeyError: {err}"
+    return str(err) or type(err).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = False
+    while argv and argv[0] == DEBUG_FLAG:  # `triage --debug COMMAND ...`
+        debug, argv = True, argv[1:]
     top = _top_parser()
     if not argv or argv[0] not in COMMANDS:
         top.parse_args(argv[:1])  # handles --version / --help / unknown command
@@ -57,9 +86,16 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         raise
     parser = argparse.ArgumentParser(prog=f"triage {name}", description=text)
+    parser.add_argument(DEBUG_FLAG, action="store_true", help=_DEBUG_HELP)
     module.add_arguments(parser)
     args = parser.parse_args(rest)
-    return int(module.run(args) or 0)
+    try:
+        return int(module.run(args) or 0)
+    except USER_ERRORS as err:
+        if debug or args.debug:
+            raise
+        print(f"triage: error: {_message(err)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -19,8 +19,6 @@ PRESET/ARM -o recipe.yaml`` writes the merged YAML that ``triage train --config`
 from __future__ import annotations
 
 import copy
-import difflib
-import inspect
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -38,6 +36,7 @@ __all__ = [
     "RECIPE_SECTIONS",
     "LAUNCH_KEYS",
     "ACCELERATE_DIR",
+    "CPU_LAYER",
     "load_yaml",
     "merge",
     "parse_overrides",
@@ -52,6 +51,7 @@ __all__ = [
 
 RECIPE_DIR = Path(__file__).resolve().parent
 ACCELERATE_DIR = RECIPE_DIR.parent / "accelerate"
+CPU_LAYER = RECIPE_DIR / "cpu.yaml"  # the CPU overrides (load_recipe(..., cpu=True), `triage train --cpu`)
 ARMS = ("grpo-none", "tis", "icepop", "opsm", "triage", "triage-mask")
 # Not run by default: the follow-ups of the first local ablation (docs/results.md §3); `--arms` selects them.
 FOLLOW_UP_ARMS = ("triage-keep-down", "triage-no-is", "triage-no-guard", "triage-no-floor")
@@ -61,8 +61,6 @@ RECIPE_SECTIONS = ("model_name_or_path", "dataset", "eval_dataset", "reward_func
 LAUNCH_KEYS = ("accelerate_config", "train_nodes", "gpus_per_node", "vllm_serve", "vllm_extra_args")
 _COMPOSE_KEYS = ("preset", "arm")
 _REPLACE_WHEN_SOURCE_CHANGES = ("dataset", "eval_dataset")
-# sampler_kwargs the HF sampler alone takes (precision/quant_recipe on top of HFSampler's own; docs/experiments.md)
-_SAMPLER_NUMERICS_KEYS = ("precision", "quant_recipe", "kv_cache_dtype")
 
 
 def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
@@ -161,10 +159,13 @@ def load_recipe(
     overrides: Mapping[str, Any] | Iterable[str] | None = None,
     *,
     validate: bool = True,
+    cpu: bool = False,
 ) -> dict[str, Any]:
     """The flat recipe for ``"PRESET/ARM"`` or a YAML file, with ``overrides`` applied last.
 
-    Validated with :func:`validate_recipe` unless ``validate=False``. Unknown keys are errors.
+    ``cpu=True`` layers :data:`CPU_LAYER` between the recipe and ``overrides``: the tiny model built locally,
+    CPU and fp32, 8 steps, a small eval (a laptop smoke run of the ``tiny`` preset). Validated with
+    :func:`validate_recipe` unless ``validate=False``. Unknown keys are errors.
     """
     text = os.fspath(path_or_name)
     path = Path(text)
@@ -180,7 +181,10 @@ def load_recipe(
             f"{text!r} is neither a recipe file nor PRESET/ARM (presets: {', '.join(PRESETS)}; "
             f"arms: {', '.join(ALL_ARMS)})"
         )
-    recipe = merge(_compose(layer), parse_overrides(overrides))
+    recipe = _compose(layer)
+    if cpu:
+        recipe = merge(recipe, load_yaml(CPU_LAYER))
+    recipe = merge(recipe, parse_overrides(overrides))
     if validate:
         validate_recipe(recipe)
     return recipe
@@ -205,56 +209,6 @@ def _config_fields() -> set[str]:
     import dataclasses
 
     return {f.name for f in dataclasses.fields(_config_class()) if f.init}
-
-
-def _suggest(key: str, known: Iterable[str]) -> str:
-    close = difflib.get_close_matches(key, list(known), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def _check_quant_recipe(value: Any, where: str) -> None:
-    from triage.kernels.nvfp4.recipe import QuantRecipe
-
-    if not isinstance(value, Mapping):
-        raise ValueError(f"{where} must be a mapping of QuantRecipe fields, got {value!r}")
-    names = set(inspect.signature(QuantRecipe).parameters)
-    unknown = [k for k in value if k not in names]
-    if unknown:
-        raise ValueError(f"{where}: unknown QuantRecipe fields {unknown}; fields: {sorted(names)}")
-    try:
-        QuantRecipe(**value)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"{where}: {err}") from None
-
-
-def _check_sampler(recipe: Mapping[str, Any]) -> None:
-    kwargs = recipe.get("sampler_kwargs") or {}
-    if not isinstance(kwargs, Mapping):
-        raise ValueError(f"sampler_kwargs must be a mapping, got {kwargs!r}")
-    if recipe.get("sampler") != "hf":
-        numerics = [k for k in _SAMPLER_NUMERICS_KEYS if k in kwargs]
-        if numerics:
-            raise ValueError(
-                f"sampler_kwargs.{numerics[0]} applies to sampler 'hf' only, got sampler "
-                f"{recipe.get('sampler')!r} (an engine's numerics are set on its server, e.g. launch.vllm_serve)"
-            )
-        return
-    from triage.trainers.sampling.hf import KV_CACHE_DTYPES, HFSampler
-
-    names = set(inspect.signature(HFSampler).parameters) | set(_SAMPLER_NUMERICS_KEYS)
-    unknown = [k for k in kwargs if k not in names]
-    if unknown:
-        raise ValueError(f"sampler_kwargs: unknown keys {unknown} for sampler 'hf'; keys: {sorted(names)}")
-    if kwargs.get("precision") not in (None, "bf16", "nvfp4"):  # null: no copy of its own numerics
-        raise ValueError(f"sampler_kwargs.precision must be 'bf16' or 'nvfp4', got {kwargs['precision']!r}")
-    if kwargs.get("quant_recipe") is not None:
-        if kwargs.get("precision") != "nvfp4":
-            raise ValueError("sampler_kwargs.quant_recipe needs sampler_kwargs.precision: nvfp4")
-        _check_quant_recipe(kwargs["quant_recipe"], "sampler_kwargs.quant_recipe")
-    if kwargs.get("kv_cache_dtype") is not None and kwargs["kv_cache_dtype"] not in KV_CACHE_DTYPES:
-        raise ValueError(
-            f"sampler_kwargs.kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kwargs['kv_cache_dtype']!r}"
-        )
 
 
 def _check_launch(launch: Any) -> None:
@@ -293,19 +247,21 @@ def validate_recipe(recipe: Mapping[str, Any], *, build: bool = False) -> None:
     """Check a flat recipe without loading models or data; raise ``ValueError`` naming the bad key.
 
     Checks: every key is a ``TriageGRPOConfig`` field or a recipe section (with a close-match hint); the
-    TRIAGE fields through ``TriageConfig``; ``quant_recipe`` (and ``sampler_kwargs.quant_recipe``) through
-    ``QuantRecipe``; the dataset specs; the reward names and options; the ``launch`` section. With
+    TRIAGE fields through ``TriageConfig``; ``quant_recipe`` and ``sampler_kwargs`` with the checks
+    ``TriageGRPOConfig`` itself runs (``check_quant_recipe``, ``check_sampler_kwargs``, against the sampler
+    ``resolve_sampler`` picks); the dataset specs; the reward names and options; the ``launch`` section. With
     ``build=True`` also constructs ``TriageGRPOConfig`` (on CPU, bf16 off: the device is not checked).
     """
     from triage import TriageConfig
     from triage.experiments.data import validate_spec
+    from triage.trainers.config import check_quant_recipe, check_sampler_kwargs, did_you_mean, resolve_sampler
     from triage.trainers.rewards import build_reward_funcs
 
     fields = _config_fields()
     known = fields | set(RECIPE_SECTIONS)
     for key in recipe:
         if key not in known:
-            raise ValueError(f"unknown recipe key {key!r}{_suggest(key, known)}")
+            raise ValueError(f"unknown recipe key {key!r}{did_you_mean(key, known)}")
     for key in ("model_name_or_path", "dataset", "reward_funcs"):
         if recipe.get(key) in (None, "", []):
             raise ValueError(f"recipe needs {key!r}")
@@ -322,14 +278,18 @@ def validate_recipe(recipe: Mapping[str, Any], *, build: bool = False) -> None:
     except (TypeError, ValueError) as err:
         raise ValueError(f"reward_funcs: {err}") from None
     try:
-        TriageConfig.from_dict(dict(recipe))
+        correction = TriageConfig.from_dict(dict(recipe)).correction
     except ValueError as err:
         raise ValueError(f"TRIAGE fields: {err}") from None
     if recipe.get("quant_recipe") is not None:
         if recipe.get("learner_precision") != "nvfp4":
             raise ValueError("quant_recipe is set but learner_precision is not 'nvfp4'")
-        _check_quant_recipe(recipe["quant_recipe"], "quant_recipe")
-    _check_sampler(recipe)
+        check_quant_recipe(recipe["quant_recipe"], "quant_recipe")
+    sampler = resolve_sampler(recipe.get("sampler"), bool(recipe.get("use_vllm")), correction)
+    kwargs = recipe.get("sampler_kwargs")
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise ValueError(f"sampler_kwargs must be a mapping, got {kwargs!r}")
+    check_sampler_kwargs(sampler, kwargs)
     if recipe.get("launch") is not None:
         _check_launch(recipe["launch"])
     if build:

@@ -1,5 +1,6 @@
-"""``python -m triage.experiments.recipes PRESET/ARM|FILE [--set KEY=VALUE ...] [-o OUT.yaml]``: print or
-write the merged, validated recipe (the flat YAML ``triage train --config`` reads); ``--list`` lists names."""
+"""``python -m triage.experiments.recipes PRESET/ARM|FILE [--cpu] [--set KEY=VALUE ...] [-o OUT.yaml]``: print
+or write the merged, validated recipe (the flat YAML ``triage train --config`` reads); ``--cpu`` layers the CPU
+overrides (``cpu.yaml``) as ``triage train --cpu`` does; ``--list`` lists names."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KEY=VALUE",
         help="override a field (dotted keys reach into mappings; VALUE is YAML)",
     )
+    parser.add_argument(
+        "--cpu", action="store_true", help="layer the CPU overrides (cpu.yaml) over the recipe"
+    )
     parser.add_argument("-o", "--output", type=Path, help="write the recipe here instead of stdout")
     parser.add_argument("--list", action="store_true", help="list the shipped PRESET/ARM names")
     args = parser.parse_args(argv)
@@ -29,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.recipe:
         parser.error("a recipe (PRESET/ARM or FILE) is required")
-    text = dump_recipe(load_recipe(args.recipe, args.overrides))
+    text = dump_recipe(load_recipe(args.recipe, args.overrides, cpu=args.cpu))
     if args.output is None:
         sys.stdout.write(text)
     else:

@@ -34,7 +34,7 @@ def test_every_shipped_yaml_parses_to_a_mapping():
     assert {p.stem for p in (EXPERIMENTS / "recipes" / "arms").glob("*.yaml")} == set(ALL_ARMS)
     assert not set(ARMS) & set(FOLLOW_UP_ARMS)
     assert {p.stem for p in (EXPERIMENTS / "recipes" / "presets").glob("*.yaml")} == set(PRESETS)
-    assert {p.stem for p in ACCELERATE_CONFIGS} == {"ddp", "fsdp2", "zero3", "single_gpu"}
+    assert {p.stem for p in ACCELERATE_CONFIGS} == {"ddp", "fsdp2", "zero3", "single_gpu", "cpu"}
     for path in RECIPE_FILES + ACCELERATE_CONFIGS:
         assert isinstance(yaml.safe_load(path.read_text()), dict), path
 
@@ -199,11 +199,12 @@ def test_overrides_and_files(tmp_path):
         ({"amplify_down": "drop"}, "TRIAGE fields: .*amplify_down"),
         ({"icepop_low": 6.0}, "icepop_low"),
         ({"quant_recipe.scale": "token"}, "quant_recipe: QuantRecipe.scale"),
-        ({"quant_recipe.blocks": "1x16"}, "unknown QuantRecipe fields \\['blocks'\\]"),
+        ({"quant_recipe.blocks": "1x16"}, "unknown QuantRecipe field 'blocks' \\(did you mean 'block'\\?\\)"),
         ({"learner_precision": "bf16"}, "learner_precision is not 'nvfp4'"),
         ({"sampler_kwargs.quant_recipe.profile": "vllm"}, "sampler_kwargs.quant_recipe: QuantRecipe.profile"),
         ({"sampler_kwargs.kv_cache_dtype": "int4"}, "kv_cache_dtype"),
-        ({"sampler_kwargs.temperatur": 1.0}, "unknown keys \\['temperatur'\\] for sampler 'hf'"),
+        ({"sampler_kwargs.temperatur": 1.0}, "sampler_kwargs: unknown key for sampler 'hf': 'temperatur'"),
+        ({"sampler_kwargs.sede": 1}, "unknown key for sampler 'hf': 'sede' \\(did you mean 'seed'\\?\\)"),
         (
             {"sampler": "sglang"},
             "sampler_kwargs.precision applies to sampler 'hf' only, got sampler 'sglang'",
@@ -257,7 +258,10 @@ def test_accelerate_configs_are_valid_for_accelerate():
         "fsdp2": "DistributedType.FSDP",
         "zero3": "DistributedType.DEEPSPEED",
         "single_gpu": "DistributedType.NO",
+        "cpu": "DistributedType.NO",
     }
+    cpu = ClusterConfig.from_yaml_file(str(EXPERIMENTS / "accelerate" / "cpu.yaml"))
+    assert cpu.use_cpu is True and str(cpu.mixed_precision) == "no" and cpu.num_processes == 1
     assert (
         yaml.safe_load((EXPERIMENTS / "accelerate" / "fsdp2.yaml").read_text())["fsdp_config"]["fsdp_version"]
         == 2
@@ -273,6 +277,23 @@ def test_accelerate_configs_are_valid_for_accelerate():
         assert (EXPERIMENTS / "accelerate" / f"{name}.yaml").is_file()
 
 
+def test_cpu_layer_makes_the_tiny_preset_a_laptop_run():
+    """load_recipe(..., cpu=True): the tiny model built locally (the preset's SFT checkpoint exists only after
+    an ablation), CPU and fp32 — the config builds on a machine without a GPU as it is, no use_cpu/bf16
+    passed — a small geometry and eval; the KEY=VALUE overrides still win over the layer."""
+    plain, cpu = load_recipe("tiny/triage"), load_recipe("tiny/triage", ["eval_steps=2"], cpu=True)
+    assert plain["bf16"] is True and plain["model_name_or_path"] == "./runs/ablate/sft"
+    assert cpu["model_name_or_path"] == "tiny" and cpu["use_cpu"] is True and cpu["bf16"] is False
+    assert cpu["eval_dataset"] == {**plain["eval_dataset"], "limit": 16} and cpu["eval_steps"] == 2
+    assert cpu["launch"]["accelerate_config"] == "cpu"
+    config = build_config(cpu, output_dir="unused")
+    assert config.use_cpu and not config.bf16 and config.max_steps == 8
+    assert config.steps_per_generation == 4  # the preset's off-policy geometry, a quarter of the size
+    # the other settings are the preset's: same correction, numerics, sampler
+    same = {k for k in plain if plain[k] == cpu.get(k)}
+    assert {"correction", "learner_precision", "quant_recipe", "sampler", "sampler_kwargs"} <= same
+
+
 def test_recipes_cli_writes_a_flat_recipe(tmp_path, capsys):
     from triage.experiments.recipes.__main__ import main
 
@@ -283,6 +304,8 @@ def test_recipes_cli_writes_a_flat_recipe(tmp_path, capsys):
     flat = yaml.safe_load(out.read_text())
     assert flat == load_recipe("tiny/opsm", ["max_steps=7"])
     assert load_recipe(out) == flat  # a written recipe loads back unchanged (no preset/arm keys)
+    assert main(["tiny/opsm", "--cpu", "-o", str(out)]) == 0
+    assert yaml.safe_load(out.read_text()) == load_recipe("tiny/opsm", cpu=True)
 
 
 def test_launch_script_dry_run_slurm(tmp_path):

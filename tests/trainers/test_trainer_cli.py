@@ -91,7 +91,58 @@ def test_train_from_a_recipe_with_overrides(tmp_path):
     assert (out / "model.safetensors").is_file()
 
 
-def test_train_rejects_an_unknown_key(tmp_path):
+def _one_line_error(capsys) -> str:
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("triage: error: "), captured.err
+    return lines[0].removeprefix("triage: error: ")
+
+
+def test_user_errors_print_one_line_and_exit_2(tmp_path, capsys):
+    """A bad recipe, file or field: `triage: error: <message>` on stderr, exit 2, no traceback."""
     path = _tiny_recipe(tmp_path)
-    with pytest.raises(ValueError, match="unknown recipe key 'corection'"):
-        main(["train", "--config", str(path), "corection=tis"])
+    assert main(["train", "--config", str(path), "corection=tis"]) == 2
+    assert _one_line_error(capsys) == "unknown recipe key 'corection' (did you mean 'correction'?)"
+    assert main(["train", "--config", str(path), "sampler_kwargs.sede=0"]) == 2
+    assert "'sede' (did you mean 'seed'?)" in _one_line_error(capsys)
+    assert main(["train", "--config", str(tmp_path / "missing.yaml")]) == 2
+    assert "recipe file not found" in _one_line_error(capsys)
+    assert main(["explain", "--config", str(tmp_path / "missing.yaml")]) == 2  # every subcommand
+    assert "missing.yaml" in _one_line_error(capsys)
+    assert main(["ablate", "--preset", "smoke", "--output", str(tmp_path / "a"), "--arms", "vanilla"]) == 2
+    assert "unknown arms ['vanilla']" in _one_line_error(capsys)
+
+
+def test_a_missing_model_folder_is_named_and_points_at_cpu(tmp_path, capsys):
+    """The tiny preset's SFT checkpoint exists only after an ablation: say so (and --cpu) before anything runs,
+    not a hub lookup error or transformers' bf16 complaint on a laptop."""
+    assert main(["train", "--config", "tiny/triage", "--output_dir", str(tmp_path)]) == 2
+    message = _one_line_error(capsys)
+    assert "model_name_or_path './runs/ablate/sft': no such folder" in message and "--cpu" in message
+    assert not any(tmp_path.iterdir())
+
+
+def test_debug_shows_the_traceback_and_bugs_are_never_swallowed(tmp_path, capsys, monkeypatch):
+    path = _tiny_recipe(tmp_path)
+    for argv in (["--debug", "train", "--config", str(path)], ["train", "--config", str(path), "--debug"]):
+        with pytest.raises(ValueError, match="unknown recipe key 'corection'"):
+            main([*argv, "corection=tis"])
+
+    def bug(args):
+        raise RuntimeError("a bug, not bad input")
+
+    monkeypatch.setattr("triage.explain.run", bug)
+    with pytest.raises(RuntimeError, match="a bug"):  # not a user error: its traceback, never one line
+        main(["explain"])
+    assert capsys.readouterr().err == ""
+
+
+def test_error_messages_read_as_written():
+    from triage.cli import _message
+
+    assert (
+        _message(KeyError("offline rollouts row 3: no column 'prompt'"))
+        == "offline rollouts row 3: no column 'prompt'"
+    )
+    assert _message(KeyError("dataset")) == "KeyError: 'dataset'"  # a bare key: keep its type
+    assert _message(FileNotFoundError(2, "No such file or directory", "r.yaml")).endswith("'r.yaml'")

@@ -38,6 +38,52 @@ def test_bad_values_fail_at_construction_naming_the_field(tmp_path, field, value
         make_args(tmp_path, **{field: value})
 
 
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        (
+            {"sampler_kwargs": {"sede": 0}},
+            r"sampler_kwargs: unknown key for sampler 'hf': 'sede' \(did you mean 'seed'",
+        ),
+        ({"sampler_kwargs": {"precison": "bf16"}}, r"'precison' \(did you mean 'precision'\?\)"),
+        (
+            {"sampler_kwargs": {"precision": "nvfp4", "quant_recipe": {"scael": "row"}}},
+            r"sampler_kwargs.quant_recipe: unknown QuantRecipe field 'scael' \(did you mean 'scale'\?\)",
+        ),
+        ({"sampler_kwargs": {"kv_cache_dtype": "int4"}}, r"sampler_kwargs.kv_cache_dtype must be one of"),
+        (
+            {"learner_precision": "nvfp4", "quant_recipe": {"scael": "row"}},
+            r"quant_recipe: unknown QuantRecipe field 'scael' \(did you mean 'scale'\?\)",
+        ),
+        (
+            {"learner_precision": "nvfp4", "quant_recipe": {"scale": "token"}},
+            r"quant_recipe: QuantRecipe.scale",
+        ),
+        ({"sampler": "sglang"}, r"sampler 'sglang' needs the key 'base_url'"),
+        ({"sampler": "offline", "sampler_kwargs": {"dat": "r.jsonl"}}, r"'dat' \(did you mean 'data'"),
+        ({"sampler": "sglang", "sampler_kwargs": {"base_url": "x", "precision": "bf16"}}, "'hf' only"),
+        ({"use_vllm": True, "sampler_kwargs": {"seed": 0}}, "sampler_kwargs is set but sampler is None"),
+    ],
+)
+def test_python_typos_get_the_recipes_did_you_mean_at_construction(tmp_path, fields, match):
+    """sampler_kwargs / quant_recipe given in Python are checked when the config is built, not by a raw
+    TypeError from the sampler or QuantRecipe when the trainer is."""
+    with pytest.raises(ValueError, match=match):
+        make_args(tmp_path, **fields)
+
+
+def test_no_sampler_resolves_to_the_builtin_hf_sampler_only_where_trl_has_no_logprobs(tmp_path):
+    """The drop-in default: TriageGRPOConfig(output_dir=...) alone needs sampler log-probs (correction triage)
+    and TRL's transformers generation has none, so the HF sampler is chosen; vLLM or correction='none' keep
+    TRL's own generation; an explicit sampler is kept."""
+    args = TriageGRPOConfig(output_dir=str(tmp_path), use_cpu=True)
+    assert args.correction == "triage" and args.sampler == "hf" and args.sampler_kwargs is None
+    assert make_args(tmp_path, sampler_kwargs={"seed": 1}).sampler == "hf"  # kwargs for the default sampler
+    assert make_args(tmp_path, use_vllm=True).sampler is None
+    assert make_args(tmp_path, correction="none").sampler is None
+    assert make_args(tmp_path, sampler="offline", sampler_kwargs={"data": "r.jsonl"}).sampler == "offline"
+
+
 def test_yaml_and_cli_parsing(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(

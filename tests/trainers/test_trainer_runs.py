@@ -120,18 +120,26 @@ def test_two_steps_for_each_sampler_source(tiny_model_dir, tmp_path, dataset, so
         assert logs[0]["triage/mean_abs_delta"] > 1e-4
 
 
-def test_plain_generation_without_logprobs_is_rejected_for_a_correction(tiny_model_dir, tmp_path):
+def test_the_one_line_swap_trains_with_the_builtin_sampler(tiny_model_dir, tmp_path):
+    """GRPOConfig(...) -> TriageGRPOConfig(...) with nothing else: no sampler, no rollout_func, use_vllm off.
+    The correction needs sampler log-probs, so the built-in HF sampler (the learner's own weights) supplies them."""
     from trainer_testkit import arithmetic_dataset, length_reward, make_args
 
     from triage.trainers import TriageGRPOTrainer
+    from triage.trainers.sampling import HFSampler
 
-    with pytest.raises(ValueError, match="needs sampler log-probs"):
-        TriageGRPOTrainer(
-            model=tiny_model_dir,
-            reward_funcs=length_reward,
-            args=make_args(tmp_path),
-            train_dataset=arithmetic_dataset(),
-        )
+    trainer = TriageGRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=length_reward,
+        args=make_args(tmp_path, max_steps=1),
+        train_dataset=arithmetic_dataset(),
+    )
+    source = trainer._sampler_source()
+    assert isinstance(source, HFSampler) and source.sampler_model == "shared"
+    logs = _train(trainer)
+    assert (
+        logs[0]["triage/tokens"] > 0 and logs[0]["triage/mean_abs_delta"] < 1e-4
+    )  # same weights: noise only
     # correction="none" without any sampler log-probs is plain GRPOTrainer: it trains, logs no triage/...
     trainer = TriageGRPOTrainer(
         model=tiny_model_dir,
@@ -139,8 +147,41 @@ def test_plain_generation_without_logprobs_is_rejected_for_a_correction(tiny_mod
         args=make_args(tmp_path, correction="none", max_steps=1),
         train_dataset=arithmetic_dataset(),
     )
+    assert trainer.rollout_func is None
     logs = _train(trainer)
     assert not any(k.startswith("triage/") for k in logs[0])
+
+
+@pytest.mark.parametrize(
+    "train, eval_, match",
+    [
+        ("question", None, r"train_dataset has no 'prompt' column \(columns: \['question', 'answer'\]\)"),
+        ("prompt", "question", r"eval_dataset has no 'prompt' column"),
+        ("prompt", {"aime": "question"}, r"eval_dataset\['aime'\] has no 'prompt' column"),
+    ],
+)
+def test_a_dataset_without_the_prompt_column_is_refused_at_construction(
+    tiny_model_dir, tmp_path, train, eval_, match
+):
+    from trainer_testkit import arithmetic_dataset, length_reward, make_args
+
+    from triage.trainers import TriageGRPOTrainer
+
+    def dataset(column):
+        if isinstance(column, dict):
+            return {key: dataset(value) for key, value in column.items()}
+        if column in (None, "prompt"):
+            return None if column is None else arithmetic_dataset()
+        return arithmetic_dataset().rename_column("prompt", column)
+
+    with pytest.raises(ValueError, match=match):
+        TriageGRPOTrainer(
+            model=tiny_model_dir,
+            reward_funcs=length_reward,
+            args=make_args(tmp_path),
+            train_dataset=dataset(train),
+            eval_dataset=dataset(eval_),
+        )
 
 
 def test_rollout_wrapper_keeps_perturbed_rollout_deterministic(tiny_model_dir, tmp_path):
