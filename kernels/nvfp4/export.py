@@ -207,7 +207,7 @@ def export_nvfp4_checkpoint(
         path,
         out,
         layout=lay.name,
-        config=_config_dict(model_or_state_dict, config),
+        config=config if config is not None else _own_config(model_or_state_dict),
         excluded=excluded,
         weight_only=input_amax is None,
         dtype=dtype,
@@ -553,13 +553,15 @@ def model_config(model):
     return config
 
 
-def _config_dict(obj, config) -> dict | None:
-    """config.json's content (without ``quantization_config``): ``config`` if given, else the model's
-    own (:func:`model_config`); None for a bare state dict. A given config must name ``architectures``."""
-    if config is None and isinstance(obj, torch.nn.Module) and hasattr(obj, "config"):
-        config = model_config(obj)
-    if config is None:
-        return None
+def _own_config(obj):
+    """A model's config as ``save_pretrained`` writes it (:func:`model_config`); None for a state dict."""
+    own = isinstance(obj, torch.nn.Module) and hasattr(getattr(obj, "config", None), "to_json_string")
+    return model_config(obj) if own else None
+
+
+def _config_dict(config) -> dict:
+    """config.json's content (without ``quantization_config``) from a ``PretrainedConfig`` (what its
+    ``save_pretrained`` writes) or a dict; either must name ``architectures``."""
     if isinstance(config, Mapping):
         cfg = dict(config)
     elif hasattr(config, "to_json_string"):  # a PretrainedConfig: what its save_pretrained writes
@@ -600,7 +602,7 @@ def write_nvfp4_files(
     tensors: Mapping[str, torch.Tensor],
     *,
     layout: str,
-    config: dict | None,
+    config,
     excluded: list[str],
     weight_only: bool,
     dtype: torch.dtype | None,
@@ -609,11 +611,14 @@ def write_nvfp4_files(
     """Write the tensors of an NVFP4 checkpoint (already in the layout's names) and its configs.
 
     An earlier NVFP4 export in ``out_dir`` is replaced (:func:`_clear_previous_export`). config.json is
-    ``config`` (see :func:`_config_dict`) + ``quantization_config`` (+ ``dtype`` if unset);
-    ModelOpt also gets ``hf_quant_config.json``. Returns the safetensors file names."""
+    ``config`` (a ``PretrainedConfig`` or a dict naming ``architectures``; None: nothing but the
+    quantization config and ``dtype``, enough for :func:`load_nvfp4_checkpoint`, not for an engine)
+    + ``quantization_config`` (+ ``dtype`` if unset); ModelOpt also gets ``hf_quant_config.json``.
+    Returns the safetensors file names."""
     from triage._version import __version__
 
     lay = get_layout(layout)
+    cfg = {} if config is None else _config_dict(config)
     path = Path(out_dir)
     path.mkdir(parents=True, exist_ok=True)
     _clear_previous_export(path)
@@ -623,7 +628,6 @@ def write_nvfp4_files(
         (path / HF_QUANT_CONFIG).write_text(json.dumps(hf_quant, indent=2))
     else:
         qconfig = compressed_tensors_config(excluded, weight_only)
-    cfg = dict(config or {})
     if dtype is not None and cfg.get("dtype") is None and cfg.get("torch_dtype") is None:
         cfg["dtype"] = str(dtype).removeprefix("torch.")  # as save_pretrained records it; loaders read it
     cfg["quantization_config"] = qconfig
