@@ -23,6 +23,7 @@ from triage.kernels.nvfp4.export import (
     DEFAULT_SKIP,
     compressed_tensors_global_scale,
     compressed_tensors_quantize,
+    model_config,
 )
 
 LAYOUTS = ("modelopt", "compressed-tensors")
@@ -370,6 +371,51 @@ def test_te_16x16_recipe_round_trips(layout, model, tmp_path):
         assert torch.equal(loaded[name].dequantize(), t.dequantize())
 
 
+# ------------------------------------------------------------------------------ re-export, configs
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_re_export_into_a_folder_with_an_earlier_sharded_export_loads_the_new_weights(layout, model, tmp_path):
+    """The earlier shards, index and ModelOpt config are removed, so nothing stale is read back."""
+    export_nvfp4_checkpoint(model, tmp_path, layout="modelopt", max_shard_bytes=20_000)
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    newer = {k: v * 2 for k, v in model.state_dict().items()}
+    res = export_nvfp4_checkpoint(newer, tmp_path, layout=layout, config=model_config(model))
+    assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == ["model.safetensors"]
+    assert not (tmp_path / "model.safetensors.index.json").exists()
+    assert (tmp_path / "hf_quant_config.json").exists() == (layout == "modelopt")
+    loaded = load_nvfp4_checkpoint(tmp_path)
+    for name, t in res.weights.items():
+        assert torch.equal(loaded[name].data, t.data) and torch.equal(loaded[name].global_scale, t.global_scale)
+    assert torch.equal(dequantized_state_dict(tmp_path)["model.norm.weight"], newer["model.norm.weight"])
+
+
+def test_export_refuses_a_folder_holding_another_checkpoint(model, tmp_path):
+    model.save_pretrained(tmp_path)  # a plain (not NVFP4) checkpoint: never deleted
+    before = (tmp_path / "model.safetensors").read_bytes()
+    with pytest.raises(FileExistsError, match=r"model\.safetensors.*not an NVFP4 export.*delete them"):
+        export_nvfp4_checkpoint(model, tmp_path)
+    assert (tmp_path / "model.safetensors").read_bytes() == before
+
+
+def test_config_names_the_architecture_as_save_pretrained_does(model, tokenizer, tmp_path):
+    from transformers import AutoConfig
+
+    from triage.trainers.tiny import build_model
+
+    fresh = build_model(tokenizer, seed=1)  # never saved: its config has no architectures yet
+    assert fresh.config.architectures is None
+    export_nvfp4_checkpoint(fresh, tmp_path / "a")
+    assert json.loads((tmp_path / "a" / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
+    assert AutoConfig.from_pretrained(tmp_path / "a").architectures == ["Qwen3ForCausalLM"]
+    assert fresh.config.architectures is None  # the model's own config is left alone
+    sd = small_state_dict()
+    with pytest.raises(ValueError, match="'architectures' must name the model class"):
+        export_nvfp4_checkpoint(sd, tmp_path / "b", config={"model_type": "toy"})
+    with pytest.raises(ValueError, match="'architectures' must name the model class"):
+        export_nvfp4_checkpoint(sd, tmp_path / "c", config=fresh.config)
+
+
 # ------------------------------------------------------------------------------------------ bad input
 
 
@@ -476,6 +522,82 @@ def test_malformed_checkpoints(tmp_path):
     (tmp_path / "config.json").unlink()
     (tmp_path / "hf_quant_config.json").unlink()
     with pytest.raises(ValueError, match="no NVFP4 quantization config"):
+        load_nvfp4_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("byte", [0x7F, 0xFF, 0x80, 0xB8])
+def test_nan_or_negative_block_scale_byte_is_named_with_its_file(layout, byte, tmp_path):
+    export_nvfp4_checkpoint(small_state_dict(), tmp_path, layout=layout)
+    f = tmp_path / "model.safetensors"
+    tensors = load_file(str(f))
+    scale = tensors["layers.0.proj.weight_scale"].view(torch.uint8).clone()
+    scale[3, 1] = byte
+    save_file(dict(tensors, **{"layers.0.proj.weight_scale": scale.view(torch.float8_e4m3fn)}), str(f))
+    with pytest.raises(ValueError, match=rf"{f}: 'layers\.0\.proj\.weight_scale' has 1 block-scale.*\(3, 1\)"):
+        load_nvfp4_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), 0.0, 1e-45, 3e38, 1e30])
+def test_absurd_outer_scale_is_named_with_its_file(layout, value, tmp_path):
+    """Weight and activation outer scales: finite, > 0, decode multiplier normal with 2688·decode finite in
+    the checkpoint dtype (float32 here)."""
+    export_nvfp4_checkpoint(small_state_dict(), tmp_path, layout=layout, input_amax={"layers.0.proj": 2.0})
+    f = tmp_path / "model.safetensors"
+    tensors = load_file(str(f))
+    _, _, wglob, iglob, gshape = NAMES[layout]
+    dec = value if layout == "modelopt" else 1 / value if value else float("inf")
+    absurd = not (1.2e-38 < dec < 3.4e38 / 2688)
+    for victim in (wglob, iglob):
+        bad = dict(tensors, **{f"layers.0.proj.{victim}": torch.tensor(value).reshape(gshape)})
+        save_file(bad, str(f))
+        if not absurd:
+            load_activation_recipes(tmp_path)
+            continue
+        with pytest.raises(ValueError, match=rf"{f}: 'layers\.0\.proj\.{victim}' = .*not a usable outer scale"):
+            load_activation_recipes(tmp_path)
+
+
+def test_outer_scale_that_overflows_the_checkpoint_dtype_is_refused(tmp_path):
+    sd = {k: v.to(torch.float16) for k, v in small_state_dict().items()}
+    export_nvfp4_checkpoint(sd, tmp_path)
+    f = tmp_path / "model.safetensors"
+    save_file(dict(load_file(str(f)), **{"layers.0.proj.weight_scale_2": torch.tensor(100.0)}), str(f))
+    with pytest.raises(ValueError, match=r"weight_scale_2' = 100\.0.*\[2\^-126, 24\.37\].*torch\.float16"):
+        load_nvfp4_checkpoint(tmp_path)  # 6·448·100 is Inf in fp16
+    load_nvfp4_checkpoint(tmp_path, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn", "fp32", 16])
+def test_unknown_dtype_in_config_json_is_named(dtype, tmp_path):
+    export_nvfp4_checkpoint(small_state_dict(), tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(dict(cfg, dtype=dtype)))
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'config.json'}: dtype {dtype!r} is not a dtype"):
+        load_nvfp4_checkpoint(tmp_path)
+
+
+def test_unreadable_or_inconsistent_files_are_named(tmp_path):
+    export_nvfp4_checkpoint(small_state_dict(), tmp_path, max_shard_bytes=300)
+    shards = sorted(tmp_path.glob("model-*.safetensors"))
+    index = tmp_path / "model.safetensors.index.json"
+    good = index.read_text()
+    weight_map = json.loads(good)["weight_map"]
+    first = load_file(str(shards[0]))
+    save_file(dict(first, **load_file(str(shards[1]))), str(shards[0]))  # a tensor in two shards
+    with pytest.raises(ValueError, match=rf"is in both {shards[0].name} and {shards[1].name}"):
+        load_nvfp4_checkpoint(tmp_path)
+    save_file(first, str(shards[0]))
+    index.write_text(json.dumps({"weight_map": dict(weight_map, extra=shards[0].name)}))
+    with pytest.raises(ValueError, match=rf"index\.json puts 1 tensor.*'extra' in {shards[0].name}"):
+        load_nvfp4_checkpoint(tmp_path)
+    index.write_text("{not json")
+    with pytest.raises(ValueError, match=rf"{index}: not valid JSON"):
+        load_nvfp4_checkpoint(tmp_path)
+    index.write_text(good)
+    shards[1].write_bytes(shards[1].read_bytes()[:40])  # truncated
+    with pytest.raises(ValueError, match=rf"{shards[1]}: not a readable safetensors file"):
         load_nvfp4_checkpoint(tmp_path)
 
 
