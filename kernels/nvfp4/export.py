@@ -22,9 +22,19 @@ amax: the checkpoint still loads, but vLLM then applies one shard's scale to all
 ModelOpt -> the other shards dequantize too large; the max ENCODE scale for compressed-tensors -> the
 shards with larger amax dequantize too small), i.e. the engine's weights differ from the exported ones.
 
+Producer arithmetic: the default recipe of each layout writes the bytes its producer writes for bf16, fp16
+and fp32 weights: ModelOpt's formulas (profile ``modelopt``, fp32 after an exact amax), and for
+compressed-tensors the package's own arithmetic in the weight's dtype (:func:`compressed_tensors_quantize`),
+which :func:`quantize`'s fp32 profile does not reproduce.
+
+Folders: an earlier NVFP4 export in ``out_dir`` is replaced (its shards, index and ModelOpt config removed
+first); weight files of anything else are refused, never deleted. config.json names ``architectures``.
+
 Exactness: ``load_nvfp4_checkpoint`` returns tensors whose ``data``/``scale`` bytes and decode multiplier
 equal the exported in-memory quantization (for compressed-tensors the decode multiplier is
-``RN(1/weight_global_scale)``, which is how the te and compressed-tensors profiles define it).
+``RN(1/weight_global_scale)``, which is how the te and compressed-tensors profiles define it). Malformed
+files (NaN or negative block-scale bytes, absurd outer scales, an unknown config dtype, unreadable shards)
+are errors naming the tensor and file.
 """
 
 from __future__ import annotations
@@ -154,18 +164,22 @@ def export_nvfp4_checkpoint(
     Args:
         model_or_state_dict: an ``nn.Module`` (a HF model: its ``config`` is written and tokenizer files
             next to ``model.name_or_path`` are copied) or a ``{name: tensor}`` state dict.
-        out_dir: directory to write (created).
+        out_dir: directory to write (created; an earlier NVFP4 export there is replaced, other weight
+            files refused).
         layout: ``"modelopt"`` or ``"compressed-tensors"`` (see ``checkpoint_layouts.py``).
         recipe: weight quantizer; default ``QuantRecipe(profile=layout's producer)``. Needs
             ``scale="tensor"``, ``scale_source="dynamic"``, no Hadamard; compressed-tensors (encode scales)
-            also needs profile ``te`` or ``compressed-tensors``. ``block="16x16"`` is allowed (its scales are
-            stored per 1x16 row, which engines read as ordinary NVFP4).
+            also needs profile ``te`` or ``compressed-tensors``. Profile ``compressed-tensors`` runs the
+            package's arithmetic (:func:`compressed_tensors_quantize`, nearest rounding only).
+            ``block="16x16"`` is allowed (its scales are stored per 1x16 row, which engines read as
+            ordinary NVFP4).
         skip: fnmatch patterns on module names to keep high precision (:data:`DEFAULT_SKIP`).
         input_amax: ``{module name: calibrated activation amax}`` for W4A4 checkpoints (``input_scale`` /
             ``input_global_scale``; every quantized module needs one). None: weight-only (W4A16) config.
         share_fused_scales: one outer scale per fused group (see the module docstring).
         fused_groups: tuples of sibling module names sharing a scale (:data:`FUSED_GROUPS`).
-        config: for a state dict, the model config (``PretrainedConfig`` or dict) to write as config.json.
+        config: for a state dict, the model config (``PretrainedConfig`` or dict naming ``architectures``)
+            to write as config.json; default for a model: :func:`model_config` (as ``save_pretrained``).
         tokenizer: saved into ``out_dir`` if given.
         backend: quantize backend (``"auto"``: Triton on CUDA, torch reference otherwise).
         max_shard_bytes: split the safetensors into shards of at most this size (+ index json).
@@ -894,7 +908,8 @@ def load_nvfp4_checkpoint(path, *, dtype: torch.dtype | None = None, device="cpu
     Each tensor's recipe is ``QuantRecipe(profile=<layout producer>, scale_source="checkpoint",
     checkpoint_scale=<stored outer scale>)``: ``global_scale`` is ``weight_scale_2`` (ModelOpt) or
     ``RN(1/weight_global_scale)`` (compressed-tensors). ``dtype`` (the dequantization default) is taken
-    from config.json when not given. Missing or malformed tensors raise an error naming the tensor.
+    from config.json when not given. Missing or malformed tensors (see :meth:`_Stored.block_scales`,
+    :meth:`_Stored.outer`) raise an error naming the tensor and its file.
     """
     return _load(path, dtype, device)[2]
 

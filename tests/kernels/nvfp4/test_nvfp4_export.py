@@ -458,6 +458,8 @@ def test_bad_arguments(tmp_path):
         export_nvfp4_checkpoint(
             sd, tmp_path, layout="compressed-tensors", recipe=QuantRecipe(profile="torchao")
         )
+    with pytest.raises(ValueError, match="compressed-tensors computes, which rounds to nearest"):
+        export_nvfp4_checkpoint(sd, tmp_path, recipe=QuantRecipe(profile="compressed-tensors", rounding="stochastic"))
     bad = dict(sd, **{"layers.0.proj.weight": sd["layers.0.proj.weight"].clone()})
     bad["layers.0.proj.weight"][3, 5] = float("nan")
     with pytest.raises(ValueError, match=r"'layers\.0\.proj\.weight' contains NaN"):
