@@ -181,7 +181,8 @@ def export_nvfp4_checkpoint(
         config: for a state dict, the model config (``PretrainedConfig`` or dict naming ``architectures``)
             to write as config.json; default for a model: :func:`model_config` (as ``save_pretrained``).
         tokenizer: saved into ``out_dir`` if given.
-        backend: quantize backend (``"auto"``: Triton on CUDA, torch reference otherwise).
+        backend: quantize backend (``"auto"``: Triton on CUDA, torch reference otherwise); profile
+            ``compressed-tensors`` always runs the package's torch arithmetic on the weight's device.
         max_shard_bytes: split the safetensors into shards of at most this size (+ index json).
     """
     lay = get_layout(layout)
