@@ -254,7 +254,9 @@ def _quantize_weights(state, targets, groups, recipe: QuantRecipe, backend) -> d
     group sharing the smallest encode scale (llm-compressor's rule for fused layers). Other profiles:
     :func:`quantize` with the group's largest amax as a static amax (ModelOpt's rule)."""
     if recipe.profile == "compressed-tensors":
-        enc = {m: compressed_tensors_global_scale(state[f"{m}.weight"].detach().abs().amax()) for m in targets}
+        enc = {
+            m: compressed_tensors_global_scale(state[f"{m}.weight"].detach().abs().amax()) for m in targets
+        }
         return {
             f"{m}.weight": compressed_tensors_quantize(
                 state[f"{m}.weight"],
@@ -598,7 +600,8 @@ def _clear_previous_export(path: Path) -> None:
     (``model*.safetensors``, ``model.safetensors.index.json``, ``hf_quant_config.json``), so that no stale
     shard, index or config is read back. Weight files of anything else (a folder whose configs describe no
     NVFP4 checkpoint) are refused, never deleted."""
-    old = sorted(path.glob("model*.safetensors")) + [p for p in (path / INDEX, path / HF_QUANT_CONFIG) if p.is_file()]
+    ours = (path / INDEX, path / HF_QUANT_CONFIG)
+    old = sorted(path.glob("model*.safetensors")) + [p for p in ours if p.is_file()]
     if not old:
         return
     try:

@@ -218,7 +218,9 @@ def test_activation_recipes_reproduce_the_static_input_scale(exported, input_ama
             static = QuantRecipe(profile="modelopt", scale_source="static", static_amax=a)
         else:  # generate_gparam of the calibrated amax, stored as the encode scale
             enc = float(compressed_tensors_global_scale(f32(a)))
-            static = QuantRecipe(profile="compressed-tensors", scale_source="checkpoint", checkpoint_scale=enc)
+            static = QuantRecipe(
+                profile="compressed-tensors", scale_source="checkpoint", checkpoint_scale=enc
+            )
         want, got = quantize(x, static), quantize(x, recipes[n])
         assert torch.equal(got.data, want.data) and torch.equal(got.global_scale, want.global_scale)
 
@@ -375,7 +377,9 @@ def test_te_16x16_recipe_round_trips(layout, model, tmp_path):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_re_export_into_a_folder_with_an_earlier_sharded_export_loads_the_new_weights(layout, model, tmp_path):
+def test_re_export_into_a_folder_with_an_earlier_sharded_export_loads_the_new_weights(
+    layout, model, tmp_path
+):
     """The earlier shards, index and ModelOpt config are removed, so nothing stale is read back."""
     export_nvfp4_checkpoint(model, tmp_path, layout="modelopt", max_shard_bytes=20_000)
     assert (tmp_path / "model.safetensors.index.json").exists()
@@ -386,7 +390,9 @@ def test_re_export_into_a_folder_with_an_earlier_sharded_export_loads_the_new_we
     assert (tmp_path / "hf_quant_config.json").exists() == (layout == "modelopt")
     loaded = load_nvfp4_checkpoint(tmp_path)
     for name, t in res.weights.items():
-        assert torch.equal(loaded[name].data, t.data) and torch.equal(loaded[name].global_scale, t.global_scale)
+        assert torch.equal(loaded[name].data, t.data) and torch.equal(
+            loaded[name].global_scale, t.global_scale
+        )
     assert torch.equal(dequantized_state_dict(tmp_path)["model.norm.weight"], newer["model.norm.weight"])
 
 
@@ -459,7 +465,9 @@ def test_bad_arguments(tmp_path):
             sd, tmp_path, layout="compressed-tensors", recipe=QuantRecipe(profile="torchao")
         )
     with pytest.raises(ValueError, match="compressed-tensors computes, which rounds to nearest"):
-        export_nvfp4_checkpoint(sd, tmp_path, recipe=QuantRecipe(profile="compressed-tensors", rounding="stochastic"))
+        export_nvfp4_checkpoint(
+            sd, tmp_path, recipe=QuantRecipe(profile="compressed-tensors", rounding="stochastic")
+        )
     bad = dict(sd, **{"layers.0.proj.weight": sd["layers.0.proj.weight"].clone()})
     bad["layers.0.proj.weight"][3, 5] = float("nan")
     with pytest.raises(ValueError, match=r"'layers\.0\.proj\.weight' contains NaN"):
@@ -536,7 +544,9 @@ def test_nan_or_negative_block_scale_byte_is_named_with_its_file(layout, byte, t
     scale = tensors["layers.0.proj.weight_scale"].view(torch.uint8).clone()
     scale[3, 1] = byte
     save_file(dict(tensors, **{"layers.0.proj.weight_scale": scale.view(torch.float8_e4m3fn)}), str(f))
-    with pytest.raises(ValueError, match=rf"{f}: 'layers\.0\.proj\.weight_scale' has 1 block-scale.*\(3, 1\)"):
+    with pytest.raises(
+        ValueError, match=rf"{f}: 'layers\.0\.proj\.weight_scale' has 1 block-scale.*\(3, 1\)"
+    ):
         load_nvfp4_checkpoint(tmp_path)
 
 
@@ -557,7 +567,9 @@ def test_absurd_outer_scale_is_named_with_its_file(layout, value, tmp_path):
         if not absurd:
             load_activation_recipes(tmp_path)
             continue
-        with pytest.raises(ValueError, match=rf"{f}: 'layers\.0\.proj\.{victim}' = .*not a usable outer scale"):
+        with pytest.raises(
+            ValueError, match=rf"{f}: 'layers\.0\.proj\.{victim}' = .*not a usable outer scale"
+        ):
             load_activation_recipes(tmp_path)
 
 

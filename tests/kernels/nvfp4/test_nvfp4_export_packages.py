@@ -26,7 +26,9 @@ def assert_same_tensors(got: dict, want: dict, what: str) -> None:
     bad = [
         k
         for k in want
-        if got[k].dtype != want[k].dtype or got[k].shape != want[k].shape or not torch.equal(raw(got[k]), raw(want[k]))
+        if got[k].dtype != want[k].dtype
+        or got[k].shape != want[k].shape
+        or not torch.equal(raw(got[k]), raw(want[k]))
     ]
     assert not bad, f"{what}: {len(bad)} of {len(want)} tensors differ, e.g. {bad[:4]}"
 
@@ -55,7 +57,11 @@ def ct():
             gs = Package.global_scale(w) if gs is None else gs
             g = w.unflatten(-1, (-1, 16))
             scale, _ = calculate_qparams(g.amin(-1), g.amax(-1), scheme.weights, global_scale=gs)
-            state = {"weight": w, "weight_scale": scale.to(w.dtype), "weight_global_scale": gs}  # module params
+            state = {
+                "weight": w,
+                "weight_scale": scale.to(w.dtype),
+                "weight_global_scale": gs,
+            }  # module params
             return NVFP4PackedCompressor.compress(state, scheme)
 
         @staticmethod
@@ -81,7 +87,9 @@ def adversarial_weights(dtype: torch.dtype) -> dict[str, torch.Tensor]:
     out["heavy_tails"] = heavy
     out["huge"] = torch.randn(16, 32, generator=g) / 4 * big
     out["tiny"] = torch.randn(16, 32, generator=g) * (1e-6 if dtype == torch.float16 else 1e-37)
-    ties = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0, -0.0])
+    ties = torch.tensor(
+        [6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0, -0.0]
+    )
     out["ties"] = torch.cat([ties * 2.0**e for e in range(-6, 6)]).reshape(6, 32)
     out["signed_zeros"] = torch.tensor([0.0, -0.0] * 16).reshape(1, 32).repeat(4, 1)
     out["zeros"] = torch.zeros(8, 32)
@@ -157,7 +165,9 @@ def test_compressed_tensors_checkpoint_of_a_tiny_qwen3_is_the_package_s(ct, toke
     for n in linears:
         state = {k.removeprefix(f"{n}."): v for k, v in disk.items() if k.startswith(f"{n}.weight")}
         theirs = ct.decompress(state).float()  # q·s / weight_global_scale; ours multiplies by RN(1/gs)
-        torch.testing.assert_close(theirs, loaded[f"{n}.weight"].dequantize(torch.float32), rtol=2**-7, atol=0)
+        torch.testing.assert_close(
+            theirs, loaded[f"{n}.weight"].dequantize(torch.float32), rtol=2**-7, atol=0
+        )
         assert torch.equal(loaded[f"{n}.weight"].data, res.weights[f"{n}.weight"].data)
 
 
@@ -165,7 +175,9 @@ def test_compressed_tensors_parses_our_quantization_config(ct, tokenizer, tmp_pa
     from compressed_tensors.quantization import QuantizationConfig
 
     export_nvfp4_checkpoint(tiny_qwen3(tokenizer, torch.bfloat16), tmp_path, layout="compressed-tensors")
-    qc = QuantizationConfig.model_validate(json.loads((tmp_path / "config.json").read_text())["quantization_config"])
+    qc = QuantizationConfig.model_validate(
+        json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    )
     args = qc.config_groups["group_0"].weights
     assert (args.num_bits, args.type, args.strategy, args.group_size) == (4, "float", "tensor_group", 16)
     assert qc.format == "nvfp4-pack-quantized"
