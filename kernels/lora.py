@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import copy
 import fnmatch
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -568,15 +567,13 @@ def write_nvfp4_base(
     :data:`triage.kernels.nvfp4.checkpoint_layouts.LAYOUTS`; the config is weight-only (``W4A16_NVFP4`` /
     no ``input_activations``): the activation scales of a W4A4 engine need calibration (see
     :func:`~triage.kernels.nvfp4.export_nvfp4_checkpoint`). ``load_nvfp4_checkpoint`` reads the same bytes
-    and decode scales back. ``config``: the model config (a ``PretrainedConfig`` or a dict) for config.json.
+    and decode scales back. ``config``: the model config (a ``PretrainedConfig`` or a dict naming
+    ``architectures``, e.g. ``export.model_config(model)``) for config.json. Files are written as by the
+    exporter (:func:`~triage.kernels.nvfp4.export.write_nvfp4_files`: an earlier export in ``out_dir`` is
+    replaced).
     """
-    from safetensors.torch import save_file
-
-    from triage.kernels.nvfp4.checkpoint_layouts import (
-        compressed_tensors_config,
-        get_layout,
-        modelopt_configs,
-    )
+    from triage.kernels.nvfp4.checkpoint_layouts import get_layout
+    from triage.kernels.nvfp4.export import _unshared, write_nvfp4_files
 
     lay = get_layout(layout)
     out: dict[str, torch.Tensor] = {}
@@ -604,33 +601,24 @@ def write_nvfp4_base(
         out[f"{module}.{lay.weight}"] = t.data.detach().cpu().contiguous()
         out[f"{module}.{lay.weight_scale}"] = t.scale.detach().cpu().contiguous()
         out[f"{module}.{lay.weight_global}"] = stored.detach().float().cpu().reshape(lay.global_shape).clone()
-    seen: set[int] = set()
-    for name, t in tensors.items():
-        if name in out:
-            raise ValueError(f"write_nvfp4_base: tensor {name!r} collides with a quantized tensor name")
-        t = t.detach().cpu()
-        ptr = t.untyped_storage().data_ptr()
-        out[name] = t.clone() if ptr in seen or not t.is_contiguous() else t  # safetensors refuses sharing
-        seen.add(ptr)
-    path = Path(out_dir)
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(out, str(path / "model.safetensors"), metadata={"format": "pt"})
+    collide = sorted(set(tensors) & set(out))
+    if collide:
+        raise ValueError(f"write_nvfp4_base: tensor {collide[0]!r} collides with a quantized tensor name")
+    out.update(_unshared(tensors))
     excluded = sorted(
         {n.rsplit(".", 1)[0] for n, t in tensors.items() if n.endswith(".weight") and t.dim() == 2}
     )
-    if lay.name == "modelopt":
-        from triage._version import __version__
-
-        hf_quant, qconfig = modelopt_configs(excluded, True, f"triage-rl-{__version__}")
-        (path / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=2))
-    else:
-        qconfig = compressed_tensors_config(excluded, True)
-    cfg = {} if config is None else (dict(config) if isinstance(config, Mapping) else config.to_dict())
     dtypes = {t.dtype for t in quantized.values()}
-    if len(dtypes) == 1 and cfg.get("dtype") is None and cfg.get("torch_dtype") is None:
-        cfg["dtype"] = str(dtypes.pop()).removeprefix("torch.")
-    cfg["quantization_config"] = qconfig
-    (path / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))
+    path = Path(out_dir)
+    write_nvfp4_files(
+        path,
+        out,
+        layout=lay.name,
+        config=config,
+        excluded=excluded,
+        weight_only=True,
+        dtype=dtypes.pop() if len(dtypes) == 1 else None,
+    )
     return path
 
 
@@ -641,25 +629,15 @@ def load_nvfp4_base(
     ``<module>.weight`` becomes a :class:`FrozenNVFP4Linear` holding the stored bytes; every other tensor is
     loaded into the model as stored. ``model`` is a skeleton of the same architecture (e.g.
     ``AutoModelForCausalLM.from_config(...)``). Raises naming the module or tensor that does not fit."""
-    from safetensors import safe_open
-
-    from triage.kernels.nvfp4 import load_nvfp4_checkpoint
-    from triage.kernels.nvfp4.checkpoint_layouts import LAYOUTS
-    from triage.kernels.nvfp4.export import detect_layout
+    from triage.kernels.nvfp4.export import _load
 
     path = Path(path)
     device = torch.device(device) if device is not None else _model_device(model)
-    weights = load_nvfp4_checkpoint(path, device=device)
-    lay = LAYOUTS[detect_layout(path)]
+    lay, stored, weights, _ = _load(path, None, device)
     modules = {name[: -len(".weight")] for name in weights}
     suffixes = (lay.weight, lay.weight_scale, lay.weight_global, lay.input_global)
     drop = {f"{m}.{s}" for m in modules for s in suffixes}
-    rest: dict[str, torch.Tensor] = {}
-    for f in sorted(path.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as sf:
-            for key in sf.keys():
-                if key not in drop:
-                    rest[key] = sf.get_tensor(key)
+    rest = {key: t for key, t in stored.tensors.items() if key not in drop}
     for m in sorted(modules):
         try:
             old = model.get_submodule(m)

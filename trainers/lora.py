@@ -58,6 +58,7 @@ from triage.kernels.lora import (
     load_nvfp4_base,
     write_nvfp4_base,
 )
+from triage.kernels.nvfp4.export import model_config
 from triage.kernels.nvfp4.recipe import QuantRecipe
 
 __all__ = [
@@ -525,7 +526,7 @@ def save_nvfp4_lora(
     """
     out = Path(out_dir)
     base = _unwrapped(model)
-    config = getattr(base, "config", None)
+    config = model_config(base) if hasattr(base, "config") else None  # names the architecture
     if merged:
         state = merged_state_dict(model, dtype)
         if layout is None:

@@ -22,13 +22,24 @@ amax: the checkpoint still loads, but vLLM then applies one shard's scale to all
 ModelOpt -> the other shards dequantize too large; the max ENCODE scale for compressed-tensors -> the
 shards with larger amax dequantize too small), i.e. the engine's weights differ from the exported ones.
 
+Producer arithmetic: the default recipe of each layout writes the bytes its producer writes for bf16, fp16
+and fp32 weights: ModelOpt's formulas (profile ``modelopt``, fp32 after an exact amax), and for
+compressed-tensors the package's own arithmetic in the weight's dtype (:func:`compressed_tensors_quantize`),
+which :func:`quantize`'s fp32 profile does not reproduce.
+
+Folders: an earlier NVFP4 export in ``out_dir`` is replaced (its shards, index and ModelOpt config removed
+first); weight files of anything else are refused, never deleted. config.json names ``architectures``.
+
 Exactness: ``load_nvfp4_checkpoint`` returns tensors whose ``data``/``scale`` bytes and decode multiplier
 equal the exported in-memory quantization (for compressed-tensors the decode multiplier is
-``RN(1/weight_global_scale)``, which is how the te and compressed-tensors profiles define it).
+``RN(1/weight_global_scale)``, which is how the te and compressed-tensors profiles define it). Malformed
+files (NaN or negative block-scale bytes, absurd outer scales, an unknown config dtype, unreadable shards)
+are errors naming the tensor and file.
 """
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 import json
 import re
@@ -48,19 +59,24 @@ from .checkpoint_layouts import (
     get_layout,
     modelopt_configs,
 )
+from .format import e2m1_codes, e4m3_encode, pack_nibbles
 from .recipe import QuantRecipe
-from .reference import outer_scale_from_recipe
+from .reference import FP4_TIMES_E4M3, block_amax, outer_scale_from_recipe
 from .tensor import NVFP4Tensor
 
 __all__ = [
     "DEFAULT_SKIP",
     "FUSED_GROUPS",
     "ExportResult",
+    "compressed_tensors_global_scale",
+    "compressed_tensors_quantize",
     "dequantized_state_dict",
     "detect_layout",
     "export_nvfp4_checkpoint",
     "load_activation_recipes",
     "load_nvfp4_checkpoint",
+    "model_config",
+    "write_nvfp4_files",
 ]
 
 #: Module-name patterns (fnmatch) kept in high precision: output head, embeddings, norms, MoE routers.
@@ -148,20 +164,25 @@ def export_nvfp4_checkpoint(
     Args:
         model_or_state_dict: an ``nn.Module`` (a HF model: its ``config`` is written and tokenizer files
             next to ``model.name_or_path`` are copied) or a ``{name: tensor}`` state dict.
-        out_dir: directory to write (created).
+        out_dir: directory to write (created; an earlier NVFP4 export there is replaced, other weight
+            files refused).
         layout: ``"modelopt"`` or ``"compressed-tensors"`` (see ``checkpoint_layouts.py``).
         recipe: weight quantizer; default ``QuantRecipe(profile=layout's producer)``. Needs
             ``scale="tensor"``, ``scale_source="dynamic"``, no Hadamard; compressed-tensors (encode scales)
-            also needs profile ``te`` or ``compressed-tensors``. ``block="16x16"`` is allowed (its scales are
-            stored per 1x16 row, which engines read as ordinary NVFP4).
+            also needs profile ``te`` or ``compressed-tensors``. Profile ``compressed-tensors`` runs the
+            package's arithmetic (:func:`compressed_tensors_quantize`, nearest rounding only).
+            ``block="16x16"`` is allowed (its scales are stored per 1x16 row, which engines read as
+            ordinary NVFP4).
         skip: fnmatch patterns on module names to keep high precision (:data:`DEFAULT_SKIP`).
         input_amax: ``{module name: calibrated activation amax}`` for W4A4 checkpoints (``input_scale`` /
             ``input_global_scale``; every quantized module needs one). None: weight-only (W4A16) config.
         share_fused_scales: one outer scale per fused group (see the module docstring).
         fused_groups: tuples of sibling module names sharing a scale (:data:`FUSED_GROUPS`).
-        config: for a state dict, the model config (``PretrainedConfig`` or dict) to write as config.json.
+        config: for a state dict, the model config (``PretrainedConfig`` or dict naming ``architectures``)
+            to write as config.json; default for a model: :func:`model_config` (as ``save_pretrained``).
         tokenizer: saved into ``out_dir`` if given.
-        backend: quantize backend (``"auto"``: Triton on CUDA, torch reference otherwise).
+        backend: quantize backend (``"auto"``: Triton on CUDA, torch reference otherwise); profile
+            ``compressed-tensors`` always runs the package's torch arithmetic on the weight's device.
         max_shard_bytes: split the safetensors into shards of at most this size (+ index json).
     """
     lay = get_layout(layout)
@@ -173,20 +194,14 @@ def export_nvfp4_checkpoint(
         embeddings = [n for n, m in model_or_state_dict.named_modules() if isinstance(m, torch.nn.Embedding)]
         skip = (*((skip,) if isinstance(skip, str) else tuple(skip)), *embeddings)
     targets, excluded = _plan(state, skip)
+    for m in targets:
+        _check_weight(m, state[f"{m}.weight"], recipe)
     groups = _fused_groups(targets, excluded, fused_groups) if share_fused_scales else {}
-    amax = {m: _weight_amax(m, state[f"{m}.weight"], recipe) for m in targets}
-    shared = _shared(amax, groups)
+    weights = _quantize_weights(state, targets, groups, recipe, backend)
 
-    weights: dict[str, NVFP4Tensor] = {}
     out: dict[str, torch.Tensor] = {}
     for m in targets:
-        r = (
-            recipe
-            if float(shared[m]) == 0.0
-            else replace(recipe, scale_source="static", static_amax=shared[m])
-        )
-        t = quantize(state[f"{m}.weight"], r, backend=backend)
-        weights[f"{m}.weight"] = t
+        t = weights[f"{m}.weight"]
         out[f"{m}.{lay.weight}"] = t.data.cpu().contiguous()
         out[f"{m}.{lay.weight_scale}"] = t.scale.cpu().contiguous()
         stored = t.global_encode_scale if lay.stores_encode else t.global_scale
@@ -199,24 +214,113 @@ def export_nvfp4_checkpoint(
             out[f"{m}.{lay.input_global}"] = torch.tensor(v, dtype=torch.float32).reshape(lay.global_shape)
 
     quantized = {f"{m}.weight" for m in targets}
-    seen: set[int] = set()
-    for name, t in state.items():
-        if name in quantized:
-            continue
-        t = t.detach().cpu()
-        ptr = t.untyped_storage().data_ptr()
-        out[name] = (
-            t.clone() if ptr in seen or not t.is_contiguous() else t
-        )  # safetensors refuses shared memory
-        seen.add(ptr)
+    out.update(_unshared({name: t for name, t in state.items() if name not in quantized}))
 
-    path = Path(out_dir)
-    path.mkdir(parents=True, exist_ok=True)
-    files = _save_sharded(out, path, max_shard_bytes)
     dtype = state[f"{targets[0]}.weight"].dtype if targets else None
-    _write_configs(path, lay, model_or_state_dict, config, excluded, input_amax is None, dtype)
+    path = Path(out_dir)
+    files = write_nvfp4_files(
+        path,
+        out,
+        layout=lay.name,
+        config=config if config is not None else _own_config(model_or_state_dict),
+        excluded=excluded,
+        weight_only=input_amax is None,
+        dtype=dtype,
+        max_shard_bytes=max_shard_bytes,
+    )
+    gen = getattr(model_or_state_dict, "generation_config", None)
+    if gen is not None and hasattr(gen, "save_pretrained"):
+        gen.save_pretrained(path)
     _copy_tokenizer(path, model_or_state_dict, tokenizer)
     return ExportResult(path, lay.name, weights, input_scales, excluded, files)
+
+
+def _unshared(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached CPU tensors, each with its own contiguous storage (safetensors refuses shared memory)."""
+    seen: set[int] = set()
+    out = {}
+    for name, t in tensors.items():
+        t = t.detach().cpu()
+        ptr = t.untyped_storage().data_ptr()
+        out[name] = t.clone() if ptr in seen or not t.is_contiguous() else t
+        seen.add(ptr)
+    return out
+
+
+def _quantize_weights(state, targets, groups, recipe: QuantRecipe, backend) -> dict[str, NVFP4Tensor]:
+    """``{"<m>.weight": NVFP4Tensor}``, one outer scale per fused group.
+
+    Profile ``compressed-tensors``: the package's own arithmetic (:func:`compressed_tensors_quantize`), the
+    group sharing the smallest encode scale (llm-compressor's rule for fused layers). Other profiles:
+    :func:`quantize` with the group's largest amax as a static amax (ModelOpt's rule)."""
+    if recipe.profile == "compressed-tensors":
+        enc = {
+            m: compressed_tensors_global_scale(state[f"{m}.weight"].detach().abs().amax()) for m in targets
+        }
+        return {
+            f"{m}.weight": compressed_tensors_quantize(
+                state[f"{m}.weight"],
+                torch.stack([enc[x] for x in groups.get(m, (m,))]).amin(0),
+                block=recipe.block,
+            )
+            for m in targets
+        }
+    amax = {m: float(state[f"{m}.weight"].detach().abs().amax().float()) for m in targets}
+    shared = _shared(amax, groups)
+    weights = {}
+    for m in targets:
+        r = recipe if shared[m] == 0.0 else replace(recipe, scale_source="static", static_amax=shared[m])
+        weights[f"{m}.weight"] = quantize(state[f"{m}.weight"], r, backend=backend)
+    return weights
+
+
+def compressed_tensors_global_scale(amax: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' ``generate_gparam``: the ENCODE scale ``2688 / A`` as PyTorch evaluates it in the
+    dtype ``d`` of ``amax`` (``scalar / tensor`` is ``reciprocal(tensor) * scalar``):
+    ``gs = fp32(RN_d(RN_d(1 / max(A, tiny_d)) · 2688))``, and 1 where that is not finite. Shape ``[1]``.
+
+    In bf16 both products round to 8 bits, so ``gs`` differs from the fp32 ``RN(2688 / A)`` in most
+    tensors; in fp16 every ``A < 2688 / 65504`` overflows to ``gs = 1``."""
+    a = torch.clamp(amax, min=torch.finfo(amax.dtype).tiny)
+    gs = torch.reciprocal(a) * FP4_TIMES_E4M3
+    return torch.where(torch.isfinite(gs), gs, torch.ones_like(gs)).float().reshape(1)
+
+
+def compressed_tensors_quantize(
+    w: torch.Tensor, global_scale: torch.Tensor | None = None, *, block: str = "1x16"
+) -> NVFP4Tensor:
+    """NVFP4-quantize ``w`` exactly as compressed-tensors writes it (``calculate_qparams`` for the block
+    scales, ``NVFP4PackedCompressor.compress`` for the codes), in ``w``'s own dtype ``d``:
+
+    * ``gs`` = ``global_scale`` (default :func:`compressed_tensors_global_scale` of ``max |w|``);
+    * block scale ``s = e4m3(RN(gs · RN_d(b / 6)))`` with ``b`` the block amax (in ``d``, exact), and
+      ``s = 0.125`` where that rounds to 0;
+    * code = E2M1 of ``RN(x / RN(s / gs))`` (ties to even, sign = ``v < 0``), packed low nibble first.
+
+    ``block="16x16"`` takes ``b`` over 16x16 tiles (stored per 1x16 row; the package itself has no
+    tiles). The result's recipe is ``QuantRecipe(profile="compressed-tensors", scale_source="checkpoint",
+    checkpoint_scale=gs)``, the one :func:`load_nvfp4_checkpoint` gives back: decode multiplier
+    ``RN(1 / gs)``."""
+    gs = compressed_tensors_global_scale(w.detach().abs().amax()) if global_scale is None else global_scale
+    gs = gs.float().reshape(1).to(w.device)
+    recipe = QuantRecipe(
+        profile="compressed-tensors", block=block, scale_source="checkpoint", checkpoint_scale=float(gs)
+    )
+    x = w.detach()
+    six = torch.tensor(6.0, dtype=x.dtype, device=x.device)
+    s = e4m3_encode(gs * (block_amax(x, recipe) / six).float()).float()
+    s = torch.where(s == 0, torch.full_like(s, 0.125), s)
+    v = x.float().unflatten(-1, (-1, GROUP_SIZE)) / (s / gs).unsqueeze(-1)
+    outer = outer_scale_from_recipe(recipe, x.device)
+    return NVFP4Tensor(
+        data=pack_nibbles(e2m1_codes(v.flatten(-2), "negative")),
+        scale=s.to(torch.float8_e4m3fn),
+        global_scale=outer.decode,
+        recipe=recipe,
+        shape=w.shape,
+        dtype=w.dtype,
+        global_encode_scale=outer.encode,
+    )
 
 
 def _check_recipe(recipe: QuantRecipe, lay: Layout) -> QuantRecipe:
@@ -237,6 +341,11 @@ def _check_recipe(recipe: QuantRecipe, lay: Layout) -> QuantRecipe:
             f"export_nvfp4_checkpoint: layout {lay.name!r} stores the ENCODE scale 2688/amax, from which only "
             f"profiles {lay.profiles} recover their decode multiplier exactly; profile {recipe.profile!r} "
             "derives encode from decode (use layout='modelopt')"
+        )
+    if recipe.profile == "compressed-tensors" and recipe.rounding != "nearest":
+        raise ValueError(
+            "export_nvfp4_checkpoint: profile 'compressed-tensors' writes what compressed-tensors computes, "
+            f"which rounds to nearest; got rounding={recipe.rounding!r}"
         )
     return recipe
 
@@ -371,7 +480,7 @@ def _fused_groups(targets: list[str], excluded: list[str], fused_groups) -> dict
     return groups
 
 
-def _weight_amax(module: str, w: torch.Tensor, recipe: QuantRecipe) -> float:
+def _check_weight(module: str, w: torch.Tensor, recipe: QuantRecipe) -> None:
     name = f"{module}.weight"
     k = w.shape[-1]
     if k % GROUP_SIZE:
@@ -382,10 +491,8 @@ def _weight_amax(module: str, w: torch.Tensor, recipe: QuantRecipe) -> float:
         )
     if w.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"export_nvfp4_checkpoint: {name!r} has dtype {w.dtype}; expected fp16, bf16 or fp32")
-    a = w.detach().abs().amax().float()
-    if not torch.isfinite(a):
+    if not torch.isfinite(w.detach().abs().amax()):
         raise ValueError(f"export_nvfp4_checkpoint: {name!r} contains NaN or Inf; refusing to export it")
-    return float(a)
 
 
 def _shared(amax: dict[str, float], groups: dict[str, tuple[str, ...]]) -> dict[str, float]:
@@ -411,15 +518,18 @@ def _input_scales(input_amax, targets, groups, lay: Layout) -> dict[str, float]:
             v = float(v)
         except (TypeError, ValueError):
             raise ValueError(f"input_amax[{m!r}] must be a number, got {v!r}") from None
-        if not (v > 0 and v < float("inf")):
-            raise ValueError(f"input_amax[{m!r}] must be finite and > 0, got {v!r}")
-        amax[m] = v
+        v32 = float(torch.tensor(v, dtype=torch.float32))
+        if not (v32 > 0 and v32 < float("inf")):
+            raise ValueError(f"input_amax[{m!r}] must be finite and > 0 in fp32, got {v!r}")
+        amax[m] = v32
     shared = _shared(amax, groups)
     scales = {}
     for m in targets:
-        recipe = QuantRecipe(profile=lay.profile, scale_source="static", static_amax=shared[m])
-        outer = outer_scale_from_recipe(recipe, "cpu")
-        scales[m] = float(outer.encode if lay.stores_encode else outer.decode)
+        if lay.name == "compressed-tensors":  # generate_gparam on the calibrated amax (an fp32 value)
+            scales[m] = float(compressed_tensors_global_scale(torch.tensor(shared[m], dtype=torch.float32)))
+        else:
+            recipe = QuantRecipe(profile="modelopt", scale_source="static", static_amax=shared[m])
+            scales[m] = float(outer_scale_from_recipe(recipe, "cpu").decode)
     return scales
 
 
@@ -452,33 +562,95 @@ def _save_sharded(tensors: dict[str, torch.Tensor], path: Path, max_bytes: int) 
     return files
 
 
-def _model_config_dict(obj, config) -> dict | None:
-    config = config if config is not None else getattr(obj, "config", None)
-    if config is None:
-        return None
+def model_config(model):
+    """A copy of ``model.config`` naming the model's class in ``architectures``, as ``save_pretrained``
+    records it (vLLM's model registry refuses a config without it)."""
+    config = copy.deepcopy(model.config)
+    config.architectures = [type(model).__name__]
+    return config
+
+
+def _own_config(obj):
+    """A model's config as ``save_pretrained`` writes it (:func:`model_config`); None for a state dict."""
+    own = isinstance(obj, torch.nn.Module) and hasattr(getattr(obj, "config", None), "to_json_string")
+    return model_config(obj) if own else None
+
+
+def _config_dict(config) -> dict:
+    """config.json's content (without ``quantization_config``) from a ``PretrainedConfig`` (what its
+    ``save_pretrained`` writes) or a dict; either must name ``architectures``."""
     if isinstance(config, Mapping):
-        return dict(config)
-    if hasattr(config, "to_dict"):
-        return config.to_dict()
-    raise TypeError(f"config must be a PretrainedConfig or a dict, got {type(config).__name__}")
+        cfg = dict(config)
+    elif hasattr(config, "to_json_string"):  # a PretrainedConfig: what its save_pretrained writes
+        cfg = json.loads(config.to_json_string(use_diff=True))
+    else:
+        raise TypeError(f"config must be a PretrainedConfig or a dict, got {type(config).__name__}")
+    arch = cfg.get("architectures")
+    if not (isinstance(arch, list) and arch and all(isinstance(a, str) for a in arch)):
+        raise ValueError(
+            f"config: 'architectures' must name the model class (e.g. ['Qwen3ForCausalLM']), got {arch!r}; "
+            "inference engines pick the model by it (pass the model, or triage.kernels.nvfp4.export."
+            "model_config(model))"
+        )
+    return cfg
 
 
-def _write_configs(path: Path, lay: Layout, obj, config, excluded, weight_only: bool, dtype) -> None:
+def _clear_previous_export(path: Path) -> None:
+    """Remove the files of an earlier NVFP4 export in ``path`` that the new one may not overwrite
+    (``model*.safetensors``, ``model.safetensors.index.json``, ``hf_quant_config.json``), so that no stale
+    shard, index or config is read back. Weight files of anything else (a folder whose configs describe no
+    NVFP4 checkpoint) are refused, never deleted."""
+    ours = (path / INDEX, path / HF_QUANT_CONFIG)
+    old = sorted(path.glob("model*.safetensors")) + [p for p in ours if p.is_file()]
+    if not old:
+        return
+    try:
+        detect_layout(path)
+    except ValueError as err:
+        raise FileExistsError(
+            f"{path} holds {[p.name for p in old]}, which are not an NVFP4 export ({err}); export into an "
+            "empty folder, or delete them to overwrite"
+        ) from None
+    for p in old:
+        p.unlink()
+
+
+def write_nvfp4_files(
+    out_dir,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    layout: str,
+    config,
+    excluded: list[str],
+    weight_only: bool,
+    dtype: torch.dtype | None,
+    max_shard_bytes: int = 5 * 2**30,
+) -> list[str]:
+    """Write the tensors of an NVFP4 checkpoint (already in the layout's names) and its configs.
+
+    An earlier NVFP4 export in ``out_dir`` is replaced (:func:`_clear_previous_export`). config.json is
+    ``config`` (a ``PretrainedConfig`` or a dict naming ``architectures``; None: nothing but the
+    quantization config and ``dtype``, enough for :func:`load_nvfp4_checkpoint`, not for an engine)
+    + ``quantization_config`` (+ ``dtype`` if unset); ModelOpt also gets ``hf_quant_config.json``.
+    Returns the safetensors file names."""
     from triage._version import __version__
 
+    lay = get_layout(layout)
+    cfg = {} if config is None else _config_dict(config)
+    path = Path(out_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    _clear_previous_export(path)
+    files = _save_sharded(dict(tensors), path, max_shard_bytes)
     if lay.name == "modelopt":
         hf_quant, qconfig = modelopt_configs(excluded, weight_only, f"triage-rl-{__version__}")
         (path / HF_QUANT_CONFIG).write_text(json.dumps(hf_quant, indent=2))
     else:
         qconfig = compressed_tensors_config(excluded, weight_only)
-    cfg = _model_config_dict(obj, config) or {}
     if dtype is not None and cfg.get("dtype") is None and cfg.get("torch_dtype") is None:
         cfg["dtype"] = str(dtype).removeprefix("torch.")  # as save_pretrained records it; loaders read it
     cfg["quantization_config"] = qconfig
     (path / CONFIG).write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))
-    gen = getattr(obj, "generation_config", None)
-    if gen is not None and hasattr(gen, "save_pretrained"):
-        gen.save_pretrained(path)
+    return files
 
 
 def _copy_tokenizer(path: Path, obj, tokenizer) -> None:
@@ -498,7 +670,15 @@ def _copy_tokenizer(path: Path, obj, tokenizer) -> None:
 
 
 def _read_json(p: Path) -> dict | None:
-    return json.loads(p.read_text()) if p.is_file() else None
+    if not p.is_file():
+        return None
+    try:
+        data = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{p}: not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{p}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 def detect_layout(path) -> str:
@@ -555,31 +735,123 @@ def _weight_only(path: Path, layout: str) -> bool:
     return all(g.get("input_activations") is None for g in qc.get("config_groups", {}).values())
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+#: config.json ``dtype`` values a checkpoint dequantizes to.
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
-    index = _read_json(path / INDEX)
-    if index is not None:
-        files = sorted(set(index["weight_map"].values()))
-    elif (path / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        files = sorted(p.name for p in path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path}: no .safetensors files")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        if not (path / f).is_file():
-            raise FileNotFoundError(f"{path}: shard {f!r} listed in {INDEX} is missing")
-        tensors.update(load_file(str(path / f)))
-    return tensors
+
+@dataclass
+class _Stored:
+    """The tensors of a checkpoint folder and the file each one was read from (named in every error)."""
+
+    path: Path
+    tensors: dict[str, torch.Tensor]
+    origin: dict[str, str]
+
+    @classmethod
+    def read(cls, path: Path) -> _Stored:
+        """Read the shards named by ``model.safetensors.index.json`` if present, else ``model.safetensors``,
+        else every ``*.safetensors``. A listed shard that is missing or unreadable, a tensor the index puts
+        in a shard that lacks it, or a tensor in two shards is an error naming the file."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        index = _read_json(path / INDEX)
+        if index is not None:
+            weight_map = index.get("weight_map")
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                raise ValueError(f"{path / INDEX}: 'weight_map' must map tensor names to shard files")
+            files = sorted(set(weight_map.values()))
+        elif (path / "model.safetensors").is_file():
+            files = ["model.safetensors"]
+        else:
+            files = sorted(p.name for p in path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{path}: no .safetensors files")
+        stored = cls(path, {}, {})
+        for f in files:
+            if not (path / f).is_file():
+                raise FileNotFoundError(f"{path}: shard {f!r} listed in {INDEX} is missing")
+            try:
+                part = load_file(str(path / f))
+            except (SafetensorError, OSError) as err:
+                raise ValueError(f"{path / f}: not a readable safetensors file ({err})") from None
+            for name, t in part.items():
+                if name in stored.origin:
+                    raise ValueError(f"{path}: tensor {name!r} is in both {stored.origin[name]} and {f}")
+                stored.tensors[name] = t
+                stored.origin[name] = f
+        if index is not None:
+            lost = [n for n, f in weight_map.items() if stored.origin.get(n) != f]
+            if lost:
+                raise ValueError(
+                    f"{path / INDEX} puts {len(lost)} tensor(s) in shards that do not hold them, e.g. "
+                    f"{lost[0]!r} in {weight_map[lost[0]]}"
+                )
+        return stored
+
+    def where(self, name: str) -> str:
+        return str(self.path / self.origin[name])
+
+    def get(self, name: str, dtype: torch.dtype, what: str) -> torch.Tensor:
+        if name not in self.tensors:
+            raise KeyError(f"NVFP4 checkpoint {self.path}: missing tensor {name!r} ({what})")
+        t = self.tensors[name]
+        if t.dtype != dtype:
+            raise ValueError(
+                f"NVFP4 checkpoint {self.where(name)}: tensor {name!r} has dtype {t.dtype}, expected {dtype} "
+                f"({what})"
+            )
+        return t
+
+    def block_scales(self, name: str) -> torch.Tensor:
+        """E4M3 block scales; a NaN (0x7F/0xFF) or sign-set byte is an error (scales are finite, >= 0)."""
+        scale = self.get(name, torch.float8_e4m3fn, "E4M3 block scales")
+        bits = scale.view(torch.uint8)
+        bad = (bits >= 0x80) | (bits == 0x7F)
+        if bad.any():
+            first = tuple(bad.nonzero()[0].tolist())
+            raise ValueError(
+                f"NVFP4 checkpoint {self.where(name)}: {name!r} has {int(bad.sum())} block-scale byte(s) that "
+                f"are NaN or negative (first at {first}: 0x{int(bits[first]):02X}); E4M3 block scales are "
+                "finite and >= 0"
+            )
+        return scale
+
+    def outer(self, name: str, lay: Layout, dtype: torch.dtype, what: str) -> float:
+        """A stored outer scale ``v`` (one fp32 value). Its decode multiplier ``dec`` (``v``, or ``RN(1/v)``
+        for encode layouts) must be a normal fp32 number with ``2688·dec``, the largest magnitude the
+        tensor can hold, finite in ``dtype``; anything else is an error naming the tensor and file."""
+        t = self.get(name, torch.float32, what)
+        if t.numel() != 1:
+            raise ValueError(
+                f"NVFP4 checkpoint {self.where(name)}: {name!r} must hold one value ({what}), has shape "
+                f"{tuple(t.shape)}"
+            )
+        v = t.reshape(())
+        dec = float(torch.reciprocal(v)) if lay.stores_encode else float(v)
+        limit = torch.finfo(dtype).max / FP4_TIMES_E4M3
+        if not (float(v) > 0 and torch.isfinite(v) and torch.finfo(torch.float32).tiny <= dec <= limit):
+            raise ValueError(
+                f"NVFP4 checkpoint {self.where(name)}: {name!r} = {float(v)!r} ({what}) is not a usable outer "
+                f"scale: its decode multiplier {dec!r} must lie in [2^-126, {limit:.4g}] (2688·decode finite "
+                f"in {dtype})"
+            )
+        return float(v)
 
 
 def _config_dtype(path: Path) -> torch.dtype:
+    """config.json's ``dtype`` (or ``torch_dtype``); bfloat16 when it names none."""
     cfg = _read_json(path / CONFIG) or {}
-    name = cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"
-    dtype = getattr(torch, str(name).replace("torch.", ""), None)
-    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.bfloat16
+    name = cfg.get("dtype") or cfg.get("torch_dtype")
+    if name is None:
+        return torch.bfloat16
+    key = str(name).removeprefix("torch.")
+    if key not in DTYPES:
+        raise ValueError(
+            f"{path / CONFIG}: dtype {name!r} is not a dtype NVFP4 weights dequantize to; expected one of "
+            f"{tuple(DTYPES)}"
+        )
+    return DTYPES[key]
 
 
 def _quantized_modules(tensors: dict[str, torch.Tensor], lay: Layout) -> list[str]:
@@ -597,38 +869,17 @@ def _quantized_modules(tensors: dict[str, torch.Tensor], lay: Layout) -> list[st
     return modules
 
 
-def _get(tensors, name: str, dtype: torch.dtype, what: str) -> torch.Tensor:
-    if name not in tensors:
-        raise KeyError(f"NVFP4 checkpoint: missing tensor {name!r} ({what})")
-    t = tensors[name]
-    if t.dtype != dtype:
-        raise ValueError(f"NVFP4 checkpoint: tensor {name!r} has dtype {t.dtype}, expected {dtype} ({what})")
-    return t
-
-
-def _scalar(tensors, name: str, what: str) -> float:
-    t = _get(tensors, name, torch.float32, what)
-    if t.numel() != 1:
-        raise ValueError(
-            f"NVFP4 checkpoint: {name!r} must hold one value ({what}), has shape {tuple(t.shape)}"
-        )
-    v = float(t.reshape(()))
-    if not (v > 0 and v < float("inf")):
-        raise ValueError(f"NVFP4 checkpoint: {name!r} = {v} ({what}) must be finite and > 0")
-    return v
-
-
-def _load(path, dtype, device) -> tuple[Layout, dict[str, torch.Tensor], dict[str, NVFP4Tensor], list[str]]:
+def _load(path, dtype, device) -> tuple[Layout, _Stored, dict[str, NVFP4Tensor], list[str]]:
     path = Path(path)
     lay = LAYOUTS[detect_layout(path)]
-    tensors = _read_tensors(path)
+    stored = _Stored.read(path)
     dtype = dtype or _config_dtype(path)
     out: dict[str, NVFP4Tensor] = {}
-    modules = _quantized_modules(tensors, lay)
+    modules = _quantized_modules(stored.tensors, lay)
     for m in modules:
-        data = _get(tensors, f"{m}.{lay.weight}", torch.uint8, "packed E2M1 codes")
-        scale = _get(tensors, f"{m}.{lay.weight_scale}", torch.float8_e4m3fn, "E4M3 block scales")
-        stored = _scalar(tensors, f"{m}.{lay.weight_global}", "weight outer scale")
+        data = stored.get(f"{m}.{lay.weight}", torch.uint8, "packed E2M1 codes")
+        scale = stored.block_scales(f"{m}.{lay.weight_scale}")
+        v = stored.outer(f"{m}.{lay.weight_global}", lay, dtype, "weight outer scale")
         n, half_k = data.shape if data.dim() == 2 else (None, None)
         if (
             data.dim() != 2
@@ -636,10 +887,11 @@ def _load(path, dtype, device) -> tuple[Layout, dict[str, torch.Tensor], dict[st
             or (2 * half_k) % GROUP_SIZE
         ):
             raise ValueError(
-                f"NVFP4 checkpoint: {m!r}: {lay.weight} {tuple(data.shape)} and {lay.weight_scale} "
-                f"{tuple(scale.shape)} are not [N, K/2] and [N, K/16] with K % 16 == 0"
+                f"NVFP4 checkpoint {stored.where(f'{m}.{lay.weight}')}: {m!r}: {lay.weight} "
+                f"{tuple(data.shape)} and {lay.weight_scale} {tuple(scale.shape)} are not [N, K/2] and "
+                "[N, K/16] with K % 16 == 0"
             )
-        recipe = QuantRecipe(profile=lay.profile, scale_source="checkpoint", checkpoint_scale=stored)
+        recipe = QuantRecipe(profile=lay.profile, scale_source="checkpoint", checkpoint_scale=v)
         outer = outer_scale_from_recipe(recipe, device)
         out[f"{m}.weight"] = NVFP4Tensor(
             data=data.to(device),
@@ -650,7 +902,7 @@ def _load(path, dtype, device) -> tuple[Layout, dict[str, torch.Tensor], dict[st
             dtype=dtype,
             global_encode_scale=outer.encode,
         )
-    return lay, tensors, out, modules
+    return lay, stored, out, modules
 
 
 def load_nvfp4_checkpoint(path, *, dtype: torch.dtype | None = None, device="cpu") -> dict[str, NVFP4Tensor]:
@@ -660,7 +912,8 @@ def load_nvfp4_checkpoint(path, *, dtype: torch.dtype | None = None, device="cpu
     Each tensor's recipe is ``QuantRecipe(profile=<layout producer>, scale_source="checkpoint",
     checkpoint_scale=<stored outer scale>)``: ``global_scale`` is ``weight_scale_2`` (ModelOpt) or
     ``RN(1/weight_global_scale)`` (compressed-tensors). ``dtype`` (the dequantization default) is taken
-    from config.json when not given. Missing or malformed tensors raise an error naming the tensor.
+    from config.json when not given. Missing or malformed tensors (see :meth:`_Stored.block_scales`,
+    :meth:`_Stored.outer`) raise an error naming the tensor and its file.
     """
     return _load(path, dtype, device)[2]
 
@@ -671,12 +924,13 @@ def load_activation_recipes(path) -> dict[str, QuantRecipe]:
     (compressed-tensors, encode). Empty for weight-only (W4A16) checkpoints; a W4A4 checkpoint missing a
     quantized module's activation scale is an error naming the tensor."""
     path = Path(path)
-    lay, tensors, _, modules = _load(path, None, "cpu")
+    lay, stored, _, modules = _load(path, None, "cpu")
     if _weight_only(path, lay.name):
         return {}
+    dtype = _config_dtype(path)
     recipes = {}
     for m in modules:
-        v = _scalar(tensors, f"{m}.{lay.input_global}", "static activation outer scale")
+        v = stored.outer(f"{m}.{lay.input_global}", lay, dtype, "static activation outer scale")
         recipes[m] = QuantRecipe(profile=lay.profile, scale_source="checkpoint", checkpoint_scale=v)
     return recipes
 
@@ -690,13 +944,13 @@ def dequantized_state_dict(
     keeps the dequantized values as its master weight and re-quantizes them with its own recipe).
     ``fuse_experts=True`` stacks per-expert ``experts.{e}.{gate,up,down}_proj.weight`` back into the
     transformers-5 ``experts.gate_up_proj`` / ``experts.down_proj`` parameters."""
-    lay, tensors, weights, modules = _load(path, dtype, device)
+    lay, stored, weights, modules = _load(path, dtype, device)
     nvfp4_names = {
         f"{m}.{s}"
         for m in modules
         for s in (lay.weight, lay.weight_scale, lay.weight_global, lay.input_global)
     }
-    out = {name: t.to(device) for name, t in tensors.items() if name not in nvfp4_names}
+    out = {name: t.to(device) for name, t in stored.tensors.items() if name not in nvfp4_names}
     for name, t in weights.items():
         out[name] = t.dequantize()
     return _fuse_experts(out) if fuse_experts else out

@@ -8,6 +8,7 @@ import torch
 from triage.kernels.linear import NVFP4Linear
 from triage.kernels.lora import FrozenNVFP4Linear
 from triage.kernels.nvfp4 import QuantRecipe, quantize
+from triage.kernels.nvfp4.export import compressed_tensors_quantize
 from triage.kernels.nvfp4.reference import outer_scale_from_recipe
 from triage.trainers.diagnostics.kvcache import QuantizedKVLayer, cache_argument, kv_cache
 from triage.trainers.diagnostics.paths import ExecutionPath, TokenBatch, prepare_model, run_path
@@ -136,7 +137,8 @@ def test_kv_cache_refuses_layers_it_cannot_emulate():
 @pytest.mark.parametrize("profile", ["modelopt", "compressed-tensors", "te"])
 def test_offline_conversion_loads_the_exported_checkpoint(trained, profile):
     """weights_from="checkpoint": the engine layer holds the codes the kernels' exporter wrote for the bf16
-    weights, and the decode scale its loader reads (RN(1/encode) for the compressed-tensors layout)."""
+    weights (compressed-tensors: the package's own bf16 arithmetic), and the decode scale its loader reads
+    (RN(1/encode) for the compressed-tensors layout)."""
     model, _ = trained
     precision = Precision("w4a16", weights_from="checkpoint", checkpoint_profile=profile)
     offline = convert_linears(copy.deepcopy(model), precision)
@@ -146,9 +148,11 @@ def test_offline_conversion_loads_the_exported_checkpoint(trained, profile):
         layer = offline.get_submodule(name)
         assert isinstance(layer, FrozenNVFP4Linear) and layer.config.mode == "w4a16"
         got = layer.quantized_weight()
-        ref = quantize(
-            model.get_submodule(name).weight.to(torch.bfloat16), QuantRecipe(profile=profile), backend="torch"
-        )
+        w = model.get_submodule(name).weight.to(torch.bfloat16)
+        if profile == "compressed-tensors":
+            ref = compressed_tensors_quantize(w)
+        else:
+            ref = quantize(w, QuantRecipe(profile=profile), backend="torch")
         assert torch.equal(got.data, ref.data)
         assert torch.equal(got.scale.view(torch.uint8), ref.scale.view(torch.uint8))
         if profile == "compressed-tensors":  # stored as an encode scale, inverted by the loader

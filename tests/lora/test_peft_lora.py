@@ -137,6 +137,32 @@ def test_merged_exports_plain_and_requantized(nvfp4_model, tmp_path):
     assert "model.layers.0.self_attn.o_proj.weight" in load_nvfp4_checkpoint(tmp_path / "nvfp4")
 
 
+def test_saved_checkpoints_name_the_architecture_and_replace_an_earlier_export(
+    nvfp4_model, tokenizer, tmp_path
+):
+    """vLLM needs config.json's architectures; a base written over an earlier (sharded) export is read back
+    as written, not through the earlier index."""
+    import json
+
+    from triage.kernels.nvfp4 import export_nvfp4_checkpoint
+    from triage.trainers.tiny import build_model
+
+    model = _lora(nvfp4_model, mode="w4a16")
+    assert model.base_model.model.config.architectures is None  # built, never saved
+    export_nvfp4_checkpoint(build_model(tokenizer, seed=8), tmp_path / BASE_SUBDIR, max_shard_bytes=20_000)
+    save_nvfp4_lora(model, tmp_path)
+    assert not (tmp_path / BASE_SUBDIR / "model.safetensors.index.json").exists()
+    assert _base_bytes(
+        load_nvfp4_lora(build_model(tokenizer, seed=3), tmp_path, NVFP4BaseConfig(**FAST))
+    ) == (_base_bytes(model))
+    save_nvfp4_lora(model, tmp_path / "nvfp4", merged=True, layout="compressed-tensors")
+    save_nvfp4_lora(model, tmp_path / "plain", merged=True, layout=None)
+    for folder in (tmp_path / BASE_SUBDIR, tmp_path / "nvfp4", tmp_path / "plain"):
+        assert json.loads((folder / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"], (
+            folder
+        )
+
+
 def test_bad_configurations_are_refused(nvfp4_model, tokenizer):
     from triage.trainers.tiny import build_model
 

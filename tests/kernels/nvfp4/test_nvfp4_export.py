@@ -19,7 +19,12 @@ from triage.kernels.nvfp4 import (
     load_nvfp4_checkpoint,
     quantize,
 )
-from triage.kernels.nvfp4.export import DEFAULT_SKIP
+from triage.kernels.nvfp4.export import (
+    DEFAULT_SKIP,
+    compressed_tensors_global_scale,
+    compressed_tensors_quantize,
+    model_config,
+)
 
 LAYOUTS = ("modelopt", "compressed-tensors")
 PROFILE = {"modelopt": "modelopt", "compressed-tensors": "compressed-tensors"}
@@ -86,6 +91,13 @@ def raw_bytes(t):
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
+def producer_quantize(layout, w):
+    """What the layout's producer writes for ``w`` with its own outer scale (the export's default)."""
+    if layout == "compressed-tensors":
+        return compressed_tensors_quantize(w)
+    return quantize(w, QuantRecipe(profile="modelopt"))
+
+
 # ----------------------------------------------------------------------------------------- round trip
 
 
@@ -135,11 +147,13 @@ def test_stored_outer_scales_follow_each_layout_convention(exported, model, inpu
     sd = model.state_dict()
     for n in ("model.layers.0.self_attn.o_proj", "model.layers.1.mlp.down_proj"):  # not fused: own amax
         a = sd[f"{n}.weight"].abs().amax().float()
-        want = a / f32(2688.0) if layout == "modelopt" else f32(2688.0) / a
-        assert torch.equal(disk[f"{n}.{wglob}"].reshape(()), want)
         ax = f32(input_amax[n])
-        want_in = ax / f32(2688.0) if layout == "modelopt" else f32(2688.0) / ax
-        assert torch.equal(disk[f"{n}.{iglob}"].reshape(()), want_in)
+        got, got_in = disk[f"{n}.{wglob}"].reshape(()), disk[f"{n}.{iglob}"].reshape(())
+        if layout == "modelopt":
+            assert torch.equal(got, a / f32(2688.0)) and torch.equal(got_in, ax / f32(2688.0))
+        else:  # the package's own rounding (reciprocal times 2688): test_nvfp4_export_packages.py
+            torch.testing.assert_close(got, f32(2688.0) / a, rtol=2**-23, atol=0)
+            torch.testing.assert_close(got_in, f32(2688.0) / ax, rtol=2**-23, atol=0)
 
 
 def test_engine_dequantization_formula_matches(exported):
@@ -200,9 +214,15 @@ def test_activation_recipes_reproduce_the_static_input_scale(exported, input_ama
         a = input_amax[n]
         if n.endswith("gate_proj"):
             a = max(a, input_amax[n.replace("gate_proj", "up_proj")])
-        static = quantize(x, QuantRecipe(profile=PROFILE[layout], scale_source="static", static_amax=a))
-        got = quantize(x, recipes[n])
-        assert torch.equal(got.data, static.data) and torch.equal(got.global_scale, static.global_scale)
+        if layout == "modelopt":
+            static = QuantRecipe(profile="modelopt", scale_source="static", static_amax=a)
+        else:  # generate_gparam of the calibrated amax, stored as the encode scale
+            enc = float(compressed_tensors_global_scale(f32(a)))
+            static = QuantRecipe(
+                profile="compressed-tensors", scale_source="checkpoint", checkpoint_scale=enc
+            )
+        want, got = quantize(x, static), quantize(x, recipes[n])
+        assert torch.equal(got.data, want.data) and torch.equal(got.global_scale, want.global_scale)
 
 
 # -------------------------------------------------------------------------------- shared fused scales
@@ -216,14 +236,13 @@ def test_fused_shards_share_one_outer_scale_equal_to_quantizing_the_fused_weight
     disk = load_file(str(tmp_path / "model.safetensors"))
     wglob = NAMES[layout][2]
     sd = model.state_dict()
-    recipe = QuantRecipe(profile=PROFILE[layout])
     for i in range(len(model.model.layers)):
         for parent, group in (
             (f"model.layers.{i}.self_attn", "qkv"),
             (f"model.layers.{i}.mlp", ("gate", "up")),
         ):
             shards = [f"{parent}.{s}_proj" for s in group]
-            fused = quantize(torch.cat([sd[f"{s}.weight"] for s in shards]), recipe)
+            fused = producer_quantize(layout, torch.cat([sd[f"{s}.weight"] for s in shards]))
             stored = {float(disk[f"{s}.{wglob}"]) for s in shards}
             assert len(stored) == 1
             assert stored == {
@@ -243,12 +262,11 @@ def test_fused_shards_share_one_outer_scale_equal_to_quantizing_the_fused_weight
 def test_unshared_scales_are_per_shard(layout, model, tmp_path):
     res = export_nvfp4_checkpoint(model, tmp_path, layout=layout, share_fused_scales=False)
     sd = model.state_dict()
-    recipe = QuantRecipe(profile=PROFILE[layout])
     shards = [f"model.layers.0.self_attn.{s}_proj.weight" for s in "qkv"]
     scales = {float(res.weights[s].global_scale) for s in shards}
     assert len(scales) == 3
     for s in shards:
-        own = quantize(sd[s], recipe)
+        own = producer_quantize(layout, sd[s])
         assert torch.equal(res.weights[s].data, own.data) and torch.equal(
             res.weights[s].global_scale, own.global_scale
         )
@@ -355,6 +373,55 @@ def test_te_16x16_recipe_round_trips(layout, model, tmp_path):
         assert torch.equal(loaded[name].dequantize(), t.dequantize())
 
 
+# ------------------------------------------------------------------------------ re-export, configs
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_re_export_into_a_folder_with_an_earlier_sharded_export_loads_the_new_weights(
+    layout, model, tmp_path
+):
+    """The earlier shards, index and ModelOpt config are removed, so nothing stale is read back."""
+    export_nvfp4_checkpoint(model, tmp_path, layout="modelopt", max_shard_bytes=20_000)
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    newer = {k: v * 2 for k, v in model.state_dict().items()}
+    res = export_nvfp4_checkpoint(newer, tmp_path, layout=layout, config=model_config(model))
+    assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == ["model.safetensors"]
+    assert not (tmp_path / "model.safetensors.index.json").exists()
+    assert (tmp_path / "hf_quant_config.json").exists() == (layout == "modelopt")
+    loaded = load_nvfp4_checkpoint(tmp_path)
+    for name, t in res.weights.items():
+        assert torch.equal(loaded[name].data, t.data) and torch.equal(
+            loaded[name].global_scale, t.global_scale
+        )
+    assert torch.equal(dequantized_state_dict(tmp_path)["model.norm.weight"], newer["model.norm.weight"])
+
+
+def test_export_refuses_a_folder_holding_another_checkpoint(model, tmp_path):
+    model.save_pretrained(tmp_path)  # a plain (not NVFP4) checkpoint: never deleted
+    before = (tmp_path / "model.safetensors").read_bytes()
+    with pytest.raises(FileExistsError, match=r"model\.safetensors.*not an NVFP4 export.*delete them"):
+        export_nvfp4_checkpoint(model, tmp_path)
+    assert (tmp_path / "model.safetensors").read_bytes() == before
+
+
+def test_config_names_the_architecture_as_save_pretrained_does(model, tokenizer, tmp_path):
+    from transformers import AutoConfig
+
+    from triage.trainers.tiny import build_model
+
+    fresh = build_model(tokenizer, seed=1)  # never saved: its config has no architectures yet
+    assert fresh.config.architectures is None
+    export_nvfp4_checkpoint(fresh, tmp_path / "a")
+    assert json.loads((tmp_path / "a" / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
+    assert AutoConfig.from_pretrained(tmp_path / "a").architectures == ["Qwen3ForCausalLM"]
+    assert fresh.config.architectures is None  # the model's own config is left alone
+    sd = small_state_dict()
+    with pytest.raises(ValueError, match="'architectures' must name the model class"):
+        export_nvfp4_checkpoint(sd, tmp_path / "b", config={"model_type": "toy"})
+    with pytest.raises(ValueError, match="'architectures' must name the model class"):
+        export_nvfp4_checkpoint(sd, tmp_path / "c", config=fresh.config)
+
+
 # ------------------------------------------------------------------------------------------ bad input
 
 
@@ -368,7 +435,8 @@ def small_state_dict(k: int = 32) -> dict:
 
 def test_state_dict_export_with_config(tmp_path):
     sd = small_state_dict()
-    res = export_nvfp4_checkpoint(sd, tmp_path, layout="compressed-tensors", config={"model_type": "toy"})
+    cfg = {"model_type": "toy", "architectures": ["ToyForCausalLM"]}
+    res = export_nvfp4_checkpoint(sd, tmp_path, layout="compressed-tensors", config=cfg)
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "toy"
     assert torch.equal(
         dequantized_state_dict(tmp_path)["layers.0.proj.weight"],
@@ -395,6 +463,10 @@ def test_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="ENCODE"):
         export_nvfp4_checkpoint(
             sd, tmp_path, layout="compressed-tensors", recipe=QuantRecipe(profile="torchao")
+        )
+    with pytest.raises(ValueError, match="compressed-tensors computes, which rounds to nearest"):
+        export_nvfp4_checkpoint(
+            sd, tmp_path, recipe=QuantRecipe(profile="compressed-tensors", rounding="stochastic")
         )
     bad = dict(sd, **{"layers.0.proj.weight": sd["layers.0.proj.weight"].clone()})
     bad["layers.0.proj.weight"][3, 5] = float("nan")
@@ -441,7 +513,7 @@ def test_malformed_checkpoints(tmp_path):
     f = str(tmp_path / "model.safetensors")
     tensors = load_file(f)
     save_file(dict(tensors, **{"layers.0.proj.weight_scale_2": torch.tensor(-1.0)}), f)
-    with pytest.raises(ValueError, match=r"weight_scale_2.*finite and > 0"):
+    with pytest.raises(ValueError, match=r"model\.safetensors: 'layers\.0\.proj\.weight_scale_2' = -1\.0"):
         load_nvfp4_checkpoint(tmp_path)
     save_file(
         dict(
@@ -460,6 +532,86 @@ def test_malformed_checkpoints(tmp_path):
     (tmp_path / "config.json").unlink()
     (tmp_path / "hf_quant_config.json").unlink()
     with pytest.raises(ValueError, match="no NVFP4 quantization config"):
+        load_nvfp4_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("byte", [0x7F, 0xFF, 0x80, 0xB8])
+def test_nan_or_negative_block_scale_byte_is_named_with_its_file(layout, byte, tmp_path):
+    export_nvfp4_checkpoint(small_state_dict(), tmp_path, layout=layout)
+    f = tmp_path / "model.safetensors"
+    tensors = load_file(str(f))
+    scale = tensors["layers.0.proj.weight_scale"].view(torch.uint8).clone()
+    scale[3, 1] = byte
+    save_file(dict(tensors, **{"layers.0.proj.weight_scale": scale.view(torch.float8_e4m3fn)}), str(f))
+    with pytest.raises(
+        ValueError, match=rf"{f}: 'layers\.0\.proj\.weight_scale' has 1 block-scale.*\(3, 1\)"
+    ):
+        load_nvfp4_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), 0.0, 1e-45, 3e38, 1e30])
+def test_absurd_outer_scale_is_named_with_its_file(layout, value, tmp_path):
+    """Weight and activation outer scales: finite, > 0, decode multiplier normal with 2688·decode finite in
+    the checkpoint dtype (float32 here)."""
+    export_nvfp4_checkpoint(small_state_dict(), tmp_path, layout=layout, input_amax={"layers.0.proj": 2.0})
+    f = tmp_path / "model.safetensors"
+    tensors = load_file(str(f))
+    _, _, wglob, iglob, gshape = NAMES[layout]
+    dec = value if layout == "modelopt" else 1 / value if value else float("inf")
+    absurd = not (1.2e-38 < dec < 3.4e38 / 2688)
+    for victim in (wglob, iglob):
+        bad = dict(tensors, **{f"layers.0.proj.{victim}": torch.tensor(value).reshape(gshape)})
+        save_file(bad, str(f))
+        if not absurd:
+            load_activation_recipes(tmp_path)
+            continue
+        with pytest.raises(
+            ValueError, match=rf"{f}: 'layers\.0\.proj\.{victim}' = .*not a usable outer scale"
+        ):
+            load_activation_recipes(tmp_path)
+
+
+def test_outer_scale_that_overflows_the_checkpoint_dtype_is_refused(tmp_path):
+    sd = {k: v.to(torch.float16) for k, v in small_state_dict().items()}
+    export_nvfp4_checkpoint(sd, tmp_path)
+    f = tmp_path / "model.safetensors"
+    save_file(dict(load_file(str(f)), **{"layers.0.proj.weight_scale_2": torch.tensor(100.0)}), str(f))
+    with pytest.raises(ValueError, match=r"weight_scale_2' = 100\.0.*\[2\^-126, 24\.37\].*torch\.float16"):
+        load_nvfp4_checkpoint(tmp_path)  # 6·448·100 is Inf in fp16
+    load_nvfp4_checkpoint(tmp_path, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn", "fp32", 16])
+def test_unknown_dtype_in_config_json_is_named(dtype, tmp_path):
+    export_nvfp4_checkpoint(small_state_dict(), tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(dict(cfg, dtype=dtype)))
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'config.json'}: dtype {dtype!r} is not a dtype"):
+        load_nvfp4_checkpoint(tmp_path)
+
+
+def test_unreadable_or_inconsistent_files_are_named(tmp_path):
+    export_nvfp4_checkpoint(small_state_dict(), tmp_path, max_shard_bytes=300)
+    shards = sorted(tmp_path.glob("model-*.safetensors"))
+    index = tmp_path / "model.safetensors.index.json"
+    good = index.read_text()
+    weight_map = json.loads(good)["weight_map"]
+    first = load_file(str(shards[0]))
+    save_file(dict(first, **load_file(str(shards[1]))), str(shards[0]))  # a tensor in two shards
+    with pytest.raises(ValueError, match=rf"is in both {shards[0].name} and {shards[1].name}"):
+        load_nvfp4_checkpoint(tmp_path)
+    save_file(first, str(shards[0]))
+    index.write_text(json.dumps({"weight_map": dict(weight_map, extra=shards[0].name)}))
+    with pytest.raises(ValueError, match=rf"index\.json puts 1 tensor.*'extra' in {shards[0].name}"):
+        load_nvfp4_checkpoint(tmp_path)
+    index.write_text("{not json")
+    with pytest.raises(ValueError, match=rf"{index}: not valid JSON"):
+        load_nvfp4_checkpoint(tmp_path)
+    index.write_text(good)
+    shards[1].write_bytes(shards[1].read_bytes()[:40])  # truncated
+    with pytest.raises(ValueError, match=rf"{shards[1]}: not a readable safetensors file"):
         load_nvfp4_checkpoint(tmp_path)
 
 
@@ -508,19 +660,18 @@ def test_moe_experts_are_split_per_expert_with_shared_gate_up_scale(layout, moe_
     res = export_nvfp4_checkpoint(moe_model, tmp_path, layout=layout)
     disk = load_file(str(tmp_path / "model.safetensors"))
     experts = moe_model.model.layers[0].mlp.experts
-    recipe = QuantRecipe(profile=PROFILE[layout])
     assert "model.layers.0.mlp.experts.gate_up_proj" not in disk
     assert "model.layers.0.mlp.gate" in res.excluded  # the router stays high precision
     assert torch.equal(disk["model.layers.0.mlp.gate.weight"], moe_model.model.layers[0].mlp.gate.weight)
     for e in range(4):
         p = f"model.layers.0.mlp.experts.{e}"
-        fused = quantize(experts.gate_up_proj[e].detach(), recipe)  # the engine's w13 of expert e
+        fused = producer_quantize(layout, experts.gate_up_proj[e].detach())  # the engine's w13 of expert e
         gate, up = res.weights[f"{p}.gate_proj.weight"], res.weights[f"{p}.up_proj.weight"]
         assert torch.equal(torch.cat((gate.data, up.data)), fused.data)
         assert torch.equal(gate.global_scale, fused.global_scale) and torch.equal(
             up.global_scale, fused.global_scale
         )
-        down = quantize(experts.down_proj[e].detach(), recipe)
+        down = producer_quantize(layout, experts.down_proj[e].detach())
         assert torch.equal(res.weights[f"{p}.down_proj.weight"].data, down.data)
         assert disk[f"{p}.gate_proj.{NAMES[layout][0]}"].shape == (32, 16)
     loaded = load_nvfp4_checkpoint(tmp_path)
