@@ -132,7 +132,7 @@ def check_sampler_kwargs(kind: str | None, kwargs: Mapping | None, where: str = 
         raise ValueError(f"{where}: sampler {kind!r} needs the key {missing[0]!r}")
     if kwargs.get("precision") not in (None, "bf16", "nvfp4"):
         raise ValueError(f"{where}.precision must be 'bf16' or 'nvfp4', got {kwargs['precision']!r}")
-    if "quant_recipe" in kwargs:
+    if kwargs.get("quant_recipe") is not None:  # null: no recipe (the key as if absent)
         if kwargs.get("precision") != "nvfp4":
             raise ValueError(f"{where}.quant_recipe needs {where}.precision: nvfp4")
         check_quant_recipe(kwargs["quant_recipe"], f"{where}.quant_recipe")
