@@ -302,14 +302,12 @@ def _names(value: Any, what: str) -> tuple:
 
 
 def _seeds(value: Any) -> tuple[int, ...]:
-    seeds = _names(str(value) if isinstance(value, int) else value, "seeds")
-    try:
-        out = tuple(int(s) for s in seeds)
-    except (TypeError, ValueError):
-        raise ValueError(f"seeds must be non-negative ints, got {value!r}") from None
-    if any(s < 0 or str(s) != str(t).strip() for s, t in zip(out, seeds)) or len(set(out)) != len(out):
+    """Distinct non-negative int seeds from a list, one int, or a comma-separated string."""
+    items = _names(str(value) if isinstance(value, int) else value, "seeds")
+    seeds = tuple(int(s) if isinstance(s, int) or str(s).strip().isdigit() else -1 for s in items)
+    if any(s < 0 or isinstance(t, bool) for s, t in zip(seeds, items)) or len(set(seeds)) != len(seeds):
         raise ValueError(f"seeds must be distinct non-negative ints, got {value!r}")
-    return out
+    return seeds
 
 
 #: the run seed owns these recipe keys (dotted); a preset override of one is an error (use ``seeds``).
@@ -862,6 +860,26 @@ def _last_error(log_path: Path) -> str:
     return lines[-1].strip() if lines else "(empty log)"
 
 
+def _check_recipes(study: Study, output_dir: Path, done: Mapping[RunKey, Mapping[str, Any]]) -> None:
+    """A finished run that ``study`` asks for must have run the recipe it would run now (else an edited
+    level or arm file would mix stale runs into the results): ``ValueError`` naming the file and the keys."""
+    import torch
+
+    cpu = not torch.cuda.is_available()
+    for key in study.runs():
+        if key not in done:
+            continue
+        now = run_recipe(study.preset, key, output_dir / SFT_DIR, key.path(output_dir), cpu=cpu)
+        now = json.loads(json.dumps(now, default=str))  # as the run's JSON holds it
+        ran = done[key].get("recipe") or {}
+        changed = sorted(k for k in now.keys() | ran.keys() if now.get(k) != ran.get(k))
+        if changed:
+            raise ValueError(
+                f"{key.path(output_dir, '.json')} ran another recipe than {key.arm}/{key.level} gives now "
+                f"(differs in {changed}); delete it or use another --output"
+            )
+
+
 def run_study(
     study: Study,
     output_dir: str | Path,
@@ -880,6 +898,8 @@ def run_study(
     output_dir = Path(output_dir)
     preset, fingerprint = study.preset, study.preset.fingerprint()
     done = load_runs(output_dir, fingerprint)  # errors early on runs of another config
+    if resume:
+        _check_recipes(study, output_dir, done)
     status = {k: "skipped" for k in study.runs() if resume and k in done}
     todo = [k for k in study.runs() if k not in status]
     sft_dir = output_dir / SFT_DIR
@@ -894,8 +914,10 @@ def run_study(
     (output_dir / STUDY_FILE).write_text(json.dumps(study.to_dict(), indent=1) + "\n")  # what children read
 
     def finished(key: RunKey, outcome: str) -> None:
-        status[key] = outcome
         runs = load_runs(output_dir, fingerprint)
+        if outcome == "done" and key not in runs:  # exited cleanly without its JSON: not finished
+            outcome = "failed"
+        status[key] = outcome
         if outcome == "done":
             s = runs[key]["summary"]
             log(
