@@ -88,6 +88,7 @@ RESULTS_FILE, TABLE_FILE, STUDY_FILE, RUNS_DIR, SFT_DIR = (
     "runs",
     "sft",
 )
+PARTIAL_SUFFIX = ".partial.json"  # a run the time budget cut short: its steps so far, never aggregated
 EXIT_CUT_SHORT = 3  # a child's exit status when the time budget stopped its run (nothing saved)
 KILL_GRACE = 60.0  # seconds past the budget after which a child that has not stopped is killed
 
@@ -237,6 +238,42 @@ PRESETS: dict[str, AblationPreset] = {
         eval_every=5,
         n_eval=256,
         arm_seconds=45.0,
+    ),
+    # the mismatch testbed (one H200): a 10.3M-parameter Qwen3 (4 layers, hidden 448) SFT'd on running sums of
+    # 11-13 two-digit numbers (139-173-token worked solutions) until half the held-out problems are solved
+    # (trained on, it reaches 100 %: no reward variance, no entropy), then 300 RL steps x 16 prompts x 8
+    # completions of up to 256 tokens. Long completions let small per-token gaps compound.
+    "testbed": AblationPreset(
+        name="testbed",
+        sft=SFTConfig(
+            hidden_size=448,
+            intermediate_size=1536,
+            num_hidden_layers=4,
+            num_attention_heads=7,
+            num_key_value_heads=1,
+            head_dim=64,
+            difficulty=(6,),
+            n_train=16384,
+            n_eval=256,
+            steps=3000,
+            max_seconds=150.0,
+            batch_size=64,
+            learning_rate=1e-3,
+            warmup_steps=100,
+            eval_every=50,
+            target_accuracy=0.5,
+            max_new_tokens=192,
+            eval_batch_size=256,
+        ),
+        steps=300,
+        prompts=16,
+        generations=8,
+        max_completion_length=256,
+        learning_rate=5e-5,
+        warmup_steps=10,
+        eval_every=25,
+        n_eval=128,
+        arm_seconds=300.0,
     ),
 }
 
@@ -516,6 +553,8 @@ def load_runs(output_dir: str | Path, fingerprint: str | None = None) -> dict[Ru
 
     found = {}
     for path in sorted((Path(output_dir) / RUNS_DIR).glob("*/*/seed*.json")):
+        if path.name.endswith(PARTIAL_SUFFIX):  # cut short by a time budget: not finished
+            continue
         entry = json.loads(path.read_text())
         if fingerprint is not None and entry.get("fingerprint") != fingerprint:
             raise ValueError(
@@ -681,16 +720,20 @@ def write_results(output_dir: str | Path, results: Mapping[str, Any], plots: boo
 # running one run
 
 
-def _held_out_callback(trainer, tokenizer, dataset, preset: AblationPreset, log: Callable[[str], None]):
+def _run_callback(trainer, tokenizer, dataset, preset: AblationPreset, log: Callable[[str], None], deadline):
     """A ``TrainerCallback`` that records the learner's greedy held-out accuracy (before step 1, every
-    ``eval_every`` steps, after the last) into ``callback.record``."""
+    ``eval_every`` steps, after the last) into ``callback.record``, prints each step, and, with ``deadline``
+    (``time.time()`` seconds), stops training after a step when the next one would end past it (a step is
+    expected to take as long as the last one); then the held-out accuracy is measured once more and
+    ``callback.stopped_by`` is ``"time_budget"`` (else ``"steps"``)."""
     from transformers import TrainerCallback
 
     from triage.experiments.sft import greedy_accuracy
 
-    class HeldOutAccuracy(TrainerCallback):
+    class RunCallback(TrainerCallback):
         def __init__(self):
             self.record: dict[str, list] = {"step": [], "accuracy": [], "by_difficulty": []}
+            self.start, self.stopped_by = time.time(), "steps"
 
         def _evaluate(self, step: int) -> None:
             import torch
@@ -707,9 +750,15 @@ def _held_out_callback(trainer, tokenizer, dataset, preset: AblationPreset, log:
         def on_train_begin(self, args, state, control, **kwargs):
             self._evaluate(0)
 
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.began = time.time()
+
         def on_step_end(self, args, state, control, **kwargs):
-            step = state.global_step
-            if step % preset.eval_every == 0 or step >= preset.steps:
+            step, now = state.global_step, time.time()
+            if deadline is not None and step < preset.steps and now + (now - self.began) > deadline:
+                control.should_training_stop = True
+                self.stopped_by = "time_budget"
+            if step % preset.eval_every == 0 or step >= preset.steps or control.should_training_stop:
                 self._evaluate(step)
 
         def on_log(self, args, state, control, logs=None, **kwargs):  # after on_step_end of the same step
@@ -721,30 +770,18 @@ def _held_out_callback(trainer, tokenizer, dataset, preset: AblationPreset, log:
                 f"    step {step:>3}/{preset.steps}: reward {logs['reward']:+.3f}, mean |δ| "
                 f"{logs.get('triage/mean_abs_delta', float('nan')):.4f}"
                 + (f", held-out {held:.1%}" if held is not None else "")
+                + f" ({time.time() - self.start:.0f} s)"
             )
 
-    return HeldOutAccuracy()
+    return RunCallback()
 
 
-def _deadline_callback(deadline: float):
-    """A ``TrainerCallback`` that stops training after a step when the next one would end past ``deadline``
-    (``time.time()`` seconds; a step is expected to take as long as the last one). ``callback.stopped_at`` is
-    the last step done when it stopped the run, else ``None``."""
-    from transformers import TrainerCallback
-
-    class Deadline(TrainerCallback):
-        stopped_at: int | None = None
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.began = time.time()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            now = time.time()
-            if state.global_step < state.max_steps and now + (now - self.began) > deadline:
-                control.should_training_stop = True
-                self.stopped_at = state.global_step
-
-    return Deadline()
+def _write_json(path: Path, entry: Mapping[str, Any]) -> None:
+    """Write whole, then rename: a reader never sees half a file (a run is finished once its JSON exists)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(entry, indent=1, default=str) + "\n")
+    os.replace(tmp, path)
 
 
 def run_one(
@@ -756,7 +793,8 @@ def run_one(
 ) -> dict[str, Any] | None:
     """Train one run from the SFT checkpoint in ``output_dir/sft``; write and return its entry
     (``DIR/runs/<level>/<arm>/seed<k>.json``). With ``deadline`` (``time.time()`` seconds), a run that would
-    end past it stops after a step and is not saved: returns ``None``."""
+    end past it stops after a step: it is not finished, so nothing is returned and its entry goes to
+    ``seed<k>.partial.json`` (``"complete": false``, the steps it ran), which results never read."""
     import torch
     from transformers import AutoTokenizer
     from transformers.trainer_callback import PrinterCallback
@@ -773,19 +811,14 @@ def run_one(
     trainer.remove_callback(PrinterCallback)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     held_out = synthetic_math(preset.n_eval, list(preset.sft.difficulty), preset.sft.seed, "eval")
-    callback = _held_out_callback(trainer, tokenizer, held_out, preset, log)
+    callback = _run_callback(trainer, tokenizer, held_out, preset, log, deadline)
     trainer.add_callback(callback)
-    stop = _deadline_callback(deadline) if deadline is not None else None
-    if stop is not None:
-        trainer.add_callback(stop)
     trainer.train()
-    if stop is not None and stop.stopped_at is not None:
-        log(f"    {key}: stopped by the time budget after step {stop.stopped_at}/{preset.steps}; not saved")
-        return None
     series = run_series(trainer.state.log_history)
     held = callback.record
     summary = run_summary(series, held)
     sft_record = json.loads((model_dir / "sft.json").read_text())
+    complete = callback.stopped_by == "steps"
     entry = {
         "level": key.level,
         "arm": key.arm,
@@ -799,19 +832,24 @@ def run_one(
         "started": started,
         "finished": time.time(),
         "device": "cpu" if cpu else torch.cuda.get_device_name(),
+        "complete": complete,
+        "stopped_by": callback.stopped_by,
         "series": series,
         "held_out": held,
         "summary": summary,
         "recipe": recipe,
     }
-    path = key.path(output_dir, ".json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")  # a run is finished once its JSON exists: write it whole, then rename
-    tmp.write_text(json.dumps(entry, indent=1, default=str) + "\n")
-    os.replace(tmp, path)
     del trainer
     if not cpu:
         torch.cuda.empty_cache()
+    if not complete:
+        _write_json(key.path(output_dir, PARTIAL_SUFFIX), entry)
+        log(
+            f"    {key}: stopped by the time budget after step {summary['steps']}/{preset.steps}; not finished"
+        )
+        return None
+    _write_json(key.path(output_dir, ".json"), entry)
+    key.path(output_dir, PARTIAL_SUFFIX).unlink(missing_ok=True)
     return entry
 
 

@@ -349,7 +349,7 @@ def load_aime24(path: str | os.PathLike | None = None):
 # synthetic problems
 
 SYNTHETIC_SOURCE = "synthetic_math"
-MAX_DIFFICULTY = 5
+MAX_DIFFICULTY = 6
 
 
 def _signed(n: int) -> str:
@@ -417,12 +417,24 @@ def _level_5(rng: random.Random) -> tuple[str, list[str], int]:
     return f"Solve for x: {_linear_lhs(a, b)} = {_linear_lhs(c, d)}.", steps, x
 
 
+def _level_6(rng: random.Random) -> tuple[str, list[str], int]:
+    """A running sum of 11–13 two-digit numbers, one line per partial sum: the worked solution is 139–173
+    tokens with digit-level tokenisation, so one slip anywhere in a long completion changes the answer."""
+    terms = [rng.randint(10, 99) for _ in range(rng.randint(11, 13))]
+    steps, total = [], terms[0]
+    for t in terms[1:]:
+        steps.append(f"{total} + {t} = {total + t}.")
+        total += t
+    return f"Compute {' + '.join(map(str, terms))}.", steps, total
+
+
 _LEVELS: dict[int, Callable[[random.Random], tuple[str, list[str], int]]] = {
     1: _level_1,  # a + b, a - b with a, b <= 20
     2: _level_2,  # two-digit + and -, or a times table product
     3: _level_3,  # three operands with precedence / parentheses
     4: _level_4,  # one-sided linear equation a x + b = c, integer x
     5: _level_5,  # two-sided linear equation a x + b = c x + d, integer x
+    6: _level_6,  # a running sum of 11-13 two-digit numbers (long worked solutions)
 }
 
 
@@ -482,8 +494,9 @@ def synthetic_math(
 ):
     """``n`` synthetic DAPO-format problems with integer answers, deterministic in ``(seed, split)``.
 
-    ``difficulty`` 1..5 (or a list cycled row by row): 1 = sums/differences <= 20, 2 = two-digit + - and
-    times tables, 3 = three operands with precedence, 4 = ``a x + b = c``, 5 = ``a x + b = c x + d``.
+    ``difficulty`` 1..6 (or a list cycled row by row): 1 = sums/differences <= 20, 2 = two-digit + - and
+    times tables, 3 = three operands with precedence, 4 = ``a x + b = c``, 5 = ``a x + b = c x + d``,
+    6 = a running sum of 11–13 two-digit numbers (139–173-token worked solutions).
     Each row carries a worked solution ending in ``Answer: N`` in ``extra_info.solution`` (for SFT).
     ``held_out`` > 0 skips every problem text that occurs in ``synthetic_math(held_out, difficulty, seed,
     split="eval")``, so that set is a held-out eval set for this one.

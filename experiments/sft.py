@@ -69,6 +69,9 @@ class SFTConfig:
         batch_size: sequences per step.
         learning_rate, weight_decay, warmup_steps, min_lr_ratio: AdamW with warm-up + cosine decay.
         eval_every: steps between held-out evaluations (0: only at the end).
+        target_accuracy: stop at the first evaluation whose held-out greedy accuracy reaches this (needs
+            ``eval_every``; ``None``: train all steps). RL needs a policy that is right only part of the time
+            (groups with mixed rewards, tokens with entropy); a fast learner of an easy task overshoots to 100 %.
         max_new_tokens: generation length for the evaluation.
     """
 
@@ -90,6 +93,7 @@ class SFTConfig:
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1
     eval_every: int = 0
+    target_accuracy: float | None = None
     max_new_tokens: int = 48
     eval_batch_size: int = 256
 
@@ -99,6 +103,11 @@ class SFTConfig:
                 raise ValueError(f"SFTConfig.{name} must be a positive int, got {getattr(self, name)!r}")
         if self.learning_rate <= 0 or not 0 <= self.min_lr_ratio <= 1:
             raise ValueError("SFTConfig: learning_rate must be > 0 and min_lr_ratio in [0, 1]")
+        if self.target_accuracy is not None and not (0 < self.target_accuracy <= 1 and self.eval_every > 0):
+            raise ValueError(
+                f"SFTConfig.target_accuracy must be in (0, 1] and needs eval_every > 0, got "
+                f"{self.target_accuracy!r} with eval_every={self.eval_every}"
+            )
         object.__setattr__(self, "difficulty", tuple(self.difficulty))
 
     def model_spec(self):
@@ -116,6 +125,8 @@ class SFTConfig:
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["difficulty"] = list(self.difficulty)
+        if out["target_accuracy"] is None:  # absent from checkpoints written before the field existed
+            del out["target_accuracy"]
         return out
 
 
@@ -164,8 +175,8 @@ def greedy_accuracy(
 ) -> dict[str, Any]:
     """Greedy-decoding accuracy on ``dataset`` (DAPO's rule: +1 ⇔ correct), overall and per difficulty.
 
-    Decodes with the HF sampler's KV-cache loop (``top_k=1``) in the model's own numerics (an NVFP4 model
-    runs its NVFP4 forward). Returns ``{"accuracy", "by_difficulty": {level: accuracy}, "n"}``.
+    Decodes with the HF sampler's KV-cache loop (``top_k=1``, ``decode="auto"``: CUDA-graph replay on a GPU) in
+    the model's own numerics (an NVFP4 model runs its NVFP4 forward). Returns ``{"accuracy", "by_difficulty": {level: accuracy}, "n"}``.
     """
     import torch
 
@@ -186,6 +197,7 @@ def greedy_accuracy(
                 params,
                 [tokenizer.eos_token_id],
                 pad_id=tokenizer.pad_token_id,
+                decode="auto",
             )
             texts = tokenizer.batch_decode(out["completion_ids"], skip_special_tokens=True)
             for row, text in zip(batch, texts):
@@ -286,6 +298,9 @@ def train_sft(
             )
         if over_time:
             stopped_by = "max_seconds"
+            break
+        if evaluate and config.target_accuracy is not None and acc["accuracy"] >= config.target_accuracy:
+            stopped_by = "target_accuracy"
             break
     train_seconds = time.perf_counter() - start
     final = greedy_accuracy(model, tokenizer, held_out, config.max_new_tokens, config.eval_batch_size)

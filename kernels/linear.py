@@ -36,12 +36,30 @@ Forward GEMM: for more than ``SMALL_M`` rows the activation quantizer also write
 inputs stream the packed weight instead.
 
 Weight cache. ``W_q`` (and, for the large-M path, its exact bf16 expansion ``q·s`` and its per-tensor decode
-scale as a host float) is cached on the module and reused until the weight changes. The key is
-``(W._version, W.data_ptr(), W.dtype, W.shape)``: in-place updates through autograd-visible ops
-(``optimizer.step()``, ``param.copy_()`` under no_grad, ``load_state_dict``) bump ``_version``; replacing
-``param.data`` changes ``data_ptr`` (the cache holds a reference to the weight it quantized, not a copy,
-so that storage cannot be freed and its address reused by a new weight while cached). Writing through
-``param.data.copy_(...)`` does NOT bump the version counter: call :meth:`NVFP4Linear.invalidate_cache` after doing that. With gradient checkpointing the recomputed forward hits the cache.
+scale as a host float) is cached on the module and reused while :func:`weight_key` of the weight is unchanged:
+
+    (weight generation, W._version, W.data_ptr(), dtype, shape, device)
+
+The *weight generation* is a process-wide counter bumped after every ``step()`` of every
+``torch.optim.Optimizer`` (one global ``register_optimizer_step_post_hook``, installed when this module is
+imported): fused AdamW (transformers' default ``adamw_torch_fused``) and fused SGD write the parameters
+without bumping ``_version``, and so does FSDP2's re-gather of sharded parameters, so the version alone
+cannot tell. Within one optimizer step the weights are fixed, so every forward of the step (old-logprob
+pass, the training forward of each micro-batch, the gradient-checkpointing recompute, sampling from the
+learner) quantizes each weight once; the first forward after a step quantizes anew. ``_version`` catches
+in-place writes through autograd-visible ops between steps (``param.copy_()`` / ``param.add_()`` under
+``no_grad``, ``load_state_dict``); ``data_ptr`` catches a replaced ``param.data`` (the cache holds a
+reference to the weight it quantized, not a copy, so that storage cannot be freed and its address reused
+while cached). The one write no key can see is a raw ``param.data`` write outside an optimizer step (for
+example a hand-written ``p.data.add_(...)`` update loop): call :func:`invalidate_weight_caches` (every
+NVFP4 layer) or :meth:`NVFP4Linear.invalidate_cache` (one layer) after it.
+
+Non-finite values. The quantizers keep the engines' bytes (a NaN becomes a finite code there), so the layer
+decides: a NaN or ±Inf anywhere in an operand it quantizes (x, W; dy, xᵀ, dyᵀ in ``nvfp4-backward``)
+makes that operand's outer decode scale NaN (:func:`nan_if_nonfinite`), so the whole GEMM output is NaN,
+as ``nn.Linear`` would be where that value enters (a superset of its NaNs: one non-finite value makes the
+operand's per-tensor scale meaningless). The check is one max-|x| reduction on the device per quantized
+operand (per weight update for W), no host sync.
 
 Gradients are returned in the dtypes of x and W. The quantization and both backward GEMMs run with the
 backends of :mod:`triage.kernels.nvfp4` (Triton on CUDA, torch reference on CPU; ``backend=`` overrides).
@@ -54,6 +72,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from triage.kernels.nvfp4.format import pack_nibbles, unpack_nibbles
 from triage.kernels.nvfp4.recipe import QuantRecipe
@@ -66,12 +85,51 @@ __all__ = [
     "NVFP4LinearConfig",
     "convert_from_nvfp4",
     "convert_to_nvfp4",
+    "invalidate_weight_caches",
+    "nan_if_nonfinite",
     "transpose_16x16",
+    "weight_key",
 ]
 
 MODES = ("bf16-backward", "nvfp4-backward")
 #: Module-name patterns (fnmatch, on the qualified name) that stay high precision by default.
 DEFAULT_SKIP = ("lm_head", "*.lm_head", "*embed*", "*score", "*classifier*")
+
+#: The weight generation (module docstring): bumped after every optimizer step and by
+#: :func:`invalidate_weight_caches`; part of every quantized-weight cache key.
+_generation = 0
+
+
+def invalidate_weight_caches() -> None:
+    """Make every NVFP4 layer (``NVFP4Linear``, ``NVFP4MoeExperts``) quantize its weights anew on its next
+    forward. Needed only after writing weights outside a ``torch.optim.Optimizer`` step in a way autograd's
+    version counter does not see (raw ``param.data`` writes); optimizer steps do this automatically."""
+    global _generation
+    _generation += 1
+
+
+def _after_optimizer_step(optimizer, args, kwargs) -> None:
+    invalidate_weight_caches()
+
+
+register_optimizer_step_post_hook(_after_optimizer_step)
+
+
+def weight_key(weight: torch.Tensor) -> tuple:
+    """The cache key of a weight's quantization: ``(generation, _version, data_ptr, dtype, shape, device)``
+    (module docstring: what each entry catches)."""
+    return (_generation, weight._version, weight.data_ptr(), weight.dtype, tuple(weight.shape), weight.device)
+
+
+def nan_if_nonfinite(q: NVFP4Tensor, source: torch.Tensor) -> NVFP4Tensor:
+    """``q`` (the quantization of ``source``) with a NaN outer decode scale if ``source`` holds a NaN or ±Inf,
+    else ``q`` with the same values: ``g' = g + 0·max|source|`` (``0·max`` is 0, or NaN for a NaN/Inf max).
+
+    The quantizer maps NaN to finite codes (the engines' bytes) and Inf to a saturated block; every GEMM
+    applies the outer scale in its epilogue, so a NaN ``g'`` makes every output of a product with ``q`` NaN.
+    One reduction on the device, no host sync."""
+    peak = torch.linalg.vector_norm(source.detach(), float("inf"))  # max|x|; NaN/Inf iff source has one
+    return replace(q, global_scale=q.global_scale + peak.float() * 0)
 
 
 @dataclass(frozen=True)
@@ -125,7 +183,8 @@ def _quantize(
 ) -> NVFP4Tensor:
     from triage.kernels.nvfp4 import quantize
 
-    return quantize(x, recipe, backend=backend, seed=seed, emit_expanded=torch.bfloat16 if expanded else None)
+    q = quantize(x, recipe, backend=backend, seed=seed, emit_expanded=torch.bfloat16 if expanded else None)
+    return nan_if_nonfinite(q, x)
 
 
 def _quantize_t(x: torch.Tensor, recipe: QuantRecipe, backend: str, seed: int | None = None) -> NVFP4Tensor:
@@ -133,7 +192,7 @@ def _quantize_t(x: torch.Tensor, recipe: QuantRecipe, backend: str, seed: int | 
     backend materializes ``x.T``): 1×16 blocks along x's rows (the tokens), byte-identical."""
     from triage.kernels.nvfp4.triton_quant_t import quantize_columnwise
 
-    return quantize_columnwise(x, recipe, backend=backend, seed=seed)
+    return nan_if_nonfinite(quantize_columnwise(x, recipe, backend=backend, seed=seed), x)
 
 
 def transpose_16x16(w: NVFP4Tensor) -> NVFP4Tensor:
@@ -175,12 +234,8 @@ class _WeightCache:
         self.hits = 0
         self.misses = 0
 
-    @staticmethod
-    def key_of(weight: torch.Tensor, recipe: QuantRecipe) -> tuple:
-        return (weight._version, weight.data_ptr(), weight.dtype, tuple(weight.shape), weight.device, recipe)
-
     def get(self, weight: torch.Tensor, config: NVFP4LinearConfig) -> _WeightCache:
-        key = self.key_of(weight, config.weight_recipe)
+        key = (*weight_key(weight), config.weight_recipe)
         if key == self.key:
             self.hits += 1
             return self
@@ -206,12 +261,11 @@ class _WeightCache:
         return self
 
     def host_scale(self) -> float:
-        """The weight's per-tensor decode scale as a float: read from the device once per weight update,
-        and only when a cuBLAS (host alpha) path asks for it — small GEMMs never sync."""
+        """The weight's per-tensor decode scale as a float: read from the device once per weight update (it
+        may be NaN: :func:`nan_if_nonfinite`), and only when a cuBLAS (host alpha) path asks for it — small
+        GEMMs never sync."""
         if self.scale_host is None:
-            from triage.kernels.nvfp4.gemm import host_decode_scale
-
-            self.scale_host = host_decode_scale(self.quantized)
+            self.scale_host = float(self.quantized.global_scale.reshape(-1)[0])
         return self.scale_host
 
     def clear(self) -> None:
@@ -255,7 +309,7 @@ class _NVFP4LinearFn(torch.autograd.Function):
         )
         ctx.save_for_backward(x, weight)
         ctx.config = config
-        ctx.cache = cache
+        ctx.weight_t = cache.transposed  # the forward's W_qᵀ (nvfp4-backward), whatever the cache holds later
         ctx.counter = counter
         ctx.has_bias = bias is not None
         ctx.bias_dtype = bias.dtype if bias is not None else None
@@ -280,14 +334,8 @@ class _NVFP4LinearFn(torch.autograd.Function):
             ctx.counter[0] += 1
             seed = (config.grad_recipe.seed + 2 * ctx.counter[0]) % 2**32
             if ctx.needs_input_grad[0]:
-                wt = ctx.cache.transposed
-                if wt is None or ctx.cache.key != _WeightCache.key_of(weight, config.weight_recipe):
-                    raise RuntimeError(
-                        "NVFP4Linear: the weight changed between forward and backward; its cached W_qᵀ "
-                        "no longer matches (do not update weights in place before backward)"
-                    )
                 dyq = _quantize(dy2, config.grad_recipe, config.quant_backend, seed=seed)
-                dx = gemm(dyq, wt, out_dtype=x.dtype, backend=config.gemm_backend)
+                dx = gemm(dyq, ctx.weight_t, out_dtype=x.dtype, backend=config.gemm_backend)
             if ctx.needs_input_grad[1]:
                 # dy2ᵀ, x2ᵀ quantized straight from the row-major dy2, x2 (no transposed copy; same bytes)
                 dyt = _quantize_t(dy2, config.wgrad_recipe, config.quant_backend, seed=(seed + 1) % 2**32)
@@ -348,7 +396,8 @@ class NVFP4Linear(nn.Linear):
         return lin
 
     def invalidate_cache(self) -> None:
-        """Drop the cached W_q (needed only after writing the weight through ``.data``)."""
+        """Drop the cached W_q (needed only after a raw ``.data`` write outside an optimizer step; see
+        :func:`invalidate_weight_caches` for every layer at once)."""
         self._weight_cache.clear()
 
     def quantized_weight(self) -> NVFP4Tensor:

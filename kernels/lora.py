@@ -300,9 +300,10 @@ class FrozenNVFP4Linear(nn.Module):
         x2 = x.reshape(-1, K)
         w = self.quantized_weight()
         if cfg.mode == "w4a4":
+            from triage.kernels.linear import nan_if_nonfinite
             from triage.kernels.nvfp4 import quantize
 
-            xq = quantize(x2, cfg.input_recipe, backend=cfg.quant_backend)
+            xq = nan_if_nonfinite(quantize(x2, cfg.input_recipe, backend=cfg.quant_backend), x2)
             cached = self._expanded if cfg.cache_expanded else None
             if cached is None and cfg.cache_expanded and self._uses_cublas(x2.shape[0]):
                 cached = self.expansion()

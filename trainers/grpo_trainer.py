@@ -317,15 +317,6 @@ class TriageGRPOTrainer(GRPOTrainer):
                 "convert_to_nvfp4 must convert the learner in place (the optimizer holds its params)"
             )
 
-    def create_optimizer(self, *args, **kwargs):
-        optimizer = super().create_optimizer(*args, **kwargs)
-        cached = [m for m in self.model.modules() if type(m).__name__ in ("NVFP4Linear", "NVFP4MoeExperts")]
-        if cached and hasattr(optimizer, "register_step_post_hook"):
-            # The quantized-weight caches key on the weight's version and address; a sharded run (FSDP2)
-            # re-gathers parameters into storage without bumping the version, so drop them after each step.
-            optimizer.register_step_post_hook(lambda *_: [m.invalidate_cache() for m in cached])
-        return optimizer
-
     # --- the loss ------------------------------------------------------------------------------------------
 
     def _compute_loss(self, model, inputs):

@@ -1,7 +1,7 @@
 # ruff: noqa: B023  (benchmark lambdas are consumed inside the loop iteration that defines them)
 """H200 check + benchmark of the NVFP4 dense GEMMs (issue 4). Run on a CUDA machine:
 
-    python experiments/bench/bench_gemm.py [--quick] [--sections correctness,w4a4,decode,linear] [--sweep]
+    python experiments/bench/bench_gemm.py [--quick] [--sections correctness,w4a4,decode,linear,cache] [--sweep]
 
 1. correctness vs the torch reference (dequantize, fp64 matmul) on real shapes, every backend (decode,
    dense-on-expanded, cuBLAS alpha, fused), per-tensor and per-row scales, a NaN block scale, and the
@@ -13,6 +13,11 @@
 3. decode M ∈ {1, 16, 64}: W4A16 and W4A4 (packed FP4 weights, decode kernel) vs bf16, CUDA graphs;
 4. NVFP4Linear forward+backward (bf16-backward, quantization included) vs bf16 nn.Linear and vs a
    fake-quant (quantize → dequantize → bf16 matmul, straight-through gradient).
+
+5. weight cache (``cache``): a plain loop of fused AdamW, foreach AdamW and SGD steps on CUDA NVFP4Linear
+   layers (both modes) and NVFP4 MoE experts, each step's output asserted bit-equal to a freshly converted
+   layer; the forward with a cached W_q vs one that re-quantizes W (what the per-step cache saves); a NaN
+   weight / input gives a NaN output.
 
 Timings are ``triton.testing.do_bench`` medians (ms) on random (never zero) data. Writes the table to
 ``$OUT/bench_gemm.md`` when ``OUT`` is set.
@@ -494,11 +499,112 @@ def nvfp4_backward_check(M: int = 1000, N: int = 384, K: int = 512) -> str:
     )
 
 
+def cache_check(quick: bool) -> bool:
+    """Section 5 (module docstring): the quantized-weight caches follow every optimizer on CUDA."""
+    from torch import nn
+
+    from triage.kernels import NVFP4Linear, NVFP4LinearConfig
+    from triage.kernels.linear import invalidate_weight_caches
+    from triage.kernels.moe.experts import MoEQuantConfig, NVFP4MoeExperts
+
+    emit("## Weight cache under optimizers (CUDA; output == freshly converted layer, bit for bit)")
+    emit("| layer | optimizer | steps equal |")
+    emit("|---|---|---|")
+    opts = {
+        "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+        "adamw-foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True),
+        "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+    }
+    ok = True
+
+    def fresh_linear(layer):
+        lin = nn.Linear(layer.in_features, layer.out_features, device="cuda", dtype=layer.weight.dtype)
+        with torch.no_grad():
+            lin.weight.copy_(layer.weight)
+            lin.bias.copy_(layer.bias)
+        return NVFP4Linear.from_linear(lin, layer.config)
+
+    class Experts(nn.Module):
+        def __init__(self, e=8, h=512, i=256):
+            super().__init__()
+            self.num_experts, self.hidden_dim, self.intermediate_dim = e, h, i
+            self.gate_up_proj = nn.Parameter(torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16) * 0.05)
+            self.down_proj = nn.Parameter(torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16) * 0.05)
+            self.act_fn = nn.SiLU()
+
+    def fresh_experts(m):
+        e = Experts()
+        with torch.no_grad():
+            e.gate_up_proj.copy_(m.gate_up_proj)
+            e.down_proj.copy_(m.down_proj)
+        return NVFP4MoeExperts(e, m.config)
+
+    for mode in ("bf16-backward", "nvfp4-backward"):
+        for name, make in opts.items():
+            torch.manual_seed(0)
+            layer = NVFP4Linear(1024, 512, config=NVFP4LinearConfig(mode=mode), device="cuda", dtype=torch.bfloat16)
+            opt = make(layer.parameters())
+            x = torch.randn(300, 1024, device="cuda", dtype=torch.bfloat16)  # large-M path (cached expansion)
+            xs = x[:8]  # decode path (packed weight)
+            equal = []
+            for _ in range(3):
+                layer(x).float().square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                with torch.no_grad():
+                    ref = fresh_linear(layer)
+                    equal.append(torch.equal(layer(x), ref(x)) and torch.equal(layer(xs), ref(xs)))
+            ok &= all(equal)
+            emit(f"| NVFP4Linear {mode} | {name} | {equal} |")
+    idx = torch.randint(0, 8, (256, 2), device="cuda")
+    w = torch.rand(256, 2, device="cuda", dtype=torch.bfloat16)
+    for backward in ("bf16-backward", "nvfp4-backward"):
+        for name, make in opts.items():
+            torch.manual_seed(0)
+            cfg = MoEQuantConfig(backward=backward, weight=QuantRecipe(scale="expert", block="16x16"))
+            experts = NVFP4MoeExperts(Experts(), cfg)
+            opt = make(experts.parameters())
+            x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+            equal = []
+            for _ in range(3):
+                experts(x, idx, w).float().square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                with torch.no_grad():
+                    equal.append(torch.equal(experts(x, idx, w), fresh_experts(experts)(x, idx, w)))
+            ok &= all(equal)
+            emit(f"| NVFP4MoeExperts {backward} | {name} | {equal} |")
+    emit()
+    emit("| forward (bf16, NVFP4Linear) | W_q cached (ms) | W re-quantized (ms) |")
+    emit("|---|---|---|")
+    shapes = [(16384, 4096, 4096), (1, 4096, 4096)] if not quick else [(16384, 4096, 4096)]
+    for M, N, K in shapes:
+        layer = NVFP4Linear(K, N, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            hit = bench(lambda: layer(x))
+            miss = bench(lambda: (invalidate_weight_caches(), layer(x)))
+        emit(f"| M={M} N={N} K={K} | {hit:.3f} | {miss:.3f} |")
+    with torch.no_grad():
+        layer = NVFP4Linear(1024, 512, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(300, 1024, device="cuda", dtype=torch.bfloat16)
+        xb = x.clone()
+        xb[3, 7] = float("nan")
+        nan_in = bool(layer(xb).isnan().all())
+        layer.weight[1, 2] = float("nan")
+        nan_w = bool(layer(x).isnan().all()) and bool(layer(x[:4]).isnan().all())
+    ok &= nan_in and nan_w
+    emit(f"NaN input -> NaN output: {nan_in}; NaN weight -> NaN output (large and decode M): {nan_w}")
+    emit(f"cache check: {'ok' if ok else 'FAIL'}")
+    assert ok, "weight cache / non-finite check failed"
+    return ok
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true", help="first shape of each section only")
     p.add_argument("--sweep", action="store_true", help="also time tile configs")
-    p.add_argument("--sections", default="correctness,w4a4,decode,linear")
+    p.add_argument("--sections", default="correctness,w4a4,decode,linear,cache")
     args = p.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
@@ -514,6 +620,7 @@ def main() -> None:
         "w4a4": lambda: w4a4_forward(args.quick, args.sweep),
         "decode": lambda: decode(args.quick, args.sweep),
         "linear": lambda: linear(args.quick),
+        "cache": lambda: cache_check(args.quick),
     }
     for name in args.sections.split(","):
         t1 = time.time()

@@ -69,16 +69,27 @@ FOLLOW_UP_ARMS = ("triage-keep-down", "triage-no-is", "triage-no-guard", "triage
 ALL_ARMS = ARMS + FOLLOW_UP_ARMS
 PRESETS = ("qwen3-4b", "qwen3-30b-a3b", "tiny")
 # Learner/sampler mismatch levels (levels/*.yaml), from the closest alignment to the widest gap (docs/results.md).
-LEVELS = ("aligned", "nvfp4-matched", "realistic", "realistic-bf16-learner")
+LEVELS = (
+    "aligned",
+    "bf16-sampler",
+    "nvfp4-matched",
+    "nvfp4-row",
+    "nvfp4-row-fp8kv",
+    "nvfp4-tensor-fp8kv",
+    "pair",
+    "realistic",
+    "realistic-bf16-learner",
+)
 RECIPE_SECTIONS = ("model_name_or_path", "dataset", "eval_dataset", "reward_funcs", "launch", "description")
 LAUNCH_KEYS = ("accelerate_config", "train_nodes", "gpus_per_node", "vllm_serve", "vllm_extra_args")
 _COMPOSE_KEYS = ("preset", "arm", "level")
 _REPLACE_WHEN_SOURCE_CHANGES = ("dataset", "eval_dataset")
 # sampler_kwargs the HF sampler alone takes (precision/quant_recipe on top of HFSampler's own; docs/experiments.md)
 _SAMPLER_NUMERICS_KEYS = ("precision", "quant_recipe", "kv_cache_dtype")
-#: The numerics a level sets and an arm may not: the learner's (top-level keys) and the HF sampler's
-#: (``sampler_kwargs`` keys: which weights it samples with, their dtype and NVFP4 recipe, the KV-cache format).
-LEARNER_NUMERICS = ("learner_precision", "quant_recipe")
+#: The numerics a level sets and an arm may not: the learner's (top-level keys: its precision and NVFP4 recipe,
+#: and the trainer's bf16 autocast) and the HF sampler's (``sampler_kwargs`` keys: which weights it samples
+#: with, their dtype and NVFP4 recipe, the KV-cache format).
+LEARNER_NUMERICS = ("learner_precision", "quant_recipe", "bf16")
 SAMPLER_NUMERICS = ("sampler_model", "dtype", *_SAMPLER_NUMERICS_KEYS)
 
 
@@ -303,13 +314,13 @@ def _check_sampler(recipe: Mapping[str, Any]) -> None:
     unknown = [k for k in kwargs if k not in names]
     if unknown:
         raise ValueError(f"sampler_kwargs: unknown keys {unknown} for sampler 'hf'; keys: {sorted(names)}")
-    if "precision" in kwargs and kwargs["precision"] not in ("bf16", "nvfp4"):
+    if kwargs.get("precision") not in (None, "bf16", "nvfp4"):  # null: no copy of its own numerics
         raise ValueError(f"sampler_kwargs.precision must be 'bf16' or 'nvfp4', got {kwargs['precision']!r}")
-    if "quant_recipe" in kwargs:
+    if kwargs.get("quant_recipe") is not None:
         if kwargs.get("precision") != "nvfp4":
             raise ValueError("sampler_kwargs.quant_recipe needs sampler_kwargs.precision: nvfp4")
         _check_quant_recipe(kwargs["quant_recipe"], "sampler_kwargs.quant_recipe")
-    if "kv_cache_dtype" in kwargs and kwargs["kv_cache_dtype"] not in KV_CACHE_DTYPES:  # what it emulates
+    if kwargs.get("kv_cache_dtype") is not None and kwargs["kv_cache_dtype"] not in KV_CACHE_DTYPES:
         raise ValueError(
             f"sampler_kwargs.kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kwargs['kv_cache_dtype']!r}"
         )

@@ -11,7 +11,9 @@ same parameters (same names, same tensors: optimizers and state dicts are unaffe
 
 The router stays in high precision (untouched). Activations are quantized once per token before the top-k
 gather (one per-tensor amax shared by every expert that reads them), weights once per optimizer step
-(cached on the parameter's version). Backward, straight-through: ``"bf16-backward"`` (default, as the dense
+(cached on :func:`~triage.kernels.linear.weight_key`: the optimizer-step generation, the parameter's version
+and storage; any ``torch.optim`` optimizer, fused ones included, invalidates it). A NaN or ±Inf in an
+operand the layer quantizes makes the output (or gradient) NaN, as in ``NVFP4Linear``. Backward, straight-through: ``"bf16-backward"`` (default, as the dense
 ``NVFP4Linear``) uses the original high-precision activations and master weights; ``"dequantized"`` (TE's
 ``backward_override="dequantized"``) the NVFP4-dequantized operands the forward used. Both run bf16 grouped
 matmuls with fp32 accumulation. ``"nvfp4-backward"`` mirrors the dense layer's TE-style mode: dgrad
@@ -45,7 +47,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
-from triage.kernels.linear import transpose_16x16
+from triage.kernels.linear import nan_if_nonfinite, transpose_16x16, weight_key
 from triage.kernels.nvfp4.api import dequantize, quantize
 from triage.kernels.nvfp4.recipe import QuantRecipe
 from triage.kernels.nvfp4.tensor import NVFP4Tensor
@@ -130,34 +132,45 @@ def _gather_rows(t: NVFP4Tensor, idx: torch.Tensor | None) -> NVFP4Tensor:
     )
 
 
+class _QuantizedWeight:
+    """One quantization of one expert weight: ``wq``, its exact bf16 expansion (or None) and, built on first
+    use, the per-expert ``W_qᵀ`` of the nvfp4-backward dgrad."""
+
+    def __init__(self, wq: NVFP4Tensor, expanded: torch.Tensor | None) -> None:
+        self.wq, self.expanded = wq, expanded
+        self._transposed: NVFP4Tensor | None = None
+
+    def transposed(self) -> NVFP4Tensor:
+        if self._transposed is None:
+            self._transposed = transpose_16x16(self.wq)
+        return self._transposed
+
+
 class _WeightCache:
-    """Quantized weights (and their exact bf16 expansion) keyed by the parameter's storage and version."""
+    """The :class:`_QuantizedWeight` of one parameter, valid while its :func:`~triage.kernels.linear.weight_key`
+    (optimizer-step generation, version, storage, dtype, shape, device) is unchanged."""
 
     def __init__(self) -> None:
+        self.backwards = 0  # nvfp4-backward calls: seeds the stochastic rounding (kept by clear())
+        self.clear()
+
+    def clear(self) -> None:
         self.key = None
         self.source: torch.Tensor | None = None
-        self.value = None
-        self.transposed_value: NVFP4Tensor | None = None
-        self.backwards = 0  # nvfp4-backward calls: seeds the stochastic rounding
+        self.entry: _QuantizedWeight | None = None
 
-    def get(self, weight: torch.Tensor, recipe: QuantRecipe, expanded: bool):
-        key = (weight.data_ptr(), weight._version, weight.dtype, recipe, expanded)
+    def get(self, weight: torch.Tensor, recipe: QuantRecipe, expanded: bool) -> _QuantizedWeight:
+        key = (*weight_key(weight), recipe, expanded)
         if key != self.key:
-            wq = quantize(weight.detach(), recipe, backend=_qbackend(weight))
-            self.value = (wq, expand_experts(wq, torch.bfloat16) if expanded else None)
-            self.transposed_value = None
+            w = weight.detach()
+            wq = nan_if_nonfinite(quantize(w, recipe, backend=_qbackend(weight)), w)
+            self.entry = _QuantizedWeight(wq, expand_experts(wq, torch.bfloat16) if expanded else None)
             self.key = key
             # keeps the keyed storage alive, so its address (in the key) cannot be reused by a new weight
             # while this entry is cached; a reference to the master weight, not a copy (an old weight
             # replaced through ``param.data`` stays allocated until the next forward)
-            self.source = weight.detach()
-        return self.value
-
-    def transposed(self) -> NVFP4Tensor:
-        """Per-expert ``W_qᵀ`` of the cached weight (built once per weight update)."""
-        if self.transposed_value is None:
-            self.transposed_value = transpose_16x16(self.value[0])
-        return self.transposed_value
+            self.source = w
+        return self.entry
 
 
 class _GroupedNVFP4Linear(torch.autograd.Function):
@@ -169,13 +182,11 @@ class _GroupedNVFP4Linear(torch.autograd.Function):
             cfg.backend == "auto" and _auto_backend(x) == "triton_expanded"
         )
         # tokens quantized once (before the top-k gather); their exact q·s written in the same pass
-        xq = quantize(
-            x.detach(),
-            cfg.activation,
-            backend=_qbackend(x),
-            emit_expanded=torch.bfloat16 if triton_expanded else None,
-        )
-        wq, w_exp = cache.get(weight, cfg.weight, triton_expanded)
+        xd = x.detach()
+        emit = torch.bfloat16 if triton_expanded else None
+        xq = nan_if_nonfinite(quantize(xd, cfg.activation, backend=_qbackend(x), emit_expanded=emit), xd)
+        entry = cache.get(weight, cfg.weight, triton_expanded)
+        wq, w_exp = entry.wq, entry.expanded
         y = grouped_gemm(
             xq,
             wq,
@@ -189,7 +200,7 @@ class _GroupedNVFP4Linear(torch.autograd.Function):
         ctx.cfg = cfg
         ctx.x_shape = x.shape
         ctx.cache = cache
-        ctx.weight_key = cache.key
+        ctx.weight = entry  # the forward's quantization, whatever the cache holds by the backward
         if cfg.backward == "nvfp4-backward":
             ctx.quantized = None
             ctx.save_for_backward(gather, offsets, x, weight)
@@ -234,11 +245,6 @@ def _nvfp4_backward(ctx, dy):
     """dgrad on the grouped NVFP4 GEMM with the transposed forward weights; grouped wgrad (module doc)."""
     gather, offsets, x, weight = ctx.saved_tensors
     cfg, cache = ctx.cfg, ctx.cache
-    if cache.key != ctx.weight_key:
-        raise RuntimeError(
-            "NVFP4 experts: the weight changed between forward and backward; its cached W_qᵀ no longer "
-            "matches (do not update expert weights in place before backward)"
-        )
     cache.backwards += 1
     seed = (cfg.grad.seed + 1000003 * cache.backwards) % 2**32
     dtype = dy.dtype
@@ -246,9 +252,9 @@ def _nvfp4_backward(ctx, dy):
     qb = _qbackend(dy)
     dx = dw = None
     if ctx.needs_input_grad[0]:
-        dyq = quantize(dy, cfg.grad, backend=qb, seed=seed)
+        dyq = nan_if_nonfinite(quantize(dy, cfg.grad, backend=qb, seed=seed), dy)
         dx_rows = grouped_gemm(
-            dyq, cache.transposed(), offsets, out_dtype=dtype, backend=cfg.backend, validate=False
+            dyq, ctx.weight.transposed(), offsets, out_dtype=dtype, backend=cfg.backend, validate=False
         )
         dx = dx_rows if gather is None else dy.new_zeros(ctx.x_shape).index_add_(0, gather, dx_rows)
     if ctx.needs_input_grad[1]:
@@ -300,6 +306,7 @@ def nvfp4_wgrad(
         xt = pad_segments(x, dest, length, gather).t().contiguous()  # [K, L]
         dyq = quantize(dyt, cfg.wgrad, backend=qb, seed=seed, emit_expanded=emit)
         xq = quantize(xt, x_recipe, backend=qb, emit_expanded=emit)
+    dyq, xq = nan_if_nonfinite(dyq, dy), nan_if_nonfinite(xq, x)  # NaN/Inf in dy or x: NaN dW (linear.py)
     return grouped_wgrad(dyq, xq, padded, out_dtype=out_dtype, backend=cfg.backend, validate=False)
 
 
@@ -369,7 +376,7 @@ class NVFP4MoeExperts(nn.Module):
     def invalidate_cache(self) -> None:
         """Drop the cached quantized weights (the stochastic-rounding call counters are kept)."""
         for cache in self._caches:
-            cache.key, cache.source, cache.value, cache.transposed_value = None, None, None, None
+            cache.clear()
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         cfg = self.config

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .recipe import QuantRecipe
+from .recipe import QuantRecipe, check_seed
 from .reference import check_input, quantize_reference
 from .tensor import NVFP4Tensor
 
@@ -42,8 +42,8 @@ def quantize(
     recipe = QuantRecipe() if recipe is None else recipe
     if backend not in BACKENDS:
         raise ValueError(f"quantize: backend must be one of {BACKENDS}, got {backend!r}")
-    if seed is not None and (not isinstance(seed, int) or not 0 <= seed < 2**32):
-        raise ValueError(f"quantize: seed must be an int in [0, 2**32), got {seed!r}")
+    if seed is not None:
+        check_seed(seed, "quantize: seed")
     if emit_expanded not in (None, torch.bfloat16, torch.float16):
         raise ValueError(
             f"quantize: emit_expanded must be None, torch.bfloat16 or torch.float16, got {emit_expanded}"

@@ -327,6 +327,18 @@ def _alpha_mm(x: torch.Tensor, w: torch.Tensor, alpha: float, bias, out: torch.T
             out.copy_(y.add_(bias.float()) if bias is not None else y)
 
 
+def _with_device_nan(bias, scales: list, n: int, dtype: torch.dtype):
+    """``bias + 0·g`` for each device outer scale ``g`` whose alpha came from the recipe (host-known): a NaN
+    put there by a layer's non-finite rule (:func:`~triage.kernels.linear.nan_if_nonfinite`) still reaches
+    every output; the bias is unchanged otherwise (a zero bias when there is none)."""
+    if not scales:
+        return bias
+    nan = sum(g.reshape(()) * 0 for g in scales)
+    if bias is None:
+        return nan.to(dtype).expand(n)
+    return (bias.float() + nan).to(bias.dtype)
+
+
 def _scaled_epilogue(acc32: torch.Tensor, g_a, g_b, bias, out_dtype) -> torch.Tensor:
     y = acc32 * (g_a if g_a.numel() == 1 else g_a[:, None])
     y = y * (g_b if g_b.numel() == 1 else g_b[None, :])
@@ -396,7 +408,9 @@ def gemm(
         elif per_tensor:  # cuBLAS, scales folded into alpha
             gb = _host_scale(b, b_scale_host)
             alpha = float(torch.tensor(host_decode_scale(a)) * torch.tensor(gb))  # RN(g_a·g_b) in fp32
-            _alpha_mm(xa, wb, alpha, bias, out)
+            fixed = [g_a] if _host_known(a) else []  # alpha from the recipe: a device NaN rides on the bias
+            fixed += [g_b] if _host_known(b) and b_scale_host is None else []
+            _alpha_mm(xa, wb, alpha, _with_device_nan(bias, fixed, N, out_dtype), out)
         else:
             with _fp32_reduction():
                 out.copy_(_scaled_epilogue(_mm_fp32(xa, wb), g_a, g_b, bias, out_dtype))

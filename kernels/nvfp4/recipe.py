@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BLOCKS", "PROFILES", "QuantRecipe", "ROUNDINGS", "SCALES", "SCALE_SOURCES"]
+__all__ = ["BLOCKS", "PROFILES", "QuantRecipe", "ROUNDINGS", "SCALES", "SCALE_SOURCES", "check_seed"]
 
 BLOCKS = ("1x16", "16x16")
 SCALES = ("tensor", "row", "expert", "none")
@@ -91,13 +91,18 @@ class QuantRecipe:
             raise ValueError("QuantRecipe: static_amax is only used with scale_source='static'")
         if self.scale_source != "checkpoint" and self.checkpoint_scale is not None:
             raise ValueError("QuantRecipe: checkpoint_scale is only used with scale_source='checkpoint'")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
-            raise ValueError(f"QuantRecipe.seed must be an int in [0, 2**32), got {self.seed!r}")
+        check_seed(self.seed, "QuantRecipe.seed")
 
     @property
     def tile_rows(self) -> int:
         """Rows sharing one block scale: 1 for "1x16", 16 for "16x16"."""
         return 16 if self.block == "16x16" else 1
+
+
+def check_seed(seed, name: str) -> None:
+    """A stochastic-rounding seed is an int in [0, 2**32) (a bool is refused: ``seed=True`` is a mistake)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+        raise ValueError(f"{name} must be an int in [0, 2**32), got {seed!r}")
 
 
 def _check_positive(name: str, value: float | None) -> None:

@@ -43,7 +43,7 @@ import torch
 from .._launch import cdiv, fast_launch
 from .api import BACKENDS, quantize
 from .format import BLOCK
-from .recipe import QuantRecipe
+from .recipe import QuantRecipe, check_seed
 from .reference import check_input
 from .rng import seed_key
 from .tensor import NVFP4Tensor
@@ -478,8 +478,8 @@ def quantize_columnwise(
     recipe = QuantRecipe() if recipe is None else recipe
     if backend not in BACKENDS:
         raise ValueError(f"quantize_columnwise: backend must be one of {BACKENDS}, got {backend!r}")
-    if seed is not None and (not isinstance(seed, int) or not 0 <= seed < 2**32):
-        raise ValueError(f"quantize_columnwise: seed must be an int in [0, 2**32), got {seed!r}")
+    if seed is not None:
+        check_seed(seed, "quantize_columnwise: seed")
     if emit_expanded not in (None, torch.bfloat16, torch.float16):
         raise ValueError(
             f"quantize_columnwise: emit_expanded must be None, torch.bfloat16 or torch.float16, got {emit_expanded}"

@@ -36,7 +36,9 @@ def test_shipped_levels_hold_numerics_only():
     for level in LEVELS:
         layer = yaml.safe_load((LEVEL_DIR / f"{level}.yaml").read_text())
         check_layer("levels", level, layer)
-        assert "learner_precision" in layer and "sampler_model" in layer["sampler_kwargs"], level
+        assert {"bf16", "learner_precision"} <= set(layer) and "sampler_model" in layer["sampler_kwargs"], (
+            level
+        )
 
 
 @pytest.mark.parametrize("level", LEVELS)
@@ -62,8 +64,9 @@ def test_levels_replace_the_numerics_whole():
     aligned = load_recipe("tiny/grpo-none/aligned")
     assert aligned["sampler_kwargs"] == {"sampler_model": "shared", "kv_cache_dtype": "native"}
     assert aligned["learner_precision"] == "bf16" and "quant_recipe" not in aligned
-    config = build_config(aligned, output_dir="unused", use_cpu=True, bf16=False)
-    assert config.learner_precision == "bf16" and config.quant_recipe is None
+    assert aligned["bf16"] is False  # no autocast: the learner scores in the weights' dtype, as it samples
+    config = build_config(aligned, output_dir="unused", use_cpu=True)
+    assert config.learner_precision == "bf16" and config.quant_recipe is None and not config.bf16
     # the other sampler keys of the preset stay (a level replaces numerics only) and overrides still win
     over = load_recipe(
         "tiny/grpo-none/aligned", ["sampler_kwargs.batch_size=8", "sampler_kwargs.kv_cache_dtype=fp8"]
@@ -71,8 +74,9 @@ def test_levels_replace_the_numerics_whole():
     assert over["sampler_kwargs"] == {"sampler_model": "shared", "kv_cache_dtype": "fp8", "batch_size": 8}
     matched = load_recipe("tiny/triage/nvfp4-matched")
     assert matched["sampler_kwargs"]["quant_recipe"] == matched["quant_recipe"]  # the same recipe both sides
+    assert matched["sampler_kwargs"]["dtype"] == "float32" and matched["bf16"] is False
     bf16 = load_recipe("tiny/tis/realistic-bf16-learner")
-    assert bf16["learner_precision"] == "bf16" and "quant_recipe" not in bf16
+    assert bf16["learner_precision"] == "bf16" and "quant_recipe" not in bf16 and bf16["bf16"] is True
     assert bf16["sampler_kwargs"]["quant_recipe"]["scale"] == "tensor"
 
 
@@ -111,7 +115,7 @@ def test_numerics_keys_and_names():
     layer = {"quant_recipe": {}, "tau": 0.1, "sampler_kwargs": {"dtype": "bfloat16", "batch_size": 4}}
     assert numerics_keys(layer) == ["quant_recipe", "sampler_kwargs.dtype"]
     check_layer("arms", "fine", {"correction": "tis", "sampler_kwargs": {"batch_size": 4}})
-    with pytest.raises(ValueError, match=r"unknown level 'exact'; known: aligned, nvfp4-matched"):
+    with pytest.raises(ValueError, match=r"unknown level 'exact'; known: aligned, bf16-sampler"):
         load_recipe("tiny/triage/exact")
     with pytest.raises(ValueError, match=r"neither a recipe file nor PRESET/ARM\[/LEVEL\]"):
         load_recipe("tiny/triage/aligned/extra")

@@ -210,7 +210,7 @@ def test_overrides_and_files(tmp_path):
         ),
         ({"reward_funcs": ["dapo_accuracy", "format"]}, "reward_funcs: unknown reward 'format'"),
         ({"reward_funcs": [{"soft_overlong": {"cache_length": 100}}]}, "cache_length"),
-        ({"dataset.difficulty": 9}, "difficulty must be an int in 1..5"),
+        ({"dataset.difficulty": 9}, "difficulty must be an int in 1..6"),
         ({"dataset": {"source": "hub"}}, "dataset: unknown dataset source 'hub'"),
         ({"eval_dataset.nn": 3}, "eval_dataset: dataset source 'synthetic' does not take \\['nn'\\]"),
         ({"model_name_or_path": None}, "recipe needs 'model_name_or_path'"),

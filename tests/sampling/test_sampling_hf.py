@@ -219,3 +219,80 @@ class _NoAccelerator:
     @staticmethod
     def unwrap_model(model, keep_fp32_wrapper=True):
         return model
+
+
+# -- static KV cache (the CUDA-graph path's cache) -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kv_cache_dtype", [None, "fp8_e4m3"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_static_cache_decode_matches_dynamic(tiny_model, tokenizer, prompt_ids, kv_cache_dtype, attn):
+    """The static cache (pre-allocated, 4-D mask updated in place) samples the same tokens as the dynamic one
+    and reports the same log-probs up to rounding; with a native cache both equal a full re-forward."""
+    model = copy.deepcopy(tiny_model)
+    model.config._attn_implementation = attn
+    params = SamplingParams(max_new_tokens=10, temperature=0.9)
+    eos = [tokenizer.eos_token_id]
+    runs = {
+        d: sample_with_kv_cache(
+            model, prompt_ids, params, eos, torch.Generator().manual_seed(3), pad_id=0,
+            kv_cache_dtype=kv_cache_dtype, decode=d,
+        )
+        for d in ("dynamic", "static")
+    }
+    assert runs["static"]["completion_ids"] == runs["dynamic"]["completion_ids"]
+    assert sum(len(c) for c in runs["static"]["completion_ids"]) >= 10
+    for a, b in zip(runs["static"]["logprobs"], runs["dynamic"]["logprobs"]):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=2e-5, rtol=0)
+    if kv_cache_dtype is None:
+        for p, c, lp in zip(prompt_ids, runs["static"]["completion_ids"], runs["static"]["logprobs"]):
+            torch.testing.assert_close(torch.tensor(lp), reforward_logprobs(model, p, c, 0.9), atol=2e-5, rtol=0)
+
+
+def test_static_cache_fp8_rounds_like_dynamic(tiny_model, tokenizer, prompt_ids):
+    """An fp8 cache changes the log-probs (it is a real numerics option) identically on both paths."""
+    params = SamplingParams(max_new_tokens=8, temperature=1.0)
+    eos = [tokenizer.eos_token_id]
+
+    def run(decode, kv):
+        return sample_with_kv_cache(
+            tiny_model, prompt_ids, params, eos, torch.Generator().manual_seed(5), pad_id=0,
+            kv_cache_dtype=kv, decode=decode,
+        )
+
+    native, fp8 = run("static", None), run("static", "fp8_e4m3")
+    gaps = [
+        (torch.tensor(a) - reforward_logprobs(tiny_model, p, c, 1.0)).abs().max()
+        for p, c, a in zip(prompt_ids, fp8["completion_ids"], fp8["logprobs"])
+    ]
+    assert max(gaps) > 1e-4  # the fp8 cache is not a no-op
+    assert native["completion_ids"] != [] and fp8["completion_ids"] != []
+
+
+def test_decode_choice_is_validated(tiny_model, tokenizer, prompt_ids):
+    params = SamplingParams(max_new_tokens=2)
+    with pytest.raises(ValueError, match="decode must be one of"):
+        sample_with_kv_cache(tiny_model, prompt_ids, params, [0], decode="graph")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        sample_with_kv_cache(tiny_model, prompt_ids, params, [0], decode="cuda_graph")
+    with pytest.raises(ValueError, match="decode must be one of"):
+        HFSampler(decode="fast")
+    other = copy.deepcopy(tiny_model)
+    other.config._attn_implementation = "flex_attention"
+    with pytest.raises(ValueError, match="needs a static KV cache"):
+        sample_with_kv_cache(other, prompt_ids, params, [0], decode="static")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_decode_is_bit_identical_to_static(tiny_model, tokenizer, prompt_ids):
+    model = copy.deepcopy(tiny_model).cuda()
+    params = SamplingParams(max_new_tokens=16, temperature=1.0)
+    runs = [
+        sample_with_kv_cache(
+            model, prompt_ids, params, [tokenizer.eos_token_id],
+            torch.Generator("cuda").manual_seed(7), pad_id=0, decode=d,
+        )
+        for d in ("static", "cuda_graph")
+    ]
+    assert runs[0] == runs[1]

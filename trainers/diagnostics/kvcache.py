@@ -12,9 +12,14 @@ prefill's ``attention_mask`` (B, T), the amax is taken over its valid positions 
 The states attention sees are the rounded ones, prefill included. ``fmt="bf16"`` rounds through bfloat16
 instead (no scale): a bf16 cache under an fp32 model.
 
-transformers versions. The cache is transformers' own ``DynamicCache`` built from the model config, with
-its full-attention ``cache_utils.DynamicLayer`` layers replaced by :class:`QuantizedKVLayer` (a
-``DynamicLayer`` subclass): the per-layer cache API that transformers 5.17 (the GPU image) and 5.24 share.
+Static caches. ``kv_cache(..., max_cache_len=L)`` builds transformers' ``StaticCache`` instead (pre-allocated
+(B, H, L, D) buffers written in place, a device-side length counter), whose rounding layers are
+:class:`QuantizedStaticKVLayer`: the cache a CUDA-graph decode needs (the built-in sampler's ``decode``).
+
+transformers versions. The cache is transformers' own ``DynamicCache`` (or ``StaticCache``) built from the
+model config, with its full-attention ``cache_utils.DynamicLayer`` (``StaticLayer``) layers replaced by
+:class:`QuantizedKVLayer` (:class:`QuantizedStaticKVLayer`): the per-layer cache API that transformers 5.17
+(the GPU image) and 5.24 share.
 What differs between them is the name of the forward argument that takes the cache — ``past_key_values``
 (5.17) or ``cache`` (5.24, the old name a deprecated alias) — which :func:`cache_argument` detects from the
 model's signature. Layers that are not plain ``DynamicLayer`` (sliding-window, chunked, linear-attention or
@@ -26,18 +31,19 @@ from __future__ import annotations
 import inspect
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers import DynamicCache, StaticCache
+from transformers.cache_utils import DynamicLayer, StaticLayer
 
-__all__ = ["KV_FORMATS", "QuantizedKVLayer", "cache_argument", "kv_cache"]
+__all__ = ["KV_FORMATS", "QuantizedKVLayer", "QuantizedStaticKVLayer", "cache_argument", "kv_cache"]
 
 KV_FORMATS = ("native", "bf16", "fp8")
 GRANULARITIES = ("tensor", "head")
 _FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 
 
-class QuantizedKVLayer(DynamicLayer):
-    """A ``DynamicLayer`` whose stored keys/values are rounded through ``fmt`` (see the module docstring)."""
+class _RoundedKV:
+    """Mixin for a transformers cache layer: keys/values are rounded through ``fmt`` before they are stored
+    (see the module docstring); the layer class it is mixed into decides how they are stored."""
 
     def __init__(
         self,
@@ -81,15 +87,42 @@ class QuantizedKVLayer(DynamicLayer):
         return super().update(self.round(key_states, ks), self.round(value_states, vs), *args, **kwargs)
 
 
+class QuantizedKVLayer(_RoundedKV, DynamicLayer):
+    """A ``DynamicLayer`` whose stored keys/values are rounded through ``fmt`` (see the module docstring)."""
+
+
+class QuantizedStaticKVLayer(_RoundedKV, StaticLayer):
+    """A ``StaticLayer`` (pre-allocated, written in place) whose stored keys/values are rounded through ``fmt``.
+
+    The scales are calibrated on the first ``update`` (the prefill, eager) and then frozen device tensors,
+    so later updates launch only device work: the layer can be captured in a CUDA graph."""
+
+
 def kv_cache(
-    config, fmt: str = "native", granularity: str = "tensor", attention_mask: torch.Tensor | None = None
-) -> DynamicCache:
-    """A fresh cache for ``config``: ``DynamicCache`` for ``"native"``, else one ``QuantizedKVLayer`` per layer.
+    config,
+    fmt: str = "native",
+    granularity: str = "tensor",
+    attention_mask: torch.Tensor | None = None,
+    max_cache_len: int | None = None,
+) -> DynamicCache | StaticCache:
+    """A fresh cache for ``config``: ``DynamicCache`` for ``"native"``, else one ``QuantizedKVLayer`` per layer;
+    with ``max_cache_len``, a ``StaticCache`` of that length (``QuantizedStaticKVLayer`` layers).
 
     ``attention_mask``: the prefill's (B, T) mask; the fp8 scales are calibrated on its valid positions only."""
     if fmt not in KV_FORMATS:
         raise ValueError(f"kv cache format must be one of {KV_FORMATS}, got {fmt!r}")
-    cache = DynamicCache(config=config)
+    static = max_cache_len is not None
+    if static and (not isinstance(max_cache_len, int) or max_cache_len < 1):
+        raise ValueError(f"kv_cache: max_cache_len must be a positive int, got {max_cache_len!r}")
+    cache = StaticCache(config=config, max_cache_len=max_cache_len) if static else DynamicCache(config=config)
+    plain, rounded = (StaticLayer, QuantizedStaticKVLayer) if static else (DynamicLayer, QuantizedKVLayer)
+    if static:
+        for i, layer in enumerate(cache.layers):
+            if type(layer) is not StaticLayer:
+                raise ValueError(
+                    f"kv_cache(max_cache_len=...): layer {i} of this model's cache is a {type(layer).__name__}; "
+                    "the static cache covers full-attention layers (cache_utils.StaticLayer) only"
+                )
     if fmt == "native":
         return cache
     if not cache.layers:
@@ -97,12 +130,13 @@ def kv_cache(
             f"kv_cache({fmt!r}): the config gives no cache layers to quantize ({type(config).__name__})"
         )
     for i, layer in enumerate(cache.layers):
-        if type(layer) is not DynamicLayer:
+        if type(layer) is not plain:
             raise ValueError(
                 f"kv_cache({fmt!r}): layer {i} of this model's cache is a {type(layer).__name__}; the {fmt} "
-                "emulation covers full-attention layers (cache_utils.DynamicLayer) only"
+                f"emulation covers full-attention layers (cache_utils.{plain.__name__}) only"
             )
-    cache.layers = [QuantizedKVLayer(fmt, granularity, attention_mask) for _ in cache.layers]
+    extra = {"max_cache_len": max_cache_len} if static else {}
+    cache.layers = [rounded(fmt, granularity, attention_mask, **extra) for _ in cache.layers]
     return cache
 
 

@@ -103,6 +103,71 @@ def _new_cache(
         return DynamicCache()
 
 
+DECODES = ("auto", "dynamic", "static", "cuda_graph")
+#: attention implementations whose 4-D decode mask the static/graph paths can build (bool: True = attend)
+_STATIC_ATTENTION = ("sdpa", "eager", "triage_strict")
+
+
+def _resolve_decode(decode: str, model: torch.nn.Module, device: torch.device) -> str:
+    """``decode`` → the path that runs: ``"auto"`` is ``"cuda_graph"`` on a CUDA device when the model's
+    attention allows a static cache, else ``"dynamic"``; an explicit choice the model cannot run is an error."""
+    if decode not in DECODES:
+        raise ValueError(f"decode must be one of {DECODES}, got {decode!r}")
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    static_ok = impl in _STATIC_ATTENTION
+    if decode == "auto":
+        return "cuda_graph" if device.type == "cuda" and static_ok else "dynamic"
+    if decode != "dynamic" and not static_ok:
+        raise ValueError(
+            f"decode={decode!r} needs a static KV cache, built here for attn_implementation in "
+            f"{_STATIC_ATTENTION}; this model uses {impl!r} (use decode='dynamic')"
+        )
+    if decode == "cuda_graph" and device.type != "cuda":
+        raise ValueError(f"decode='cuda_graph' needs a CUDA device; the model is on {device}")
+    return decode
+
+
+class _GraphStep:
+    """One decode forward (``step()`` → last-position logits), replayed from a CUDA graph after the first call.
+
+    The first call runs eagerly: it warms every lazy allocation (static-cache buffers, kernel autotuning,
+    weight caches). The second call captures the step and replays it; later calls replay. The graph's
+    inputs are the caller's static buffers (token, position, 4-D mask), updated in place before each call;
+    the static cache advances its own device-side length inside the graph. A capture that fails (an op that
+    synchronises with the host, say) is reported once with a warning and the loop continues eagerly: the
+    same kernels, so the same numbers."""
+
+    def __init__(self, step: Callable[[], torch.Tensor]):
+        self.step, self.calls, self.graph, self.logits, self.failed = step, 0, None, None, False
+
+    def __call__(self) -> torch.Tensor:
+        self.calls += 1
+        if self.graph is not None:
+            self.graph.replay()
+            return self.logits
+        if self.failed or self.calls == 1:
+            return self.step()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                logits = self.step()
+        except Exception as err:  # noqa: BLE001 - any capture failure falls back to the eager path
+            import warnings
+
+            self.failed = True
+            warnings.warn(
+                f"HFSampler: CUDA-graph capture of the decode step failed ({type(err).__name__}: {err}); "
+                "decoding eagerly with the static cache instead",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            torch.cuda.synchronize()
+            return self.step()
+        self.graph, self.logits = graph, logits
+        graph.replay()  # capture records the step without running it
+        return self.logits
+
+
 @torch.no_grad()
 def sample_with_kv_cache(
     model: torch.nn.Module,
@@ -113,10 +178,17 @@ def sample_with_kv_cache(
     logprobs_mode: Literal["temperature", "processed"] = "temperature",
     pad_id: int = 0,
     kv_cache_dtype: str | None = None,
+    decode: str = "dynamic",
 ) -> dict[str, list[list]]:
     """Sample one completion per prompt with left padding and an incremental KV cache.
 
     ``kv_cache_dtype``: precision of the stored keys/values (module docstring; ``None`` = the model's).
+    ``decode``: ``"dynamic"`` (transformers' growing ``DynamicCache``), ``"static"`` (a pre-allocated
+    ``StaticCache`` of prompt width + ``max_new_tokens`` and a 4-D mask updated in place), ``"cuda_graph"``
+    (the static path with each decode step replayed from a CUDA graph: bit-identical to ``"static"``) or
+    ``"auto"`` (``"cuda_graph"`` on CUDA, else ``"dynamic"``). The static cache attends over the whole
+    buffer with the unwritten positions masked, so its attention may round differently from the dynamic
+    cache's in the last bits.
 
     Returns ``{"completion_ids", "logprobs"}``; a completion ends with (and includes) the first EOS id, or stops
     at ``params.max_new_tokens``. A finished row keeps being fed ``pad_id`` until every row has finished; those
@@ -124,7 +196,7 @@ def sample_with_kv_cache(
     """
     if logprobs_mode not in ("temperature", "processed"):
         raise ValueError(f"logprobs_mode must be 'temperature' or 'processed', got {logprobs_mode!r}")
-    _kv_format(kv_cache_dtype)
+    fmt = _kv_format(kv_cache_dtype)
     if not prompt_ids:
         return {"completion_ids": [], "logprobs": []}
     empty = [i for i, p in enumerate(prompt_ids) if len(p) == 0]
@@ -133,6 +205,7 @@ def sample_with_kv_cache(
             f"prompt entry {empty[0]} has no token; the sampler needs at least one context token"
         )
     device = next(model.parameters()).device
+    decode = _resolve_decode(decode, model, device)
     batch, width = len(prompt_ids), max(len(p) for p in prompt_ids)
     input_ids = torch.full((batch, width), pad_id, dtype=torch.long, device=device)
     mask = torch.zeros((batch, width), dtype=torch.long, device=device)
@@ -142,12 +215,17 @@ def sample_with_kv_cache(
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     eos = torch.tensor(sorted(set(int(e) for e in eos_ids)), dtype=torch.long, device=device)
     processors = _logits_processors(params)
-    from triage.trainers.diagnostics.kvcache import cache_argument
+    from triage.trainers.diagnostics.kvcache import cache_argument, kv_cache
 
     cache_name = cache_argument(model)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(base.forward).parameters else {}
-    cache = _new_cache(model, kv_cache_dtype, attention_mask=mask)
+    static = decode != "dynamic"
+    if static:  # the last sampled token is never fed back: width + max_new_tokens - 1 positions suffice
+        length = width + max(params.max_new_tokens - 1, 1)
+        cache = kv_cache(model.config, fmt, attention_mask=mask, max_cache_len=length)
+    else:
+        cache = _new_cache(model, kv_cache_dtype, attention_mask=mask)
 
     out = model(
         input_ids=input_ids,
@@ -157,14 +235,37 @@ def sample_with_kv_cache(
         **{cache_name: cache},
         **keep,
     )
+    logits = out.logits[:, -1, :]
     # what repetition penalty looks at (prompt + completion so far), as in generate; pads become the id one
     # past the logits, which the processor clamps into an extra column and drops (a pad is not a seen token)
     seen = input_ids.masked_fill(mask == 0, out.logits.shape[-1])
     next_pos = positions[:, -1] + 1
+    if static:
+        # decode inputs as static buffers, updated in place: the token, its position, and the 4-D mask over
+        # the whole cache (prompt keys as the padding mask says, generated keys switched on as written)
+        token_buf = torch.full((batch, 1), pad_id, dtype=torch.long, device=device)
+        pos_buf = next_pos[:, None].clone()
+        attend = torch.zeros((batch, 1, 1, length), dtype=torch.bool, device=device)
+        attend[:, 0, 0, :width] = mask.bool()
+        if model.config._attn_implementation == "eager":  # eager attention adds its mask: 0 or dtype min
+            mask4, on = torch.where(attend, 0.0, torch.finfo(logits.dtype).min).to(logits.dtype), 0.0
+        else:
+            mask4, on = attend, True
+
+        def step() -> torch.Tensor:
+            o = model(
+                input_ids=token_buf,
+                attention_mask=mask4,
+                position_ids=pos_buf,
+                use_cache=True,
+                **{cache_name: cache},
+            )
+            return o.logits[:, -1, :]
+
+        forward = _GraphStep(step) if decode == "cuda_graph" else step
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     tokens, logps, alive = [], [], []
-    for step in range(params.max_new_tokens):
-        logits = out.logits[:, -1, :]
+    for i in range(params.max_new_tokens):
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         scores = processors(seen, logits.clone()) if len(processors) else logits
         probs = torch.softmax(scores, dim=-1)
@@ -176,18 +277,25 @@ def sample_with_kv_cache(
         logps.append(logp)
         alive.append(~finished)
         finished = finished | torch.isin(token, eos)
-        if bool(finished.all()) or step == params.max_new_tokens - 1:
+        if bool(finished.all()) or i == params.max_new_tokens - 1:
             break
         seen = torch.cat([seen, token[:, None]], dim=1)
-        mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype, device=device)], dim=1)
-        out = model(
-            input_ids=token[:, None],
-            attention_mask=mask,
-            position_ids=next_pos[:, None],
-            use_cache=True,
-            **{cache_name: cache},
-        )
-        next_pos = next_pos + 1
+        if static:
+            token_buf.copy_(token[:, None])
+            mask4[:, 0, 0, width + i] = on  # the key this step writes
+            logits = forward()
+            pos_buf.add_(1)
+        else:
+            mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype, device=device)], dim=1)
+            out = model(
+                input_ids=token[:, None],
+                attention_mask=mask,
+                position_ids=next_pos[:, None],
+                use_cache=True,
+                **{cache_name: cache},
+            )
+            logits = out.logits[:, -1, :]
+            next_pos = next_pos + 1
 
     tokens_t, logps_t, alive_t = (torch.stack(x, dim=1).cpu() for x in (tokens, logps, alive))
     completion_ids, logprobs = [], []
@@ -216,6 +324,8 @@ class HFSampler(SamplerSource):
         logprobs_mode: ``"temperature"`` (default, what TRL's learner computes) or ``"processed"``.
         kv_cache_dtype: precision of the KV cache (module docstring): ``None`` (default: the model's dtype),
             ``"bf16"`` or ``"fp8_e4m3"`` (alias ``"fp8"``).
+        decode: the decode path of :func:`sample_with_kv_cache`: ``"auto"`` (default: a static KV cache with
+            CUDA-graph replay on CUDA, the dynamic cache elsewhere), ``"dynamic"``, ``"static"`` or ``"cuda_graph"``.
     """
 
     name = "hf"
@@ -234,6 +344,7 @@ class HFSampler(SamplerSource):
         weight_sync: Callable[[Any], None] | None = None,
         validate: bool = True,
         kv_cache_dtype: str | None = None,
+        decode: str = "auto",
     ):
         super().__init__(params=params, weight_sync=weight_sync, validate=validate)
         if sampler_model not in ("shared", "copy"):
@@ -245,6 +356,9 @@ class HFSampler(SamplerSource):
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         _kv_format(kv_cache_dtype)
+        if decode not in DECODES:
+            raise ValueError(f"decode must be one of {DECODES}, got {decode!r}")
+        self.decode = decode
         self.model = model
         self.sampler_model = sampler_model
         self.dtype = dtype
@@ -321,6 +435,7 @@ class HFSampler(SamplerSource):
                     logprobs_mode=self.logprobs_mode,
                     pad_id=int(pad_id),
                     kv_cache_dtype=self.kv_cache_dtype,
+                    decode=self.decode,
                 )
                 for k in result:
                     result[k].extend(part[k])

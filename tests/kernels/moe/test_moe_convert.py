@@ -180,7 +180,7 @@ def test_expert_weight_cache_is_not_fooled_by_a_reused_address():
             new = [torch.randn_like(w) for _ in range(8)]  # the allocator tends to hand it back
             w.data = next((t for t in new if t.data_ptr() == old_ptr), new[0])
             del new
-            wq = cache.get(w, recipe, False)[0]
+            wq = cache.get(w, recipe, False).wq
             assert torch.equal(wq.data, quantize(w.detach(), recipe, backend="torch").data)
 
 

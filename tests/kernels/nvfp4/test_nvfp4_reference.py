@@ -18,6 +18,7 @@ from triage.kernels.nvfp4 import (
     unswizzle_scales,
 )
 from triage.kernels.nvfp4.fuzz import adversarial, midpoint_tensor
+from triage.kernels.nvfp4.triton_quant_t import quantize_columnwise
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -368,6 +369,11 @@ def test_bad_backend_and_seed():
         quantize(x, backend="cuda")
     with pytest.raises(ValueError, match="seed"):
         quantize(x, seed=2**40)
+    for bad in (True, False):  # refused like QuantRecipe(seed=True)
+        with pytest.raises(ValueError, match="quantize: seed must be an int"):
+            quantize(x, QuantRecipe(rounding="stochastic"), seed=bad)
+        with pytest.raises(ValueError, match="quantize_columnwise: seed must be an int"):
+            quantize_columnwise(x, QuantRecipe(rounding="stochastic"), seed=bad)
     with pytest.raises(TypeError, match="NVFP4Tensor"):
         dequantize(x)
     with pytest.raises(TypeError, match="QuantRecipe"):

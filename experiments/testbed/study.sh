@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Mismatch testbed (one GPU): SFT the `testbed` preset's model once, then every (level, arm, seed) run as its
+# own process (`triage ablate --parallel`), each stopping cleanly at BUDGET seconds (a run cut short is not
+# finished: its steps so far go to runs/<level>/<arm>/seed<k>.partial.json, and the next call runs it again).
+# Writes RUN_DIR/results.md (mean ± std over seeds per level and arm) and prints the testbed summary.
+#
+#   RUN_DIR=runs/testbed LEVELS="aligned pair" ARMS=grpo-none SEEDS="0 1 2" STEPS=300 BUDGET=420 \
+#     bash experiments/testbed/study.sh                                      # MINI=1: smoke sizes on a CPU
+#
+# A run's seed sets `seed` (TRL's prompt order and init), `data_seed` and the sampler's generator.
+# Levels: experiments/recipes/levels/*.yaml ("fp32 learner" = no autocast, fp32 weights and activations):
+#   aligned             fp32 learner; the sampler is the learner's own model (shared), native KV cache
+#   bf16-sampler        fp32 learner; a bf16 sampler copy, native KV cache
+#   nvfp4-row           fp32 learner; an NVFP4 W4A4 sampler copy, per-token activation scales
+#                       (compressed-tensors profile), native KV cache
+#   nvfp4-row-fp8kv     the same with an fp8 e4m3 KV cache (the tiny preset's sampler)
+#   nvfp4-tensor-fp8kv  fp32 learner; NVFP4 sampler with one tensor-wide activation amax (TE profile), fp8 KV
+#   pair                NVFP4 learner (TE, tensor-wide amax) vs the tiny preset's NVFP4 sampler, no autocast
+#   realistic           the tiny preset as shipped (NVFP4 learner under bf16 autocast)
+set -u
+R=${RUN_DIR:-runs/testbed}
+STEPS=${STEPS:-300}
+BUDGET=${BUDGET:-100000}
+MINI=${MINI:+--mini}
+LEVELS=${LEVELS:-aligned bf16-sampler nvfp4-row nvfp4-row-fp8kv nvfp4-tensor-fp8kv pair realistic}
+ARMS=${ARMS:-grpo-none}
+SEEDS=${SEEDS:-0}
+read -ra L <<<"$LEVELS"; read -ra A <<<"$ARMS"; read -ra S <<<"$SEEDS"
+PARALLEL=${PARALLEL:-$(( ${#L[@]} * ${#A[@]} * ${#S[@]} ))}   # default: every run at once
+join() { local IFS=,; echo "$*"; }
+# shellcheck disable=SC2086
+python -m triage ablate --preset testbed $MINI --output "$R" --levels "$(join "${L[@]}")" \
+  --arms "$(join "${A[@]}")" --seeds "$(join "${S[@]}")" --steps "$STEPS" --parallel "$PARALLEL" \
+  --time-budget "$BUDGET" --resume --no-plots
+python -m triage.experiments.testbed_summary "$R"

@@ -1,0 +1,173 @@
+"""Quantized-weight caches follow every optimizer and in-place update; non-finite operands give NaN outputs.
+
+Plain training loops (no TRL): after each optimizer step the layer's output equals, bit for bit, the output
+of a layer freshly converted from the new weights. ``torch.optim.AdamW(fused=True)`` (transformers'
+default ``adamw_torch_fused``) and fused SGD write the parameters without bumping their ``_version``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from triage.kernels import NVFP4Linear, NVFP4LinearConfig
+from triage.kernels.moe.experts import MoEQuantConfig, NVFP4MoeExperts
+from triage.kernels.nvfp4 import QuantRecipe, quantize
+from triage.kernels.nvfp4.gemm import gemm
+
+CFG = NVFP4LinearConfig(quant_backend="torch", gemm_backend="reference")
+OPTIMIZERS = {
+    "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=0.05, fused=True),
+    "adamw-foreach": lambda ps: torch.optim.AdamW(ps, lr=0.05, foreach=True),
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+    "sgd-fused": lambda ps: torch.optim.SGD(ps, lr=0.05, fused=True),
+}
+
+
+def _fresh_linear(layer: NVFP4Linear) -> NVFP4Linear:
+    lin = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
+    with torch.no_grad():
+        lin.weight.copy_(layer.weight)
+        if layer.bias is not None:
+            lin.bias.copy_(layer.bias)
+    return NVFP4Linear.from_linear(lin, layer.config)
+
+
+@pytest.mark.parametrize("mode", ["bf16-backward", "nvfp4-backward"])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_nvfp4_linear_follows_every_optimizer(name, mode):
+    torch.manual_seed(0)
+    layer = NVFP4Linear(32, 16, config=dataclasses.replace(CFG, mode=mode))
+    opt = OPTIMIZERS[name](layer.parameters())
+    x, dy = torch.randn(8, 32), torch.randn(8, 16)
+    for _ in range(3):
+        (layer(x) * dy).sum().backward()  # the cache holds this step's W_q
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            assert torch.equal(layer(x), _fresh_linear(layer)(x))
+
+
+def test_nvfp4_linear_follows_manual_updates():
+    from triage.kernels.linear import invalidate_weight_caches
+
+    torch.manual_seed(0)
+    layer = NVFP4Linear(32, 16, config=CFG)
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        layer(x)
+        layer.weight.add_(0.3)  # autograd-visible in-place write: bumps _version
+        assert torch.equal(layer(x), _fresh_linear(layer)(x))
+        layer.load_state_dict({"weight": torch.randn(16, 32), "bias": torch.randn(16)})
+        assert torch.equal(layer(x), _fresh_linear(layer)(x))
+        for p in layer.parameters():  # a hand-written update loop through .data: invisible to any key ...
+            p.data.add_(0.7)
+        invalidate_weight_caches()  # ... so it is the user's one call
+        assert torch.equal(layer(x), _fresh_linear(layer)(x))
+
+
+class _Experts(nn.Module):
+    """transformers-5 fused experts layout (what NVFP4MoeExperts wraps)."""
+
+    def __init__(self, e=4, h=32, i=16):
+        super().__init__()
+        self.num_experts, self.hidden_dim, self.intermediate_dim = e, h, i
+        self.gate_up_proj = nn.Parameter(torch.randn(e, 2 * i, h) * 0.2)
+        self.down_proj = nn.Parameter(torch.randn(e, h, i) * 0.2)
+        self.act_fn = nn.SiLU()
+
+
+def _fresh_experts(m: NVFP4MoeExperts) -> NVFP4MoeExperts:
+    e = _Experts(m.num_experts, m.hidden_dim, m.intermediate_dim)
+    with torch.no_grad():
+        e.gate_up_proj.copy_(m.gate_up_proj)
+        e.down_proj.copy_(m.down_proj)
+    return NVFP4MoeExperts(e, m.config)
+
+
+@pytest.mark.parametrize("backward", ["bf16-backward", "nvfp4-backward"])
+@pytest.mark.parametrize("name", ["adamw-fused", "adamw-foreach", "sgd"])
+def test_moe_experts_follow_every_optimizer(name, backward):
+    torch.manual_seed(0)
+    weight = QuantRecipe(scale="expert", block="16x16")
+    cfg = MoEQuantConfig(backend="reference", backward=backward, weight=weight)
+    experts = NVFP4MoeExperts(_Experts(), cfg)
+    opt = OPTIMIZERS[name](experts.parameters())
+    x = torch.randn(6, 32)
+    idx = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0], [0, 2], [1, 3]])
+    w, dy = torch.rand(6, 2), torch.randn(6, 32)
+    for _ in range(3):
+        (experts(x, idx, w) * dy).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            assert torch.equal(experts(x, idx, w), _fresh_experts(experts)(x, idx, w))
+
+
+# ----------------------------------------------------------------------------------------- non-finite values
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_nonfinite_weight_or_input_gives_nan_like_nn_linear(bad):
+    torch.manual_seed(0)
+    layer = NVFP4Linear(32, 16, config=CFG)
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        assert torch.isfinite(layer(x)).all()
+        xb = x.clone()
+        xb[1, 3] = bad
+        assert not layer.to_linear()(xb)[1].isfinite().any()  # nn.Linear: NaN/Inf where it enters
+        assert layer(xb).isnan().all()
+        layer.weight[2, 5] = bad  # bumps _version: the cache re-quantizes
+        assert layer(x).isnan().all()  # was 0 / finite: the quantizer maps NaN to finite codes
+
+
+def test_nonfinite_gradients_give_nan_in_nvfp4_backward():
+    torch.manual_seed(0)
+    layer = NVFP4Linear(32, 16, config=dataclasses.replace(CFG, mode="nvfp4-backward"))
+    x = torch.randn(16, 32, requires_grad=True)
+    dy = torch.randn(16, 16)
+    dy[3, 4] = float("nan")
+    layer(x).backward(dy)
+    assert x.grad.isnan().all() and layer.weight.grad.isnan().all()
+
+
+def test_nonfinite_expert_weight_or_token_gives_nan():
+    torch.manual_seed(0)
+    cfg = MoEQuantConfig(backend="reference")
+    experts = NVFP4MoeExperts(_Experts(), cfg)
+    x, idx, w = torch.randn(4, 32), torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0]]), torch.rand(4, 2)
+    with torch.no_grad():
+        assert torch.isfinite(experts(x, idx, w)).all()
+        xb = x.clone()
+        xb[0, 0] = float("inf")
+        assert experts(xb, idx, w).isnan().all()
+        experts.down_proj[1, 0, 0] = float("nan")
+        assert experts(x, idx, w).isnan().all()
+
+
+def test_frozen_base_nan_input_gives_nan():
+    from triage.kernels.lora import FrozenNVFP4Linear, NVFP4BaseConfig
+
+    torch.manual_seed(0)
+    frozen = FrozenNVFP4Linear.from_linear(
+        nn.Linear(32, 16), NVFP4BaseConfig(quant_backend="torch", gemm_backend="reference")
+    )
+    x = torch.randn(4, 32)
+    x[2, 7] = float("nan")
+    assert frozen(x).isnan().all()
+
+
+@pytest.mark.parametrize("backend", ["cublas", "triton", "reference"])
+def test_a_nan_device_scale_reaches_the_output_even_when_the_alpha_comes_from_the_recipe(backend):
+    """A static activation recipe gives cuBLAS its alpha from the recipe (no device read): a NaN the layer
+    put in the device scale must still reach every output."""
+    torch.manual_seed(0)
+    recipe = QuantRecipe(scale_source="static", static_amax=4.0)
+    a = quantize(torch.randn(80, 32), recipe, backend="torch")
+    b = quantize(torch.randn(16, 32), QuantRecipe(), backend="torch")
+    a = dataclasses.replace(a, global_scale=a.global_scale * float("nan"))
+    assert gemm(a, b, out_dtype=torch.float32, backend=backend).isnan().all()
