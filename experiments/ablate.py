@@ -31,8 +31,8 @@ preset's ``arm_seconds``) and stops a started run cleanly before a step that wou
 short is not saved and runs again under ``--resume``. Runs of another preset config in ``DIR`` are an error,
 never mixed into the results.
 
-Presets (:data:`PRESETS`): ``smoke`` runs for a few steps on CPU with a tiny model (CI); ``local`` is sized for
-one H200. ``--mini`` shrinks a preset to smoke size, to check the whole pipeline on a CPU (its numbers mean
+Presets (:data:`PRESETS`): ``smoke`` runs for a few steps on CPU with a tiny model (CI); ``local`` and
+``testbed`` (the mismatch testbed: longer completions, 300 steps) are sized for one H200. ``--mini`` shrinks a preset to smoke size, to check the whole pipeline on a CPU (its numbers mean
 nothing). Held-out accuracy is greedy decoding by the *learner* (the trained policy, in its numerics) on
 problems that neither SFT nor RL ever trains on, measured before the first step and every ``eval_every`` steps.
 """
@@ -1014,7 +1014,7 @@ def run_study(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--preset", choices=sorted(PRESETS), default=None, help="smoke (CPU, CI) or local (one GPU)"
+        "--preset", choices=sorted(PRESETS), default=None, help="smoke (CPU, CI), local or testbed (one GPU)"
     )
     parser.add_argument(
         "--study", default=None, help="a study YAML (preset, levels, arms, seeds, ...); flags win"
