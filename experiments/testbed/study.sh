@@ -8,6 +8,8 @@
 #     bash experiments/testbed/study.sh                                      # MINI=1: smoke sizes on a CPU
 #
 # A run's seed sets `seed` (TRL's prompt order and init), `data_seed` and the sampler's generator.
+# SFT_ONLY=1 trains (or finds) the shared checkpoint and exits (one call with all LEVELS/ARMS/SEEDS and
+# PARALLEL runs them at once; several calls on one RUN_DIR would each rewrite its study.json and results).
 # Levels: experiments/recipes/levels/*.yaml ("fp32 learner" = no autocast, fp32 weights and activations):
 #   aligned             fp32 learner; the sampler is the learner's own model (shared), native KV cache
 #   bf16-sampler        fp32 learner; a bf16 sampler copy, native KV cache
@@ -28,6 +30,16 @@ SEEDS=${SEEDS:-0}
 read -ra L <<<"$LEVELS"; read -ra A <<<"$ARMS"; read -ra S <<<"$SEEDS"
 PARALLEL=${PARALLEL:-$(( ${#L[@]} * ${#A[@]} * ${#S[@]} ))}   # default: every run at once
 join() { local IFS=,; echo "$*"; }
+if [ -n "${SFT_ONLY:-}" ]; then
+  python -c "
+import sys
+from triage.experiments.ablate import PRESETS, SFT_DIR, mini
+from triage.experiments.sft import ensure_sft_checkpoint
+p = PRESETS['testbed']
+ensure_sft_checkpoint((mini(p) if sys.argv[1] else p).sft, sys.argv[2] + '/' + SFT_DIR)
+" "$MINI" "$R"
+  exit $?
+fi
 # shellcheck disable=SC2086
 python -m triage ablate --preset testbed $MINI --output "$R" --levels "$(join "${L[@]}")" \
   --arms "$(join "${A[@]}")" --seeds "$(join "${S[@]}")" --steps "$STEPS" --parallel "$PARALLEL" \
