@@ -1,33 +1,40 @@
-"""``triage ablate``: TRIAGE vs vanilla GRPO (and TIS, IcePop, OPSM) from one SFT checkpoint, same seeds and data.
+"""``triage ablate``: mismatch corrections (vanilla GRPO, TIS, IcePop, OPSM, TRIAGE) at several learner/sampler
+mismatch levels and seeds, from one SFT checkpoint — a dose-response study, run as resumable processes and
+aggregated over seeds.
 
-    triage ablate --preset smoke|local --output DIR [--arms a,b,...] [--resume] [--mini] [--steps N]
+    triage ablate --preset smoke|local --output DIR [--levels a,b] [--arms a,b] [--seeds 0,1,2] [--steps N]
+                  [--parallel N] [--resume] [--time-budget S] [--set KEY=VALUE ...] [--mini]
+    triage ablate --study study.yaml --output DIR [any flag above, overriding the file]
 
-What one run does:
+What one call does:
 
-1. **SFT** (:mod:`triage.experiments.sft`): a small Qwen3-architecture model trained from scratch on the
-   synthetic DAPO-format task, saved to ``DIR/sft``; skipped when that folder already holds a checkpoint of
-   the same config.
-2. **Every arm** (``experiments/recipes/arms``: grpo-none, tis, icepop, opsm, triage, triage-mask) starts from
-   that checkpoint with the ``tiny`` recipe preset: an NVFP4 learner with one tensor-wide activation amax
-   (``quant_recipe.scale: tensor``) against an NVFP4 sampler copy with per-token activation scales
-   (``scale: row``) and an fp8 (e4m3) KV cache — a realistic learner/sampler mismatch. Every arm gets the
-   same seeds, the same prompts in the same order and the same geometry; only the correction differs.
-   Each finished arm is written at once to ``DIR/arms/<arm>.json``.
-3. **Results**: ``DIR/results.json`` (one entry per arm with its metric series over steps: reward, train
-   accuracy, held-out greedy accuracy, entropy, mean |δ|, token class shares, suppressed fraction),
-   ``DIR/ablation.png`` (one combined figure, :mod:`triage.experiments.plots`) and ``DIR/results.md`` (a
-   markdown table). They are rewritten after every arm from all finished arms in ``DIR``.
+1. **SFT** (:mod:`triage.experiments.sft`), once, in this process: a small Qwen3-architecture model trained
+   from scratch on the synthetic DAPO-format task, saved to ``DIR/sft``; skipped when that folder already
+   holds a checkpoint of the same config. Every run starts from it.
+2. **Runs**: one per (level, arm, seed), seed-major (every level and arm of seed 0 first). A run trains the
+   recipe ``tiny/<arm>/<level>`` (:mod:`triage.experiments.recipes`: the arm is the correction, the level the
+   learner/sampler numerics) sized by the preset; its seed sets ``seed`` (TRL's prompt order and the model's
+   RNG), ``data_seed`` and the HF sampler's generator seed. Within one seed every run sees the same prompts
+   in the same order. A finished run writes ``DIR/runs/<level>/<arm>/seed<k>.json`` and its log
+   ``seed<k>.log`` beside it. ``--parallel 1`` (default) runs them one after another in this process;
+   ``--parallel N`` runs up to N child processes (``python -m triage ablate --output DIR --run
+   LEVEL/ARM/SEED``, reading the config from ``DIR/study.json``; they inherit the environment, so the
+   device too, and get ``OMP_NUM_THREADS`` = cores / N unless it is set). A crashed run leaves its traceback
+   in its log and is named in the summary; the other runs go on.
+3. **Results**: ``DIR/results.json`` (per level and arm: seeds, mean/std/min/max over seeds of every summary
+   number, per-step mean/min/max series), ``DIR/results.md`` (the table) and ``DIR/ablation-<level>.png``
+   (:mod:`triage.experiments.plots`), rewritten after every finished run from all finished runs in ``DIR``.
 
-``--arms`` runs a subset; ``--resume`` skips the arms already finished in ``DIR``, so the preset can run in
-pieces (``--time-budget`` stops cleanly before an arm that would not fit). Arm files of another preset
-config in ``DIR`` are an error, never mixed into the results.
+``--resume`` skips the runs already finished in ``DIR``. ``--time-budget S`` starts no run expected to end
+more than S seconds after the call began (the estimate: the mean seconds of the finished runs, else the
+preset's ``arm_seconds``) and stops a started run cleanly before a step that would end past it: a run cut
+short is not saved and runs again under ``--resume``. Runs of another preset config in ``DIR`` are an error,
+never mixed into the results.
 
-Presets (:data:`PRESETS`): ``smoke`` runs every arm for a few steps on CPU with a tiny model (CI);
-``local`` is sized for one H200 (SFT ~2 min, six arms ~45 s each). ``--mini`` shrinks a preset to smoke
-size, to check the whole pipeline on a CPU (its numbers mean nothing).
-
-Held-out accuracy is greedy decoding by the *learner* (the trained policy, NVFP4 numerics) on problems that
-neither SFT nor RL ever trains on, measured before the first step and every ``eval_every`` steps.
+Presets (:data:`PRESETS`): ``smoke`` runs for a few steps on CPU with a tiny model (CI); ``local`` and
+``testbed`` (the mismatch testbed: longer completions, 300 steps) are sized for one H200. ``--mini`` shrinks a preset to smoke size, to check the whole pipeline on a CPU (its numbers mean
+nothing). Held-out accuracy is greedy decoding by the *learner* (the trained policy, in its numerics) on
+problems that neither SFT nor RL ever trains on, measured before the first step and every ``eval_every`` steps.
 """
 
 from __future__ import annotations
@@ -37,7 +44,12 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
+import statistics
+import subprocess
+import sys
 import time
+import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,25 +62,35 @@ __all__ = [
     "AblationPreset",
     "PRESETS",
     "SERIES_KEYS",
+    "SUMMARY_KEYS",
+    "BAND_SERIES",
+    "STUDY_KEYS",
+    "RunKey",
+    "Study",
     "mini",
-    "arm_recipe",
-    "arm_series",
-    "arm_summary",
-    "load_arm_results",
+    "run_recipe",
+    "run_series",
+    "run_summary",
+    "seed_stats",
+    "load_runs",
+    "load_study_file",
     "aggregate",
     "markdown_table",
     "write_results",
-    "run_arm",
-    "run_ablation",
+    "run_one",
+    "run_study",
 ]
 
-RESULTS_FILE, TABLE_FILE, PLOT_FILE, ARMS_DIR, SFT_DIR = (
+RESULTS_FILE, TABLE_FILE, STUDY_FILE, RUNS_DIR, SFT_DIR = (
     "results.json",
     "results.md",
-    "ablation.png",
-    "arms",
+    "study.json",
+    "runs",
     "sft",
 )
+PARTIAL_SUFFIX = ".partial.json"  # a run the time budget cut short: its steps so far, never aggregated
+EXIT_CUT_SHORT = 3  # a child's exit status when the time budget stopped its run (nothing saved)
+KILL_GRACE = 60.0  # seconds past the budget after which a child that has not stopped is killed
 
 #: results.json series name → the key the trainer logs it under (TRL's or the ``triage/...`` metrics).
 SERIES_KEYS = {
@@ -77,30 +99,51 @@ SERIES_KEYS = {
     "dapo_accuracy": "rewards/dapo_accuracy/mean",
     "entropy": "entropy",
     "completion_length": "completions/mean_length",
+    "grad_norm": "grad_norm",
     "mean_abs_delta": "triage/mean_abs_delta",
     "suppressed_frac": "triage/suppressed_frac",
     "guarded_frac": "triage/guarded_frac",
     "kl_k3": "triage/kl_k3",
     **{f"share/{c}": f"triage/{c}/share" for c in CLASSES},
 }
+#: the run-summary numbers aggregated over seeds (:func:`run_summary`), besides the class shares.
+SUMMARY_KEYS = (
+    "reward_first",
+    "reward_last",
+    "accuracy_first",
+    "accuracy_last",
+    "held_out_first",
+    "held_out_last",
+    "held_out_best",
+    "entropy_last",
+    "mean_abs_delta_step1",
+    "mean_abs_delta",
+    "grad_norm_last",
+    "grad_norm_max",
+    "suppressed_frac",
+    "guarded_last",
+)
+#: the per-step series aggregated over seeds (mean, min, max at every step) in results.json and the figures.
+BAND_SERIES = ("reward", "accuracy", "entropy", "mean_abs_delta", "suppressed_frac", "grad_norm", "kl_k3")
 
 
 @dataclass(frozen=True)
 class AblationPreset:
-    """Sizes of one ablation run (all arms share them).
+    """Sizes of the runs of one study (every level, arm and seed shares them).
 
     Attributes:
         name: preset name.
         sft: the SFT model and schedule (:class:`~triage.experiments.sft.SFTConfig`).
-        steps: optimizer steps per arm; one generation batch per step (``prompts × generations`` completions,
+        steps: optimizer steps per run; one generation batch per step (``prompts × generations`` completions,
             all used in one update, so the sampler ran exactly the weights the learner scores: δ is mismatch only).
         prompts, generations: prompts per step and completions per prompt (the GRPO group).
         max_completion_length: completion tokens at most (the soft overlong penalty starts 16 before).
         learning_rate, warmup_steps: RL optimizer (AdamW as in the ``tiny`` recipe, constant after warm-up).
         eval_every: steps between held-out evaluations (plus one before the first step and one after the last).
         n_eval: held-out problems evaluated (the first ``n_eval`` of SFT's held-out set).
-        arm_seconds: a-priori seconds per arm on the preset's target device (only for the printed estimate).
-        overrides: further recipe overrides (``KEY: value``, dotted keys allowed) applied to every arm.
+        arm_seconds: a-priori seconds per run on the preset's target device (the time-budget estimate until a
+            run has finished).
+        overrides: further recipe overrides (``KEY: value``, dotted keys allowed) applied to every run.
     """
 
     name: str
@@ -135,15 +178,22 @@ class AblationPreset:
         out["overrides"] = dict(self.overrides)
         return out
 
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> AblationPreset:
+        """The inverse of :meth:`to_dict` (``DIR/study.json``)."""
+        return cls(
+            **{**data, "sft": SFTConfig(**data["sft"]), "overrides": dict(data.get("overrides") or {})}
+        )
+
     def fingerprint(self) -> str:
-        """Hash of everything that shapes an arm's numbers (not ``arm_seconds``): arms of one fingerprint are
+        """Hash of everything that shapes a run's numbers (not ``arm_seconds``): runs of one fingerprint are
         comparable and may be aggregated together."""
         data = {k: v for k, v in self.to_dict().items() if k != "arm_seconds"}
         return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 PRESETS: dict[str, AblationPreset] = {
-    # every arm for two steps on CPU with a 0.1M-parameter model (CI): checks the pipeline, not the method
+    # two steps per run on CPU with a 0.1M-parameter model (CI): checks the pipeline, not the method
     "smoke": AblationPreset(
         name="smoke",
         sft=SFTConfig(steps=20, batch_size=16, n_train=128, n_eval=8, difficulty=(1,), max_new_tokens=16),
@@ -156,7 +206,7 @@ PRESETS: dict[str, AblationPreset] = {
         n_eval=8,
         arm_seconds=5.0,
     ),
-    # one H200: SFT of a 0.84M-parameter Qwen3, then 6 arms x 40 steps x 256 completions. Calibration (CPU,
+    # one H200: SFT of a 0.84M-parameter Qwen3, then runs of 40 steps x 256 completions. Calibration (CPU,
     # fp32, the same shape with a 3000-step cosine): held-out greedy accuracy 42 % at step 500, 62 % at 750,
     # 77 % at 1000 (docs/results.md §4); 600 fully decayed steps aim at ~60 %, leaving the RL room to improve.
     "local": AblationPreset(
@@ -252,14 +302,143 @@ def mini(preset: AblationPreset) -> AblationPreset:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# the study: which runs
+
+
+@dataclass(frozen=True, order=True)
+class RunKey:
+    """One run of a study: a mismatch level, a correction arm and a seed (``"LEVEL/ARM/SEED"`` as text)."""
+
+    level: str
+    arm: str
+    seed: int
+
+    @classmethod
+    def parse(cls, text: str) -> RunKey:
+        parts = text.split("/")
+        if len(parts) != 3 or not parts[2].isdigit():
+            raise ValueError(f"a run is LEVEL/ARM/SEED (e.g. realistic/grpo-none/0), got {text!r}")
+        return cls(parts[0], parts[1], int(parts[2]))
+
+    def __str__(self) -> str:
+        return f"{self.level}/{self.arm}/{self.seed}"
+
+    def path(self, output_dir: str | Path, suffix: str = "") -> Path:
+        """``DIR/runs/<level>/<arm>/seed<k><suffix>``: ``.json`` (the finished run), ``.log``, or the trainer's
+        output folder (no suffix)."""
+        return Path(output_dir) / RUNS_DIR / self.level / self.arm / f"seed{self.seed}{suffix}"
+
+
+def _names(value: Any, what: str) -> tuple:
+    """A list, or a comma-separated string, of names (``what`` for the error)."""
+    if isinstance(value, str):
+        value = [v.strip() for v in value.split(",") if v.strip()]
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ValueError(f"{what} must be a non-empty list (or comma-separated names), got {value!r}")
+    return tuple(value)
+
+
+def _seeds(value: Any) -> tuple[int, ...]:
+    """Distinct non-negative int seeds from a list, one int, or a comma-separated string."""
+    items = _names(str(value) if isinstance(value, int) else value, "seeds")
+    seeds = tuple(int(s) if isinstance(s, int) or str(s).strip().isdigit() else -1 for s in items)
+    if any(s < 0 or isinstance(t, bool) for s, t in zip(seeds, items)) or len(set(seeds)) != len(seeds):
+        raise ValueError(f"seeds must be distinct non-negative ints, got {value!r}")
+    return seeds
+
+
+#: the run seed owns these recipe keys (dotted); a preset override of one is an error (use ``seeds``).
+_SEED_KEYS = ("seed", "data_seed", "sampler_kwargs.seed")
+
+
+@dataclass(frozen=True)
+class Study:
+    """What one ``triage ablate`` call runs: ``levels × arms × seeds`` runs of ``preset``.
+
+    Attributes:
+        preset: the sizes every run shares (:class:`AblationPreset`, with its recipe overrides).
+        levels: mismatch levels (``experiments/recipes/levels``), default ``realistic`` (the ``tiny`` preset).
+        arms: correction arms (``experiments/recipes/arms``), default the six of ``recipes.ARMS``.
+        seeds: run seeds, default ``(0,)``.
+        parallel: runs at once; 1 runs them in this process, more in child processes.
+        time_budget: seconds from the start of the call after which no run may end (``None``: no limit).
+    """
+
+    preset: AblationPreset
+    levels: tuple[str, ...] = ("realistic",)
+    arms: tuple[str, ...] | None = None
+    seeds: tuple[int, ...] = (0,)
+    parallel: int = 1
+    time_budget: float | None = None
+
+    def __post_init__(self) -> None:
+        from triage.experiments.recipes import ALL_ARMS, ARMS, LEVELS, parse_overrides
+
+        object.__setattr__(self, "levels", _names(self.levels, "levels"))
+        object.__setattr__(self, "arms", _names(self.arms or ARMS, "arms"))
+        object.__setattr__(self, "seeds", _seeds(self.seeds))
+        for what, names, known in (("levels", self.levels, LEVELS), ("arms", self.arms, ALL_ARMS)):
+            unknown = [n for n in names if n not in known]
+            if unknown:
+                raise ValueError(f"unknown {what} {unknown}; {what}: {', '.join(known)}")
+        if not isinstance(self.parallel, int) or isinstance(self.parallel, bool) or self.parallel < 1:
+            raise ValueError(f"parallel must be a positive int, got {self.parallel!r}")
+        if self.time_budget is not None and not self.time_budget >= 0:
+            raise ValueError(f"time_budget must be >= 0 seconds, got {self.time_budget!r}")
+        nested = parse_overrides(self.preset.overrides)
+        for key in _SEED_KEYS:
+            head, _, tail = key.partition(".")
+            if head in nested and (not tail or tail in (nested[head] or {})):
+                raise ValueError(f"override {key!r}: the run seed sets it; choose the seeds with --seeds")
+
+    def runs(self) -> list[RunKey]:
+        """Every run, seed-major: all levels and arms of the first seed, then the next seed, ..."""
+        return [RunKey(lv, arm, seed) for seed in self.seeds for lv in self.levels for arm in self.arms]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "preset": self.preset.to_dict(),
+            "fingerprint": self.preset.fingerprint(),
+            "levels": list(self.levels),
+            "arms": list(self.arms),
+            "seeds": list(self.seeds),
+            "parallel": self.parallel,
+            "time_budget": self.time_budget,
+        }
+
+
+#: the keys of a study file (``triage ablate --study FILE``); every one is optional but ``preset``.
+STUDY_KEYS = ("preset", "mini", "levels", "arms", "seeds", "steps", "parallel", "time_budget", "overrides")
+
+
+def load_study_file(path: str | Path) -> dict[str, Any]:
+    """A study file's mapping, checked for unknown keys (``ValueError`` naming the file and the key)."""
+    from triage.experiments.recipes import load_yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"study file not found: {path}")
+    spec = load_yaml(path)
+    unknown = [k for k in spec if k not in STUDY_KEYS]
+    if unknown:
+        raise ValueError(f"{path}: unknown study keys {unknown}; keys: {', '.join(STUDY_KEYS)}")
+    if spec.get("preset") is not None and spec["preset"] not in PRESETS:
+        raise ValueError(f"{path}: preset {spec['preset']!r} is not one of {', '.join(sorted(PRESETS))}")
+    if not isinstance(spec.get("overrides") or {}, Mapping):
+        raise ValueError(f"{path}: overrides must be a mapping of recipe keys, got {spec['overrides']!r}")
+    return spec
+
+
+# ---------------------------------------------------------------------------------------------------------
 # recipes
 
 
-def arm_recipe(
-    preset: AblationPreset, arm: str, model_dir: str | Path, output_dir: str | Path, cpu: bool
+def run_recipe(
+    preset: AblationPreset, key: RunKey, model_dir: str | Path, output_dir: str | Path, cpu: bool
 ) -> dict:
-    """The flat ``tiny/<arm>`` recipe sized by ``preset``: the same data, seeds and geometry for every arm."""
-    from triage.experiments.recipes import load_recipe
+    """The flat recipe ``tiny/<arm>/<level>`` sized by ``preset``, seeded by ``key.seed``: within one seed every
+    run has the same data, order and geometry; only the correction (arm) and the numerics (level) differ."""
+    from triage.experiments.recipes import load_recipe, merge, parse_overrides
 
     batch = preset.prompts * preset.generations
     sft = preset.sft
@@ -292,17 +471,22 @@ def arm_recipe(
         "logging_steps": 1,
         "save_strategy": "no",
         "disable_tqdm": True,
-        "sampler_kwargs": {"seed": sft.seed},  # merged into the preset's sampler keys: a fixed sampler RNG
+        # the run seed: TRL's prompt order (RepeatSampler) and RNG, the Trainer's data_seed, the sampler's RNG
+        "seed": key.seed,
+        "data_seed": key.seed,
+        "sampler_kwargs": {"seed": key.seed},  # merged into the level's sampler keys
         **({"use_cpu": True, "bf16": False} if cpu else {}),
     }
-    return load_recipe(f"tiny/{arm}", {**overrides, **dict(preset.overrides)})
+    return load_recipe(
+        f"tiny/{key.arm}/{key.level}", merge(parse_overrides(overrides), parse_overrides(preset.overrides))
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
-# results
+# results of one run
 
 
-def arm_series(log_history: Iterable[Mapping[str, Any]]) -> dict[str, list]:
+def run_series(log_history: Iterable[Mapping[str, Any]]) -> dict[str, list]:
     """Per-step series from the trainer's ``log_history``: ``{"step": [...], name: [...]}`` for every
     :data:`SERIES_KEYS` name (``None`` where a step did not log it) plus ``accuracy`` = (DAPO ±1 mean + 1)/2."""
     records = [e for e in log_history if "loss" in e and "train_runtime" not in e and "step" in e]
@@ -325,10 +509,10 @@ def _mean(values: Iterable[float | None]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def arm_summary(series: Mapping[str, list], held_out: Mapping[str, list], window: int = 5) -> dict[str, Any]:
-    """Run-level numbers of one arm: reward and train accuracy over the first and the last ``window`` steps,
-    held-out accuracy before and after, mean |δ|, suppressed fraction, entropy (last window), class shares
-    (token-mean over the run)."""
+def run_summary(series: Mapping[str, list], held_out: Mapping[str, list], window: int = 5) -> dict[str, Any]:
+    """Run-level numbers of one run: reward and train accuracy over the first and the last ``window`` steps,
+    held-out accuracy before, after and best, mean |δ| at step 1 and over the run, grad norm (last window and
+    max), suppressed fraction, entropy (last window), class shares (token-mean over the run)."""
     n = len(series.get("step", []))
     w = max(1, min(window, n))
 
@@ -340,6 +524,8 @@ def arm_summary(series: Mapping[str, list], held_out: Mapping[str, list], window
 
     acc = held_out.get("accuracy", [])
     measured = [a for a in acc if a is not None]
+    grad = [g for g in series.get("grad_norm", []) if g is not None]
+    step1 = [d for s, d in zip(series.get("step", []), series.get("mean_abs_delta", [])) if s == 1]
     return {
         "steps": n,
         "reward_first": first("reward"),
@@ -350,70 +536,161 @@ def arm_summary(series: Mapping[str, list], held_out: Mapping[str, list], window
         "held_out_last": acc[-1] if acc else None,
         "held_out_best": max(measured) if measured else None,
         "entropy_last": last("entropy"),
+        "mean_abs_delta_step1": step1[0] if step1 else None,
         "mean_abs_delta": _mean(series.get("mean_abs_delta", [])),
+        "grad_norm_last": last("grad_norm"),
+        "grad_norm_max": max(grad) if grad else None,
         "suppressed_frac": _mean(series.get("suppressed_frac", [])),
         "guarded_last": last("guarded_frac"),
         "class_share": {c: _mean(series.get(f"share/{c}", [])) for c in CLASSES},
     }
 
 
-def load_arm_results(output_dir: str | Path, fingerprint: str | None = None) -> dict[str, dict]:
-    """Every finished arm in ``output_dir/arms`` (in recipe ARMS order). With ``fingerprint``, an arm of
-    another preset config is an error naming its file."""
-    from triage.experiments.recipes import ALL_ARMS
+def load_runs(output_dir: str | Path, fingerprint: str | None = None) -> dict[RunKey, dict]:
+    """Every finished run in ``output_dir/runs`` (sorted by level, arm, seed in recipe order). With
+    ``fingerprint``, a run of another preset config is an error naming its file."""
+    from triage.experiments.recipes import ALL_ARMS, LEVELS
 
-    folder = Path(output_dir) / ARMS_DIR
     found = {}
-    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+    for path in sorted((Path(output_dir) / RUNS_DIR).glob("*/*/seed*.json")):
+        if path.name.endswith(PARTIAL_SUFFIX):  # cut short by a time budget: not finished
+            continue
         entry = json.loads(path.read_text())
         if fingerprint is not None and entry.get("fingerprint") != fingerprint:
             raise ValueError(
                 f"{path} was produced by another preset config (fingerprint {entry.get('fingerprint')} != "
                 f"{fingerprint}); use another --output or delete it"
             )
-        found[entry["arm"]] = entry
-    order = {a: i for i, a in enumerate(ALL_ARMS)}
-    return dict(sorted(found.items(), key=lambda kv: order.get(kv[0], len(order))))
+        found[RunKey(entry["level"], entry["arm"], int(entry["seed"]))] = entry
+
+    def order(key: RunKey):
+        rank = {name: i for i, name in enumerate(LEVELS + ALL_ARMS)}
+        return rank.get(key.level, len(rank)), key.level, rank.get(key.arm, len(rank)), key.arm, key.seed
+
+    return {k: found[k] for k in sorted(found, key=order)}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# aggregation over seeds
+
+
+def seed_stats(values: Iterable[float | None]) -> dict[str, Any]:
+    """``{"n", "mean", "std", "min", "max"}`` of the measured values (``None`` skipped); ``std`` is the sample
+    standard deviation over seeds, sqrt(Σ (x − mean)² / (n − 1)), ``None`` below two values."""
+    xs = [float(v) for v in values if v is not None]
+    if not xs:
+        return {"n": 0, "mean": None, "std": None, "min": None, "max": None}
+    return {
+        "n": len(xs),
+        "mean": statistics.fmean(xs),
+        "std": statistics.stdev(xs) if len(xs) > 1 else None,
+        "min": min(xs),
+        "max": max(xs),
+    }
+
+
+def _band(runs: Sequence[Mapping[str, Any]], section: str, name: str) -> dict[str, list]:
+    """Per step (the union of the runs' steps): mean, min and max over the runs that measured it."""
+    by_step: dict[int, list[float]] = {}
+    for run in runs:
+        part = run.get(section) or {}
+        for step, value in zip(part.get("step", []), part.get(name, [])):
+            by_step.setdefault(int(step), [])
+            if value is not None:
+                by_step[int(step)].append(float(value))
+    steps = sorted(by_step)
+    stats = [seed_stats(by_step[s]) for s in steps]
+    return {"step": steps, **{k: [st[k] for st in stats] for k in ("mean", "min", "max")}}
+
+
+def _group(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The results.json entry of one (level, arm): its runs aggregated over seeds."""
+    summaries = [r.get("summary") or {} for r in runs]
+    return {
+        "n": len(runs),
+        "seeds": [r["seed"] for r in runs],
+        "correction": runs[0].get("correction"),
+        "description": runs[0].get("description"),
+        "seconds": seed_stats(r.get("seconds") for r in runs),
+        "summary": {k: seed_stats(s.get(k) for s in summaries) for k in SUMMARY_KEYS},
+        "class_share": {
+            c: seed_stats((s.get("class_share") or {}).get(c) for s in summaries) for c in CLASSES
+        },
+        "series": {name: _band(runs, "series", name) for name in BAND_SERIES},
+        "held_out": _band(runs, "held_out", "accuracy"),
+    }
 
 
 def aggregate(
-    arms: Mapping[str, Mapping[str, Any]], preset: Mapping[str, Any], sft: Mapping[str, Any] | None
+    runs: Mapping[RunKey, Mapping[str, Any]],
+    preset: Mapping[str, Any],
+    sft: Mapping[str, Any] | None,
+    study: Mapping[str, Any] | None = None,
 ) -> dict:
-    """The ``results.json`` dict: the preset, the SFT summary, and one entry per arm."""
-    return {"preset": preset.get("name"), "config": dict(preset), "sft": sft, "arms": dict(arms)}
+    """The ``results.json`` dict: the preset, the SFT summary, the requested study (levels, arms, seeds) and,
+    per level and arm with at least one finished run, :func:`_group` of its runs (``groups[level][arm]``)."""
+    grouped: dict[str, dict[str, list]] = {}
+    for key, entry in runs.items():
+        grouped.setdefault(key.level, {}).setdefault(key.arm, []).append(entry)
+    return {
+        "preset": preset.get("name"),
+        "config": dict(preset),
+        "sft": sft,
+        "study": {k: study[k] for k in ("levels", "arms", "seeds")} if study else None,
+        "groups": {lv: {arm: _group(r) for arm, r in arms.items()} for lv, arms in grouped.items()},
+    }
 
 
 def _fmt(value: Any, spec: str) -> str:
     return "–" if value is None else format(value, spec)
 
 
+def _pm(stats: Mapping[str, Any] | None, spec: str) -> str:
+    """``mean ± std`` (just the mean for one seed; a dash when nothing was measured)."""
+    stats = stats or {}
+    if stats.get("mean") is None:
+        return "–"
+    if stats.get("std") is None:
+        return format(stats["mean"], spec)
+    return f"{format(stats['mean'], spec)} ± {format(stats['std'], spec)}"
+
+
 def markdown_table(results: Mapping[str, Any]) -> str:
-    """One row per arm: held-out accuracy (before → after), train reward and accuracy (first → last 5 steps),
-    entropy, mean |δ|, the amplifying-class shares, suppressed fraction, the share of responses the TRIAGE
-    sequence guard scaled down over the last 5 steps, wall time."""
+    """One row per (level, arm): seeds, held-out accuracy (start → end, best), train reward (first 5 → last 5
+    steps), entropy (last 5), mean |δ| at step 1 and over the run, grad norm (last 5), the amplify-down share,
+    suppressed fraction, the share of responses the TRIAGE sequence guard scaled down (last 5), wall time.
+    Every cell is the mean ± sample std over seeds (the mean alone for one seed)."""
     lines = [
-        "| arm | correction | held-out acc. (start → end) | reward (first 5 → last 5) | train acc. | entropy (last 5) "
-        "| mean \\|δ\\| | amplify-down | amplify-up | suppressed | guarded (last 5) | s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| level | arm | n | held-out acc. (start → end) | held-out best | reward (first 5 → last 5) "
+        "| entropy (last 5) | mean \\|δ\\| step 1 | mean \\|δ\\| | grad norm (last 5) | amplify-down "
+        "| suppressed | guarded (last 5) | s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, arm in (results.get("arms") or {}).items():
-        s = arm.get("summary") or {}
-        shares = s.get("class_share") or {}
-        lines.append(
-            f"| {name} | {arm.get('correction', '?')} "
-            f"| {_fmt(s.get('held_out_first'), '.1%')} → {_fmt(s.get('held_out_last'), '.1%')} "
-            f"| {_fmt(s.get('reward_first'), '.3f')} → {_fmt(s.get('reward_last'), '.3f')} "
-            f"| {_fmt(s.get('accuracy_first'), '.1%')} → {_fmt(s.get('accuracy_last'), '.1%')} "
-            f"| {_fmt(s.get('entropy_last'), '.3f')} | {_fmt(s.get('mean_abs_delta'), '.4f')} "
-            f"| {_fmt(shares.get('amplify_down'), '.2%')} | {_fmt(shares.get('amplify_up'), '.2%')} "
-            f"| {_fmt(s.get('suppressed_frac'), '.2%')} | {_fmt(s.get('guarded_last'), '.1%')} "
-            f"| {_fmt(arm.get('seconds'), '.0f')} |"
-        )
+    for level, arms in (results.get("groups") or {}).items():
+        for arm, group in arms.items():
+            s = group.get("summary") or {}
+            lines.append(
+                f"| {level} | {arm} | {group.get('n')} "
+                f"| {_pm(s.get('held_out_first'), '.1%')} → {_pm(s.get('held_out_last'), '.1%')} "
+                f"| {_pm(s.get('held_out_best'), '.1%')} "
+                f"| {_pm(s.get('reward_first'), '.3f')} → {_pm(s.get('reward_last'), '.3f')} "
+                f"| {_pm(s.get('entropy_last'), '.3f')} | {_pm(s.get('mean_abs_delta_step1'), '.4f')} "
+                f"| {_pm(s.get('mean_abs_delta'), '.4f')} | {_pm(s.get('grad_norm_last'), '.3f')} "
+                f"| {_pm((group.get('class_share') or {}).get('amplify_down'), '.2%')} "
+                f"| {_pm(s.get('suppressed_frac'), '.2%')} | {_pm(s.get('guarded_last'), '.1%')} "
+                f"| {_pm(group.get('seconds'), '.0f')} |"
+            )
     return "\n".join(lines) + "\n"
 
 
+def plot_file(level: str) -> str:
+    """The figure of one level: ``ablation-<level>.png``."""
+    return f"ablation-{level}.png"
+
+
 def write_results(output_dir: str | Path, results: Mapping[str, Any], plots: bool = True) -> list[str]:
-    """Write ``results.json``, ``results.md`` (and ``ablation.png``) to ``output_dir``; returns the file names."""
+    """Write ``results.json``, ``results.md`` (and one ``ablation-<level>.png`` per level) to ``output_dir``;
+    returns the file names."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / RESULTS_FILE).write_text(json.dumps(results, indent=1, default=str) + "\n")
@@ -425,40 +702,38 @@ def write_results(output_dir: str | Path, results: Mapping[str, Any], plots: boo
         f"SFT checkpoint: {sft.get('params', '?')} parameters, {sft.get('steps_done', '?')} steps, held-out greedy "
         f"accuracy {_fmt(final.get('accuracy'), '.1%')} (by level {final.get('by_difficulty')}).",
         "",
+        "n = finished seeds; each cell is the mean ± sample std over seeds (min and max in results.json).",
+        "",
     ]
     (output_dir / TABLE_FILE).write_text("\n".join(header) + markdown_table(results))
     files = [RESULTS_FILE, TABLE_FILE]
-    if plots and results.get("arms"):
-        from triage.experiments.plots import plot_ablation
+    if plots:
+        from triage.experiments.plots import plot_level
 
-        plot_ablation(results, output_dir / PLOT_FILE)
-        files.append(PLOT_FILE)
+        for level in results.get("groups") or {}:
+            plot_level(results, level, output_dir / plot_file(level))
+            files.append(plot_file(level))
     return files
 
 
 # ---------------------------------------------------------------------------------------------------------
-# running
+# running one run
 
 
-def _held_out_callback(
-    trainer,
-    tokenizer,
-    dataset,
-    preset: AblationPreset,
-    log: Callable[[str], None],
-    deadline: float | None = None,
-):
+def _run_callback(trainer, tokenizer, dataset, preset: AblationPreset, log: Callable[[str], None], deadline):
     """A ``TrainerCallback`` that records the learner's greedy held-out accuracy (before step 1, every
-    ``eval_every`` steps, after the last) into ``callback.record``, and stops training at ``deadline``
-    (``time.perf_counter()`` seconds; ``callback.stopped_by`` says which stop ended the run)."""
+    ``eval_every`` steps, after the last) into ``callback.record``, prints each step, and, with ``deadline``
+    (``time.time()`` seconds), stops training after a step when the next one would end past it (a step is
+    expected to take as long as the last one); then the held-out accuracy is measured once more and
+    ``callback.stopped_by`` is ``"time_budget"`` (else ``"steps"``)."""
     from transformers import TrainerCallback
 
     from triage.experiments.sft import greedy_accuracy
 
-    class HeldOutAccuracy(TrainerCallback):
+    class RunCallback(TrainerCallback):
         def __init__(self):
             self.record: dict[str, list] = {"step": [], "accuracy": [], "by_difficulty": []}
-            self.start, self.stopped_by = time.perf_counter(), "steps"
+            self.start, self.stopped_by = time.time(), "steps"
 
         def _evaluate(self, step: int) -> None:
             import torch
@@ -475,8 +750,14 @@ def _held_out_callback(
         def on_train_begin(self, args, state, control, **kwargs):
             self._evaluate(0)
 
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.began = time.time()
+
         def on_step_end(self, args, state, control, **kwargs):
-            step = state.global_step
+            step, now = state.global_step, time.time()
+            if deadline is not None and step < preset.steps and now + (now - self.began) > deadline:
+                control.should_training_stop = True
+                self.stopped_by = "time_budget"
             if step % preset.eval_every == 0 or step >= preset.steps or control.should_training_stop:
                 self._evaluate(step)
 
@@ -489,29 +770,31 @@ def _held_out_callback(
                 f"    step {step:>3}/{preset.steps}: reward {logs['reward']:+.3f}, mean |δ| "
                 f"{logs.get('triage/mean_abs_delta', float('nan')):.4f}"
                 + (f", held-out {held:.1%}" if held is not None else "")
-                + f" ({time.perf_counter() - self.start:.0f} s)"
+                + f" ({time.time() - self.start:.0f} s)"
             )
 
-        def on_step_begin(self, args, state, control, **kwargs):
-            if deadline is not None and time.perf_counter() > deadline:
-                control.should_training_stop = True  # the step in flight is the last one
-                self.stopped_by = "time_budget"
-
-    return HeldOutAccuracy()
+    return RunCallback()
 
 
-def run_arm(
+def _write_json(path: Path, entry: Mapping[str, Any]) -> None:
+    """Write whole, then rename: a reader never sees half a file (a run is finished once its JSON exists)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(entry, indent=1, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def run_one(
     preset: AblationPreset,
-    arm: str,
+    key: RunKey,
     output_dir: str | Path,
-    model_dir: str | Path,
-    log: Callable[[str], None] = print,
     deadline: float | None = None,
-) -> dict[str, Any]:
-    """Train one arm from the SFT checkpoint; write and return its entry (``DIR/arms/<arm>.json``).
-
-    ``deadline`` (``time.perf_counter()`` seconds): the arm stops cleanly after the step in flight; its entry
-    says ``"complete": false`` and ``"stopped_by": "time_budget"`` (its series end at the last step run)."""
+    log: Callable[[str], None] = print,
+) -> dict[str, Any] | None:
+    """Train one run from the SFT checkpoint in ``output_dir/sft``; write and return its entry
+    (``DIR/runs/<level>/<arm>/seed<k>.json``). With ``deadline`` (``time.time()`` seconds), a run that would
+    end past it stops after a step: it is not finished, so nothing is returned and its entry goes to
+    ``seed<k>.partial.json`` (``"complete": false``, the steps it ran), which results never read."""
     import torch
     from transformers import AutoTokenizer
     from transformers.trainer_callback import PrinterCallback
@@ -520,104 +803,209 @@ def run_arm(
     from triage.experiments.train import build_trainer
 
     output_dir = Path(output_dir)
-    start = time.perf_counter()
+    started, start = time.time(), time.perf_counter()
     cpu = not torch.cuda.is_available()
-    recipe = arm_recipe(preset, arm, model_dir, output_dir / ARMS_DIR / arm, cpu=cpu)
+    model_dir = output_dir / SFT_DIR
+    recipe = run_recipe(preset, key, model_dir, key.path(output_dir), cpu=cpu)
     trainer = build_trainer(recipe, recipe["output_dir"])
     trainer.remove_callback(PrinterCallback)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     held_out = synthetic_math(preset.n_eval, list(preset.sft.difficulty), preset.sft.seed, "eval")
-    callback = _held_out_callback(trainer, tokenizer, held_out, preset, log, deadline)
+    callback = _run_callback(trainer, tokenizer, held_out, preset, log, deadline)
     trainer.add_callback(callback)
     trainer.train()
-    series = arm_series(trainer.state.log_history)
+    series = run_series(trainer.state.log_history)
     held = callback.record
+    summary = run_summary(series, held)
+    sft_record = json.loads((model_dir / "sft.json").read_text())
+    complete = callback.stopped_by == "steps"
     entry = {
-        "arm": arm,
+        "level": key.level,
+        "arm": key.arm,
+        "seed": key.seed,
         "description": recipe.get("description"),
         "correction": recipe.get("correction"),
         "fingerprint": preset.fingerprint(),
+        "params": sft_record.get("params"),
+        "mean_abs_delta_step1": summary["mean_abs_delta_step1"],
         "seconds": time.perf_counter() - start,
+        "started": started,
+        "finished": time.time(),
         "device": "cpu" if cpu else torch.cuda.get_device_name(),
-        "complete": len(series["step"]) == preset.steps,
+        "complete": complete,
         "stopped_by": callback.stopped_by,
         "series": series,
         "held_out": held,
-        "summary": arm_summary(series, held),
+        "summary": summary,
         "recipe": recipe,
     }
-    path = output_dir / ARMS_DIR / f"{arm}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(entry, indent=1, default=str) + "\n")
     del trainer
     if not cpu:
         torch.cuda.empty_cache()
+    if not complete:
+        _write_json(key.path(output_dir, PARTIAL_SUFFIX), entry)
+        log(
+            f"    {key}: stopped by the time budget after step {summary['steps']}/{preset.steps}; not finished"
+        )
+        return None
+    _write_json(key.path(output_dir, ".json"), entry)
+    key.path(output_dir, PARTIAL_SUFFIX).unlink(missing_ok=True)
     return entry
 
 
-def run_ablation(
-    preset: AblationPreset,
+# ---------------------------------------------------------------------------------------------------------
+# running a study
+
+
+def _run_here(
+    preset: AblationPreset, key: RunKey, output_dir: Path, deadline: float | None, log: Callable[[str], None]
+) -> str:
+    """:func:`run_one` in this process, its lines (and a crash's traceback) also written to its log file;
+    returns ``"done"``, ``"cut short"`` or ``"failed"``."""
+    path = key.path(output_dir, ".log")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as fh:
+
+        def tee(line: str) -> None:
+            log(line)
+            fh.write(line + "\n")
+            fh.flush()
+
+        try:
+            entry = run_one(preset, key, output_dir, deadline, tee)
+        except Exception:
+            fh.write(traceback.format_exc())
+            return "failed"
+    return "done" if entry is not None else "cut short"
+
+
+def _spawn(key: RunKey, output_dir: Path, deadline: float | None, threads: int) -> subprocess.Popen:
+    """``python -m triage ablate --output DIR --run KEY`` as a child process writing to the run's log."""
+    path = key.path(output_dir, ".log")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "triage", "ablate", "--output", str(output_dir), "--run", str(key)]
+    if deadline is not None:
+        cmd += ["--deadline", repr(deadline)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.setdefault("OMP_NUM_THREADS", str(threads))
+    with path.open("w", encoding="utf-8") as fh:  # the child holds its own handle
+        return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
+
+
+def _last_error(log_path: Path) -> str:
+    """The last non-empty line of a log (a traceback's exception line)."""
+    lines = [line for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "(empty log)"
+
+
+def _check_recipes(study: Study, output_dir: Path, done: Mapping[RunKey, Mapping[str, Any]]) -> None:
+    """A finished run that ``study`` asks for must have run the recipe it would run now (else an edited
+    level or arm file would mix stale runs into the results): ``ValueError`` naming the file and the keys."""
+    import torch
+
+    cpu = not torch.cuda.is_available()
+    for key in study.runs():
+        if key not in done:
+            continue
+        now = run_recipe(study.preset, key, output_dir / SFT_DIR, key.path(output_dir), cpu=cpu)
+        now = json.loads(json.dumps(now, default=str))  # as the run's JSON holds it
+        ran = done[key].get("recipe") or {}
+        changed = sorted(k for k in now.keys() | ran.keys() if now.get(k) != ran.get(k))
+        if changed:
+            raise ValueError(
+                f"{key.path(output_dir, '.json')} ran another recipe than {key.arm}/{key.level} gives now "
+                f"(differs in {changed}); delete it or use another --output"
+            )
+
+
+def run_study(
+    study: Study,
     output_dir: str | Path,
-    arms: Sequence[str] | None = None,
     resume: bool = False,
-    time_budget: float | None = None,
     plots: bool = True,
     log: Callable[[str], None] = print,
-) -> dict[str, Any]:
-    """SFT (unless its checkpoint exists), then each requested arm; returns the ``results.json`` dict."""
-    from triage.experiments.recipes import ALL_ARMS, ARMS
+) -> tuple[dict[str, Any], dict[RunKey, str]]:
+    """SFT (unless its checkpoint exists), then every run of ``study`` not finished yet (all of them without
+    ``resume``), up to ``study.parallel`` at once. Returns the ``results.json`` dict and each requested run's
+    status: ``done``, ``skipped`` (finished before, ``resume``), ``cut short``, ``not started`` (time budget),
+    ``failed`` (its log holds the traceback)."""
     from triage.experiments.sft import ensure_sft_checkpoint, sft_summary
 
-    start = time.perf_counter()
+    start = time.time()
+    deadline = None if study.time_budget is None else start + study.time_budget
     output_dir = Path(output_dir)
-    arms = list(arms or ARMS)
-    unknown = [a for a in arms if a not in ALL_ARMS]
-    if unknown:
-        raise ValueError(f"unknown arms {unknown}; arms: {', '.join(ALL_ARMS)}")
-    fingerprint = preset.fingerprint()
-    done = load_arm_results(output_dir, fingerprint)  # errors early on arms of another config
-    todo = [a for a in arms if not (resume and a in done and done[a].get("complete", True))]
-    skipped = [a for a in arms if a not in todo]
+    preset, fingerprint = study.preset, study.preset.fingerprint()
+    done = load_runs(output_dir, fingerprint)  # errors early on runs of another config
+    if resume:
+        _check_recipes(study, output_dir, done)
+    status = {k: "skipped" for k in study.runs() if resume and k in done}
+    todo = [k for k in study.runs() if k not in status]
     sft_dir = output_dir / SFT_DIR
-    sft_cached = (sft_dir / "sft.json").is_file()
-    sft_estimate = 0.0 if sft_cached else (preset.sft.max_seconds or 0.0) + 10.0
     log(
-        f"triage ablate --preset {preset.name}: {len(todo)} arm(s) to run ({', '.join(todo) or 'none'})"
-        + (f", {len(skipped)} already done ({', '.join(skipped)})" if skipped else "")
-        + f"; estimate ~{sft_estimate + preset.arm_seconds * len(todo):.0f} s "
-        f"(SFT {'cached' if sft_cached else f'~{sft_estimate:.0f} s'}, ~{preset.arm_seconds:.0f} s per arm on the "
-        "preset's target device)"
+        f"triage ablate --preset {preset.name}: {len(todo)} run(s) to run ({len(study.levels)} level(s) × "
+        f"{len(study.arms)} arm(s) × {len(study.seeds)} seed(s)"
+        + (f", {len(status)} already done" if status else "")
+        + f"), {study.parallel} at a time; SFT {'cached' if (sft_dir / 'sft.json').is_file() else 'first'}"
     )
-    sft = ensure_sft_checkpoint(preset.sft, sft_dir, log)
-    times = []
-    for i, arm in enumerate(todo):
-        elapsed = time.perf_counter() - start
-        per_arm = _mean(times) or preset.arm_seconds
-        if time_budget is not None and elapsed + per_arm > time_budget:
+    sft = sft_summary(ensure_sft_checkpoint(preset.sft, sft_dir, log))
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / STUDY_FILE).write_text(json.dumps(study.to_dict(), indent=1) + "\n")  # what children read
+
+    def finished(key: RunKey, outcome: str) -> None:
+        runs = load_runs(output_dir, fingerprint)
+        if outcome == "done" and key not in runs:  # exited cleanly without its JSON: not finished
+            outcome = "failed"
+        status[key] = outcome
+        if outcome == "done":
+            s = runs[key]["summary"]
             log(
-                f"time budget: {elapsed:.0f} s used, an arm takes ~{per_arm:.0f} s, budget {time_budget:.0f} s; "
-                f"stopping before {arm}. Continue with the same command plus --resume."
+                f"  {key} done in {runs[key]['seconds']:.0f} s: held-out {_fmt(s['held_out_first'], '.1%')} → "
+                f"{_fmt(s['held_out_last'], '.1%')}, reward {_fmt(s['reward_first'], '.3f')} → "
+                f"{_fmt(s['reward_last'], '.3f')}, mean |δ| {_fmt(s['mean_abs_delta'], '.4f')}"
             )
-            break
-        log(f"[{i + 1}/{len(todo)}] arm {arm}")
-        deadline = None if time_budget is None else start + time_budget
-        entry = run_arm(preset, arm, output_dir, sft_dir, log, deadline=deadline)
-        times.append(entry["seconds"])
-        done = load_arm_results(output_dir, fingerprint)
-        write_results(output_dir, aggregate(done, preset.to_dict(), sft_summary(sft)), plots=plots)
-        s = entry["summary"]
-        remaining = (len(todo) - i - 1) * _mean(times)
-        log(
-            f"    {arm} done in {entry['seconds']:.0f} s: held-out {_fmt(s['held_out_first'], '.1%')} → "
-            f"{_fmt(s['held_out_last'], '.1%')}, reward {_fmt(s['reward_first'], '.3f')} → "
-            f"{_fmt(s['reward_last'], '.3f')}, mean |δ| {_fmt(s['mean_abs_delta'], '.4f')}"
-            + (f"; ~{remaining:.0f} s left" if remaining else "")
-        )
-    done = load_arm_results(output_dir, fingerprint)
-    results = aggregate(done, preset.to_dict(), sft_summary(sft))
-    if done:
+            write_results(output_dir, aggregate(runs, preset.to_dict(), sft, study.to_dict()), plots=plots)
+        elif outcome == "failed":
+            log_path = key.path(output_dir, ".log")
+            log(f"  {key} FAILED: {_last_error(log_path)} (traceback in {log_path})")
+        else:
+            log(f"  {key} {outcome}")
+
+    threads = max(1, (os.cpu_count() or 1) // study.parallel)
+    pending, running = list(todo), {}
+    while pending or running:
+        while pending and len(running) < study.parallel:
+            seconds = [e["seconds"] for e in load_runs(output_dir, fingerprint).values()]
+            per_run = _mean(seconds) or preset.arm_seconds
+            if deadline is not None and time.time() + per_run > deadline:
+                log(
+                    f"time budget: {time.time() - start:.0f} s used, a run takes ~{per_run:.0f} s, budget "
+                    f"{study.time_budget:.0f} s; {len(pending)} run(s) not started. Continue with --resume."
+                )
+                status.update({k: "not started" for k in pending})
+                pending = []
+                break
+            key = pending.pop(0)
+            log(f"[{len(todo) - len(pending)}/{len(todo)}] {key}")
+            if study.parallel == 1:
+                finished(key, _run_here(preset, key, output_dir, deadline, log))
+            else:
+                running[key] = _spawn(key, output_dir, deadline, threads)
+        for key, proc in list(running.items()):
+            code = proc.poll()
+            if code is None and deadline is not None and time.time() > deadline + KILL_GRACE:
+                log(f"  {key}: still running {KILL_GRACE:.0f} s past the time budget; killed")
+                proc.kill()
+                code = proc.wait()
+            if code is not None:
+                del running[key]
+                finished(key, {0: "done", EXIT_CUT_SHORT: "cut short"}.get(code, "failed"))
+        if running:
+            time.sleep(0.2)
+    runs = load_runs(output_dir, fingerprint)
+    results = aggregate(runs, preset.to_dict(), sft, study.to_dict())
+    if runs:
         write_results(output_dir, results, plots=plots)
-    return results
+    return results, status
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -626,15 +1014,25 @@ def run_ablation(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--preset", choices=sorted(PRESETS), required=True, help="smoke (CPU, CI) or local (one GPU)"
+        "--preset", choices=sorted(PRESETS), default=None, help="smoke (CPU, CI), local or testbed (one GPU)"
     )
     parser.add_argument(
-        "--output", required=True, help="folder for sft/, arms/, results.json, results.md, ablation.png"
+        "--study", default=None, help="a study YAML (preset, levels, arms, seeds, ...); flags win"
     )
-    parser.add_argument("--arms", default=None, help="comma-separated subset of the arms (default: all six)")
-    parser.add_argument("--resume", action="store_true", help="skip the arms already finished in --output")
     parser.add_argument(
-        "--steps", type=int, default=None, help="override the preset's optimizer steps per arm"
+        "--output",
+        required=True,
+        help="folder for sft/, runs/, study.json, results.json, results.md, figures",
+    )
+    parser.add_argument("--levels", default=None, help="comma-separated mismatch levels (default: realistic)")
+    parser.add_argument("--arms", default=None, help="comma-separated subset of the arms (default: the six)")
+    parser.add_argument("--seeds", default=None, help="comma-separated run seeds (default: 0)")
+    parser.add_argument(
+        "--parallel", type=int, default=None, help="runs at once (default 1: in this process)"
+    )
+    parser.add_argument("--resume", action="store_true", help="skip the runs already finished in --output")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="override the preset's optimizer steps per run"
     )
     parser.add_argument(
         "--mini", action="store_true", help="shrink the preset to smoke size (check the pipeline on CPU)"
@@ -643,8 +1041,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--time-budget",
         type=float,
         default=None,
-        help="seconds: do not start an arm that would end past this, and stop a running arm there (its entry "
-        "says complete: false); continue later with --resume",
+        help="seconds: start no run that would end past this, stop started ones in time (then --resume)",
     )
     parser.add_argument(
         "--set",
@@ -652,47 +1049,79 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         default=[],
         metavar="KEY=VALUE",
-        help="recipe overrides for every arm (YAML values, dotted keys), e.g. --set learning_rate=1e-4",
+        help="recipe overrides for every run (YAML values, dotted keys), e.g. --set learning_rate=1e-4",
     )
-    parser.add_argument("--no-plots", action="store_true", help="skip ablation.png")
+    parser.add_argument("--no-plots", action="store_true", help="skip the figures")
+    parser.add_argument(
+        "--run",
+        default=None,
+        metavar="LEVEL/ARM/SEED",
+        help="run one run of DIR/study.json (what --parallel starts)",
+    )
+    parser.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)  # with --run
 
 
-def resolve_preset(args: argparse.Namespace) -> AblationPreset:
-    preset = PRESETS[args.preset]
-    if args.mini:
+def resolve_study(args: argparse.Namespace) -> Study:
+    """The :class:`Study` of the command line: the study file (``--study``), then the flags over it."""
+    spec = load_study_file(args.study) if args.study else {}
+    name = args.preset or spec.get("preset")
+    if name is None:
+        raise ValueError("give --preset or a --study file that names a preset")
+    preset = PRESETS[name]
+    if args.mini or spec.get("mini"):
         preset = mini(preset)
-    if args.steps is not None:
-        if args.steps < 1:
-            raise ValueError("--steps must be >= 1")
-        preset = dataclasses.replace(preset, steps=args.steps)
+    steps = args.steps if args.steps is not None else spec.get("steps")
+    if steps is not None:
+        if not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps must be a positive int, got {steps!r}")
+        preset = dataclasses.replace(preset, steps=steps)
+    overrides = {**preset.overrides, **(spec.get("overrides") or {})}
     if args.set:
         from triage.experiments.recipes import parse_overrides, parse_value
 
         parse_overrides(args.set)  # malformed KEY=VALUE is an error now, not after the SFT
         pairs = (text.split("=", 1) for text in args.set)
-        overrides = {**preset.overrides, **{k.strip(): parse_value(v) for k, v in pairs}}
-        preset = dataclasses.replace(preset, overrides=overrides)
-    return preset
+        overrides.update({k.strip(): parse_value(v) for k, v in pairs})
+    preset = dataclasses.replace(preset, overrides=overrides)
+
+    def pick(flag: Any, key: str, default: Any) -> Any:
+        return flag if flag is not None else spec.get(key, default)
+
+    return Study(
+        preset=preset,
+        levels=pick(args.levels, "levels", ("realistic",)),
+        arms=pick(args.arms, "arms", None),
+        seeds=pick(args.seeds, "seeds", (0,)),
+        parallel=pick(args.parallel, "parallel", 1),
+        time_budget=pick(args.time_budget, "time_budget", None),
+    )
+
+
+def _run_child(args: argparse.Namespace) -> int:
+    """``--run LEVEL/ARM/SEED``: one run of the study in ``--output`` (``DIR/study.json``), in this process."""
+    path = Path(args.output) / STUDY_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: --run runs one run of a study that triage ablate started")
+    preset = AblationPreset.from_dict(json.loads(path.read_text())["preset"])
+    entry = run_one(preset, RunKey.parse(args.run), args.output, args.deadline)
+    return 0 if entry is not None else EXIT_CUT_SHORT
 
 
 def run(args: argparse.Namespace) -> int:
     from triage.experiments.demo import _quiet
 
-    preset = resolve_preset(args)
-    arms = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None
+    if args.run is not None:
+        with _quiet():
+            return _run_child(args)
+    study = resolve_study(args)
     with _quiet():
-        results = run_ablation(
-            preset,
-            args.output,
-            arms=arms,
-            resume=args.resume,
-            time_budget=args.time_budget,
-            plots=not args.no_plots,
-        )
+        results, status = run_study(study, args.output, resume=args.resume, plots=not args.no_plots)
     print()
     print(markdown_table(results), end="")
-    print(
-        f"\nwrote {', '.join([RESULTS_FILE, TABLE_FILE] + ([] if args.no_plots else [PLOT_FILE]))} to "
-        f"{Path(args.output).resolve()}"
-    )
-    return 0
+    counts = {s: sum(1 for v in status.values() if v == s) for s in dict.fromkeys(status.values())}
+    print("\nruns: " + ", ".join(f"{n} {s}" for s, n in counts.items()))
+    failed = [k for k, s in status.items() if s == "failed"]
+    for key in failed:
+        print(f"  failed: {key} (traceback in {key.path(args.output, '.log')})")
+    print(f"results in {Path(args.output).resolve()}")
+    return 1 if failed else 0

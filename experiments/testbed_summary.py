@@ -3,7 +3,8 @@
 
     python -m triage.experiments.testbed_summary RUN_DIR [--json OUT.json]
 
-``RUN_DIR/<level>/<arm>/s<seed>/arms/<arm>.json`` are the runs (written by ``triage ablate``).
+``RUN_DIR/runs/<level>/<arm>/seed<k>.json`` are the finished runs and ``seed<k>.partial.json`` the runs a time
+budget cut short (both written by ``triage ablate``).
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ SERIES = ("reward", "accuracy", "entropy", "mean_abs_delta", "suppressed_frac", 
 
 def load_runs(root: Path) -> list[dict]:
     runs = []
-    for f in sorted(root.glob("*/*/s*/arms/*.json")):
-        level, arm, seed = f.parts[-5], f.parts[-4], int(f.parts[-3][1:])
+    for f in sorted(root.glob("runs/*/*/seed*.json")):
         e = json.loads(f.read_text())
+        level, arm, seed = e["level"], e["arm"], e["seed"]
         s = e["series"]
         runs.append({
             "level": level, "arm": arm, "seed": seed, "correction": e.get("correction"),
@@ -78,9 +79,11 @@ def main(argv=None) -> int:
     root = Path(args.run_dir)
     runs = load_runs(root)
     print(table(runs))
-    missing = sorted(str(p.parent) for p in root.glob("*/*/s*/run.log") if not any(p.parent.glob("arms/*.json")))
+    missing = sorted(
+        str(p) for p in root.glob("runs/*/*/seed*.log") if not any(p.parent.glob(p.stem + "*.json"))
+    )
     for m in missing:
-        print(f"FAILED (no result): {m}/run.log")
+        print(f"FAILED (no result): {m}")
     sft = root / "sft" / "sft.json"
     out = {"sft": json.loads(sft.read_text()) if sft.is_file() else None, "runs": runs}
     if out["sft"]:

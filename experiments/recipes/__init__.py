@@ -1,9 +1,13 @@
 """Recipes for the DAPO-math ablation: YAML layers merged into one flat dict.
 
 A recipe is ``base.yaml`` (DAPO mapped to TRL + the NVFP4 learner) <- ``presets/<preset>.yaml`` (model, data,
-batch, cluster layout) <- ``arms/<arm>.yaml`` (the mismatch correction) <- your file <- overrides; later
-layers win, mappings merge key by key, lists and scalars are replaced, and a ``dataset``/``eval_dataset``
-mapping that names a new ``source`` replaces the old one whole. The result is flat:
+batch, cluster layout) <- ``arms/<arm>.yaml`` (the mismatch correction) <- ``levels/<level>.yaml`` (optional:
+the learner/sampler numerics, i.e. the mismatch level) <- your file <- overrides; later layers win, mappings
+merge key by key, lists and scalars are replaced, and a ``dataset``/``eval_dataset`` mapping that names a new
+``source`` replaces the old one whole. A level replaces the numerics of the layers below it whole (the keys of
+:data:`LEARNER_NUMERICS` and ``sampler_kwargs``' :data:`SAMPLER_NUMERICS`; one it does not set takes the
+library default), holds nothing else, and an arm holds none of them: an arm is a correction, a level is a
+mismatch, and the two never overlap. The result is flat:
 
 * every ``TriageGRPOConfig`` field (TRL ``GRPOConfig`` + the TRIAGE fields), with ``quant_recipe`` a
   mapping of ``QuantRecipe`` fields;
@@ -11,8 +15,9 @@ mapping that names a new ``source`` replaces the old one whole. The result is fl
   (``triage.experiments.data`` specs), ``reward_funcs`` (``triage.trainers.rewards`` names), ``launch``
   (cluster layout, read by experiments/cluster/launch_multinode.sh) and ``description``.
 
-``load_recipe("qwen3-4b/triage")`` names a preset and an arm; ``load_recipe("my.yaml")`` reads a file whose
-optional ``preset:`` and ``arm:`` keys pull those layers in first. ``python -m triage.experiments.recipes
+``load_recipe("qwen3-4b/triage")`` names a preset and an arm, ``load_recipe("tiny/grpo-none/aligned")`` a
+preset, an arm and a level; ``load_recipe("my.yaml")`` reads a file whose optional ``preset:``, ``arm:`` and
+``level:`` keys pull those layers in first. ``python -m triage.experiments.recipes
 PRESET/ARM -o recipe.yaml`` writes the merged YAML that ``triage train --config`` reads.
 """
 
@@ -27,11 +32,16 @@ from typing import Any
 
 import yaml
 
+from triage.trainers.config import SAMPLER_NUMERICS_KEYS
+
 __all__ = [
     "RECIPE_DIR",
     "ALL_ARMS",
     "ARMS",
     "FOLLOW_UP_ARMS",
+    "LEVELS",
+    "LEARNER_NUMERICS",
+    "SAMPLER_NUMERICS",
     "PRESETS",
     "RECIPE_SECTIONS",
     "LAUNCH_KEYS",
@@ -39,6 +49,9 @@ __all__ = [
     "CPU_LAYER",
     "load_yaml",
     "merge",
+    "numerics_keys",
+    "check_layer",
+    "without_numerics",
     "parse_overrides",
     "parse_value",
     "load_recipe",
@@ -57,10 +70,27 @@ ARMS = ("grpo-none", "tis", "icepop", "opsm", "triage", "triage-mask")
 FOLLOW_UP_ARMS = ("triage-keep-down", "triage-no-is", "triage-no-guard", "triage-no-floor")
 ALL_ARMS = ARMS + FOLLOW_UP_ARMS
 PRESETS = ("qwen3-4b", "qwen3-30b-a3b", "tiny")
+# Learner/sampler mismatch levels (levels/*.yaml), from the closest alignment to the widest gap (docs/results.md).
+LEVELS = (
+    "aligned",
+    "bf16-sampler",
+    "nvfp4-matched",
+    "nvfp4-row",
+    "nvfp4-row-fp8kv",
+    "nvfp4-tensor-fp8kv",
+    "pair",
+    "realistic",
+    "realistic-bf16-learner",
+)
 RECIPE_SECTIONS = ("model_name_or_path", "dataset", "eval_dataset", "reward_funcs", "launch", "description")
 LAUNCH_KEYS = ("accelerate_config", "train_nodes", "gpus_per_node", "vllm_serve", "vllm_extra_args")
-_COMPOSE_KEYS = ("preset", "arm")
+_COMPOSE_KEYS = ("preset", "arm", "level")
 _REPLACE_WHEN_SOURCE_CHANGES = ("dataset", "eval_dataset")
+#: The numerics a level sets and an arm may not: the learner's (top-level keys: its precision and NVFP4 recipe,
+#: and the trainer's bf16 autocast) and the HF sampler's (``sampler_kwargs`` keys: which weights it samples
+#: with, their dtype and NVFP4 recipe, the KV-cache format).
+LEARNER_NUMERICS = ("learner_precision", "quant_recipe", "bf16")
+SAMPLER_NUMERICS = ("sampler_model", "dtype", *SAMPLER_NUMERICS_KEYS)
 
 
 def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
@@ -137,20 +167,62 @@ def parse_overrides(overrides: Mapping[str, Any] | Iterable[str] | None) -> dict
     return nested
 
 
+def numerics_keys(layer: Mapping[str, Any]) -> list[str]:
+    """The numerics keys a recipe layer sets, dotted (``learner_precision``, ``sampler_kwargs.precision``, ...)."""
+    keys = [k for k in LEARNER_NUMERICS if k in layer]
+    sampler = layer.get("sampler_kwargs")
+    if isinstance(sampler, Mapping):
+        keys += [f"sampler_kwargs.{k}" for k in SAMPLER_NUMERICS if k in sampler]
+    return keys
+
+
+def check_layer(kind: str, name: str, layer: Mapping[str, Any]) -> None:
+    """An arm sets no numerics key; a level sets numerics keys only (``ValueError`` naming the layer and key)."""
+    if kind == "arms" and numerics_keys(layer):
+        raise ValueError(
+            f"arm {name!r} sets {numerics_keys(layer)[0]!r}: an arm is a mismatch correction; the learner/sampler "
+            "numerics belong to a level (experiments/recipes/levels)"
+        )
+    if kind == "levels":
+        sampler = layer.get("sampler_kwargs") or {}
+        other = [k for k in layer if k not in (*LEARNER_NUMERICS, "sampler_kwargs")]
+        if not isinstance(sampler, Mapping):
+            other.append("sampler_kwargs")
+        else:
+            other += [f"sampler_kwargs.{k}" for k in sampler if k not in SAMPLER_NUMERICS]
+        if other:
+            raise ValueError(
+                f"level {name!r} sets {other[0]!r}: a level holds only learner/sampler numerics "
+                f"({', '.join(LEARNER_NUMERICS)}, sampler_kwargs.{{{', '.join(SAMPLER_NUMERICS)}}})"
+            )
+
+
 def _layer(kind: str, name: str) -> dict[str, Any]:
-    known = ALL_ARMS if kind == "arms" else PRESETS
+    known = {"arms": ALL_ARMS, "presets": PRESETS, "levels": LEVELS}[kind]
     if name not in known:
         raise ValueError(f"unknown {kind[:-1]} {name!r}; known: {', '.join(known)}")
-    return load_yaml(RECIPE_DIR / kind / f"{name}.yaml")
+    layer = load_yaml(RECIPE_DIR / kind / f"{name}.yaml")
+    check_layer(kind, name, layer)
+    return layer
+
+
+def without_numerics(recipe: Mapping[str, Any]) -> dict[str, Any]:
+    """``recipe`` without its learner/sampler numerics keys (what a level replaces)."""
+    out = {k: copy.deepcopy(v) for k, v in recipe.items() if k not in LEARNER_NUMERICS}
+    if isinstance(out.get("sampler_kwargs"), Mapping):
+        out["sampler_kwargs"] = {k: v for k, v in out["sampler_kwargs"].items() if k not in SAMPLER_NUMERICS}
+    return out
 
 
 def _compose(layer: Mapping[str, Any]) -> dict[str, Any]:
-    """base <- preset <- arm <- the layer itself (without its preset/arm keys)."""
+    """base <- preset <- arm <- level (replacing the numerics) <- the layer itself (without those keys)."""
     recipe = load_yaml(RECIPE_DIR / "base.yaml")
     if layer.get("preset") is not None:
         recipe = merge(recipe, _layer("presets", layer["preset"]))
     if layer.get("arm") is not None:
         recipe = merge(recipe, _layer("arms", layer["arm"]))
+    if layer.get("level") is not None:
+        recipe = merge(without_numerics(recipe), _layer("levels", layer["level"]))
     return merge(recipe, {k: v for k, v in layer.items() if k not in _COMPOSE_KEYS})
 
 
@@ -161,7 +233,7 @@ def load_recipe(
     validate: bool = True,
     cpu: bool = False,
 ) -> dict[str, Any]:
-    """The flat recipe for ``"PRESET/ARM"`` or a YAML file, with ``overrides`` applied last.
+    """The flat recipe for ``"PRESET/ARM"``, ``"PRESET/ARM/LEVEL"`` or a YAML file, with ``overrides`` applied last.
 
     ``cpu=True`` layers :data:`CPU_LAYER` between the recipe and ``overrides``: the tiny model built locally,
     CPU and fp32, 8 steps, a small eval (a laptop smoke run of the ``tiny`` preset). Validated with
@@ -173,13 +245,12 @@ def load_recipe(
         if not path.is_file():
             raise FileNotFoundError(f"recipe file not found: {path}")
         layer = load_yaml(path)
-    elif text.count("/") == 1:
-        preset, arm = text.split("/")
-        layer = {"preset": preset, "arm": arm}
+    elif text.count("/") in (1, 2):
+        layer = dict(zip(("preset", "arm", "level"), text.split("/")))
     else:
         raise ValueError(
-            f"{text!r} is neither a recipe file nor PRESET/ARM (presets: {', '.join(PRESETS)}; "
-            f"arms: {', '.join(ALL_ARMS)})"
+            f"{text!r} is neither a recipe file nor PRESET/ARM[/LEVEL] (presets: {', '.join(PRESETS)}; "
+            f"arms: {', '.join(ALL_ARMS)}; levels: {', '.join(LEVELS)})"
         )
     recipe = _compose(layer)
     if cpu:
