@@ -883,7 +883,7 @@ def _spawn(key: RunKey, output_dir: Path, deadline: float | None, threads: int) 
     """``python -m triage ablate --output DIR --run KEY`` as a child process writing to the run's log."""
     path = key.path(output_dir, ".log")
     path.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "triage", "ablate", "--output", str(output_dir), "--run", str(key)]
+    cmd = [sys.executable, "-m", "triage", "--debug", "ablate", "--output", str(output_dir), "--run", str(key)]
     if deadline is not None:
         cmd += ["--deadline", repr(deadline)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

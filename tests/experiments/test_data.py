@@ -221,7 +221,7 @@ def test_synthetic_difficulty_knob_and_held_out():
     train_problems = {r["extra_info"]["raw_problem"] for r in train}
     assert not train_problems & {r["extra_info"]["raw_problem"] for r in held}
     assert len(train) == 2000 and len(held) == 300
-    for bad in (0, 6, [1, 9], [], True):
+    for bad in (0, 7, [1, 9], [], True):
         with pytest.raises(ValueError, match="difficulty"):
             synthetic_math(2, difficulty=bad)
 
