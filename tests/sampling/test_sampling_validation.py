@@ -80,6 +80,8 @@ def test_length_mismatch_names_sample_and_prompt_head():
         (math.inf, "returned \\+inf"),
         (-math.inf, "returned -inf for a sampled token"),
         (-9999.0, "returned -inf for a sampled token"),  # vLLM's clamp of -inf
+        (-1500.0, "returned -inf for a sampled token"),  # any sentinel at or below token_gap's -1000 rule
+        (-3.4028234663852886e38, "returned -inf for a sampled token"),  # finfo(float32).min
         ("-0.5", "of type str: a log-prob must be a number"),
     ],
 )

@@ -10,8 +10,10 @@ Rules (each violation is reported with the sample index, the head of its prompt 
 * token ids (prompt and completion) are integers in ``[0, vocab_size)``;
 * ``len(logprobs[i]) == len(completion_ids[i])``: one log-prob per completion token;
 * every log-prob is a finite float ``<= logprob_tol`` (a log-probability is ``<= 0``; the tolerance absorbs
-  rounding). ``None`` (missing), NaN, ``+inf`` and ``-inf`` are errors. vLLM clamps ``-inf`` to ``-9999.0`` in its
-  OpenAI server, so values ``<= -9999`` are reported as ``-inf`` too: a sampled token cannot have probability 0
+  rounding). ``None`` (missing), NaN, ``+inf`` and ``-inf`` are errors. Engines write a sentinel for ``-inf``
+  (vLLM's OpenAI server clamps to ``-9999.0``, others write ``finfo.min``), so values at or below
+  :data:`triage.mismatch.SAMPLER_LOGPROB_MIN` (−1000 nats, the same rule as ``token_gap``) are reported as
+  ``-inf`` too: a sampled token cannot have probability 0
   under the distribution it was sampled from, so the engine reported the wrong distribution (usually a
   top-k/top-p/min-p mask applied to the reported log-prob but not to the sampling, or the reverse);
 * **empty completions are errors.** TRL 1.16 reads ``completion_ids[i][-1]`` to detect truncation, and a
@@ -35,8 +37,12 @@ from typing import Any
 
 import numpy as np
 
+from triage.mismatch import SAMPLER_LOGPROB_MIN
+
 REQUIRED_KEYS = ("prompt_ids", "completion_ids", "logprobs")
-VLLM_NEG_INF = -9999.0  # vLLM's OpenAI server reports max(logprob, -9999.0)
+# A sampled token's log-prob at or below this is an engine's -inf sentinel (vLLM writes -9999.0); one rule with
+# token_gap's (triage.mismatch.SAMPLER_LOGPROB_MIN).
+VLLM_NEG_INF = SAMPLER_LOGPROB_MIN
 
 
 class RolloutValidationError(ValueError):
@@ -86,7 +92,7 @@ def _describe_logprob(v: Any) -> str:
     if v == -math.inf or v <= VLLM_NEG_INF:
         return (
             f"{v}: the engine returned -inf for a sampled token (probability 0 under the reported distribution; "
-            "vLLM clamps -inf to -9999.0)"
+            f"values <= {SAMPLER_LOGPROB_MIN:g} are engine sentinels, vLLM clamps -inf to -9999.0)"
         )
     return f"{v}: a log-probability must be <= 0"
 
