@@ -401,8 +401,8 @@ def format_report(report: dict[str, Any]) -> str:
         "",
         f"  {name} cuts {_pct(s1['suppressed_frac'])} of the tokens by more than 1 % (w < 0.99)"
         + (
-            f"; the largest cut:\n  w = {s1['largest_cut']['weight']:.4f} on an {s1['largest_cut']['class']} "
-            f"token at δ = {s1['largest_cut']['delta']:+.4f}."
+            f"; the largest cut:\n  w = {s1['largest_cut']['weight']:.4f} at δ = {s1['largest_cut']['delta']:+.4f} "
+            f"({s1['largest_cut']['class']})."
             if s1["largest_cut"]
             else "."
         ),
