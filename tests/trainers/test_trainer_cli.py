@@ -38,17 +38,47 @@ def test_report_is_token_weighted_and_writes_files(tmp_path):
     assert summarize([]) == {"steps": 0}
 
 
-def test_demo_writes_report_and_summary(tmp_path, capsys):
+def test_demo_shows_a_mismatch_triage_acts_on_beside_vanilla_grpo(tmp_path, capsys, monkeypatch):
+    """The demo at small size, as `triage demo` runs on a CPU (the kernels' torch twins, no interpreter)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
     out = tmp_path / "demo"
     rc = main(["demo", "--output", str(out), "--steps", "2", "--prompts", "2", "--generations", "2",
-               "--max-completion-length", "6"])  # fmt: skip
+               "--max-completion-length", "12"])  # fmt: skip
     assert rc == 0
     report = json.loads((out / "report.json").read_text())
-    assert report["summary"]["steps"] == 2
-    assert report["summary"]["mean_abs_delta"] > 0  # the bf16 sampler copy disagrees with the fp32 learner
-    assert {"reward.png", "mismatch.png", "classes.png", "weights.png"} <= {p.name for p in out.iterdir()}
+    step1 = report["step1"]
+    # the default sampler (NVFP4 W4A4 copy, per-token scales, fp8 KV cache) vs the fp32 learner: a gap far
+    # above a bf16 copy's ~1e-3 nats, on which TRIAGE cuts a visible share of the tokens
+    assert report["config"]["level"] == "nvfp4-row-fp8kv"
+    assert step1["mean_abs_delta"] > 5e-3
+    assert step1["suppressed_frac"] > 0.05 and step1["largest_cut"]["weight"] < 0.99
+    assert step1["classes"]["amplify_down"]["share"] + step1["classes"]["amplify_up"]["share"] > 0.1
+    assert sum(c["share"] for c in step1["classes"].values()) == pytest.approx(1.0)
+
+    # vanilla GRPO beside it, from the same seed: step 1 samples the same completions
+    runs = {arm: json.loads((out / arm / "report.json").read_text()) for arm in ("triage", "none")}
+    assert report["same_samples"] is True and set(report["runs"]) == {"triage", "none"}
+    assert runs["none"]["config"]["correction"] == "none" and runs["none"]["summary"]["steps"] == 2
+    assert runs["none"]["summary"]["suppressed_frac"] == 0.0 < runs["triage"]["summary"]["suppressed_frac"]
+    first = {arm: r["steps"][0] for arm, r in runs.items()}
+    assert first["none"]["triage/delta_p50"] == first["triage"]["triage/delta_p50"]
+    # the step-1 table is what the trainers logged: loss mass without weights = the vanilla run's, with = TRIAGE's
+    for c, row in step1["classes"].items():
+        assert row["mass_share_unweighted"] == pytest.approx(
+            first["none"][f"triage/{c}/mass_share"], abs=1e-6
+        )
+        assert row["mass_share"] == pytest.approx(first["triage"][f"triage/{c}/mass_share"], abs=1e-6)
+    assert step1["suppressed_frac"] == pytest.approx(first["triage"]["triage/suppressed_frac"])
+
+    names = {p.name for p in out.iterdir()}
+    assert {"summary.txt", "report.json", "step1.png", "compare.png"} <= names
+    assert {"reward.png", "mismatch.png", "classes.png", "weights.png"} <= {
+        p.name for p in (out / "triage").iterdir()
+    }
     printed = capsys.readouterr().out
-    assert "mean |δ|" in printed and "token classes" in printed and "report.json" in printed
+    assert (out / "summary.txt").read_text().strip() in printed
+    for text in ("mean |δ|", "amplify_down", "vanilla GRPO", "TRIAGE cuts", "report.json"):
+        assert text in printed
 
 
 def _tiny_recipe(tmp_path):
