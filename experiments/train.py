@@ -51,11 +51,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--threads",
-        type=int,
+        type=_positive_int,
         default=None,
         help="torch CPU threads (default: 1 with --cpu, torch's otherwise)",
     )
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides (YAML values)")
+
+
+def _positive_int(text: str) -> int:
+    """argparse type of ``--threads``: an integer >= 1 (torch refuses fewer threads)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
 
 
 def _check_model_path(name: str) -> None:

@@ -362,28 +362,33 @@ class AQNCallback(TrainerCallback):
     The noise is resampled at the optimizer steps that start a generation (GRPO: every
     ``steps_per_generation × num_iterations`` micro-batches), so the sampler's rollout and the learner's
     forward/backward on it see the same perturbed policy — the noise never enters δ. (Resampling per forward,
-    as QeRL's Eq. 7 reads, would add it to the measured engine mismatch.) The schedule counts from the step
-    training (re)starts at: a resumed run generates first at its resume step (TRL's generation counter
-    restarts), so the noise is resampled there too. ``history`` records (step, σ).
+    as QeRL's Eq. 7 reads, would add it to the measured engine mismatch.) The windows are those of the whole
+    run (micro-step ``global_step × gradient_accumulation_steps``): a run resumed inside a window trains on
+    the window's saved rollouts (``TriageGRPOTrainer`` restores them), so it folds the noise of the window's
+    first step, that of the uninterrupted run. ``history`` records (step, σ) at every fold.
     """
 
     def __init__(self, config: AQNConfig | None = None):
         self.noise = AdaptiveQuantizationNoise(config)
         self.history: list[tuple[int, float]] = []
-        self._start_step = 0
+        self._window: int | None = None  # the first step of the window whose noise is folded in
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if model is None:
             raise ValueError("AQNCallback needs the trainer's model")
         self.noise.attach(model)
-        self._start_step = state.global_step
+        self._window = None
 
     def on_step_begin(self, args, state, control, **kwargs):
         every = int(getattr(args, "steps_per_generation", None) or 1) * int(
             getattr(args, "num_iterations", 1) or 1
         )
-        if ((state.global_step - self._start_step) * args.gradient_accumulation_steps) % every == 0:
-            sigma = self.noise.apply(state.global_step, max(state.max_steps, 1))
+        window = state.global_step  # the last optimizer step <= this one that starts a generation
+        while (window * args.gradient_accumulation_steps) % every:
+            window -= 1
+        if window != self._window:
+            sigma = self.noise.apply(window, max(state.max_steps, 1))
+            self._window = window
             self.history.append((state.global_step, sigma))
 
     def on_train_end(self, args, state, control, **kwargs):

@@ -60,12 +60,13 @@ def resolve_tau(config: TriageConfig, tau: float | None) -> float:
 def checked_inputs(
     delta: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *extra: Check
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(valid mask, fp32 (B, T) advantages) after validating δ like ``token_gap``'s output (finite, below
-    ``DELTA_MAX`` at valid positions) and the advantages (finite), plus any ``extra`` checks: one host sync."""
+    """(valid mask, fp32 (B, T) advantages, 0 at padding) after validating δ like ``token_gap``'s output
+    (finite, below ``DELTA_MAX``) and the advantages (finite) at valid positions, plus any ``extra`` checks:
+    one host sync."""
     valid = as_mask(mask, delta.shape)
     adv = broadcast_advantages(advantages, delta.shape)
-    raise_first([*delta_checks(delta, valid), *advantages_checks(adv), *extra])
-    return valid, adv
+    raise_first([*delta_checks(delta, valid), *advantages_checks(adv, valid), *extra])
+    return valid, torch.where(valid, adv, torch.zeros((), device=adv.device))
 
 
 def classes_of(delta: torch.Tensor, adv: torch.Tensor, valid: torch.Tensor, tau: float) -> torch.Tensor:

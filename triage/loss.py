@@ -131,8 +131,8 @@ def policy_loss(
 
     ``logps`` (B, T) carries the gradient; ``old_logps`` (B, T) is detached; ``advantages`` (B,) or (B, T);
     ``mask`` (B, T) of 0/1; ``weights`` (B, T) from ``token_weights`` or None. Half-precision log-probs are
-    computed in fp32. Raises on shape mismatches, on NaN/inf log-probs or advantages, on NaN, inf or negative
-    weights at valid positions (one host sync for all of them), and on ``max_completion_length`` < 1.
+    computed in fp32. Raises on shape mismatches, on NaN/inf log-probs or advantages and on NaN, inf or
+    negative weights at valid positions (one host sync for all of them), and on ``max_completion_length`` < 1.
     Padding positions of every tensor may hold anything.
     """
     if loss_type not in LOSS_TYPES:
@@ -142,7 +142,7 @@ def policy_loss(
     checks = [
         *logps_checks(logps, valid, "logps"),
         *logps_checks(old_logps, valid, "old_logps"),
-        *advantages_checks(broadcast_advantages(advantages, logps.shape)),
+        *advantages_checks(broadcast_advantages(advantages, logps.shape), valid),
     ]
     if weights is not None:
         if tuple(weights.shape) != tuple(logps.shape):
@@ -151,10 +151,11 @@ def policy_loss(
     raise_first(checks)
     logps = logps.float() if logps.dtype != torch.float32 else logps
     old_logps = old_logps.detach().float()
-    advantages = advantages.detach().float()
     # Padding may hold garbage (even NaN): zero it so 0 · NaN cannot leak into the sums.
-    logps = torch.where(valid, logps, torch.zeros((), device=logps.device))
-    old_logps = torch.where(valid, old_logps, torch.zeros((), device=logps.device))
+    zero = torch.zeros((), device=logps.device)
+    advantages = torch.where(valid, broadcast_advantages(advantages, logps.shape), zero)
+    logps = torch.where(valid, logps, zero)
+    old_logps = torch.where(valid, old_logps, zero)
     if mask.dtype == torch.bool:
         mask = mask.float()
     per_token_loss = per_token_surrogate(

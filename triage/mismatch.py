@@ -167,21 +167,14 @@ def broadcast_advantages(advantages: torch.Tensor, shape: torch.Size) -> torch.T
     return adv
 
 
-def advantages_checks(adv: torch.Tensor) -> list[Check]:
-    """Broadcast advantages (B, T) must be finite everywhere."""
+def advantages_checks(adv: torch.Tensor, mask: torch.Tensor) -> list[Check]:
+    """Broadcast advantages (B, T) must be finite at valid positions (padding may hold anything)."""
 
     def describe(bad: torch.Tensor) -> str:
         row, pos, value = _at(adv, bad)
         return f"advantages is {value} at row {row} (position {pos}): rewards or their std?"
 
-    return [(~torch.isfinite(adv), describe)]
-
-
-def expand_advantages(advantages: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """Advantages (B,) or (B, T) → fp32 (B, T); raises on NaN/inf or a shape that does not fit."""
-    adv = broadcast_advantages(advantages, shape)
-    raise_first(advantages_checks(adv))
-    return adv
+    return [(~torch.isfinite(adv) & mask, describe)]
 
 
 def token_gap(learner_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

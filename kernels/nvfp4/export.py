@@ -595,13 +595,19 @@ def _config_dict(config) -> dict:
     return cfg
 
 
+#: The weight files an export writes (and save_pretrained / the producers): one file, or numbered shards.
+EXPORT_WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
+
+
 def _clear_previous_export(path: Path) -> None:
     """Remove the files of an earlier NVFP4 export in ``path`` that the new one may not overwrite
-    (``model*.safetensors``, ``model.safetensors.index.json``, ``hf_quant_config.json``), so that no stale
-    shard, index or config is read back. Weight files of anything else (a folder whose configs describe no
-    NVFP4 checkpoint) are refused, never deleted."""
+    (``model.safetensors``, ``model-NNNNN-of-NNNNN.safetensors``, ``model.safetensors.index.json``,
+    ``hf_quant_config.json``), so that no stale shard, index or config is read back; other files are left
+    alone. Weight files of anything else (a folder whose configs describe no NVFP4 checkpoint) are refused,
+    never deleted."""
     ours = (path / INDEX, path / HF_QUANT_CONFIG)
-    old = sorted(path.glob("model*.safetensors")) + [p for p in ours if p.is_file()]
+    shards = sorted(p for p in path.glob("*.safetensors") if EXPORT_WEIGHT_FILE.fullmatch(p.name))
+    old = shards + [p for p in ours if p.is_file()]
     if not old:
         return
     try:

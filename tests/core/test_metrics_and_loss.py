@@ -280,3 +280,30 @@ def test_adaptive_tau_tracks_median_and_round_trips():
     codes = TriageConfig(tau="auto")
     assert codes.fixed_tau() == 0.05
     assert int(TokenClass.AMPLIFY_DOWN) == 3
+
+
+@pytest.mark.parametrize("garbage", [float("nan"), float("inf"), -float("inf")])
+def test_per_token_advantages_may_hold_anything_at_padding(garbage):
+    """(B, T) advantages follow the padding rule of every other tensor: a non-finite value at a masked position
+    is ignored (never refused, never leaked into the loss, weights or metrics through 0 · NaN); at a valid
+    position it is still an error."""
+    delta, adv, mask = _batch()
+    logps = -torch.rand(*delta.shape, generator=torch.Generator().manual_seed(1))
+    clean = adv[:, None].expand_as(delta).clone()
+    dirty = torch.where(mask.bool(), clean, torch.full_like(clean, garbage))
+    config = TriageConfig(guard_kappa=0.05)
+    weights = token_weights(delta, clean, mask, config)
+    assert torch.equal(token_weights(delta, dirty, mask, config), weights)
+    assert torch.equal(classify_tokens(delta, dirty, mask, config), classify_tokens(delta, clean, mask, config))
+    assert mismatch_metrics(delta, dirty, mask, weights, config) == mismatch_metrics(
+        delta, clean, mask, weights, config
+    )
+    for loss_type in ("grpo", "dapo"):
+        expected = policy_loss(logps, logps.detach(), clean, mask, weights, loss_type=loss_type)
+        got = policy_loss(logps, logps.detach(), dirty, mask, weights, loss_type=loss_type)
+        assert torch.isfinite(got) and torch.equal(got, expected)
+    dirty[1, 0] = garbage
+    with pytest.raises(ValueError, match="advantages is .* at row 1 \\(position 0\\)"):
+        policy_loss(logps, logps, dirty, mask)
+    with pytest.raises(ValueError, match="advantages is .* at row 1 \\(position 0\\)"):
+        token_weights(delta, dirty, mask)

@@ -251,23 +251,34 @@ def test_aqn_warns_once_when_the_noise_is_below_the_norm_dtype_resolution(nvfp4_
         AdaptiveQuantizationNoise(AQNConfig(num_stages=2)).attach(model).apply(1, 2)  # 1e-2 survives bf16
 
 
-def test_aqn_callback_resamples_at_the_resume_step(nvfp4_model):
-    """TRL generates at the step training (re)starts at, then every steps_per_generation × num_iterations."""
+def test_aqn_callback_keeps_the_noise_of_the_generation_window_across_a_resume(nvfp4_model):
+    """TRL generates every steps_per_generation × num_iterations micro-steps of the whole run, and a run resumed
+    inside a generation window trains on the window's saved rollouts (TriageGRPOTrainer restores them): the
+    resumed run must fold the noise of the window's first step, then resample at the run's own boundaries,
+    exactly as the uninterrupted run does (else the noise enters δ for the rest of the run)."""
     nvfp4_model.requires_grad_(False)
     args = SimpleNamespace(steps_per_generation=1, num_iterations=2, gradient_accumulation_steps=1)
+    norm = nvfp4_model.get_submodule("model.layers.0.input_layernorm")
 
-    def resamples(start: int, end: int) -> list[int]:
+    def run(start: int, end: int) -> tuple[list[int], dict[int, torch.Tensor]]:
         callback = AQNCallback(AQNConfig(num_stages=2, quant_noise_first_stage=False))
         state = SimpleNamespace(global_step=start, max_steps=end)
         callback.on_train_begin(args, state, None, model=nvfp4_model)
+        weights = {}
         for step in range(start, end):
             state.global_step = step
             callback.on_step_begin(args, state, None)
+            weights[step] = norm.weight.detach().clone()
         callback.on_train_end(args, state, None)
-        return [s for s, _ in callback.history]
+        return [s for s, _ in callback.history], weights
 
-    assert resamples(0, 6) == [0, 2, 4]
-    assert resamples(3, 6) == [3, 5]  # resumed from checkpoint-3: generations at 3 and 5
+    steps, uninterrupted = run(0, 6)
+    assert steps == [0, 2, 4]  # generations at micro-steps 0, 2, 4
+    steps, resumed = run(3, 6)  # resumed from checkpoint-3, inside the window that started at step 2
+    assert steps == [3, 4]
+    assert all(torch.equal(resumed[s], uninterrupted[s]) for s in range(3, 6))
+    steps, resumed = run(4, 6)  # resumed at a window boundary: TRL generates there
+    assert steps == [4] and all(torch.equal(resumed[s], uninterrupted[s]) for s in range(4, 6))
 
 
 def _nvfp4_tiny(tokenizer, skip=("lm_head", "*embed*"), **config):

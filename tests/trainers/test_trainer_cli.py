@@ -176,3 +176,14 @@ def test_error_messages_read_as_written():
     )
     assert _message(KeyError("dataset")) == "KeyError: 'dataset'"  # a bare key: keep its type
     assert _message(FileNotFoundError(2, "No such file or directory", "r.yaml")).endswith("'r.yaml'")
+
+
+@pytest.mark.parametrize("threads", ["0", "-2", "x"])
+def test_a_thread_count_below_one_is_a_usage_error(tmp_path, capsys, threads):
+    """`--threads 0` is bad input: argparse's usage error (exit 2) before anything runs, not torch's
+    RuntimeError traceback from set_num_threads after the recipe loaded."""
+    path = _tiny_recipe(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--config", str(path), "--output_dir", str(tmp_path / "run"), "--threads", threads])
+    assert exit_info.value.code == 2
+    assert "--threads" in capsys.readouterr().err and not (tmp_path / "run").exists()

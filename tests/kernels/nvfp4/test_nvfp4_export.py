@@ -396,6 +396,19 @@ def test_re_export_into_a_folder_with_an_earlier_sharded_export_loads_the_new_we
     assert torch.equal(dequantized_state_dict(tmp_path)["model.norm.weight"], newer["model.norm.weight"])
 
 
+def test_re_export_removes_only_the_files_of_the_earlier_export(model, tmp_path):
+    """Only the names an export writes (model.safetensors, model-NNNNN-of-NNNNN.safetensors, the index,
+    hf_quant_config.json) are replaced; another file that merely starts with "model" is the user's."""
+    export_nvfp4_checkpoint(model, tmp_path, layout="modelopt", max_shard_bytes=20_000)
+    notes = tmp_path / "model_notes.safetensors"
+    save_file({"x": torch.ones(3)}, str(notes))
+    before = notes.read_bytes()
+    export_nvfp4_checkpoint(model, tmp_path, layout="modelopt")
+    assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == ["model.safetensors", notes.name]
+    assert notes.read_bytes() == before
+    assert set(load_nvfp4_checkpoint(tmp_path)) == set(export_nvfp4_checkpoint(model, tmp_path).weights)
+
+
 def test_export_refuses_a_folder_holding_another_checkpoint(model, tmp_path):
     model.save_pretrained(tmp_path)  # a plain (not NVFP4) checkpoint: never deleted
     before = (tmp_path / "model.safetensors").read_bytes()
