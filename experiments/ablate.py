@@ -794,7 +794,8 @@ def run_one(
     """Train one run from the SFT checkpoint in ``output_dir/sft``; write and return its entry
     (``DIR/runs/<level>/<arm>/seed<k>.json``). With ``deadline`` (``time.time()`` seconds), a run that would
     end past it stops after a step: it is not finished, so nothing is returned and its entry goes to
-    ``seed<k>.partial.json`` (``"complete": false``, the steps it ran), which results never read."""
+    ``seed<k>.partial.json`` (``"complete": false``, the steps it ran), which results never read. Both
+    files of an earlier attempt at this run are removed when it starts."""
     import torch
     from transformers import AutoTokenizer
     from transformers.trainer_callback import PrinterCallback
@@ -803,6 +804,10 @@ def run_one(
     from triage.experiments.train import build_trainer
 
     output_dir = Path(output_dir)
+    # a run that starts again replaces its old result: until it finishes it has none, so a re-run that is cut
+    # short or crashes leaves no earlier seed<k>.json in the results (nor an earlier attempt's partial file)
+    for suffix in (".json", PARTIAL_SUFFIX):
+        key.path(output_dir, suffix).unlink(missing_ok=True)
     started, start = time.time(), time.perf_counter()
     cpu = not torch.cuda.is_available()
     model_dir = output_dir / SFT_DIR
