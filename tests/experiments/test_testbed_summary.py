@@ -15,7 +15,12 @@ def _write_run(root, level, arm, seed, suffix=".json"):
         "correction": "none",
         "complete": suffix == ".json",
         "seconds": 10.0,
-        "series": {"step": [1, 2], "reward": [0.1, 0.3], "mean_abs_delta": [0.01, 0.02], "entropy": [0.5, 0.4]},
+        "series": {
+            "step": [1, 2],
+            "reward": [0.1, 0.3],
+            "mean_abs_delta": [0.01, 0.02],
+            "entropy": [0.5, 0.4],
+        },
         "held_out": {"step": [0, 2], "accuracy": [0.4, 0.5]},
     }
     folder = root / "runs" / level / arm
