@@ -905,17 +905,20 @@ def _last_error(log_path: Path) -> str:
 
 def _check_recipes(study: Study, output_dir: Path, done: Mapping[RunKey, Mapping[str, Any]]) -> None:
     """A finished run that ``study`` asks for must have run the recipe it would run now (else an edited
-    level or arm file would mix stale runs into the results): ``ValueError`` naming the file and the keys."""
+    level or arm file would mix stale runs into the results): ``ValueError`` naming the file and the keys.
+    Where the folder lies is no part of a recipe: the two paths inside it (the SFT checkpoint, the run's
+    output folder) are not compared, so a study folder moved or copied elsewhere resumes."""
     import torch
 
     cpu = not torch.cuda.is_available()
+    where = ("model_name_or_path", "output_dir")
     for key in study.runs():
         if key not in done:
             continue
         now = run_recipe(study.preset, key, output_dir / SFT_DIR, key.path(output_dir), cpu=cpu)
         now = json.loads(json.dumps(now, default=str))  # as the run's JSON holds it
         ran = done[key].get("recipe") or {}
-        changed = sorted(k for k in now.keys() | ran.keys() if now.get(k) != ran.get(k))
+        changed = sorted(k for k in now.keys() | ran.keys() if k not in where and now.get(k) != ran.get(k))
         if changed:
             raise ValueError(
                 f"{key.path(output_dir, '.json')} ran another recipe than {key.arm}/{key.level} gives now "

@@ -189,3 +189,18 @@ def test_a_run_that_starts_again_drops_its_earlier_result(tmp_path, monkeypatch)
         ablate.run_one(PRESETS["smoke"], key, tmp_path)
     assert not key.path(tmp_path, ".json").exists() and not key.path(tmp_path, ablate.PARTIAL_SUFFIX).exists()
     assert load_runs(tmp_path) == {}
+
+
+def test_resume_checks_a_moved_study_folder_by_its_recipe_not_its_path(tmp_path):
+    """A study folder copied elsewhere (off a GPU box, say) resumes; a changed numerics key is still refused."""
+    import torch
+
+    study = Study(PRESETS["smoke"], arms=("tis",))
+    key, cpu = study.runs()[0], not torch.cuda.is_available()
+    old = tmp_path / "elsewhere" / "study"
+    ran = json.loads(json.dumps(ablate.run_recipe(study.preset, key, old / "sft", key.path(old), cpu=cpu)))
+    here = tmp_path / "study"
+    ablate._check_recipes(study, here, {key: {"recipe": ran}})
+    ran["sampler_kwargs"]["kv_cache_dtype"] = "native"
+    with pytest.raises(ValueError, match=r"ran another recipe .*differs in \['sampler_kwargs'\]"):
+        ablate._check_recipes(study, here, {key: {"recipe": ran}})
