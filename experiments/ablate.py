@@ -240,7 +240,7 @@ PRESETS: dict[str, AblationPreset] = {
         arm_seconds=45.0,
     ),
     # the mismatch testbed (one H200): a 10.3M-parameter Qwen3 (4 layers, hidden 448) SFT'd on running sums of
-    # 11-13 two-digit numbers (139-173-token worked solutions) until half the held-out problems are solved
+    # 11-13 two-digit numbers (135-175-token worked solutions) until half the held-out problems are solved
     # (trained on, it reaches 100 %: no reward variance, no entropy), then 300 RL steps x 16 prompts x 8
     # completions of up to 256 tokens. Long completions let small per-token gaps compound.
     "testbed": AblationPreset(
