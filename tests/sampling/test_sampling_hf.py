@@ -269,6 +269,45 @@ def test_static_cache_fp8_rounds_like_dynamic(tiny_model, tokenizer, prompt_ids)
     assert native["completion_ids"] != [] and fp8["completion_ids"] != []
 
 
+def _autocast_forward(model):
+    """``model`` with its forward under bf16 autocast, as accelerate's mixed precision wraps a trainer's model
+    (what a ``sampler_model="shared"`` sampler sees with ``bf16: true``)."""
+    forward = model.forward
+
+    def wrapped(*args, **kwargs):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return forward(*args, **kwargs)
+
+    model.forward = wrapped
+    return model
+
+
+def _lora(model):
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False, task_type="CAUSAL_LM")
+    return get_peft_model(model, config).eval()
+
+
+@pytest.mark.parametrize("wrap, atol", [(_autocast_forward, 5e-3), (_lora, 2e-5)], ids=["autocast", "peft"])
+def test_static_cache_decode_matches_dynamic_under_autocast_and_peft(tiny_model, tokenizer, prompt_ids, wrap, atol):
+    """The static path sees the model as the dynamic one does under a bf16-autocast forward (keys and values
+    in the dtypes autocast gives them, the cache buffers allocated in those) and through a PEFT wrapper."""
+    model = wrap(copy.deepcopy(tiny_model))
+    params = SamplingParams(max_new_tokens=10, temperature=0.9)
+    runs = {
+        d: sample_with_kv_cache(
+            model, prompt_ids, params, [tokenizer.eos_token_id], torch.Generator().manual_seed(3), pad_id=0,
+            kv_cache_dtype="fp8_e4m3", decode=d,
+        )
+        for d in ("dynamic", "static")
+    }
+    assert runs["static"]["completion_ids"] == runs["dynamic"]["completion_ids"]
+    assert sum(len(c) for c in runs["static"]["completion_ids"]) >= 10
+    for a, b in zip(runs["static"]["logprobs"], runs["dynamic"]["logprobs"]):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=atol, rtol=0)  # autocast: bf16 GEMMs
+
+
 def test_decode_choice_is_validated(tiny_model, tokenizer, prompt_ids):
     params = SamplingParams(max_new_tokens=2)
     with pytest.raises(ValueError, match="decode must be one of"):
