@@ -109,19 +109,23 @@ _STATIC_ATTENTION = ("sdpa", "eager", "triage_strict")
 
 
 def _resolve_decode(decode: str, model: torch.nn.Module, device: torch.device) -> str:
-    """``decode`` → the path that runs: ``"auto"`` is ``"cuda_graph"`` on a CUDA device when the model's
-    attention allows a static cache, else ``"dynamic"``; an explicit choice the model cannot run is an error."""
+    """``decode`` → the path that runs: ``"auto"`` is ``"cuda_graph"`` on a CUDA device when the model allows a
+    static cache (its attention builds the 4-D decode mask, every layer is full attention), else
+    ``"dynamic"``; an explicit choice the model cannot run is an error."""
     if decode not in DECODES:
         raise ValueError(f"decode must be one of {DECODES}, got {decode!r}")
-    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    static_ok = impl in _STATIC_ATTENTION
+    from triage.trainers.diagnostics.kvcache import static_cache_refusal
+
+    config = getattr(model, "config", None)
+    impl = getattr(config, "_attn_implementation", None)
+    if impl not in _STATIC_ATTENTION:
+        refusal = f"the decode mask is built for attn_implementation in {_STATIC_ATTENTION}, not {impl!r}"
+    else:
+        refusal = static_cache_refusal(config)
     if decode == "auto":
-        return "cuda_graph" if device.type == "cuda" and static_ok else "dynamic"
-    if decode != "dynamic" and not static_ok:
-        raise ValueError(
-            f"decode={decode!r} needs a static KV cache, built here for attn_implementation in "
-            f"{_STATIC_ATTENTION}; this model uses {impl!r} (use decode='dynamic')"
-        )
+        return "cuda_graph" if device.type == "cuda" and refusal is None else "dynamic"
+    if decode != "dynamic" and refusal is not None:
+        raise ValueError(f"decode={decode!r} needs a static KV cache: {refusal} (use decode='dynamic')")
     if decode == "cuda_graph" and device.type != "cuda":
         raise ValueError(f"decode='cuda_graph' needs a CUDA device; the model is on {device}")
     return decode
