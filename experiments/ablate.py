@@ -240,7 +240,7 @@ PRESETS: dict[str, AblationPreset] = {
         arm_seconds=45.0,
     ),
     # the mismatch testbed (one H200): a 10.3M-parameter Qwen3 (4 layers, hidden 448) SFT'd on running sums of
-    # 11-13 two-digit numbers (139-173-token worked solutions) until half the held-out problems are solved
+    # 11-13 two-digit numbers (135-175-token worked solutions) until half the held-out problems are solved
     # (trained on, it reaches 100 %: no reward variance, no entropy), then 300 RL steps x 16 prompts x 8
     # completions of up to 256 tokens. Long completions let small per-token gaps compound.
     "testbed": AblationPreset(
@@ -794,7 +794,8 @@ def run_one(
     """Train one run from the SFT checkpoint in ``output_dir/sft``; write and return its entry
     (``DIR/runs/<level>/<arm>/seed<k>.json``). With ``deadline`` (``time.time()`` seconds), a run that would
     end past it stops after a step: it is not finished, so nothing is returned and its entry goes to
-    ``seed<k>.partial.json`` (``"complete": false``, the steps it ran), which results never read."""
+    ``seed<k>.partial.json`` (``"complete": false``, the steps it ran), which results never read. Both
+    files of an earlier attempt at this run are removed when it starts."""
     import torch
     from transformers import AutoTokenizer
     from transformers.trainer_callback import PrinterCallback
@@ -803,6 +804,10 @@ def run_one(
     from triage.experiments.train import build_trainer
 
     output_dir = Path(output_dir)
+    # a run that starts again replaces its old result: until it finishes it has none, so a re-run that is cut
+    # short or crashes leaves no earlier seed<k>.json in the results (nor an earlier attempt's partial file)
+    for suffix in (".json", PARTIAL_SUFFIX):
+        key.path(output_dir, suffix).unlink(missing_ok=True)
     started, start = time.time(), time.perf_counter()
     cpu = not torch.cuda.is_available()
     model_dir = output_dir / SFT_DIR
@@ -900,17 +905,20 @@ def _last_error(log_path: Path) -> str:
 
 def _check_recipes(study: Study, output_dir: Path, done: Mapping[RunKey, Mapping[str, Any]]) -> None:
     """A finished run that ``study`` asks for must have run the recipe it would run now (else an edited
-    level or arm file would mix stale runs into the results): ``ValueError`` naming the file and the keys."""
+    level or arm file would mix stale runs into the results): ``ValueError`` naming the file and the keys.
+    Where the folder lies is no part of a recipe: the two paths inside it (the SFT checkpoint, the run's
+    output folder) are not compared, so a study folder moved or copied elsewhere resumes."""
     import torch
 
     cpu = not torch.cuda.is_available()
+    where = ("model_name_or_path", "output_dir")
     for key in study.runs():
         if key not in done:
             continue
         now = run_recipe(study.preset, key, output_dir / SFT_DIR, key.path(output_dir), cpu=cpu)
         now = json.loads(json.dumps(now, default=str))  # as the run's JSON holds it
         ran = done[key].get("recipe") or {}
-        changed = sorted(k for k in now.keys() | ran.keys() if now.get(k) != ran.get(k))
+        changed = sorted(k for k in now.keys() | ran.keys() if k not in where and now.get(k) != ran.get(k))
         if changed:
             raise ValueError(
                 f"{key.path(output_dir, '.json')} ran another recipe than {key.arm}/{key.level} gives now "

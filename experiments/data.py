@@ -418,8 +418,9 @@ def _level_5(rng: random.Random) -> tuple[str, list[str], int]:
 
 
 def _level_6(rng: random.Random) -> tuple[str, list[str], int]:
-    """A running sum of 11–13 two-digit numbers, one line per partial sum: the worked solution is 139–173
-    tokens with digit-level tokenisation, so one slip anywhere in a long completion changes the answer."""
+    """A running sum of 11–13 two-digit numbers, one line per partial sum: the worked solution is 135–175
+    tokens with digit-level tokenisation (139–173 in 99.9 % of problems), so one slip anywhere in a long
+    completion changes the answer."""
     terms = [rng.randint(10, 99) for _ in range(rng.randint(11, 13))]
     steps, total = [], terms[0]
     for t in terms[1:]:
@@ -496,7 +497,7 @@ def synthetic_math(
 
     ``difficulty`` 1..6 (or a list cycled row by row): 1 = sums/differences <= 20, 2 = two-digit + - and
     times tables, 3 = three operands with precedence, 4 = ``a x + b = c``, 5 = ``a x + b = c x + d``,
-    6 = a running sum of 11–13 two-digit numbers (139–173-token worked solutions).
+    6 = a running sum of 11–13 two-digit numbers (135–175-token worked solutions).
     Each row carries a worked solution ending in ``Answer: N`` in ``extra_info.solution`` (for SFT).
     ``held_out`` > 0 skips every problem text that occurs in ``synthetic_math(held_out, difficulty, seed,
     split="eval")``, so that set is a held-out eval set for this one.

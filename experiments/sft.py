@@ -337,8 +337,9 @@ def ensure_sft_checkpoint(
     path = output_dir / SFT_FILE
     if path.is_file() and (output_dir / "config.json").is_file():
         record = json.loads(path.read_text())
-        if record.get("config") != config.to_dict():
-            changed = sorted(k for k, v in config.to_dict().items() if record.get("config", {}).get(k) != v)
+        ran, now = record.get("config") or {}, config.to_dict()
+        if ran != now:
+            changed = sorted(k for k in ran.keys() | now.keys() if ran.get(k) != now.get(k))
             raise ValueError(
                 f"{output_dir} holds an SFT checkpoint of another config (differs in {changed}); "
                 "delete it or use another --output"
@@ -373,10 +374,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="SFTConfig fields")
     args = parser.parse_args(argv)
     fields = PRESETS[args.preset].sft.to_dict()
+    # every field, also those to_dict leaves out (an unset target_accuracy)
+    names = sorted(f.name for f in dataclasses.fields(SFTConfig))
     for text in args.overrides:
         key, sep, value = text.partition("=")
-        if not sep or key not in fields:
-            parser.error(f"{text!r}: expected KEY=VALUE with KEY one of {sorted(fields)}")
+        if not sep or key not in names:
+            parser.error(f"{text!r}: expected KEY=VALUE with KEY one of {names}")
         fields[key] = yaml.safe_load(value)
     train_sft(SFTConfig(**fields), args.output)
     return 0

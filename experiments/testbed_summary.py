@@ -16,6 +16,8 @@ import json
 import statistics
 from pathlib import Path
 
+from triage.experiments.ablate import PARTIAL_SUFFIX
+
 SERIES = (
     "reward", "accuracy", "entropy", "mean_abs_delta", "suppressed_frac", "completion_length", "kl_k3",
     "grad_norm", "guarded_frac", "share/amplify_down", "share/amplify_up", "share/inert",
@@ -140,8 +142,10 @@ def main(argv=None) -> int:
     print(table(runs))
     if args.plot:
         plot(runs, args.plot)
-    missing = sorted(
-        str(p) for p in root.glob("runs/*/*/seed*.log") if not any(p.parent.glob(p.stem + "*.json"))
+    missing = sorted(  # a log without its run's result file (seed1.log is not answered by seed10.json)
+        str(p)
+        for p in root.glob("runs/*/*/seed*.log")
+        if not any(p.with_name(p.stem + suffix).is_file() for suffix in (".json", PARTIAL_SUFFIX))
     )
     for m in missing:
         print(f"FAILED (no result): {m}")

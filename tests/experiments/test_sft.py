@@ -92,7 +92,15 @@ def test_schedule_warms_up_then_decays_to_the_floor():
 
 
 @pytest.mark.parametrize(
-    "bad", [dict(steps=0), dict(batch_size=-1), dict(learning_rate=0.0), dict(min_lr_ratio=2.0)]
+    "bad",
+    [
+        dict(steps=0),
+        dict(batch_size=-1),
+        dict(learning_rate=0.0),
+        dict(min_lr_ratio=2.0),
+        dict(target_accuracy=0.5),  # no eval_every: nothing would ever check it
+        dict(target_accuracy=1.5, eval_every=5),
+    ],
 )
 def test_config_errors(bad):
     with pytest.raises(ValueError, match="SFTConfig"):
@@ -137,3 +145,40 @@ def test_evaluations_more_often_than_loss_logging(tmp_path):
     assert [e["step"] for e in record["eval"]] == [2, 4, 6]
     assert [entry["step"] for entry in record["loss"]] == [2, 4, 6]
     assert sum("held-out greedy accuracy" in line for line in logs) == 3
+
+
+def test_a_checkpoint_of_another_config_names_every_differing_field(tmp_path):
+    """A field the checkpoint's config has and this one leaves out (``to_dict`` drops an unset
+    ``target_accuracy``) is named in the error too."""
+    (tmp_path / "config.json").write_text("{}")
+    ran = {**MEMORISE.to_dict(), "target_accuracy": 0.5}
+    (tmp_path / SFT_FILE).write_text(json.dumps({"config": ran, "final": {}}))
+    with pytest.raises(ValueError, match=r"another config \(differs in \['target_accuracy'\]\)"):
+        ensure_sft_checkpoint(MEMORISE, tmp_path)
+
+
+def test_target_accuracy_stops_at_the_first_evaluation_that_reaches_it(tmp_path, monkeypatch):
+    import triage.experiments.sft as sft
+
+    accuracies = iter([0.25, 0.75, 0.75])  # two evaluations (steps 2 and 4), then the final one
+    monkeypatch.setattr(
+        sft, "greedy_accuracy", lambda *a, **k: {"accuracy": next(accuracies), "by_difficulty": {}, "n": 4}
+    )
+    cfg = SFTConfig(**{**MEMORISE.to_dict(), "steps": 20, "eval_every": 2, "target_accuracy": 0.5})
+    record = train_sft(cfg, tmp_path / "ckpt", log=lambda line: None, device="cpu")
+    assert record["stopped_by"] == "target_accuracy" and record["steps_done"] == 4
+    assert [e["step"] for e in record["eval"]] == [2, 4, 4] and record["config"]["target_accuracy"] == 0.5
+
+
+def test_cli_overrides_any_field_an_unset_target_accuracy_too(tmp_path, monkeypatch):
+    import triage.experiments.sft as sft
+    from triage.experiments.ablate import PRESETS
+
+    assert PRESETS["local"].sft.target_accuracy is None  # so the preset's to_dict() has no such key
+    trained = []
+    monkeypatch.setattr(sft, "train_sft", lambda config, output: trained.append(config))
+    assert sft.main(["--preset", "local", "--output", str(tmp_path), "target_accuracy=0.6", "steps=10"]) == 0
+    assert trained[0].target_accuracy == 0.6 and trained[0].steps == 10
+    assert trained[0].hidden_size == PRESETS["local"].sft.hidden_size
+    with pytest.raises(SystemExit):
+        sft.main(["--preset", "local", "--output", str(tmp_path), "nope=1"])

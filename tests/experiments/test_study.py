@@ -166,3 +166,41 @@ def test_aggregation_over_seeds_from_run_files(tmp_path):
         "min": 2.0,
         "max": 2.0,
     }
+
+
+def test_a_run_that_starts_again_drops_its_earlier_result(tmp_path, monkeypatch):
+    """Without --resume a finished run is run again: once it starts, its earlier ``seed<k>.json`` (and an
+    earlier partial file) are gone, so a re-run that crashes (or is cut short) leaves no stale result in the
+    aggregate."""
+    import triage.experiments.train as train
+
+    key = RunKey("realistic", "grpo-none", 0)
+    for suffix in (".json", ablate.PARTIAL_SUFFIX):
+        path = key.path(tmp_path, suffix)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(_entry(0, [1.0], [0.1, 0.2], [0.01])))
+    assert key in load_runs(tmp_path)
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("the re-run crashed")
+
+    monkeypatch.setattr(train, "build_trainer", crash)
+    with pytest.raises(RuntimeError, match="the re-run crashed"):
+        ablate.run_one(PRESETS["smoke"], key, tmp_path)
+    assert not key.path(tmp_path, ".json").exists() and not key.path(tmp_path, ablate.PARTIAL_SUFFIX).exists()
+    assert load_runs(tmp_path) == {}
+
+
+def test_resume_checks_a_moved_study_folder_by_its_recipe_not_its_path(tmp_path):
+    """A study folder copied elsewhere (off a GPU box, say) resumes; a changed numerics key is still refused."""
+    import torch
+
+    study = Study(PRESETS["smoke"], arms=("tis",))
+    key, cpu = study.runs()[0], not torch.cuda.is_available()
+    old = tmp_path / "elsewhere" / "study"
+    ran = json.loads(json.dumps(ablate.run_recipe(study.preset, key, old / "sft", key.path(old), cpu=cpu)))
+    here = tmp_path / "study"
+    ablate._check_recipes(study, here, {key: {"recipe": ran}})
+    ran["sampler_kwargs"]["kv_cache_dtype"] = "native"
+    with pytest.raises(ValueError, match=r"ran another recipe .*differs in \['sampler_kwargs'\]"):
+        ablate._check_recipes(study, here, {key: {"recipe": ran}})

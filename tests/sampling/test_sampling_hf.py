@@ -269,6 +269,56 @@ def test_static_cache_fp8_rounds_like_dynamic(tiny_model, tokenizer, prompt_ids)
     assert native["completion_ids"] != [] and fp8["completion_ids"] != []
 
 
+def _autocast_forward(model):
+    """``model`` with its forward under bf16 autocast, as accelerate's mixed precision wraps a trainer's model
+    (what a ``sampler_model="shared"`` sampler sees with ``bf16: true``)."""
+    forward = model.forward
+
+    def wrapped(*args, **kwargs):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return forward(*args, **kwargs)
+
+    model.forward = wrapped
+    return model
+
+
+def _lora(model):
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False, task_type="CAUSAL_LM"
+    )
+    return get_peft_model(model, config).eval()
+
+
+@pytest.mark.parametrize("wrap, atol", [(_autocast_forward, 5e-3), (_lora, 2e-5)], ids=["autocast", "peft"])
+def test_static_cache_decode_matches_dynamic_under_autocast_and_peft(
+    tiny_model, tokenizer, prompt_ids, wrap, atol
+):
+    """The static path sees the model as the dynamic one does under a bf16-autocast forward (keys and values
+    in the dtypes autocast gives them, the cache buffers allocated in those) and through a PEFT wrapper."""
+    model = wrap(copy.deepcopy(tiny_model))
+    params = SamplingParams(max_new_tokens=10, temperature=0.9)
+    runs = {
+        d: sample_with_kv_cache(
+            model,
+            prompt_ids,
+            params,
+            [tokenizer.eos_token_id],
+            torch.Generator().manual_seed(3),
+            pad_id=0,
+            kv_cache_dtype="fp8_e4m3",
+            decode=d,
+        )
+        for d in ("dynamic", "static")
+    }
+    assert runs["static"]["completion_ids"] == runs["dynamic"]["completion_ids"]
+    assert sum(len(c) for c in runs["static"]["completion_ids"]) >= 10
+    for a, b in zip(runs["static"]["logprobs"], runs["dynamic"]["logprobs"]):
+        # autocast: bf16 GEMMs, whose rounding the two caches' attention shapes change
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=atol, rtol=0)
+
+
 def test_decode_choice_is_validated(tiny_model, tokenizer, prompt_ids):
     params = SamplingParams(max_new_tokens=2)
     with pytest.raises(ValueError, match="decode must be one of"):
@@ -281,6 +331,27 @@ def test_decode_choice_is_validated(tiny_model, tokenizer, prompt_ids):
     other.config._attn_implementation = "flex_attention"
     with pytest.raises(ValueError, match="needs a static KV cache"):
         sample_with_kv_cache(other, prompt_ids, params, [0], decode="static")
+
+
+def test_auto_decode_keeps_the_dynamic_cache_for_a_sliding_window_model(tiny_model, tokenizer, prompt_ids):
+    """``"auto"`` picks the CUDA-graph path only where a static cache can be built: a model with a
+    sliding-window layer (no plain ``StaticLayer``) decodes on the dynamic cache, also on CUDA; asking for the
+    static path explicitly is an error naming the layer."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from triage.trainers.sampling.hf import _resolve_decode
+
+    cuda = torch.device("cuda")  # a device object only: nothing runs on it
+    assert _resolve_decode("auto", tiny_model, cuda) == "cuda_graph"
+    sliding = dict(use_sliding_window=True, sliding_window=8, max_window_layers=1, layer_types=None)
+    config = Qwen3Config(**{**tiny_model.config.to_dict(), **sliding})
+    model = Qwen3ForCausalLM._from_config(config, attn_implementation="sdpa").eval()
+    assert model.config.layer_types == ["full_attention", "sliding_attention"]
+    assert _resolve_decode("auto", model, cuda) == "dynamic"
+    with pytest.raises(ValueError, match="needs a static KV cache: layer 1 .* StaticSlidingWindowLayer"):
+        sample_with_kv_cache(model, prompt_ids, SamplingParams(max_new_tokens=2), [0], decode="static")
+    out = sample_with_kv_cache(model, prompt_ids, SamplingParams(max_new_tokens=2), [0], decode="auto")
+    assert [len(c) for c in out["completion_ids"]] == [2, 2, 2]
 
 
 @pytest.mark.gpu

@@ -34,7 +34,14 @@ import torch
 from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import DynamicLayer, StaticLayer
 
-__all__ = ["KV_FORMATS", "QuantizedKVLayer", "QuantizedStaticKVLayer", "cache_argument", "kv_cache"]
+__all__ = [
+    "KV_FORMATS",
+    "QuantizedKVLayer",
+    "QuantizedStaticKVLayer",
+    "cache_argument",
+    "kv_cache",
+    "static_cache_refusal",
+]
 
 KV_FORMATS = ("native", "bf16", "fp8")
 GRANULARITIES = ("tensor", "head")
@@ -98,6 +105,19 @@ class QuantizedStaticKVLayer(_RoundedKV, StaticLayer):
     so later updates launch only device work: the layer can be captured in a CUDA graph."""
 
 
+def static_cache_refusal(config) -> str | None:
+    """Why :func:`kv_cache` cannot build a static cache for ``config`` (a layer of transformers'
+    ``StaticCache`` for it that is not a plain full-attention ``StaticLayer``: sliding-window, chunked, ...),
+    or ``None`` when it can. Builds no buffers (static layers allocate on their first update)."""
+    for i, layer in enumerate(StaticCache(config=config, max_cache_len=1).layers):
+        if type(layer) is not StaticLayer:
+            return (
+                f"layer {i} of this model's cache is a {type(layer).__name__}; the static cache covers "
+                "full-attention layers (cache_utils.StaticLayer) only"
+            )
+    return None
+
+
 def kv_cache(
     config,
     fmt: str = "native",
@@ -116,13 +136,8 @@ def kv_cache(
         raise ValueError(f"kv_cache: max_cache_len must be a positive int, got {max_cache_len!r}")
     cache = StaticCache(config=config, max_cache_len=max_cache_len) if static else DynamicCache(config=config)
     plain, rounded = (StaticLayer, QuantizedStaticKVLayer) if static else (DynamicLayer, QuantizedKVLayer)
-    if static:
-        for i, layer in enumerate(cache.layers):
-            if type(layer) is not StaticLayer:
-                raise ValueError(
-                    f"kv_cache(max_cache_len=...): layer {i} of this model's cache is a {type(layer).__name__}; "
-                    "the static cache covers full-attention layers (cache_utils.StaticLayer) only"
-                )
+    if static and (refusal := static_cache_refusal(config)) is not None:
+        raise ValueError(f"kv_cache(max_cache_len=...): {refusal}")
     if fmt == "native":
         return cache
     if not cache.layers:

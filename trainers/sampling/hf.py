@@ -109,19 +109,23 @@ _STATIC_ATTENTION = ("sdpa", "eager", "triage_strict")
 
 
 def _resolve_decode(decode: str, model: torch.nn.Module, device: torch.device) -> str:
-    """``decode`` → the path that runs: ``"auto"`` is ``"cuda_graph"`` on a CUDA device when the model's
-    attention allows a static cache, else ``"dynamic"``; an explicit choice the model cannot run is an error."""
+    """``decode`` → the path that runs: ``"auto"`` is ``"cuda_graph"`` on a CUDA device when the model allows a
+    static cache (its attention builds the 4-D decode mask, every layer is full attention), else
+    ``"dynamic"``; an explicit choice the model cannot run is an error."""
     if decode not in DECODES:
         raise ValueError(f"decode must be one of {DECODES}, got {decode!r}")
-    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    static_ok = impl in _STATIC_ATTENTION
+    from triage.trainers.diagnostics.kvcache import static_cache_refusal
+
+    config = getattr(model, "config", None)
+    impl = getattr(config, "_attn_implementation", None)
+    if impl not in _STATIC_ATTENTION:
+        refusal = f"the decode mask is built for attn_implementation in {_STATIC_ATTENTION}, not {impl!r}"
+    else:
+        refusal = static_cache_refusal(config)
     if decode == "auto":
-        return "cuda_graph" if device.type == "cuda" and static_ok else "dynamic"
-    if decode != "dynamic" and not static_ok:
-        raise ValueError(
-            f"decode={decode!r} needs a static KV cache, built here for attn_implementation in "
-            f"{_STATIC_ATTENTION}; this model uses {impl!r} (use decode='dynamic')"
-        )
+        return "cuda_graph" if device.type == "cuda" and refusal is None else "dynamic"
+    if decode != "dynamic" and refusal is not None:
+        raise ValueError(f"decode={decode!r} needs a static KV cache: {refusal} (use decode='dynamic')")
     if decode == "cuda_graph" and device.type != "cuda":
         raise ValueError(f"decode='cuda_graph' needs a CUDA device; the model is on {device}")
     return decode
@@ -133,9 +137,12 @@ class _GraphStep:
     The first call runs eagerly: it warms every lazy allocation (static-cache buffers, kernel autotuning,
     weight caches). The second call captures the step and replays it; later calls replay. The graph's
     inputs are the caller's static buffers (token, position, 4-D mask), updated in place before each call;
-    the static cache advances its own device-side length inside the graph. A capture that fails (an op that
-    synchronises with the host, say) is reported once with a warning and the loop continues eagerly: the
-    same kernels, so the same numbers."""
+    the static cache advances its own device-side length inside the graph. A graph lives for one
+    :func:`sample_with_kv_cache` call, so it may read weights and weight caches as they are during that call
+    (a weight sync between calls gets a new graph). A capture that fails (an op that synchronises with the
+    host, say) is reported once with a warning and the loop continues with the eager static step. A replay
+    runs the captured kernels, which need not be the eager ones bit for bit (cuBLAS may choose others under
+    stream capture: docs/benchmarks.md saw equal bits at decode batch ≤ 16, not at 128)."""
 
     def __init__(self, step: Callable[[], torch.Tensor]):
         self.step, self.calls, self.graph, self.logits, self.failed = step, 0, None, None, False
@@ -184,11 +191,13 @@ def sample_with_kv_cache(
 
     ``kv_cache_dtype``: precision of the stored keys/values (module docstring; ``None`` = the model's).
     ``decode``: ``"dynamic"`` (transformers' growing ``DynamicCache``), ``"static"`` (a pre-allocated
-    ``StaticCache`` of prompt width + ``max_new_tokens`` and a 4-D mask updated in place), ``"cuda_graph"``
-    (the static path with each decode step replayed from a CUDA graph: bit-identical to ``"static"``) or
-    ``"auto"`` (``"cuda_graph"`` on CUDA, else ``"dynamic"``). The static cache attends over the whole
+    ``StaticCache`` of prompt width + ``max_new_tokens`` − 1 positions and a 4-D mask updated in place),
+    ``"cuda_graph"`` (the static path with each decode step replayed from a CUDA graph, :class:`_GraphStep`)
+    or ``"auto"`` (``"cuda_graph"`` on CUDA, else ``"dynamic"``). The static cache attends over the whole
     buffer with the unwritten positions masked, so its attention may round differently from the dynamic
-    cache's in the last bits.
+    cache's in the last bits. It holds all those positions for every row from the start, where the dynamic
+    cache grows to the longest completion so far: with a long ``max_new_tokens``, bound the rows per call
+    (``HFSampler(batch_size=...)``) or decode ``"dynamic"``.
 
     Returns ``{"completion_ids", "logprobs"}``; a completion ends with (and includes) the first EOS id, or stops
     at ``params.max_new_tokens``. A finished row keeps being fed ``pad_id`` until every row has finished; those
