@@ -165,3 +165,27 @@ def test_inverse_hadamard16_of_huge_rotations():
     back = inverse_hadamard16(y[keep])
     assert torch.isfinite(back).all()
     torch.testing.assert_close(back, x[keep], rtol=0, atol=3e38 * 2.0**-22)
+
+
+def test_layer_gives_nan_where_a_rotated_wgrad_operand_overflows():
+    """nvfp4-backward: a finite x whose rotated wgrad operand xᵀ overflows (16 tokens of channel 0 at
+    1e38 * TE_SIGNS: rotated 4e38) gives a NaN dW by the layers' non-finite rule, not a saturated one."""
+    import dataclasses
+
+    from triage.kernels import NVFP4Linear, NVFP4LinearConfig
+
+    cfg = NVFP4LinearConfig(quant_backend="torch", gemm_backend="reference", mode="nvfp4-backward")
+    torch.manual_seed(0)
+    layer = NVFP4Linear(32, 16, config=cfg)
+    x = torch.randn(16, 32)
+    x[:, 0] = SIGNS * 1e-3
+    layer(x).backward(torch.randn(16, 16))
+    assert torch.isfinite(layer.weight.grad).all()
+    layer.weight.grad = None
+    x[:, 0] = SIGNS * 1e38
+    layer(x).backward(torch.randn(16, 16))
+    assert layer.weight.grad.isnan().all()
+    per_row = dataclasses.replace(cfg, wgrad_recipe=QuantRecipe(hadamard=True, pad=True, scale="row"))
+    layer = NVFP4Linear(32, 16, config=per_row)
+    layer(x).backward(torch.randn(16, 16))
+    assert layer.weight.grad.isnan().all()
