@@ -147,13 +147,26 @@ if HAVE_TRITON:
         return x
 
     @triton.jit
-    def _rht16(x, BR: tl.constexpr, BK: tl.constexpr, SIGNS: tl.constexpr):
-        """Hadamard of each 16-block of the rows of x [BR, BK]: * sign/4, 4 butterflies (see hadamard.py)."""
+    def _times_quarter(v, q, ROUND: tl.constexpr):
+        """``v * q`` for ``q = +-1/4`` (the transform's first step), kept a separately rounded product: exact
+        for bf16/fp16 inputs (``ROUND`` 1, 2), so an FMA that absorbs it into the next add changes nothing;
+        fp32 inputs below 2^-124 round here, so on the GPU the product is ``mul.rn.f32``, which ptxas never
+        fuses into an add (FMA contraction would skip that rounding). The interpreter never fuses."""
+        if ROUND == 0 and not INTERPRETED:
+            return tl.inline_asm_elementwise(
+                "mul.rn.f32 $0, $1, $2;", "=f,f,f", [v, q], dtype=tl.float32, is_pure=True, pack=1
+            )
+        return v * q
+
+    @triton.jit
+    def _rht16(x, BR: tl.constexpr, BK: tl.constexpr, SIGNS: tl.constexpr, ROUND: tl.constexpr):
+        """Hadamard of each 16-block of the rows of x [BR, BK] (of input dtype ``ROUND``): * sign/4,
+        4 butterflies (see hadamard.py)."""
         M: tl.constexpr = BR * BK // 16
         v = tl.reshape(x, (M, 16))
         j = tl.arange(0, 16)
         quarter = 0.25 - 0.5 * ((SIGNS >> j) & 1).to(tl.float32)
-        v = v * quarter[None, :]
+        v = _times_quarter(v, quarter[None, :], ROUND)
         for _ in tl.static_range(4):
             a, b = tl.split(tl.reshape(v, (M, 8, 2)))
             v = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (M, 16))
@@ -279,7 +292,9 @@ if HAVE_TRITON:
         x = _widen(tl.load(ptrs, mask=(r < n_rows) & (cols < K), other=0), ROUND)
         if HADAMARD:
             M: tl.constexpr = BR * NB
-            x = tl.reshape(_round_to(_rht16(tl.reshape(x, (M, 16)), M, 16, SIGNS), ROUND), (BR, NB, 16))
+            x = tl.reshape(
+                _round_to(_rht16(tl.reshape(x, (M, 16)), M, 16, SIGNS, ROUND), ROUND), (BR, NB, 16)
+            )
         return x
 
     @triton.jit
@@ -446,10 +461,10 @@ if HAVE_TRITON:
         return tl.reshape(tl.join(tl.join(v0, v2), tl.join(v1, v3)), (D0, D1, 4))
 
     @triton.jit
-    def _quarter(v, SIGNS: tl.constexpr, I: tl.constexpr):
+    def _quarter(v, SIGNS: tl.constexpr, I: tl.constexpr, ROUND: tl.constexpr):
         """``v`` times the Hadamard sign of position ``I`` over 4 (+-1/4: the transform's first step,
-        hadamard.QUARTER_SIGNS)."""
-        return v * (0.25 - 0.5 * ((SIGNS >> I) & 1))
+        hadamard.QUARTER_SIGNS; :func:`_times_quarter`)."""
+        return _times_quarter(v, 0.25 - 0.5 * ((SIGNS >> I) & 1), ROUND)
 
     @triton.jit
     def _bfly16(v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15):
@@ -474,10 +489,12 @@ if HAVE_TRITON:
         x8, x10, x12, x14 = _split4(a1, NB, BR)
         x9, x11, x13, x15 = _split4(b1, NB, BR)
         v = (
-            _quarter(x0, SIGNS, 0), _quarter(x1, SIGNS, 1), _quarter(x2, SIGNS, 2), _quarter(x3, SIGNS, 3),
-            _quarter(x4, SIGNS, 4), _quarter(x5, SIGNS, 5), _quarter(x6, SIGNS, 6), _quarter(x7, SIGNS, 7),
-            _quarter(x8, SIGNS, 8), _quarter(x9, SIGNS, 9), _quarter(x10, SIGNS, 10), _quarter(x11, SIGNS, 11),
-            _quarter(x12, SIGNS, 12), _quarter(x13, SIGNS, 13), _quarter(x14, SIGNS, 14), _quarter(x15, SIGNS, 15),
+            _quarter(x0, SIGNS, 0, 1), _quarter(x1, SIGNS, 1, 1), _quarter(x2, SIGNS, 2, 1),
+            _quarter(x3, SIGNS, 3, 1), _quarter(x4, SIGNS, 4, 1), _quarter(x5, SIGNS, 5, 1),
+            _quarter(x6, SIGNS, 6, 1), _quarter(x7, SIGNS, 7, 1), _quarter(x8, SIGNS, 8, 1),
+            _quarter(x9, SIGNS, 9, 1), _quarter(x10, SIGNS, 10, 1), _quarter(x11, SIGNS, 11, 1),
+            _quarter(x12, SIGNS, 12, 1), _quarter(x13, SIGNS, 13, 1), _quarter(x14, SIGNS, 14, 1),
+            _quarter(x15, SIGNS, 15, 1),
         )  # fmt: skip
         for _ in tl.static_range(4):
             v = _bfly16(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7],

@@ -109,13 +109,13 @@ if HAVE_TRITON:
     ):  # fmt: skip
         """The 16-point RHT of the blocks held as 16 tensors (element j of every block in ``vj``): × sign/4,
         4 butterflies, rounded to the input dtype; the fp32 ops of ``triton_quant._rht16``."""
-        v0, v1, v2, v3, v4, v5, v6, v7 = (
-            _quarter(v0, SIGNS, 0), _quarter(v1, SIGNS, 1), _quarter(v2, SIGNS, 2), _quarter(v3, SIGNS, 3),
-            _quarter(v4, SIGNS, 4), _quarter(v5, SIGNS, 5), _quarter(v6, SIGNS, 6), _quarter(v7, SIGNS, 7),
-        )  # fmt: skip
-        v8, v9, v10, v11, v12, v13, v14, v15 = (
-            _quarter(v8, SIGNS, 8), _quarter(v9, SIGNS, 9), _quarter(v10, SIGNS, 10), _quarter(v11, SIGNS, 11),
-            _quarter(v12, SIGNS, 12), _quarter(v13, SIGNS, 13), _quarter(v14, SIGNS, 14), _quarter(v15, SIGNS, 15),
+        v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15 = (
+            _quarter(v0, SIGNS, 0, ROUND), _quarter(v1, SIGNS, 1, ROUND), _quarter(v2, SIGNS, 2, ROUND),
+            _quarter(v3, SIGNS, 3, ROUND), _quarter(v4, SIGNS, 4, ROUND), _quarter(v5, SIGNS, 5, ROUND),
+            _quarter(v6, SIGNS, 6, ROUND), _quarter(v7, SIGNS, 7, ROUND), _quarter(v8, SIGNS, 8, ROUND),
+            _quarter(v9, SIGNS, 9, ROUND), _quarter(v10, SIGNS, 10, ROUND), _quarter(v11, SIGNS, 11, ROUND),
+            _quarter(v12, SIGNS, 12, ROUND), _quarter(v13, SIGNS, 13, ROUND),
+            _quarter(v14, SIGNS, 14, ROUND), _quarter(v15, SIGNS, 15, ROUND),
         )  # fmt: skip
         for _ in tl.static_range(4):
             v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15 = _bfly16(
