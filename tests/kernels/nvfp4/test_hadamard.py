@@ -65,7 +65,9 @@ def test_hadamard16_of_huge_inputs_is_the_float64_rotation(dtype):
     expect = rotate64(x).to(dtype)
     assert torch.isfinite(expect).all()
     got = hadamard16(x)
-    assert torch.equal(got, expect), f"{(got != expect).sum().item()} values differ, e.g. {got[got != expect][:4]}"
+    assert torch.equal(got, expect), (
+        f"{(got != expect).sum().item()} values differ, e.g. {got[got != expect][:4]}"
+    )
 
 
 def assert_paths_give(x, recipe, expect):
@@ -129,7 +131,9 @@ def _wide_range(dtype: torch.dtype, lo: int, hi: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(lo & 0xFFFF)
     e = torch.randint(lo, hi, (256, 1), generator=g).float() + torch.rand(256, 16, generator=g) * 12 - 6
     mag = torch.exp2(e.clamp(lo, hi - 1))
-    x = torch.where(torch.rand(256, 16, generator=g) < 0.5, -mag, mag) * (1 + torch.rand(256, 16, generator=g))
+    x = torch.where(torch.rand(256, 16, generator=g) < 0.5, -mag, mag) * (
+        1 + torch.rand(256, 16, generator=g)
+    )
     return x.reshape(64, 64).to(dtype)
 
 
@@ -189,3 +193,18 @@ def test_layer_gives_nan_where_a_rotated_wgrad_operand_overflows():
     layer = NVFP4Linear(32, 16, config=per_row)
     layer(x).backward(torch.randn(16, 16))
     assert layer.weight.grad.isnan().all()
+
+
+def test_fp32_subnormal_inputs_round_as_the_reference_in_every_path():
+    """fp32 inputs below 2^-124, where x / 4 rounds (odd multiples of 2^-149): every path rounds the product
+    where the reference does (on the GPU: ``mul.rn.f32``, no FMA contraction, no flush to zero); the amax
+    compared by assert_same_bytes is the largest rotated value's bits."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randint(-(2**10), 2**10, (16, 64), generator=g) * 2 + 1).double() * 2.0**-149
+    x = x.float().to(DEV)
+    assert (x.abs() < 2.0**-124).all() and (x != 0).all()
+    rot = hadamard16(x)
+    assert not torch.equal(rot, rotate64(x).float())  # x / 4 did round: the order of roundings matters
+    for variant in ({}, {"scale": "row", "rounding": "stochastic"}):
+        recipe = QuantRecipe(hadamard=True, **variant)
+        assert_paths_give(x, recipe, quantize(x, recipe, backend="torch"))
