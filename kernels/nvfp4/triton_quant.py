@@ -18,10 +18,12 @@ Hadamard transform (if any) as register arithmetic. Outer scale, never through t
   with the reference's own torch code (CPU, IEEE) and passed as fp32 kernel arguments; one pass.
 
 Exactness rules (Triton fp32 ``/`` is approximate, see docs): every division is ``tl.math.div_rn``; products
-feeding an add are exact (signs, powers of two) so FMA contraction cannot change a result; the E4M3 cast and
-the bf16 rounding are done with integer arithmetic (the interpreter's casts truncate, the GPU's round; the
-integer path is right on both), except the fast path's Hadamard outputs, rounded by the GPU's own
-``cvt.rn.bf16.f32`` (:func:`_bf16_rne_fast`; integer under the interpreter).
+feeding an add are exact (signs, powers of two) so FMA contraction cannot change a result, except the
+Hadamard's ``x·(±1/4)`` of fp32 input below 2^-124, issued as ``mul.rn.f32`` (:func:`_times_quarter`,
+never contracted); the E4M3 cast and the bf16 rounding are done with integer arithmetic (the interpreter's
+casts truncate, the GPU's round; the integer path is right on both), except the fast path's Hadamard
+outputs, rounded by the GPU's own ``cvt.rn.bf16.f32`` (:func:`_bf16_rne_fast`; integer under the
+interpreter).
 """
 
 from __future__ import annotations
