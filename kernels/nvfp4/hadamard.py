@@ -22,7 +22,7 @@ other values of that block NaN: the block is non-finite, and is quantized like n
 (docs/nvfp4.md §6).
 
 The factor ``1/4`` comes first because scaling at the end lets the unscaled sums (up to ``16 |x_b|_max``)
-overflow fp32 from ``|x| >= 2^124`` on. Both orders give the same bits wherever the other did not
+overflow fp32 from ``|x| >= 2^124`` on. Both orders give the same bits wherever the former did not
 overflow, since a power-of-two factor commutes with every rounding while no value is subnormal: ``x / 4``
 is exact for every bf16/fp16 input, and for fp32 inputs down to ``2^-124`` (below, an fp32 input's two
 lowest subnormal bits are rounded off before the sums instead of after).
