@@ -18,10 +18,12 @@ Hadamard transform (if any) as register arithmetic. Outer scale, never through t
   with the reference's own torch code (CPU, IEEE) and passed as fp32 kernel arguments; one pass.
 
 Exactness rules (Triton fp32 ``/`` is approximate, see docs): every division is ``tl.math.div_rn``; products
-feeding an add are exact (signs, powers of two) so FMA contraction cannot change a result; the E4M3 cast and
-the bf16 rounding are done with integer arithmetic (the interpreter's casts truncate, the GPU's round; the
-integer path is right on both), except the fast path's Hadamard outputs, rounded by the GPU's own
-``cvt.rn.bf16.f32`` (:func:`_bf16_rne_fast`; integer under the interpreter).
+feeding an add are exact (signs, powers of two) so FMA contraction cannot change a result, except the
+Hadamard's ``x·(±1/4)`` of fp32 input below 2^-124, issued as ``mul.rn.f32`` (:func:`_times_quarter`,
+never contracted); the E4M3 cast and the bf16 rounding are done with integer arithmetic (the interpreter's
+casts truncate, the GPU's round; the integer path is right on both), except the fast path's Hadamard
+outputs, rounded by the GPU's own ``cvt.rn.bf16.f32`` (:func:`_bf16_rne_fast`; integer under the
+interpreter).
 """
 
 from __future__ import annotations
@@ -147,17 +149,30 @@ if HAVE_TRITON:
         return x
 
     @triton.jit
-    def _rht16(x, BR: tl.constexpr, BK: tl.constexpr, SIGNS: tl.constexpr):
-        """Hadamard of each 16-block of the rows of x [BR, BK]: signs, 4 butterflies, * 0.25 (see hadamard.py)."""
+    def _times_quarter(v, q, ROUND: tl.constexpr):
+        """``v * q`` for ``q = +-1/4`` (the transform's first step), kept a separately rounded product: exact
+        for bf16/fp16 inputs (``ROUND`` 1, 2), so an FMA that absorbs it into the next add changes nothing;
+        fp32 inputs below 2^-124 round here, so on the GPU the product is ``mul.rn.f32``, which ptxas never
+        fuses into an add (FMA contraction would skip that rounding). The interpreter never fuses."""
+        if ROUND == 0 and not INTERPRETED:
+            return tl.inline_asm_elementwise(
+                "mul.rn.f32 $0, $1, $2;", "=f,f,f", [v, q], dtype=tl.float32, is_pure=True, pack=1
+            )
+        return v * q
+
+    @triton.jit
+    def _rht16(x, BR: tl.constexpr, BK: tl.constexpr, SIGNS: tl.constexpr, ROUND: tl.constexpr):
+        """Hadamard of each 16-block of the rows of x [BR, BK] (of input dtype ``ROUND``): * sign/4,
+        4 butterflies (see hadamard.py)."""
         M: tl.constexpr = BR * BK // 16
         v = tl.reshape(x, (M, 16))
         j = tl.arange(0, 16)
-        sign = 1.0 - 2.0 * ((SIGNS >> j) & 1).to(tl.float32)
-        v = v * sign[None, :]
+        quarter = 0.25 - 0.5 * ((SIGNS >> j) & 1).to(tl.float32)
+        v = _times_quarter(v, quarter[None, :], ROUND)
         for _ in tl.static_range(4):
             a, b = tl.split(tl.reshape(v, (M, 8, 2)))
             v = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (M, 16))
-        return tl.reshape(v * 0.25, (BR, BK))
+        return tl.reshape(v, (BR, BK))
 
     @triton.jit
     def _e4m3_code(s):
@@ -279,7 +294,9 @@ if HAVE_TRITON:
         x = _widen(tl.load(ptrs, mask=(r < n_rows) & (cols < K), other=0), ROUND)
         if HADAMARD:
             M: tl.constexpr = BR * NB
-            x = tl.reshape(_round_to(_rht16(tl.reshape(x, (M, 16)), M, 16, SIGNS), ROUND), (BR, NB, 16))
+            x = tl.reshape(
+                _round_to(_rht16(tl.reshape(x, (M, 16)), M, 16, SIGNS, ROUND), ROUND), (BR, NB, 16)
+            )
         return x
 
     @triton.jit
@@ -351,8 +368,8 @@ if HAVE_TRITON:
     ):  # fmt: skip
         """:func:`_amax_tiled_kernel` with Hadamard on the bf16 fast path's layout (``x_ptr`` an int32 view of
         bf16 pairs, ``K == KP``): whole blocks per thread, the transform in registers (:func:`_rht16_pairs`).
-        The final ``· 0.25`` and bf16 rounding are applied to each block's max (:func:`_rht_amax_finish`), so
-        the amax is the general path's to the bit."""
+        The bf16 rounding is applied to each block's max (:func:`_rht_amax_finish`), so the amax is the
+        general path's to the bit."""
         pid, g = tl.program_id(0), tl.program_id(1)
         rows = pid * BR + tl.arange(0, BR)
         rmask = rows < rows_per_group
@@ -446,9 +463,10 @@ if HAVE_TRITON:
         return tl.reshape(tl.join(tl.join(v0, v2), tl.join(v1, v3)), (D0, D1, 4))
 
     @triton.jit
-    def _sgn(v, SIGNS: tl.constexpr, I: tl.constexpr):
-        """``v`` times the Hadamard sign of position ``I`` (+-1, exact: a negation at most)."""
-        return v * (1.0 - 2.0 * ((SIGNS >> I) & 1))
+    def _quarter(v, SIGNS: tl.constexpr, I: tl.constexpr, ROUND: tl.constexpr):
+        """``v`` times the Hadamard sign of position ``I`` over 4 (+-1/4: the transform's first step,
+        hadamard.QUARTER_SIGNS; :func:`_times_quarter`)."""
+        return _times_quarter(v, 0.25 - 0.5 * ((SIGNS >> I) & 1), ROUND)
 
     @triton.jit
     def _bfly16(v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15):
@@ -464,19 +482,21 @@ if HAVE_TRITON:
                      RAW: tl.constexpr):  # fmt: skip
         """Hadamard of whole 16-blocks held in one thread as the fast path's four ``[NB, BR, 4]`` pieces (any
         two leading dims; elements ``2j``, ``2j+1``, ``8+2j``, ``9+2j``, j < 4), returned in the same
-        arrangement: the same fp32 operations in the same order as :func:`_rht16` / hadamard.py (signs, four
-        butterfly stages, * 0.25) as register arithmetic on 16 ``[NB, BR]`` values, then rounded to bf16
-        like the general path (``_round_to(., 1)``). ``RAW``: stop after the butterflies, for amaxes only
-        (:func:`_rht_amax_finish` applies the rest to a block max)."""
+        arrangement: the same fp32 operations in the same order as :func:`_rht16` / hadamard.py (* sign/4,
+        four butterfly stages) as register arithmetic on 16 ``[NB, BR]`` values, then rounded to bf16 like
+        the general path (``_round_to(., 1)``). ``RAW``: stop after the butterflies, for amaxes only
+        (:func:`_rht_amax_finish` rounds a block max instead)."""
         x0, x2, x4, x6 = _split4(a0, NB, BR)
         x1, x3, x5, x7 = _split4(b0, NB, BR)
         x8, x10, x12, x14 = _split4(a1, NB, BR)
         x9, x11, x13, x15 = _split4(b1, NB, BR)
         v = (
-            _sgn(x0, SIGNS, 0), _sgn(x1, SIGNS, 1), _sgn(x2, SIGNS, 2), _sgn(x3, SIGNS, 3),
-            _sgn(x4, SIGNS, 4), _sgn(x5, SIGNS, 5), _sgn(x6, SIGNS, 6), _sgn(x7, SIGNS, 7),
-            _sgn(x8, SIGNS, 8), _sgn(x9, SIGNS, 9), _sgn(x10, SIGNS, 10), _sgn(x11, SIGNS, 11),
-            _sgn(x12, SIGNS, 12), _sgn(x13, SIGNS, 13), _sgn(x14, SIGNS, 14), _sgn(x15, SIGNS, 15),
+            _quarter(x0, SIGNS, 0, 1), _quarter(x1, SIGNS, 1, 1), _quarter(x2, SIGNS, 2, 1),
+            _quarter(x3, SIGNS, 3, 1), _quarter(x4, SIGNS, 4, 1), _quarter(x5, SIGNS, 5, 1),
+            _quarter(x6, SIGNS, 6, 1), _quarter(x7, SIGNS, 7, 1), _quarter(x8, SIGNS, 8, 1),
+            _quarter(x9, SIGNS, 9, 1), _quarter(x10, SIGNS, 10, 1), _quarter(x11, SIGNS, 11, 1),
+            _quarter(x12, SIGNS, 12, 1), _quarter(x13, SIGNS, 13, 1), _quarter(x14, SIGNS, 14, 1),
+            _quarter(x15, SIGNS, 15, 1),
         )  # fmt: skip
         for _ in tl.static_range(4):
             v = _bfly16(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7],
@@ -486,19 +506,19 @@ if HAVE_TRITON:
         a1 = _join4(v[8], v[10], v[12], v[14], NB, BR)
         b1 = _join4(v[9], v[11], v[13], v[15], NB, BR)
         if not RAW:
-            a0 = _bf16_rne_fast(a0 * 0.25)
-            b0 = _bf16_rne_fast(b0 * 0.25)
-            a1 = _bf16_rne_fast(a1 * 0.25)
-            b1 = _bf16_rne_fast(b1 * 0.25)
+            a0 = _bf16_rne_fast(a0)
+            b0 = _bf16_rne_fast(b0)
+            a1 = _bf16_rne_fast(a1)
+            b1 = _bf16_rne_fast(b1)
         return a0, b0, a1, b1
 
     @triton.jit
     def _rht_amax_finish(m):
         """The block amax of the transformed values from the max ``m`` of the raw butterfly outputs
-        (``RAW``): ``rne_bf16(m · 0.25)``. Both ``· 0.25`` (correctly rounded) and the bf16 RNE are monotone
-        and odd, so ``max |rne(s · 0.25)| = rne(max |s| · 0.25)`` to the bit, NaN staying NaN (ignored or
-        propagated as before); one multiply and one rounding per block instead of per element."""
-        return _bf16_rne_fast(m * 0.25)
+        (``RAW``): ``rne_bf16(m)``. The bf16 RNE is monotone and odd, so ``max |rne(s)| = rne(max |s|)`` to
+        the bit, NaN staying NaN (ignored or propagated as before); one rounding per block instead of per
+        element."""
+        return _bf16_rne_fast(m)
 
     @triton.jit
     def _load_pairs(x_ptr, off, m3, NB: tl.constexpr, BR: tl.constexpr, HADAMARD: tl.constexpr,
@@ -667,7 +687,7 @@ if HAVE_TRITON:
                     m3 = (rmask[:, None] & (cb[None, :] < KP // 16))[:, :, None]
                     a0, b0, a1, b1 = _load_pairs(x_ptr, off, m3, BR, NB, HADAMARD, SIGNS, True)
                     bm = _amax4(a0, b0, a1, b1, PROFILE != 3)
-                    if HADAMARD:  # * 0.25 and the bf16 rounding on the block max, not every element
+                    if HADAMARD:  # the bf16 rounding on the block max, not every element
                         bm = _rht_amax_finish(bm)
                     m = _max_nan(m, bm)
                 else:

@@ -15,8 +15,8 @@ owns ``NB`` 16-blocks of Y's columns (``16·NB`` tokens) × ``BC`` rows of Y (ch
 ``gather``, -1 = padding; none needed for a plain transpose), so a program does 16 masked row loads of
 ``[NB, BC]``, one per token position j of a block (each a coalesced read of ``BC`` contiguous channels).
 The transpose happens by construction: the 16 elements of one Y block are the SAME register slot of 16
-separate ``[NB, BC]`` tensors, all in one layout, so the Hadamard butterflies (TE signs, 4 radix-2 stages,
-× 0.25, the same fp32 operations in the same order as ``hadamard.py``), the block amax, the E4M3 block
+separate ``[NB, BC]`` tensors, all in one layout, so the Hadamard butterflies (TE signs / 4, 4 radix-2 stages,
+the same fp32 operations in the same order as ``hadamard.py``), the block amax, the E4M3 block
 scale and the E2M1 codes are plain elementwise ops across the 16 tensors, which by design need no
 shuffles, shared memory or layout conversions (not yet confirmed in the GPU's SASS). The codes of a block leave as two int32 words (8 bytes) of Y's row ``c``, the scale
 as one byte, the optional exact ``q·s`` as 8 words of bf16/fp16 pairs.
@@ -77,8 +77,8 @@ if HAVE_TRITON:
         _fmix32,
         _max_nan,
         _outer_from_row_amax,
+        _quarter,
         _round_to,
-        _sgn,
         _widen,
     )
 
@@ -107,28 +107,25 @@ if HAVE_TRITON:
         v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15,
         SIGNS: tl.constexpr, ROUND: tl.constexpr,
     ):  # fmt: skip
-        """The 16-point RHT of the blocks held as 16 tensors (element j of every block in ``vj``): signs,
-        4 butterflies, × 0.25, rounded to the input dtype; the fp32 ops of ``triton_quant._rht16``."""
-        v0, v1, v2, v3 = _sgn(v0, SIGNS, 0), _sgn(v1, SIGNS, 1), _sgn(v2, SIGNS, 2), _sgn(v3, SIGNS, 3)
-        v4, v5, v6, v7 = _sgn(v4, SIGNS, 4), _sgn(v5, SIGNS, 5), _sgn(v6, SIGNS, 6), _sgn(v7, SIGNS, 7)
-        v8, v9, v10, v11 = _sgn(v8, SIGNS, 8), _sgn(v9, SIGNS, 9), _sgn(v10, SIGNS, 10), _sgn(v11, SIGNS, 11)
-        v12, v13, v14, v15 = (
-            _sgn(v12, SIGNS, 12),
-            _sgn(v13, SIGNS, 13),
-            _sgn(v14, SIGNS, 14),
-            _sgn(v15, SIGNS, 15),
-        )
+        """The 16-point RHT of the blocks held as 16 tensors (element j of every block in ``vj``): × sign/4,
+        4 butterflies, rounded to the input dtype; the fp32 ops of ``triton_quant._rht16``."""
+        v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15 = (
+            _quarter(v0, SIGNS, 0, ROUND), _quarter(v1, SIGNS, 1, ROUND), _quarter(v2, SIGNS, 2, ROUND),
+            _quarter(v3, SIGNS, 3, ROUND), _quarter(v4, SIGNS, 4, ROUND), _quarter(v5, SIGNS, 5, ROUND),
+            _quarter(v6, SIGNS, 6, ROUND), _quarter(v7, SIGNS, 7, ROUND), _quarter(v8, SIGNS, 8, ROUND),
+            _quarter(v9, SIGNS, 9, ROUND), _quarter(v10, SIGNS, 10, ROUND), _quarter(v11, SIGNS, 11, ROUND),
+            _quarter(v12, SIGNS, 12, ROUND), _quarter(v13, SIGNS, 13, ROUND),
+            _quarter(v14, SIGNS, 14, ROUND), _quarter(v15, SIGNS, 15, ROUND),
+        )  # fmt: skip
         for _ in tl.static_range(4):
             v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15 = _bfly16(
                 v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15
             )
         return (
-            _round_to(v0 * 0.25, ROUND), _round_to(v1 * 0.25, ROUND), _round_to(v2 * 0.25, ROUND),
-            _round_to(v3 * 0.25, ROUND), _round_to(v4 * 0.25, ROUND), _round_to(v5 * 0.25, ROUND),
-            _round_to(v6 * 0.25, ROUND), _round_to(v7 * 0.25, ROUND), _round_to(v8 * 0.25, ROUND),
-            _round_to(v9 * 0.25, ROUND), _round_to(v10 * 0.25, ROUND), _round_to(v11 * 0.25, ROUND),
-            _round_to(v12 * 0.25, ROUND), _round_to(v13 * 0.25, ROUND), _round_to(v14 * 0.25, ROUND),
-            _round_to(v15 * 0.25, ROUND),
+            _round_to(v0, ROUND), _round_to(v1, ROUND), _round_to(v2, ROUND), _round_to(v3, ROUND),
+            _round_to(v4, ROUND), _round_to(v5, ROUND), _round_to(v6, ROUND), _round_to(v7, ROUND),
+            _round_to(v8, ROUND), _round_to(v9, ROUND), _round_to(v10, ROUND), _round_to(v11, ROUND),
+            _round_to(v12, ROUND), _round_to(v13, ROUND), _round_to(v14, ROUND), _round_to(v15, ROUND),
         )  # fmt: skip
 
     @triton.jit
