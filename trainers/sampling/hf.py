@@ -308,12 +308,21 @@ def sample_with_kv_cache(
     return {"completion_ids": completion_ids, "logprobs": logprobs}
 
 
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as integers of its element size: ``torch.equal`` on these compares bit patterns (NaN = NaN,
+    any dtype, fp8 included)."""
+    return t.view(_BITS[t.element_size()]) if t.element_size() in _BITS else t
+
+
 def _in_place_blocker(dup: torch.nn.Module, source: torch.nn.Module) -> str | None:
     """Why ``dup.load_state_dict(source.state_dict())`` would not give what rebuilding ``dup`` gives, or ``None``.
 
     In-place loading writes ``source``'s entries into ``dup``'s, cast to their dtypes, name for name. It equals
     a rebuild iff the build kept every entry as a cast of the source's: same keys, same shapes, and each entry
-    of ``dup`` equal (bit for bit, NaN = NaN) to the source's entry cast to its dtype. A ``prepare_model`` that
+    of ``dup`` equal bit for bit to the source's entry cast to its dtype. A ``prepare_model`` that
     renames, reshapes, drops or rewrites weights fails this; one that only swaps module classes (the NVFP4
     conversions) passes."""
     mine, theirs = dup.state_dict(), source.state_dict()
@@ -333,9 +342,7 @@ def _in_place_blocker(dup: torch.nn.Module, source: torch.nn.Module) -> str | No
                 "model"
             )
         cast = theirs_t.to(device=mine_t.device, dtype=mine_t.dtype)
-        if not (
-            torch.equal(mine_t, cast) or bool(((mine_t == cast) | (mine_t.isnan() & cast.isnan())).all())
-        ):
+        if not torch.equal(_bits(mine_t), _bits(cast)):
             return f"{key!r} of the copy is not the trainer model's {key!r} cast to {mine_t.dtype}"
     return None
 
