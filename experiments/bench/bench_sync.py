@@ -12,13 +12,14 @@ One step of online RL with the built-in sampler, on a random-init Qwen3-architec
 4. train: the learner's forward + backward over the same sequences (micro-batches of ``--micro-batch``), one
    fused AdamW step.
 
-step = sync (ours) + re-quantize + generate + train; the table gives each part (median over ``--steps`` steps
+step = sync (ours) + re-quantize + generate + train (``--sync-only``: the first two alone); the table gives each part (median over ``--steps`` steps
 after one warm-up step) and the share of the step that sync and re-quantization take. Pairs (``--pairs``):
 ``nvfp4-row``: bf16 learner, NVFP4 sampler copy (per-row scales); ``pair``: NVFP4 learner (TE, tensor scale),
 NVFP4 sampler copy (per-row); ``bf16-sampler``: bf16 learner, bf16 copy (no conversion).
 
     python experiments/bench/bench_sync.py                              # H200: Qwen3-0.6B and 4B widths
     python experiments/bench/bench_sync.py --shapes small --cpu --batch 4 --completion-len 8 --steps 2
+    python experiments/bench/bench_sync.py --shapes 0.6b --cpu --sync-only --pairs nvfp4-row,bf16-sampler
 """
 
 from __future__ import annotations
@@ -138,10 +139,12 @@ def bench_pair(shape_name: str, pair: str, args, device: torch.device) -> dict:
     rows = []
     for step in range(args.steps + 1):
         t0 = _clock(device)
-        out = ours.generate(prompts, params, eos_ids=[], model=ours.copy)
+        if not args.sync_only:
+            out = ours.generate(prompts, params, eos_ids=[], model=ours.copy)
         t1 = _clock(device)
-        ids = torch.tensor([p + c for p, c in zip(prompts, out["completion_ids"])], device=device)
-        train_step(learner, optimizer, ids, args.micro_batch)
+        if not args.sync_only:
+            ids = torch.tensor([p + c for p, c in zip(prompts, out["completion_ids"])], device=device)
+            train_step(learner, optimizer, ids, args.micro_batch)
         t2 = _clock(device)
         trainer.state.global_step = step + 1
         peer.sync_weights(trainer)
@@ -170,13 +173,17 @@ def bench_pair(shape_name: str, pair: str, args, device: torch.device) -> dict:
         rebuild_ms=med["rebuild"],
         in_place_ms=med["in_place"],
         requant_ms=med["requant"],
-        peer_share=(med["rebuild"] + med["requant_peer"]) / peer_step_ms,
-        ours_share=(med["in_place"] + med["requant"]) / step_ms,
+        peer_share=None if args.sync_only else (med["rebuild"] + med["requant_peer"]) / peer_step_ms,
+        ours_share=None if args.sync_only else (med["in_place"] + med["requant"]) / step_ms,
     )
     del ours, peer, learner, optimizer
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return result
+
+
+def _percent(share: float | None) -> str:
+    return f"{'-':>7}" if share is None else f"{100 * share:6.2f}%"
 
 
 def main(argv=None) -> None:
@@ -189,13 +196,14 @@ def main(argv=None) -> None:
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up step)")
     parser.add_argument("--cpu", action="store_true", help="run on CPU (the kernels' torch twins)")
+    parser.add_argument("--sync-only", action="store_true", help="time sync and re-quantization alone")
     args = parser.parse_args(argv)
     device = torch.device("cpu" if args.cpu or not torch.cuda.is_available() else "cuda")
     if device.type == "cpu":
         os.environ["TRITON_INTERPRET"] = "0"  # torch twins of the NVFP4 kernels, not the slow interpreter
     results = []
     header = (
-        f"{'shape':>6} {'pair':>13} {'step ms':>9} {'gen':>8} {'train':>8} | {'peer: rebuild':>13} "
+        f"{'shape':>6} {'params':>7} {'pair':>13} {'step ms':>9} {'gen':>8} {'train':>8} | {'peer: rebuild':>13} "
         f"{'ours: in place':>14} {'requant':>8} | {'peer %':>7} {'ours %':>7}"
     )
     print(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; batch {args.batch}, "
@@ -206,9 +214,9 @@ def main(argv=None) -> None:
             r = bench_pair(shape, pair, args, device)
             results.append(r)
             print(
-                f"{r['shape']:>6} {r['pair']:>13} {r['step_ms']:9.1f} {r['gen_ms']:8.1f} {r['train_ms']:8.1f} | "
+                f"{r['shape']:>6} {r['params_m']:6.0f}M {r['pair']:>13} {r['step_ms']:9.1f} {r['gen_ms']:8.1f} {r['train_ms']:8.1f} | "
                 f"{r['rebuild_ms']:13.2f} {r['in_place_ms']:14.2f} {r['requant_ms']:8.2f} | "
-                f"{100 * r['peer_share']:6.2f}% {100 * r['ours_share']:6.2f}%",
+                f"{_percent(r['peer_share'])} {_percent(r['ours_share'])}",
                 flush=True,
             )
     out = os.environ.get("OUT")
