@@ -230,7 +230,9 @@ def test_a_learner_whose_state_changed_shape_gets_a_rebuilt_copy(tokenizer, tiny
     sampler.maybe_sync_weights(trainer)
     learner.model.norm.register_buffer("offset", torch.ones(4))
     trainer.state.global_step = 1
-    with pytest.warns(RuntimeWarning, match=r"loading the trainer model.s state failed \(.*model\.norm\.offset"):
+    with pytest.warns(
+        RuntimeWarning, match=r"loading the trainer model.s state failed \(.*model\.norm\.offset"
+    ):
         sampler.maybe_sync_weights(trainer)
     assert len(calls) == 2 and torch.equal(sampler.copy.model.norm.offset, torch.ones(4))
     with torch.no_grad():
@@ -272,4 +274,3 @@ def test_refresh_keeps_rope_inv_freq_at_the_source_precision(tokenizer, tiny_mod
     assert inv_freq and next(sampler.copy.parameters()).dtype == torch.bfloat16
     for name, buf in inv_freq.items():
         assert buf.dtype == torch.float32 and torch.equal(buf, source[name]), name
-

@@ -321,10 +321,10 @@ def _in_place_blocker(dup: torch.nn.Module, source: torch.nn.Module) -> str | No
     """Why ``dup.load_state_dict(source.state_dict())`` would not give what rebuilding ``dup`` gives, or ``None``.
 
     In-place loading writes ``source``'s entries into ``dup``'s, cast to their dtypes, name for name. It equals
-    a rebuild iff the build kept every entry as a cast of the source's: same keys, same shapes, and each entry
-    of ``dup`` equal bit for bit to the source's entry cast to its dtype. A ``prepare_model`` that
-    renames, reshapes, drops or rewrites weights fails this; one that only swaps module classes (the NVFP4
-    conversions) passes."""
+    a rebuild when the build kept every entry a cast of the source's (same keys, same shapes, each entry of
+    ``dup`` bit for bit the source's cast to its dtype) and computed nothing else from the weight values. A
+    ``prepare_model`` that renames, reshapes, drops or rewrites weights fails this check; one that only swaps
+    module classes (the NVFP4 conversions) passes."""
     mine, theirs = dup.state_dict(), source.state_dict()
     if mine.keys() != theirs.keys():
         only_copy, only_source = sorted(mine.keys() - theirs.keys()), sorted(theirs.keys() - mine.keys())
