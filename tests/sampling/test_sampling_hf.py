@@ -179,11 +179,12 @@ def test_copy_mode_casts_prepares_and_resyncs_on_step_change(tiny_model, tokeniz
         )
     sampler([CHATS[0]] * 2, trainer)
     assert len(prepared) == 1  # same step: no resync
+    built = sampler.copy
     with torch.no_grad():
         model.model.norm.weight.add_(1.0)
     trainer.state.global_step = 1
     sampler([CHATS[0]] * 2, trainer)
-    assert len(prepared) == 2  # rebuilt from the new weights
+    assert len(prepared) == 1 and sampler.copy is built  # refreshed in place with the new weights
     torch.testing.assert_close(sampler.copy.model.norm.weight, model.model.norm.weight.double())
 
     inplace = HFSampler(sampler_model="copy", seed=0)

@@ -17,8 +17,9 @@ per row; the loop keeps one float per token.
 
 ``sampler_model`` picks the weights: ``"shared"`` (default) samples with the trainer's own model (unwrapped
 like TRL does for ``generate``); ``"copy"`` keeps a separate copy (optionally cast to ``dtype`` and passed
-through ``prepare_model``, e.g. ``lambda m: triage.kernels.convert_to_nvfp4(m, recipe)``), rebuilt/synced from
-the trainer's weights whenever ``trainer.state.global_step`` changes.
+through ``prepare_model``, e.g. ``lambda m: triage.kernels.convert_to_nvfp4(m, recipe)``), synced from
+the trainer's weights whenever ``trainer.state.global_step`` changes: built once, then refreshed in place
+(:meth:`HFSampler.sync_weights`).
 
 ``kv_cache_dtype`` picks the precision of the stored keys/values, as an inference engine's KV cache would:
 ``None``/``"auto"``/``"native"`` keep them in the model's dtype (transformers' ``DynamicCache``); ``"bf16"``
@@ -33,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -315,6 +317,45 @@ def sample_with_kv_cache(
     return {"completion_ids": completion_ids, "logprobs": logprobs}
 
 
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as integers of its element size: ``torch.equal`` on these compares bit patterns (NaN = NaN,
+    any dtype, fp8 included)."""
+    return t.view(_BITS[t.element_size()]) if t.element_size() in _BITS else t
+
+
+def _in_place_blocker(dup: torch.nn.Module, source: torch.nn.Module) -> str | None:
+    """Why ``dup.load_state_dict(source.state_dict())`` would not give what rebuilding ``dup`` gives, or ``None``.
+
+    In-place loading writes ``source``'s entries into ``dup``'s, cast to their dtypes, name for name. It equals
+    a rebuild when the build kept every entry a cast of the source's (same keys, same shapes, each entry of
+    ``dup`` bit for bit the source's cast to its dtype) and computed nothing else from the weight values. A
+    ``prepare_model`` that renames, reshapes, drops or rewrites weights fails this check; one that only swaps
+    module classes (the NVFP4 conversions) passes."""
+    mine, theirs = dup.state_dict(), source.state_dict()
+    if mine.keys() != theirs.keys():
+        only_copy, only_source = sorted(mine.keys() - theirs.keys()), sorted(theirs.keys() - mine.keys())
+        return (
+            "the copy's state_dict keys differ from the trainer model's: "
+            f"only in the copy {only_copy[:3]}, only in the trainer model {only_source[:3]}"
+        )
+    for key, mine_t in mine.items():
+        theirs_t = theirs[key]
+        if not (isinstance(mine_t, torch.Tensor) and isinstance(theirs_t, torch.Tensor)):
+            return f"state_dict entry {key!r} is not a tensor"
+        if mine_t.shape != theirs_t.shape:
+            return (
+                f"{key!r} has shape {tuple(mine_t.shape)} in the copy, {tuple(theirs_t.shape)} in the trainer "
+                "model"
+            )
+        cast = theirs_t.to(device=mine_t.device, dtype=mine_t.dtype)
+        if not torch.equal(_bits(mine_t), _bits(cast)):
+            return f"{key!r} of the copy is not the trainer model's {key!r} cast to {mine_t.dtype}"
+    return None
+
+
 class HFSampler(SamplerSource):
     """Sample with a transformers causal LM; log-probs from the incremental KV-cache path.
 
@@ -324,8 +365,8 @@ class HFSampler(SamplerSource):
         sampler_model: ``"shared"`` (default) or ``"copy"``.
         dtype: dtype of the copy (``"copy"`` only; ``None`` keeps the trainer's dtype).
         prepare_model: ``prepare_model(copy) -> model`` applied to the copy after the cast (``"copy"`` only),
-            e.g. an NVFP4 conversion. With it, the copy is rebuilt from the trainer's weights at every sync (a
-            converted model's parameters need not match the trainer's); without it, weights are copied in place.
+            e.g. an NVFP4 conversion. It must keep every weight's name, shape and value (up to the cast) and
+            compute nothing from the weights: later syncs refresh the copy in place (:meth:`sync_weights`).
         params: sampling parameters (``None``: from ``trainer.args``; required for :meth:`generate` alone).
         seed: seed of the sampler's own ``torch.Generator`` (``None``: drawn once from torch's global RNG, so
             ``transformers.set_seed`` makes runs reproducible); offset by 1000003 × the process index.
@@ -335,6 +376,9 @@ class HFSampler(SamplerSource):
             ``"bf16"`` or ``"fp8_e4m3"`` (alias ``"fp8"``).
         decode: the decode path of :func:`sample_with_kv_cache`: ``"auto"`` (default: a static KV cache with
             CUDA-graph replay on CUDA, the dynamic cache elsewhere), ``"dynamic"``, ``"static"`` or ``"cuda_graph"``.
+        refresh: how a sync updates the copy after the first: ``"in_place"`` (default: the trainer's weights
+            copied into it) or ``"rebuild"`` (deep copy → cast → ``prepare_model`` at every sync; for a
+            ``prepare_model`` that computes something from the weights, e.g. a calibration).
     """
 
     name = "hf"
@@ -354,12 +398,17 @@ class HFSampler(SamplerSource):
         validate: bool = True,
         kv_cache_dtype: str | None = None,
         decode: str = "auto",
+        refresh: Literal["in_place", "rebuild"] = "in_place",
     ):
         super().__init__(params=params, weight_sync=weight_sync, validate=validate)
         if sampler_model not in ("shared", "copy"):
             raise ValueError(f"sampler_model must be 'shared' or 'copy', got {sampler_model!r}")
-        if (dtype is not None or prepare_model is not None) and sampler_model != "copy":
-            raise ValueError("dtype and prepare_model apply to a separate copy: pass sampler_model='copy'")
+        if (
+            dtype is not None or prepare_model is not None or refresh != "in_place"
+        ) and sampler_model != "copy":
+            raise ValueError(
+                "dtype, prepare_model and refresh apply to a separate copy: pass sampler_model='copy'"
+            )
         if logprobs_mode not in ("temperature", "processed"):
             raise ValueError(f"logprobs_mode must be 'temperature' or 'processed', got {logprobs_mode!r}")
         if batch_size is not None and batch_size < 1:
@@ -367,7 +416,10 @@ class HFSampler(SamplerSource):
         _kv_format(kv_cache_dtype)
         if decode not in DECODES:
             raise ValueError(f"decode must be one of {DECODES}, got {decode!r}")
+        if refresh not in ("in_place", "rebuild"):
+            raise ValueError(f"refresh must be 'in_place' or 'rebuild', got {refresh!r}")
         self.decode = decode
+        self.refresh = refresh
         self.model = model
         self.sampler_model = sampler_model
         self.dtype = dtype
@@ -377,6 +429,8 @@ class HFSampler(SamplerSource):
         self.logprobs_mode = logprobs_mode
         self.kv_cache_dtype = kv_cache_dtype
         self.copy: torch.nn.Module | None = None
+        self._blocker: str | None = None  # why the built copy cannot be refreshed in place (None: it can)
+        self._warned = False
         self._generator: torch.Generator | None = None
         self._restored_state: torch.Tensor | None = (
             None  # a checkpoint's generator state, applied on first use
@@ -510,15 +564,50 @@ class HFSampler(SamplerSource):
         return dup.eval()
 
     def sync_weights(self, trainer: Any) -> None:
-        """Rebuild (with ``prepare_model``) or refresh in place the sampler copy from the trainer's weights."""
+        """Make the sampler copy serve the trainer's current weights (``"copy"`` only).
+
+        The first sync builds the copy (:meth:`_build_copy`: deep copy → cast → ``prepare_model``); every later
+        sync refreshes it in place: ``copy.load_state_dict(trainer_model.state_dict())``, i.e. each parameter
+        and persistent buffer is written with ``copy_`` (cast to the copy's dtype), so the copy's NVFP4 layers
+        re-quantize lazily on their next forward (the write bumps the weight's ``_version``, part of their
+        weight-cache key). That equals a rebuild exactly when the copy's state is the trainer's state cast,
+        name for name: checked on every build (:func:`_in_place_blocker`); when it is not (a ``prepare_model``
+        that renames, reshapes or rewrites weights) or the in-place load fails, the copy is rebuilt, with a
+        one-time warning saying why. ``refresh="rebuild"`` rebuilds at every sync.
+        """
         if self.sampler_model == "copy":
             with self._unwrapped(trainer) as source, torch.no_grad():
-                if self.copy is None or self.prepare_model is not None:
+                if not self._refreshed_in_place(source):
                     self.copy = None  # free the old copy before building the new one
                     self.copy = self._build_copy(source)
-                else:
-                    self.copy.load_state_dict(source.state_dict())
+                    if self.refresh == "in_place":
+                        self._blocker = _in_place_blocker(self.copy, source)
+                        if self._blocker is not None:
+                            self._warn_once(f"{self._blocker}; it is rebuilt at every weight sync instead")
         super().sync_weights(trainer)
+
+    def _refreshed_in_place(self, source: torch.nn.Module) -> bool:
+        """Whether the copy can be refreshed in place, and so was (``source``'s state loaded into it)."""
+        if self.copy is None or self.refresh == "rebuild" or self._blocker is not None:
+            return False
+        try:
+            self.copy.load_state_dict(source.state_dict())
+        except RuntimeError as err:  # keys or shapes changed since the build: the message names them
+            self._warn_once(
+                f"loading the trainer model's state failed ({' '.join(str(err).split())}); rebuilt"
+            )
+            return False
+        return True
+
+    def _warn_once(self, message: str) -> None:
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"HFSampler: the sampler copy cannot be refreshed in place: {message} (deep copy, cast, "
+                "prepare_model)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def __call__(self, prompts: list, trainer: Any) -> dict:
         from .base import trainer_eos_ids, trainer_prompt_ids

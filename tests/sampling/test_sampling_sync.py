@@ -1,0 +1,276 @@
+"""HFSampler copy sync: built once, then refreshed in place; each refresh equals a fresh rebuild bit for bit.
+
+The NVFP4 layers run their torch twins (``TRITON_INTERPRET=0``: byte-identical to the Triton kernels and fast on
+CPU); what is under test is the sync and the layers' weight caches, which are the same on both paths.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from sampling_fakes import make_fake_trainer
+
+from triage.trainers.grpo_trainer import _to_nvfp4, resolve_sampler_kwargs
+from triage.trainers.sampling import HFSampler, SamplingParams, sample_with_kv_cache
+
+TE = {"block": "1x16", "scale": "tensor", "rounding": "nearest", "profile": "te"}
+ROW = {"block": "1x16", "scale": "row", "rounding": "nearest", "profile": "compressed-tensors"}
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+PARAMS = SamplingParams(max_new_tokens=6, temperature=1.0)
+
+# learner dtype, learner NVFP4 recipe (None: high precision), sampler_kwargs (the YAML form)
+CASES = {
+    "bf16-copy-of-fp32": (torch.float32, None, {"precision": "bf16"}),
+    "bf16-copy-of-bf16": (torch.bfloat16, None, {"precision": "bf16"}),
+    "nvfp4-copy-of-bf16": (torch.bfloat16, None, {"precision": "nvfp4", "quant_recipe": ROW}),
+    "nvfp4-copy-of-nvfp4": (torch.bfloat16, TE, {"precision": "nvfp4", "quant_recipe": ROW}),
+}
+
+
+class _NoAccelerator:
+    """What ``trl.models.unwrap_model_for_generation`` reads from an accelerate ``Accelerator`` (single CPU)."""
+
+    class state:
+        deepspeed_plugin = None
+        fsdp_plugin = None
+
+    @staticmethod
+    def unwrap_model(model, keep_fp32_wrapper=True):
+        return model
+
+
+@pytest.fixture(autouse=True)
+def _torch_twins(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+def _moe_model(tokenizer):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        max_position_embeddings=256, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return Qwen3MoeForCausalLM(config)
+
+
+def _learner(tokenizer, tiny_model, dtype, recipe, moe=False):
+    from triage.trainers.grpo_trainer import _quant_recipe
+
+    model = (_moe_model(tokenizer) if moe else copy.deepcopy(tiny_model)).to(dtype)
+    if recipe is not None:
+        _to_nvfp4(model, _quant_recipe(recipe))
+    return model
+
+
+def _trainer(tokenizer, model):
+    trainer = make_fake_trainer(tokenizer, model)
+    trainer.model_wrapped = model
+    trainer.accelerator = _NoAccelerator()
+    return trainer
+
+
+def _optimizer(kind, model):
+    if kind == "adamw-fused":  # writes the parameters without bumping their _version
+        return torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    return torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+
+
+def _train_step(model, optimizer, step):
+    model.train()
+    ids = torch.randint(3, 400, (4, 10), generator=torch.Generator().manual_seed(step))
+    model(ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _counting_builds(sampler):
+    """Count ``sampler._build_copy`` calls; returns the count list and a fresh (uncounted) rebuild, made the
+    way a sync makes it (under ``no_grad``)."""
+    calls, build = [], sampler._build_copy
+
+    def counted(source):
+        calls.append(source)
+        return build(source)
+
+    def rebuild(source):
+        with torch.no_grad():
+            return build(source)
+
+    sampler._build_copy = counted
+    return calls, rebuild
+
+
+def _assert_same_as_rebuild(sampler, rebuilt, eos):
+    """The in-place-refreshed copy and a freshly rebuilt one: same state, same logits, same samples (seeded)."""
+    mine, theirs = sampler.copy.state_dict(), rebuilt.state_dict()
+    assert mine.keys() == theirs.keys()
+    for key in mine:
+        assert mine[key].dtype == theirs[key].dtype and torch.equal(mine[key], theirs[key]), key
+    ids = torch.tensor([PROMPTS[0] + PROMPTS[2]])
+    with torch.no_grad():
+        assert torch.equal(sampler.copy(ids).logits, rebuilt(ids).logits)
+    runs = [
+        sample_with_kv_cache(m, PROMPTS, PARAMS, eos, generator=torch.Generator().manual_seed(11), pad_id=0)
+        for m in (sampler.copy, rebuilt)
+    ]
+    assert runs[0] == runs[1]  # token ids and float log-probs, exactly
+    return runs[0]
+
+
+def _run_steps(tokenizer, learner, sampler, optimizer_kind, steps=3):
+    """Sync after each of ``steps`` optimizer steps; each time the copy must equal a fresh rebuild."""
+    trainer = _trainer(tokenizer, learner)
+    optimizer = _optimizer(optimizer_kind, learner)
+    calls, build = _counting_builds(sampler)
+    eos = [tokenizer.eos_token_id]
+    samples = []
+    for step in range(steps + 1):
+        if step:
+            _train_step(learner, optimizer, step)
+            trainer.state.global_step = step
+        sampler.maybe_sync_weights(trainer)
+        samples.append(_assert_same_as_rebuild(sampler, build(learner), eos))
+    assert samples[0] != samples[-1]  # the weights moved: the copy really followed them
+    return calls
+
+
+@pytest.mark.parametrize("optimizer_kind", ["adamw-fused", "sgd"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_in_place_refresh_equals_a_rebuild_after_each_step(tokenizer, tiny_model, case, optimizer_kind):
+    dtype, recipe, sampler_kwargs = CASES[case]
+    learner = _learner(tokenizer, tiny_model, dtype, recipe)
+    sampler = HFSampler(seed=0, **resolve_sampler_kwargs("hf", sampler_kwargs))
+    calls = _run_steps(tokenizer, learner, sampler, optimizer_kind)
+    assert len(calls) == 1  # built at the first sync, refreshed in place after every later step
+    if sampler_kwargs["precision"] == "nvfp4":
+        from triage.kernels import NVFP4Linear
+
+        layers = [m for m in sampler.copy.modules() if isinstance(m, NVFP4Linear)]
+        assert layers and all(m.config.weight_recipe.scale == "row" for m in layers)
+
+
+@pytest.mark.parametrize("learner_recipe", [None, TE], ids=["bf16-learner", "nvfp4-learner"])
+def test_moe_copy_is_refreshed_in_place(tokenizer, tiny_model, learner_recipe):
+    from triage.kernels import NVFP4MoeExperts
+
+    learner = _learner(tokenizer, tiny_model, torch.bfloat16, learner_recipe, moe=True)
+    sampler = HFSampler(seed=0, **resolve_sampler_kwargs("hf", {"precision": "nvfp4", "quant_recipe": ROW}))
+    calls = _run_steps(tokenizer, learner, sampler, "adamw-fused", steps=2)
+    assert len(calls) == 1
+    assert sum(isinstance(m, NVFP4MoeExperts) for m in sampler.copy.modules()) == 2
+
+
+def test_weights_written_outside_an_optimizer_step_reach_the_copy(tokenizer, tiny_model):
+    """No optimizer step, so no weight-generation bump: the copy's NVFP4 caches must see the in-place write
+    (its ``_version`` bump) and re-quantize, never sample with the previous step's quantized weights."""
+    learner = _learner(tokenizer, tiny_model, torch.float32, None)
+    sampler = HFSampler(seed=0, **resolve_sampler_kwargs("hf", {"precision": "nvfp4", "dtype": "float32"}))
+    trainer = _trainer(tokenizer, learner)
+    calls, build = _counting_builds(sampler)
+    eos = [tokenizer.eos_token_id]
+    sampler.maybe_sync_weights(trainer)
+    before = _assert_same_as_rebuild(sampler, build(learner), eos)
+    with torch.no_grad():
+        for p in learner.parameters():
+            p.mul_(1.5)
+    trainer.state.global_step = 1
+    sampler.maybe_sync_weights(trainer)
+    assert _assert_same_as_rebuild(sampler, build(learner), eos) != before
+    assert len(calls) == 1
+
+
+def _scale_norm(model):  # changes a weight's value: the copy is no longer the trainer's weights cast
+    model.model.norm.weight.mul_(2.0)
+    return model
+
+
+def _wrap_q_proj(model):  # renames a weight: model.layers.0.self_attn.q_proj.0.weight
+    attn = model.model.layers[0].self_attn
+    attn.q_proj = torch.nn.Sequential(attn.q_proj)
+    return model
+
+
+@pytest.mark.parametrize(
+    "prepare, reason",
+    [
+        (_scale_norm, "'model.norm.weight' of the copy is not the trainer model's 'model.norm.weight' cast"),
+        (_wrap_q_proj, "state_dict keys differ from the trainer model's: only in the copy"),
+    ],
+    ids=["rewrites-a-weight", "renames-a-weight"],
+)
+def test_a_copy_that_is_not_a_cast_is_rebuilt_with_one_warning(tokenizer, tiny_model, prepare, reason):
+    learner = _learner(tokenizer, tiny_model, torch.float32, None)
+    sampler = HFSampler(sampler_model="copy", prepare_model=prepare, seed=0)
+    trainer = _trainer(tokenizer, learner)
+    calls, build = _counting_builds(sampler)
+    optimizer = _optimizer("sgd", learner)
+    with pytest.warns(RuntimeWarning, match="cannot be refreshed in place") as caught:
+        for step in range(3):
+            if step:
+                _train_step(learner, optimizer, step)
+                trainer.state.global_step = step
+            sampler.maybe_sync_weights(trainer)
+            _assert_same_as_rebuild(sampler, build(learner), [tokenizer.eos_token_id])
+    assert len(calls) == 3  # rebuilt at every sync, as before
+    messages = [str(w.message) for w in caught if "refreshed in place" in str(w.message)]
+    assert len(messages) == 1 and reason in messages[0]
+
+
+def test_a_learner_whose_state_changed_shape_gets_a_rebuilt_copy(tokenizer, tiny_model):
+    """The in-place load fails (a key the copy lacks): one rebuild, with a warning; in place again after."""
+    learner = _learner(tokenizer, tiny_model, torch.float32, None)
+    sampler = HFSampler(seed=0, **resolve_sampler_kwargs("hf", {"precision": "nvfp4", "dtype": "float32"}))
+    trainer = _trainer(tokenizer, learner)
+    calls, build = _counting_builds(sampler)
+    sampler.maybe_sync_weights(trainer)
+    learner.model.norm.register_buffer("offset", torch.ones(4))
+    trainer.state.global_step = 1
+    with pytest.warns(
+        RuntimeWarning, match=r"loading the trainer model.s state failed \(.*model\.norm\.offset"
+    ):
+        sampler.maybe_sync_weights(trainer)
+    assert len(calls) == 2 and torch.equal(sampler.copy.model.norm.offset, torch.ones(4))
+    with torch.no_grad():
+        learner.model.norm.offset.fill_(3.0)
+    trainer.state.global_step = 2
+    sampler.maybe_sync_weights(trainer)
+    assert len(calls) == 2 and torch.equal(sampler.copy.model.norm.offset, torch.full((4,), 3.0))
+    _assert_same_as_rebuild(sampler, build(learner), [tokenizer.eos_token_id])
+
+
+def test_refresh_rebuild_rebuilds_at_every_sync_without_warning(tokenizer, tiny_model, recwarn):
+    learner = _learner(tokenizer, tiny_model, torch.float32, None)
+    kwargs = resolve_sampler_kwargs("hf", {"precision": "nvfp4", "dtype": "float32"})
+    sampler = HFSampler(seed=0, refresh="rebuild", **kwargs)
+    trainer = _trainer(tokenizer, learner)
+    calls, _ = _counting_builds(sampler)
+    first = None
+    for step in range(3):
+        trainer.state.global_step = step
+        sampler.maybe_sync_weights(trainer)
+        first = first or sampler.copy
+    assert len(calls) == 3 and sampler.copy is not first
+    assert not [w for w in recwarn if "refreshed in place" in str(w.message)]
+    with pytest.raises(ValueError, match="refresh must be 'in_place' or 'rebuild'"):
+        HFSampler(sampler_model="copy", refresh="lazy")
+    with pytest.raises(ValueError, match="pass sampler_model='copy'"):
+        HFSampler(refresh="rebuild")
+
+
+def test_refresh_keeps_rope_inv_freq_at_the_source_precision(tokenizer, tiny_model):
+    learner = _learner(tokenizer, tiny_model, torch.float32, None)
+    sampler = HFSampler(seed=0, **resolve_sampler_kwargs("hf", {"precision": "nvfp4"}))  # a bf16 copy
+    trainer = _trainer(tokenizer, learner)
+    for step in range(2):
+        trainer.state.global_step = step
+        sampler.maybe_sync_weights(trainer)
+    source = dict(learner.named_buffers())
+    inv_freq = {n: b for n, b in sampler.copy.named_buffers() if n.endswith("inv_freq")}
+    assert inv_freq and next(sampler.copy.parameters()).dtype == torch.bfloat16
+    for name, buf in inv_freq.items():
+        assert buf.dtype == torch.float32 and torch.equal(buf, source[name]), name
