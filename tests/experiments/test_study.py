@@ -204,3 +204,19 @@ def test_resume_checks_a_moved_study_folder_by_its_recipe_not_its_path(tmp_path)
     ran["sampler_kwargs"]["kv_cache_dtype"] = "native"
     with pytest.raises(ValueError, match=r"ran another recipe .*differs in \['sampler_kwargs'\]"):
         ablate._check_recipes(study, here, {key: {"recipe": ran}})
+
+
+def test_shipped_testbed_study_files_resolve(tmp_path):
+    """The study files under experiments/testbed/ name the testbed preset, known levels and arms, 300 steps."""
+    from pathlib import Path
+
+    from triage.experiments.recipes import ALL_ARMS, LEVELS
+
+    folder = Path(ablate.__file__).parent / "testbed"
+    files = sorted(folder.glob("*.yaml"))
+    assert {f.name for f in files} >= {"dose-response.yaml", "corrections.yaml"}
+    for f in files:
+        study = ablate.resolve_study(_args("--study", str(f), "--output", str(tmp_path)))
+        assert study.preset.name == "testbed" and study.preset.steps == 300, f
+        assert set(study.levels) <= set(LEVELS) and set(study.arms) <= set(ALL_ARMS), f
+        assert len(study.seeds) >= 3 and study.runs(), f
