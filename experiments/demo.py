@@ -433,7 +433,8 @@ def format_report(report: dict[str, Any]) -> str:
     lines += [
         "",
         "What this shows: the mismatch a low-precision sampler puts on every token, and which tokens the",
-        f"correction reweights and by how much. Not that it trains better: at this gap {moved},",
+        "correction reweights and by how much. Not that it trains better: at this gap",
+        f"{moved},",
         f"and {cfg['steps']} steps of a random tiny model are no test of a training gain (docs/trainer.md).",
     ]
     return "\n".join(lines)
