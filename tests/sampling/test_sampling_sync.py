@@ -274,3 +274,24 @@ def test_refresh_keeps_rope_inv_freq_at_the_source_precision(tokenizer, tiny_mod
     assert inv_freq and next(sampler.copy.parameters()).dtype == torch.bfloat16
     for name, buf in inv_freq.items():
         assert buf.dtype == torch.float32 and torch.equal(buf, source[name]), name
+
+
+def test_a_compiled_learner_gets_an_eager_copy_refreshed_in_place(tokenizer, tiny_model):
+    """``torch_compile=True``: accelerate's unwrap keeps the ``torch.compile`` wrapper (keys ``_orig_mod.*``,
+    an instance ``forward`` bound to the learner's module). The copy is built from the module it wraps."""
+    learner = _learner(tokenizer, tiny_model, torch.float32, None)
+    trainer = _trainer(tokenizer, learner)
+    trainer.model_wrapped = torch.compile(learner, backend="eager")
+    sampler = HFSampler(seed=0, **resolve_sampler_kwargs("hf", {"precision": "bf16"}))
+    calls, build = _counting_builds(sampler)
+    optimizer = _optimizer("sgd", learner)
+    eos = [tokenizer.eos_token_id]
+    samples = []
+    for step in range(2):
+        if step:
+            _train_step(learner, optimizer, step)
+            trainer.state.global_step = step
+        sampler.maybe_sync_weights(trainer)
+        assert not any(k.startswith("_orig_mod.") for k in sampler.copy.state_dict())
+        samples.append(_assert_same_as_rebuild(sampler, build(learner), eos))
+    assert len(calls) == 1 and samples[0] != samples[1]

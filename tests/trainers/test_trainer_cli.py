@@ -81,6 +81,31 @@ def test_demo_shows_a_mismatch_triage_acts_on_beside_vanilla_grpo(tmp_path, caps
         assert text in printed
 
 
+def test_demo_summary_states_the_measured_weight_change_and_step_count():
+    """The closing lines give what the run measured (step-1 |w − 1|, the step count), at any gap and length."""
+    import torch
+
+    from triage import TriageConfig, token_weights
+    from triage.experiments.demo import format_report, step1_analysis
+
+    config = TriageConfig()
+    delta = torch.tensor([[-0.9, 0.6, -0.4, 0.002], [0.8, -0.7, 0.3, -0.001]])  # a wide gap: large cuts
+    adv = torch.tensor([1.0, -1.0])
+    mask = torch.ones_like(delta)
+    weights = token_weights(delta, adv, mask, config, tau=0.01)
+    step1 = step1_analysis(
+        {"delta": delta, "advantages": adv, "mask": mask, "weights": weights, "tau": 0.01}, config
+    )
+    run = {"reward_first": -1.0, "reward_last": -0.5, "mean_abs_delta": 0.5, "suppressed_frac": 0.4}
+    cfg = {"correction": "triage", "triage_config": config.to_dict(), "steps": 50}
+    cfg |= {"learner": "fp32", "sampler": "s", "level": "l"}
+    text = format_report({"config": cfg, "step1": step1, "runs": {"triage": run}, "same_samples": None})
+    change = (weights - 1).abs()
+    assert change.max() > 0.2  # far from "a few percent"
+    assert f"by {change.mean():.1%} on average (at most {change.max():.1%})" in text
+    assert "50 steps of a random tiny model" in text and "few percent" not in text and "dozen" not in text
+
+
 def _tiny_recipe(tmp_path):
     recipe = {
         "model_name_or_path": "tiny",

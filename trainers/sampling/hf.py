@@ -573,10 +573,16 @@ class HFSampler(SamplerSource):
         weight-cache key). That equals a rebuild exactly when the copy's state is the trainer's state cast,
         name for name: checked on every build (:func:`_in_place_blocker`); when it is not (a ``prepare_model``
         that renames, reshapes or rewrites weights) or the in-place load fails, the copy is rebuilt, with a
-        one-time warning saying why. ``refresh="rebuild"`` rebuilds at every sync.
+        one-time warning saying why. ``refresh="rebuild"`` rebuilds at every sync. A ``torch.compile``-wrapped
+        trainer model is copied without the wrapper: the copy runs eagerly.
         """
         if self.sampler_model == "copy":
+            from accelerate.utils import is_compiled_module
+
             with self._unwrapped(trainer) as source, torch.no_grad():
+                # accelerate's unwrap keeps a ``torch.compile`` wrapper (``_orig_mod.*`` keys, an instance
+                # ``forward`` over the trainer's module, dropped by the build): copy the module it wraps
+                source = source._orig_mod if is_compiled_module(source) else source
                 if not self._refreshed_in_place(source):
                     self.copy = None  # free the old copy before building the new one
                     self.copy = self._build_copy(source)
