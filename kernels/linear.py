@@ -129,7 +129,8 @@ def nan_if_nonfinite(q: NVFP4Tensor, source: torch.Tensor) -> NVFP4Tensor:
     applies the outer scale in its epilogue, so a NaN ``g'`` makes every output of a product with ``q`` NaN.
     With the Hadamard transform ``q`` holds the rotated ``source``, which is non-finite where a block's
     rotation exceeds the dtype's range (docs/nvfp4.md §6): a dynamic outer scale's amax (of the rotated
-    values) is then Inf, and counts like ``max|source|``. One reduction on the device, no host sync."""
+    values) is then Inf, and counts like ``max|source|`` (static, checkpoint and ``scale="none"`` have no
+    amax: such a block saturates). One reduction on the device, no host sync."""
     peak = torch.linalg.vector_norm(source.detach(), float("inf"))  # max|x|; NaN/Inf iff source has one
     zero = peak.float() * 0
     if q.recipe.hadamard and q.recipe.scale_source == "dynamic" and q.amax is not None:

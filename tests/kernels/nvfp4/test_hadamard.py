@@ -3,6 +3,10 @@ torch reference and in every Triton path (row-major general, bf16 fast path with
 columnwise); the overflow rule where the correct result does not fit; the same bits as the previous formula
 (x 1/4 after the butterflies) wherever that did not overflow; the inverse."""
 
+import os
+import subprocess
+import sys
+import textwrap
 from dataclasses import replace
 
 import pytest
@@ -208,3 +212,54 @@ def test_fp32_subnormal_inputs_round_as_the_reference_in_every_path():
     for variant in ({}, {"scale": "row", "rounding": "stochastic"}):
         recipe = QuantRecipe(hadamard=True, **variant)
         assert_paths_give(x, recipe, quantize(x, recipe, backend="torch"))
+
+
+_PTX_SCRIPT = textwrap.dedent(
+    """
+    import collections, re
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triage.kernels.nvfp4 import triton_quant, triton_quant_t
+
+    common = {"PROPAGATE_NAN": False, "HADAMARD": True, "ROUND": 0, "SIGNS": triton_quant.SIGN_MASK, "NB": 4}
+    kernels = {
+        "tiled (_rht16)": (
+            triton_quant._amax_tiled_kernel,
+            {"x_ptr": "*fp32", "amax_ptr": "*i32", "rows_per_group": "i32", "K": "i32", "KP": "i32"},
+            {**common, "BR": 64},
+        ),
+        "columnwise (_quarter)": (
+            triton_quant_t._amax_colwise_kernel,
+            {"x_ptr": "*fp32", "src_ptr": "*fp32", "buf_ptr": "*i32", "C": "i32", "L": "i32", "sx0": "i32"},
+            {**common, "sx1": 1, "TILES": 1, "PER_ROW": False, "HAS_SRC": False, "BC": 16},
+        ),
+    }
+    for name, (fn, args, constexprs) in kernels.items():
+        fn = getattr(fn, "fn", fn)  # the fast-launch wrapper
+        signature = {**args, **{k: "constexpr" for k in constexprs}}
+        attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in args}
+        src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+        ops = collections.Counter(re.findall(r"\\b(?:mul|fma|add|sub)(?:\\.rn)?\\.f32\\b", ptx))
+        print(name, dict(ops))
+        assert ops["mul.rn.f32"] >= 16 and not ops["mul.f32"], (name, dict(ops))
+        assert ".ftz" not in ptx, (name, "flushes subnormals")
+    """
+)
+
+
+def test_fp32_hadamard_products_compile_uncontracted_for_sm90(tmp_path):
+    """The GPU side of the subnormal rule above, checked without a GPU: the interpreter computes
+    ``x * (+-1/4)`` as a plain product (it never fuses), so only the compiled kernel shows whether the
+    products stay ``mul.rn.f32`` (never contracted) or become FMAs with the first butterfly's adds (a
+    plain ``mul.f32`` / ``fma``: ``x / 4`` of a subnormal then not rounded where the reference rounds it).
+    No ``.ftz`` either (subnormals kept). Both transform implementations, compiled for sm_90 by the
+    installed Triton (its wheel ships ptxas)."""
+    path = tmp_path / "ptx_check.py"  # @triton.jit needs its source in a file
+    path.write_text(_PTX_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=env, timeout=300)
+    if "ptxas" in proc.stderr and proc.returncode:
+        pytest.skip(f"no usable ptxas in this Triton install: {proc.stderr[-200:]}")
+    assert proc.returncode == 0, proc.stdout[-1000:] + proc.stderr[-2000:]
