@@ -197,6 +197,18 @@ class FakeEngineServer:
         }
 
 
+class NoAccelerator:
+    """What ``trl.models.unwrap_model_for_generation`` reads from an accelerate ``Accelerator`` (single CPU)."""
+
+    class state:
+        deepspeed_plugin = None
+        fsdp_plugin = None
+
+    @staticmethod
+    def unwrap_model(model, keep_fp32_wrapper=True):
+        return model
+
+
 def make_fake_trainer(tokenizer, model, max_completion_length=6, temperature=1.0, **args):
     """The attributes of a TRL ``GRPOTrainer`` that the sources read, without TRL."""
     values = dict(

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from sampling_fakes import make_fake_trainer
+from sampling_fakes import NoAccelerator, make_fake_trainer
 
 from triage.trainers.sampling import HFSampler, SamplingParams, encode_prompts, sample_with_kv_cache
 
@@ -148,7 +148,7 @@ def test_bad_arguments_are_refused(tiny_model):
 def test_rollout_func_contract_with_fake_trainer(tiny_model, tokenizer):
     trainer = make_fake_trainer(tokenizer, tiny_model, max_completion_length=5, temperature=0.9)
     trainer.model_wrapped = tiny_model
-    trainer.accelerator = _NoAccelerator()
+    trainer.accelerator = NoAccelerator()
     prompts = [CHATS[0], CHATS[0], CHATS[1], CHATS[1]]  # num_generations = 2, contiguous
     out = HFSampler(seed=0)(prompts, trainer)
     assert set(out) == {"prompt_ids", "completion_ids", "logprobs"}
@@ -162,7 +162,7 @@ def test_copy_mode_casts_prepares_and_resyncs_on_step_change(tiny_model, tokeniz
     model = copy.deepcopy(tiny_model)
     trainer = make_fake_trainer(tokenizer, model, max_completion_length=4)
     trainer.model_wrapped = model
-    trainer.accelerator = _NoAccelerator()
+    trainer.accelerator = NoAccelerator()
     prepared = []
 
     def prepare(m):
@@ -208,18 +208,6 @@ def test_copy_keeps_rope_inv_freq_at_the_source_precision(tiny_model):
     for name, buf in inv_freq.items():
         assert buf.dtype == torch.float32 and torch.equal(buf, source[name]), name
         assert buf.data_ptr() != source[name].data_ptr()  # the copy's own tensor
-
-
-class _NoAccelerator:
-    """What ``trl.models.unwrap_model_for_generation`` reads from an accelerate ``Accelerator`` (single CPU)."""
-
-    class state:
-        deepspeed_plugin = None
-        fsdp_plugin = None
-
-    @staticmethod
-    def unwrap_model(model, keep_fp32_wrapper=True):
-        return model
 
 
 # -- static KV cache (the CUDA-graph path's cache) -------------------------------------------------------------

@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from sampling_fakes import make_fake_trainer
+from sampling_fakes import NoAccelerator, make_fake_trainer
 
 from triage.trainers.grpo_trainer import _to_nvfp4, resolve_sampler_kwargs
 from triage.trainers.sampling import HFSampler, SamplingParams, sample_with_kv_cache
@@ -27,18 +27,6 @@ CASES = {
     "nvfp4-copy-of-bf16": (torch.bfloat16, None, {"precision": "nvfp4", "quant_recipe": ROW}),
     "nvfp4-copy-of-nvfp4": (torch.bfloat16, TE, {"precision": "nvfp4", "quant_recipe": ROW}),
 }
-
-
-class _NoAccelerator:
-    """What ``trl.models.unwrap_model_for_generation`` reads from an accelerate ``Accelerator`` (single CPU)."""
-
-    class state:
-        deepspeed_plugin = None
-        fsdp_plugin = None
-
-    @staticmethod
-    def unwrap_model(model, keep_fp32_wrapper=True):
-        return model
 
 
 @pytest.fixture(autouse=True)
@@ -70,7 +58,7 @@ def _learner(tokenizer, tiny_model, dtype, recipe, moe=False):
 def _trainer(tokenizer, model):
     trainer = make_fake_trainer(tokenizer, model)
     trainer.model_wrapped = model
-    trainer.accelerator = _NoAccelerator()
+    trainer.accelerator = NoAccelerator()
     return trainer
 
 
