@@ -49,7 +49,6 @@ __all__ = [
     "load_dapo_math_17k",
     "load_aime_2024",
     "load_local",
-    "default_aime24_path",
     "load_aime24",
     "synthetic_problem",
     "synthetic_math",
@@ -317,20 +316,19 @@ def load_local(path: str | os.PathLike, dedup: bool = False, split: str | None =
     return dedup_by_prompt(dataset) if dedup else dataset
 
 
-def default_aime24_path() -> Path:
-    """``$TRIAGE_AIME24`` if set, else ``<repo>/../shared/data/aime24/test.jsonl``."""
-    env = os.environ.get("TRIAGE_AIME24")
-    if env:
-        return Path(env)
-    return Path(__file__).resolve().parents[2] / "shared" / "data" / "aime24" / "test.jsonl"
-
-
 def load_aime24(path: str | os.PathLike | None = None):
-    """The 30 AIME-2024 problems of Qwen2.5-Math's ``aime24/test.jsonl`` (MIT; not vendored) in the schema,
-    with the DAPO prompt and unpadded answers ("025" -> "25"); index = the file's ``id``."""
-    path = Path(path) if path is not None else default_aime24_path()
+    """The 30 AIME-2024 problems in the schema, with the DAPO prompt and unpadded answers ("025" -> "25").
+
+    ``path`` (or ``$TRIAGE_AIME24``): a local copy of Qwen2.5-Math's ``aime24/test.jsonl`` (MIT; not vendored),
+    index = the file's ``id``. Neither given: the hub's ``BytedTsinghua-SIA/AIME-2024``, one row per problem
+    (:func:`load_aime_2024`)."""
+    if path is None:
+        path = os.environ.get("TRIAGE_AIME24") or None
+        if path is None:
+            return load_aime_2024(unique=True)
+    path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"AIME-2024 file not found at {path} (set TRIAGE_AIME24 or pass path=)")
+        raise FileNotFoundError(f"AIME-2024 file not found at {path} (TRIAGE_AIME24 or path=; neither: the hub copy)")
     rows = []
     with path.open(encoding="utf-8") as fh:
         for line_no, line in enumerate(fh, 1):

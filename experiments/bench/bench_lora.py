@@ -40,7 +40,7 @@ import torch  # noqa: E402
 try:
     import peft  # noqa: F401
 except ImportError:  # pragma: no cover
-    sys.exit("bench_lora.py needs peft: carry its wheel (../shared/tools/device-wheels.sh peft==0.21.2)")
+    sys.exit("bench_lora.py needs peft: install it (pip install peft==0.21.2)")
 
 from peft import LoraConfig, get_peft_model  # noqa: E402
 

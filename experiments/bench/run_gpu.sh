@@ -2,7 +2,7 @@
 # Run benchmark scripts on the GPU box, each under its own time limit, logs under $OUT.
 #   bash experiments/bench/run_gpu.sh "bench_quantize.py --quick" "bench_gemm.py --quick" ...
 # Each script writes its JSON/logs to $OUT (a scratch folder); everything comes back as one tarball.
-# Installs carried wheels (.whl/, see ../shared/tools/device-wheels.sh) and the package itself (no network).
+# Installs carried wheels (.whl/: pip download the trl/datasets/math-verify wheels for the GPU box's Python) and the package itself (no network).
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 REAL_OUT=${OUT:-}; export OUT=/tmp/bench-out; mkdir -p "$OUT"

@@ -13,8 +13,9 @@ weight outer scale  ``m.weight_scale_2`` f32 [] = A/2688         ``m.weight_glob
 activation scale    ``m.input_scale`` f32 [] = A_x/2688           ``m.input_global_scale`` f32 [1] = 2688/A_x
 ==================  ==========================================  ============================================
 
-Element 2i is in the low nibble; scales are linear (not swizzled). Sources: ../shared/research/nvfp4.md §3.5
-(ModelOpt export), §3.6 (compressed-tensors), §3.7 (summary table), §3.3 (vLLM loaders).
+Element 2i is in the low nibble; scales are linear (not swizzled). Sources: nvidia-modelopt's HF exporter,
+compressed-tensors' ``NVFP4PackedCompressor`` and vLLM's NVFP4 checkpoint loaders (the tests compare against
+the first two packages' own output).
 """
 
 from __future__ import annotations

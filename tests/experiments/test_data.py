@@ -242,3 +242,16 @@ def test_specs_and_repeat():
         validate_spec({"source": "synthetic", "n": 3, "repeat": 0})
     with pytest.raises(ValueError, match="positive int"):
         repeat_rows(ds, 0)
+
+
+def test_aime24_without_a_path_loads_the_hub_copy(monkeypatch, aime24_path):
+    """No path and no $TRIAGE_AIME24: the hub's AIME-2024 (never a folder outside the package);
+    $TRIAGE_AIME24 names a local file."""
+    from triage.experiments import data
+
+    calls = []
+    monkeypatch.delenv("TRIAGE_AIME24", raising=False)
+    monkeypatch.setattr(data, "load_aime_2024", lambda unique=True: calls.append(unique) or "hub")
+    assert data.load_aime24() == "hub" and calls == [True]
+    monkeypatch.setenv("TRIAGE_AIME24", str(aime24_path))
+    assert data.load_aime24().num_rows == 30 and calls == [True]
