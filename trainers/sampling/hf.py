@@ -161,8 +161,6 @@ class _GraphStep:
             with torch.cuda.graph(graph):
                 logits = self.step()
         except Exception as err:  # noqa: BLE001 - any capture failure falls back to the eager path
-            import warnings
-
             self.failed = True
             warnings.warn(
                 f"HFSampler: CUDA-graph capture of the decode step failed ({type(err).__name__}: {err}); "
