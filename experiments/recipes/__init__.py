@@ -78,6 +78,7 @@ LEVELS = (
     "nvfp4-row",
     "nvfp4-row-fp8kv",
     "nvfp4-tensor-fp8kv",
+    "nvfp4-coarse-fp8kv",
     "pair",
     "realistic",
     "realistic-bf16-learner",

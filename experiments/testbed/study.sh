@@ -8,6 +8,7 @@
 #     bash experiments/testbed/study.sh                                      # MINI=1: smoke sizes on a CPU
 #
 # A run's seed sets `seed` (TRL's prompt order and init), `data_seed` and the sampler's generator.
+# SET="learning_rate=2e-4 temperature=1.3": recipe overrides for every run (`triage ablate --set`).
 # SFT_ONLY=1 trains (or finds) the shared checkpoint and exits (one call with all LEVELS/ARMS/SEEDS and
 # PARALLEL runs them at once; several calls on one RUN_DIR would each rewrite its study.json and results).
 # Levels: experiments/recipes/levels/*.yaml ("fp32 learner" = no autocast, fp32 weights and activations):
@@ -17,6 +18,7 @@
 #                       (compressed-tensors profile), native KV cache
 #   nvfp4-row-fp8kv     the same with an fp8 e4m3 KV cache (the tiny preset's sampler)
 #   nvfp4-tensor-fp8kv  fp32 learner; NVFP4 sampler with one tensor-wide activation amax (TE profile), fp8 KV
+#   nvfp4-coarse-fp8kv  deliberately larger: 16x16 scale tiles, tensor amax, stochastic rounding, fp8 KV
 #   pair                NVFP4 learner (TE, tensor-wide amax) vs the tiny preset's NVFP4 sampler, no autocast
 #   realistic           the tiny preset as shipped (NVFP4 learner under bf16 autocast)
 set -u
@@ -43,5 +45,5 @@ fi
 # shellcheck disable=SC2086
 python -m triage ablate --preset testbed $MINI --output "$R" --levels "$(join "${L[@]}")" \
   --arms "$(join "${A[@]}")" --seeds "$(join "${S[@]}")" --steps "$STEPS" --parallel "$PARALLEL" \
-  --time-budget "$BUDGET" --resume --no-plots
+  --time-budget "$BUDGET" --resume --no-plots ${SET:+--set $SET}
 python -m triage.experiments.testbed_summary "$R"

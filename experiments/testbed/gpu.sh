@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# One GPU call of the mismatch testbed: install the package (and the carried .whl/ wheels), optionally start
+# CUDA MPS, run every SPEC at once (each a line of environment assignments for experiments/testbed/study.sh,
+# so each SPEC is its own `triage ablate --parallel` study in its own RUN_DIR), then pack every study's runs
+# (JSON, logs, results.md) into $OUT/testbed-runs.tgz.
+#
+#   MPS=1 bash experiments/testbed/gpu.sh \
+#     "RUN_DIR=/tmp/tb/base LEVELS='aligned pair' SEEDS='0 1 2' STEPS=300 BUDGET=480" \
+#     "RUN_DIR=/tmp/tb/lr2e-4 LEVELS=aligned SET=learning_rate=2e-4 STEPS=300 BUDGET=480"
+#
+# A carried .sftcache/sft (a finished SFT checkpoint of the testbed preset) is copied into each RUN_DIR/sft,
+# so no call repeats the SFT. MPS=1: the parallel runs are many small processes on one GPU; without MPS their
+# kernels time-slice (one process at a time), with it they run concurrently. If the MPS daemon does not come
+# up (or a CUDA client cannot attach within 60 s) the call goes on without it and says so.
+set -u
+export PYTHONUNBUFFERED=1
+REAL_OUT=${OUT:-/tmp/testbed-out}; mkdir -p "$REAL_OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -m pip install -q --no-build-isolation --no-deps -e . >/tmp/install.log 2>&1 || { cat /tmp/install.log; exit 1; }
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+python3 -c "import torch, triton, transformers, trl; print('torch', torch.__version__, 'triton', triton.__version__, \
+'transformers', transformers.__version__, 'trl', trl.__version__)"
+mps_stop() { [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ] && echo quit | timeout 20 nvidia-cuda-mps-control; }
+if [ -n "${MPS:-}" ]; then
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  if nvidia-cuda-mps-control -d && timeout 60 python3 -c "import torch; assert torch.ones(4, device='cuda').sum().item() == 4"; then
+    echo "MPS: on"
+  else
+    echo "MPS: unavailable, running without it"; cat "$CUDA_MPS_LOG_DIRECTORY"/* 2>/dev/null | tail -5
+    mps_stop; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  fi
+fi
+pids=(); dirs=()
+for spec in "$@"; do
+  dir=$(eval "$spec"; echo "${RUN_DIR:-runs/testbed}")
+  dirs+=("$dir"); mkdir -p "$dir"
+  [ -d .sftcache/sft ] && [ ! -d "$dir/sft" ] && cp -r .sftcache/sft "$dir/sft"
+  (eval "export $spec"; bash experiments/testbed/study.sh >"$dir/study.log" 2>&1) &
+  pids+=($!)
+  echo "started: $spec"
+done
+for pid in "${pids[@]}"; do wait "$pid"; done
+mps_stop
+for dir in "${dirs[@]}"; do echo "=== $dir"; tail -n 40 "$dir/study.log"; done
+tar czf "$REAL_OUT/testbed-runs.tgz" --exclude='*/sft' --exclude='*/checkpoint-*' --exclude='*.safetensors' \
+  --exclude='*.pt' --exclude='*.bin' "${dirs[@]}" 2>/dev/null
+ls -la "$REAL_OUT"
