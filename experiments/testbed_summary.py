@@ -1,12 +1,15 @@
 """Summary of a mismatch-testbed folder (``experiments/testbed/study.sh``): mean ± std over seeds per
 (level, arm), and one small JSON of every run's per-step series for ``docs/results/``.
 
-    python -m triage.experiments.testbed_summary RUN_DIR [--json OUT.json] [--plot OUT.png]
+    python -m triage.experiments.testbed_summary RUN_DIR [RUN_DIR ...] [--json OUT.json] [--plot OUT.png]
     python -m triage.experiments.testbed_summary --from-json docs/results/testbed/X.json [--select LEVEL/ARM,...]
         [--plot OUT.png]                  # the table (and figure) of a committed summary
 
 ``RUN_DIR/runs/<level>/<arm>/seed<k>.json`` are the finished runs and ``seed<k>.partial.json`` the runs a time
-budget cut short (both written by ``triage ablate``).
+budget cut short (both written by ``triage ablate``). Several RUN_DIRs (one per GPU call, or one per recipe
+override) are read as one study. A run whose learning rate or temperature differs from the testbed preset's
+(``--set learning_rate=2e-4``) is its own group: its ``variant`` (e.g. ``lr 0.0002``) is shown after the level.
+When the same run (level, variant, arm, seed) is found twice, the finished one (else the longer) is kept.
 """
 
 from __future__ import annotations
@@ -16,31 +19,75 @@ import json
 import statistics
 from pathlib import Path
 
-from triage.experiments.ablate import PARTIAL_SUFFIX
+from triage.experiments.ablate import PARTIAL_SUFFIX, PRESETS
 
 SERIES = (
-    "reward", "accuracy", "entropy", "mean_abs_delta", "suppressed_frac", "completion_length", "kl_k3",
-    "grad_norm", "guarded_frac", "share/amplify_down", "share/amplify_up", "share/inert",
+    "reward",
+    "accuracy",
+    "entropy",
+    "mean_abs_delta",
+    "suppressed_frac",
+    "completion_length",
+    "kl_k3",
+    "grad_norm",
+    "guarded_frac",
+    "share/amplify_down",
+    "share/amplify_up",
+    "share/correct_up",
+    "share/correct_down",
+    "share/inert",
 )  # the early-warning signal (amplify-down share) included
 
 
-def load_runs(root: Path) -> list[dict]:
-    runs = []
-    for f in sorted(root.glob("runs/*/*/seed*.json")):
-        e = json.loads(f.read_text())
-        level, arm, seed = e["level"], e["arm"], e["seed"]
-        s = e["series"]
-        runs.append({
-            "level": level, "arm": arm, "seed": seed, "correction": e.get("correction"),
-            "complete": e.get("complete", True), "steps": len(s["step"]), "seconds": e["seconds"],
-            "mean_abs_delta_step1": s["mean_abs_delta"][0] if s["mean_abs_delta"] else None,
-            "series": {k: s.get(k) for k in ("step", *SERIES)},
-            "held_out": {k: e["held_out"][k] for k in ("step", "accuracy")},
-        })
-    return runs
+def variant(recipe: dict) -> str:
+    """What a run changed against the testbed preset (learning rate, temperature), "" for none."""
+    parts = []
+    lr, temperature = recipe.get("learning_rate"), recipe.get("temperature", 1.0)
+    if lr is not None and float(lr) != PRESETS["testbed"].learning_rate:
+        parts.append(f"lr {float(lr):g}")
+    if temperature is not None and float(temperature) != 1.0:
+        parts.append(f"T {float(temperature):g}")
+    return ", ".join(parts)
+
+
+def group_label(run: dict) -> str:
+    """``level`` or ``level (variant)``: what --select and the tables call a run's level."""
+    return f"{run['level']} ({run['variant']})" if run.get("variant") else run["level"]
+
+
+def load_runs(*roots: Path) -> list[dict]:
+    found: dict[tuple, dict] = {}
+    for root in roots:
+        for f in sorted(Path(root).glob("runs/*/*/seed*.json")):
+            e = json.loads(f.read_text())
+            s, recipe = e["series"], e.get("recipe") or {}
+            run = {
+                "level": e["level"],
+                "variant": variant(recipe),
+                "arm": e["arm"],
+                "seed": e["seed"],
+                "correction": e.get("correction"),
+                "params": e.get("params"),
+                "learning_rate": recipe.get("learning_rate"),
+                "temperature": recipe.get("temperature"),
+                "complete": e.get("complete", True),
+                "steps": len(s["step"]),
+                "seconds": e["seconds"],
+                "device": e.get("device"),
+                "mean_abs_delta_step1": s["mean_abs_delta"][0] if s["mean_abs_delta"] else None,
+                "series": {k: s.get(k) for k in ("step", *SERIES)},
+                "held_out": {k: e["held_out"][k] for k in ("step", "accuracy")},
+            }
+            key = (run["level"], run["variant"], run["arm"], run["seed"])
+            old = found.get(key)
+            if old is None or (run["complete"], run["steps"]) > (old["complete"], old["steps"]):
+                found[key] = run
+    return sorted(found.values(), key=lambda r: (group_label(r), r["arm"], r["seed"]))
 
 
 def _window(values, first: bool, n: int = 10):
+    if values is None:  # a series the run did not log
+        return None
     vals = [v for v in (values[:n] if first else values[-n:]) if v is not None]
     return sum(vals) / len(vals) if vals else None
 
@@ -57,12 +104,12 @@ def _ms(values) -> str:
 def table(runs: list[dict]) -> str:
     lines = [
         "| level | arm | seeds | steps | \\|δ\\| step 1 | \\|δ\\| run | reward first 10 → last 10 | held-out first → last "
-        "| entropy last 10 | s/step |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| entropy last 10 | grad norm first 10 → last 10 | s/step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     groups: dict[tuple, list] = {}
     for r in runs:
-        groups.setdefault((r["level"], r["arm"]), []).append(r)
+        groups.setdefault((group_label(r), r["arm"]), []).append(r)
     for (level, arm), rs in groups.items():
         s = [r["series"] for r in rs]
         held = [r["held_out"]["accuracy"] for r in rs]
@@ -73,13 +120,48 @@ def table(runs: list[dict]) -> str:
             f"| {_ms([_window(x['reward'], True) for x in s])} → {_ms([_window(x['reward'], False) for x in s])} "
             f"| {_ms([h[0] for h in held])} → {_ms([h[-1] for h in held])} "
             f"| {_ms([_window(x['entropy'], False) for x in s])} "
+            f"| {_ms([_window(x['grad_norm'], True) for x in s])} → {_ms([_window(x['grad_norm'], False) for x in s])} "
             f"| {_ms([r['seconds'] / max(r['steps'], 1) for r in rs])} |"
         )
     return "\n".join(lines)
 
 
-PANELS = (("reward", "sampled reward (DAPO ±1 + overlong)"), ("held_out", "held-out greedy accuracy (learner)"),
-          ("mean_abs_delta", "mean |δ| (nats)"), ("entropy", "entropy (nats/token)"))
+def early_warning_table(runs: list[dict]) -> str:
+    """``triage.early_warning`` replayed over each run's logged series (mean |δ|, amplify-down share, reward):
+    the step of each signal's first alarm, of the reward fall, and the lead (reward fall − first alarm). A run
+    "degraded" when its last held-out accuracy is more than 10 points below its first."""
+    from triage.early_warning import scan_log
+
+    lines = [
+        "| level | arm | seed | degraded | reward fall | mean \\|δ\\| alarm | amplify-down share alarm | lead (steps) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        s = r["series"]
+        records = [
+            {"step": st, "reward": rw, "triage/mean_abs_delta": d, "triage/amplify_down/share": sh}
+            for st, rw, d, sh in zip(s["step"], s["reward"], s["mean_abs_delta"], s["share/amplify_down"])
+        ]
+        report = scan_log(records)
+        held = r["held_out"]["accuracy"]
+        degraded = held[-1] < held[0] - 0.1
+        alarm = {name: a.step for name, a in report.alarms.items()}
+        fall = report.reward_fall.step if report.reward_fall else "–"
+        lead = report.lead_steps if report.lead_steps is not None else "–"
+        lines.append(
+            f"| {group_label(r)} | {r['arm']} | {r['seed']} | {'yes' if degraded else 'no'} | {fall} "
+            f"| {alarm.get('mean_abs_delta', '–')} | {alarm.get('amplify_down_share', '–')} | {lead} |"
+        )
+    return "\n".join(lines)
+
+
+PANELS = (
+    ("reward", "sampled reward (DAPO ±1 + overlong)"),
+    ("held_out", "held-out greedy accuracy (learner)"),
+    ("mean_abs_delta", "mean |δ| (nats)"),
+    ("entropy", "entropy (nats/token)"),
+    ("grad_norm", "gradient norm"),
+)
 
 
 def _steps_and_values(run: dict, name: str) -> tuple[list, list]:
@@ -89,7 +171,7 @@ def _steps_and_values(run: dict, name: str) -> tuple[list, list]:
 
 
 def plot(runs: list[dict], path: str | Path) -> None:
-    """Reward, held-out accuracy, mean |δ| and entropy vs step: one colour per (level, arm), the mean over
+    """Reward, held-out accuracy, mean |δ|, entropy and gradient norm vs step: one colour per (level, arm), the mean over
     seeds as a line and the min–max over seeds as a band (steps where every seed has a value)."""
     import matplotlib
 
@@ -98,12 +180,14 @@ def plot(runs: list[dict], path: str | Path) -> None:
 
     groups: dict[str, list] = {}
     for r in runs:
-        groups.setdefault(f"{r['level']} / {r['arm']}", []).append(r)
+        groups.setdefault(f"{group_label(r)} / {r['arm']}", []).append(r)
     fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 3.8))
     for ax, (name, title) in zip(axes, PANELS):
         for i, (label, rs) in enumerate(groups.items()):
             per_seed = [dict(zip(*_steps_and_values(r, name))) for r in rs]
-            steps = sorted(set.intersection(*(set(k for k, v in d.items() if v is not None) for d in per_seed)))
+            steps = sorted(
+                set.intersection(*(set(k for k, v in d.items() if v is not None) for d in per_seed))
+            )
             if not steps:
                 continue
             vals = [[d[t] for d in per_seed] for t in steps]
@@ -118,42 +202,97 @@ def plot(runs: list[dict], path: str | Path) -> None:
     plt.close(fig)
 
 
+def _compact(value):
+    """``value`` with every float rounded to 6 significant digits (the committed summaries stay small)."""
+    if isinstance(value, float):
+        return float(f"{value:.6g}")
+    if isinstance(value, dict):
+        return {k: _compact(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_compact(v) for v in value]
+    return value
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("run_dir", nargs="?")
-    ap.add_argument("--json", default=None, help="write every run's series here (default RUN_DIR/testbed.json)")
+    ap.add_argument("run_dir", nargs="*", help="one or more study folders, read as one study")
+    ap.add_argument(
+        "--json", default=None, help="write every run's series here (default RUN_DIR/testbed.json)"
+    )
     ap.add_argument("--from-json", default=None, help="read a summary JSON this command wrote, not a RUN_DIR")
-    ap.add_argument("--select", default=None, help="comma-separated LEVEL/ARM pairs to keep")
-    ap.add_argument("--plot", default=None, help="write the figure (reward, held-out, |δ|, entropy vs step)")
+    ap.add_argument(
+        "--select",
+        default=None,
+        help="comma-separated LEVEL/ARM pairs to keep (LEVEL as the table "
+        "shows it, e.g. 'aligned (lr 0.0002)')",
+    )
+    ap.add_argument(
+        "--plot", default=None, help="write the figure (reward, held-out, |δ|, entropy, grad norm vs step)"
+    )
+    ap.add_argument(
+        "--rename-arm",
+        action="append",
+        default=[],
+        metavar="OLD=NEW",
+        help="report runs of arm OLD as NEW (an arm renamed since the runs; the run keeps arm_as_run=OLD)",
+    )
+    ap.add_argument(
+        "--early-warning", action="store_true", help="also print the early-warning replay per run"
+    )
     args = ap.parse_args(argv)
-    if (args.run_dir is None) == (args.from_json is None):
-        ap.error("give RUN_DIR or --from-json, not both")
+    if bool(args.run_dir) == (args.from_json is not None):
+        ap.error("give RUN_DIR(s) or --from-json, not both")
     if args.from_json:
         runs = json.loads(Path(args.from_json).read_text())["runs"]
-        if args.select:
-            keep = {tuple(k.split("/")) for k in args.select.split(",")}
-            runs = [r for r in runs if (r["level"], r["arm"]) in keep]
-        print(table(runs))
+    else:
+        runs = load_runs(*map(Path, args.run_dir))
+    for spec in args.rename_arm:
+        old, sep, new = spec.partition("=")
+        if not (sep and old and new):
+            ap.error(f"--rename-arm {spec!r}: expected OLD=NEW")
+        renamed = [r for r in runs if r["arm"] == old]
+        for r in renamed:
+            r["arm_as_run"], r["arm"] = old, new
+    if args.select:
+        keep = [tuple(k.rsplit("/", 1)) for k in args.select.split(",")]
+        known = {(group_label(r), r["arm"]) for r in runs}
+        unknown = [f"{lv}/{arm}" for lv, arm in keep if (lv, arm) not in known]
+        if unknown:
+            ap.error(
+                f"--select: no run is {', '.join(unknown)} (known: {', '.join(sorted(f'{a}/{b}' for a, b in known))})"
+            )
+        runs = [r for r in runs if (group_label(r), r["arm"]) in set(keep)]
+    print(table(runs))
+    if args.early_warning:
+        print()
+        print(early_warning_table(runs))
+    if args.from_json:
         if args.plot:
             plot(runs, args.plot)
         return 0
-    root = Path(args.run_dir)
-    runs = load_runs(root)
-    print(table(runs))
+    root = Path(args.run_dir[0])
     if args.plot:
         plot(runs, args.plot)
     missing = sorted(  # a log without its run's result file (seed1.log is not answered by seed10.json)
         str(p)
-        for p in root.glob("runs/*/*/seed*.log")
+        for d in args.run_dir
+        for p in Path(d).glob("runs/*/*/seed*.log")
         if not any(p.with_name(p.stem + suffix).is_file() for suffix in (".json", PARTIAL_SUFFIX))
     )
     for m in missing:
         print(f"FAILED (no result): {m}")
-    sft = root / "sft" / "sft.json"
+    sft = next(
+        (Path(d) / "sft" / "sft.json" for d in args.run_dir if (Path(d) / "sft" / "sft.json").is_file()),
+        root / "sft" / "sft.json",
+    )
     out = {"sft": json.loads(sft.read_text()) if sft.is_file() else None, "runs": runs}
     if out["sft"]:
-        out["sft"] = {k: out["sft"].get(k) for k in ("config", "params", "steps_done", "stopped_by", "final", "eval")}
-    Path(args.json or root / "testbed.json").write_text(json.dumps(out, separators=(",", ":")) + "\n")
+        out["sft"] = {
+            k: out["sft"].get(k) for k in ("config", "params", "steps_done", "stopped_by", "final", "eval")
+        }
+    Path(args.json or root / "testbed.json").write_text(
+        json.dumps(_compact(out), separators=(",", ":")) + "\n"
+    )
     return 0
 
 

@@ -23,6 +23,18 @@ CLASS_POLICY_FIELDS = ("consistent", "amplify_down", "correct_up", "amplify_up",
 # A wider band switches the correction off for the gaps it exists for (use ``correction="none"`` for that).
 TAU_MAX = 1.0
 
+#: Named TRIAGE configurations (:meth:`TriageConfig.profile`), as field overrides of the defaults.
+#: ``"keep-down"`` is the default. ``"suppress-down"`` is the earlier default: it down-weighted (``soft``),
+#: floored (``tail_floor``) and guarded (``guard_kappa``) the amplify-down tail — δ < −τ with A < 0 — while
+#: keeping the correct-up tokens (δ < −τ, A > 0) at full weight. Removing the negative updates of tokens the
+#: learner under-weights, but not the positive ones, biases every step toward raising them: in the mismatch
+#: testbed it collapsed GRPO in 2 of 2 seeds while vanilla GRPO, TIS, IcePop and "keep-down" did not
+#: (docs/results.md §3, docs/triage.md "Defaults").
+PROFILES: dict[str, dict[str, Any]] = {
+    "keep-down": {},
+    "suppress-down": {"amplify_down": "soft", "tail_floor": 3.0, "guard_kappa": 0.1},
+}
+
 
 @dataclass(frozen=True)
 class TriageConfig:
@@ -38,24 +50,31 @@ class TriageConfig:
     * ``soft``: w = exp(−soft_rate · (|δ| − τ)) for |δ| > τ (1 at the band's edge, ≤ 1 beyond it)
     * ``mask``: w = 0
 
-    Amplify-down tokens additionally get w = 0 when δ < −``tail_floor`` (the hard floor of the negative
-    tail). The sequence guard scales a whole response with A < 0 by κ / m when its negative-tail mass
-    m = Σ_{amplify-down} |δ_t| / (valid tokens of the response) exceeds κ = ``guard_kappa``.
+    With ``tail_floor`` set, amplify-down tokens additionally get w = 0 when δ < −``tail_floor`` (a hard
+    floor of the negative tail). With ``guard_kappa`` set, the sequence guard scales a whole response with
+    A < 0 by κ / m when its negative-tail mass m = Σ_{amplify-down} |δ_t| / (valid tokens of the response)
+    exceeds κ.
+
+    Defaults (the ``"keep-down"`` profile): IS-weight the consistent and correct-down tokens, keep the
+    correct-up **and the amplify-down** tokens at full weight (never remove the negative updates of the
+    δ < 0 majority without removing the positive ones), soft-weight only the amplify-up tail (δ > τ, A > 0:
+    raising a token the learner already over-weights); no floor, no guard. :data:`PROFILES` names the
+    earlier default (``"suppress-down"``) and why it was replaced.
     """
 
     correction: str = "triage"
     # Tolerance band |δ| ≤ τ in nats, or "auto" (τ = max(tau_floor, tau_multiplier · EMA(median |δ|))).
     tau: float | str = 0.05
-    # TRIAGE per-class policies (DESIGN §2 defaults).
+    # TRIAGE per-class policies (the "keep-down" profile; see the class docstring and PROFILES).
     consistent: str = "is"
-    amplify_down: str = "soft"
+    amplify_down: str = "keep"
     correct_up: str = "keep"
     amplify_up: str = "soft"
     correct_down: str = "is"
     is_cap: float = 2.0
     soft_rate: float = 1.0
-    tail_floor: float | None = 3.0
-    guard_kappa: float | None = 0.1
+    tail_floor: float | None = None
+    guard_kappa: float | None = None
     # Adaptive tolerance (tau="auto").
     tau_init: float = 0.05
     tau_multiplier: float = 2.0
@@ -133,6 +152,16 @@ class TriageConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def profile(cls, name: str, **overrides: Any) -> TriageConfig:
+        """The named configuration ``name`` (a key of :data:`PROFILES`), with ``overrides`` on top:
+        ``TriageConfig.profile("suppress-down")`` is the earlier default."""
+        if name not in PROFILES:
+            raise ValueError(
+                f"TriageConfig.profile: unknown profile {name!r}; expected one of {tuple(PROFILES)}"
+            )
+        return cls(**{**PROFILES[name], **overrides})
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

@@ -1,24 +1,34 @@
-"""Early warning: flag a sustained rise of the negative tail in a training log before the reward falls.
+"""Early warning: flag a sustained rise of the learner–sampler mismatch in a training log before the reward falls.
 
-The seed's NVFP4 runs collapsed late (Qwen3-4B after ~300 steps, 30B-A3B after ~700): the learner–sampler
-gap grew, entropy went wrong, then reward fell. TRIAGE's per-class metrics see the first part: the
-**amplify-down share** (``triage/amplify_down/share``: tokens with δ < −τ pushed down by A < 0) and the
-**negative-tail mass** (Σ over amplify-down tokens of |δ| / N = share · |mean δ of the class|, or a logged
-``triage/negative_tail_mass``). This module watches both with a one-sided CUSUM per signal:
+NVFP4 runs can collapse late: the learner–sampler gap grows, entropy goes wrong, then reward falls. Three
+logged signals see the first part, each watched by a one-sided CUSUM:
+
+* **mean |δ|** (``triage/mean_abs_delta``): the per-token gap. In the mismatch testbed (docs/results.md §3)
+  this is the signal that came first: it alarmed 12 and 87 steps before the reward fall in the two runs
+  that collapsed through a mismatch feedback (the earlier TRIAGE default), and 3 steps after it in a run
+  that collapsed from a too-high learning rate (and, rightly, never in the same collapse with no mismatch);
+  one false alarm (at step 290 of 300) in 15 stable runs.
+* the **amplify-down share** (``triage/amplify_down/share``: tokens with δ < −τ pushed down by A < 0) and
+* the **negative-tail mass** (Σ over amplify-down tokens of |δ| / N = share · |mean δ of the class|, or a
+  logged ``triage/negative_tail_mass``). In the testbed the share alarmed only after the reward had fallen
+  (19 and 40 steps late) and not at all in the learning-rate collapses; no false alarm in 15 stable runs.
+
+The detector, per signal:
 
     baseline μ, σ     mean and standard deviation over the first ``warmup`` logged values (σ ≥ min_scale,
-                      and ≥ rel_floor·|μ| so a perfectly flat warm-up does not make every wiggle an alarm)
+                      and ≥ rel_floor·|μ| so a perfectly flat warm-up does not make every wiggle an alarm;
+                      for mean |δ| also σ ≥ abs_delta_min_scale, so the noise of an aligned run, |δ| ≈ 1e-6
+                      nats, is not a rise)
     z_t = min((x_t − μ) / σ, clip)                    (one outlier adds at most clip − drift)
     S_t = max(0, S_{t−1} + z_t − drift);   alarm at the first step with S_t > threshold
 
 With the defaults (warm-up 50, drift 1, clip 3, threshold 8) a single spike never alarms; at least four
 consecutive steps three σ above the baseline (or a longer, smaller rise) do; a flat noisy signal
 almost never does (none in the 40 flat synthetic logs of tests/diagnostics/test_early_warning.py). The
-reward gets the same
-detector on −reward, so a report states whether the tail alarm came before the reward fall, and by how
-many steps. A non-finite value is an immediate alarm for its signal (a NaN metric is itself a symptom).
-Pure stdlib: reads JSON lines, a JSON list of records, or a TRL/transformers ``trainer_state.json``
-(``log_history``).
+reward gets the same detector on −reward, so a report states whether the first alarm came before the reward
+fall, and by how many steps. A non-finite value is an immediate alarm for its signal (a NaN metric is itself
+a symptom). Pure stdlib: reads JSON lines, a JSON list of records, or a TRL/transformers
+``trainer_state.json`` (``log_history``).
 """
 
 from __future__ import annotations
@@ -40,7 +50,7 @@ __all__ = [
     "scan_log",
 ]
 
-SIGNALS = ("amplify_down_share", "negative_tail_mass")
+SIGNALS = ("mean_abs_delta", "amplify_down_share", "negative_tail_mass")
 
 
 @dataclass(frozen=True)
@@ -50,6 +60,7 @@ class EarlyWarningConfig:
     share_key: str = "triage/amplify_down/share"
     delta_key: str = "triage/amplify_down/mean_delta"
     mass_key: str = "triage/negative_tail_mass"
+    abs_delta_key: str = "triage/mean_abs_delta"
     reward_key: str = "reward"
     step_key: str = "step"
     warmup: int = 50
@@ -58,11 +69,12 @@ class EarlyWarningConfig:
     clip: float = 3.0
     min_scale: float = 1e-9
     rel_floor: float = 0.02
+    abs_delta_min_scale: float = 1e-3
 
     def __post_init__(self) -> None:
         if not (isinstance(self.warmup, int) and self.warmup >= 2):
             raise ValueError(f"EarlyWarningConfig.warmup must be an int >= 2, got {self.warmup!r}")
-        for name in ("threshold", "drift", "clip", "min_scale", "rel_floor"):
+        for name in ("threshold", "drift", "clip", "min_scale", "rel_floor", "abs_delta_min_scale"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"EarlyWarningConfig.{name} must be a finite number >= 0, got {value!r}")
@@ -82,8 +94,9 @@ class Alarm:
 class Cusum:
     """One-sided upper CUSUM on one signal with a warm-up baseline."""
 
-    def __init__(self, name: str, config: EarlyWarningConfig) -> None:
+    def __init__(self, name: str, config: EarlyWarningConfig, min_scale: float | None = None) -> None:
         self.name, self.config = name, config
+        self.min_scale = config.min_scale if min_scale is None else max(min_scale, config.min_scale)
         self.warm: list[float] = []
         self.mean = self.scale = None
         self.stat = 0.0
@@ -104,7 +117,7 @@ class Cusum:
             if len(self.warm) == c.warmup:
                 self.mean = sum(self.warm) / len(self.warm)
                 var = sum((v - self.mean) ** 2 for v in self.warm) / (len(self.warm) - 1)
-                self.scale = max(math.sqrt(var), c.min_scale, c.rel_floor * abs(self.mean))
+                self.scale = max(math.sqrt(var), self.min_scale, c.rel_floor * abs(self.mean))
             return None
         z = min((value - self.mean) / self.scale, c.clip)
         self.stat = max(0.0, self.stat + z - c.drift)
@@ -127,7 +140,7 @@ def _number(record: Mapping, key: str, step: int) -> float | None:
 
 @dataclass
 class EarlyWarningReport:
-    """First alarm per signal, the reward-fall step and the lead (reward fall − first tail alarm)."""
+    """First alarm per signal, the reward-fall step and the lead (reward fall − first alarm)."""
 
     alarms: dict[str, Alarm] = field(default_factory=dict)
     reward_fall: Alarm | None = None
@@ -141,7 +154,7 @@ class EarlyWarningReport:
 
     @property
     def lead_steps(self) -> int | None:
-        """Steps between the first tail alarm and the reward fall (> 0: the warning came first)."""
+        """Steps between the first alarm and the reward fall (> 0: the warning came first)."""
         first = self.first_alarm
         if first is None or self.reward_fall is None:
             return None
@@ -150,11 +163,11 @@ class EarlyWarningReport:
     def summary(self) -> str:
         if not self.alarms and not self.armed:
             line = (
-                f"early warning: not evaluated — no negative-tail metric (triage/amplify_down/*) reached the "
-                f"{self.warmup}-value warm-up in {self.steps} logged steps"
+                f"early warning: not evaluated — no mismatch metric (triage/mean_abs_delta, "
+                f"triage/amplify_down/*) reached the {self.warmup}-value warm-up in {self.steps} logged steps"
             )
         elif not self.alarms:
-            line = f"early warning: no sustained rise of the negative tail in {self.steps} logged steps"
+            line = f"early warning: no sustained rise of the mismatch in {self.steps} logged steps"
         else:
             parts = [
                 f"{a.signal} at step {a.step} ({a.reason}; {a.value:.4g} vs baseline {a.baseline:.4g})"
@@ -165,9 +178,9 @@ class EarlyWarningReport:
             line += f"\nreward fell from step {self.reward_fall.step}"
             lead = self.lead_steps
             if lead is not None and lead >= 0:
-                line += f" — {lead} steps after the first tail alarm"
+                line += f" — {lead} steps after the first alarm"
             elif lead is not None:
-                line += f" — {-lead} steps BEFORE the first tail alarm (no early warning)"
+                line += f" — {-lead} steps BEFORE the first alarm (no early warning)"
         return line
 
 
@@ -176,7 +189,8 @@ class EarlyWarning:
 
     def __init__(self, config: EarlyWarningConfig | None = None) -> None:
         self.config = config or EarlyWarningConfig()
-        self.detectors = {name: Cusum(name, self.config) for name in SIGNALS}
+        floors = {"mean_abs_delta": self.config.abs_delta_min_scale}
+        self.detectors = {name: Cusum(name, self.config, floors.get(name)) for name in SIGNALS}
         self.reward = Cusum("reward_fall", self.config)
         self.report = EarlyWarningReport(warmup=self.config.warmup)
         self._last_step: int | None = None
@@ -184,6 +198,9 @@ class EarlyWarning:
     def signals(self, record: Mapping, step: int) -> dict[str, float]:
         c = self.config
         out = {}
+        abs_delta = _number(record, c.abs_delta_key, step)
+        if abs_delta is not None:
+            out["mean_abs_delta"] = abs_delta
         share = _number(record, c.share_key, step)
         if share is not None:
             out["amplify_down_share"] = share
@@ -250,7 +267,8 @@ def read_log(path: str | os.PathLike) -> list[dict]:
 def scan_log(records: Iterable[Mapping], config: EarlyWarningConfig | None = None) -> EarlyWarningReport:
     """Run the detector over a whole log; records without any tracked key are skipped (e.g. eval lines)."""
     watcher = EarlyWarning(config)
-    keys = (watcher.config.share_key, watcher.config.mass_key, watcher.config.reward_key)
+    c = watcher.config
+    keys = (c.abs_delta_key, c.share_key, c.mass_key, c.reward_key)
     for record in records:
         if any(k in record for k in keys):
             watcher.update(record)

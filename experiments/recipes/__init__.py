@@ -67,7 +67,7 @@ ACCELERATE_DIR = RECIPE_DIR.parent / "accelerate"
 CPU_LAYER = RECIPE_DIR / "cpu.yaml"  # the CPU overrides (load_recipe(..., cpu=True), `triage train --cpu`)
 ARMS = ("grpo-none", "tis", "icepop", "opsm", "triage", "triage-mask")
 # Not run by default: the follow-ups of the first local ablation (docs/results.md §3); `--arms` selects them.
-FOLLOW_UP_ARMS = ("triage-keep-down", "triage-no-is", "triage-no-guard", "triage-no-floor")
+FOLLOW_UP_ARMS = ("triage-suppress-down", "triage-suppress-no-guard", "triage-suppress-no-floor", "triage-no-is")
 ALL_ARMS = ARMS + FOLLOW_UP_ARMS
 PRESETS = ("qwen3-4b", "qwen3-30b-a3b", "tiny")
 # Learner/sampler mismatch levels (levels/*.yaml), from the closest alignment to the widest gap (docs/results.md).

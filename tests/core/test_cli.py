@@ -26,8 +26,10 @@ def test_help_lists_commands(capsys):
 def test_explain_default_table(capsys):
     assert main(["explain"]) == 0
     out = capsys.readouterr().out
-    assert "amplify_down" in out and "soft" in out and "0 if δ < −3" in out
-    assert "normaliser" in out
+    line = next(line for line in out.splitlines() if line.startswith("amplify_down"))
+    assert "keep" in line and "0 if δ" not in line  # the default keeps the negative tail whole
+    assert "soft" in next(line for line in out.splitlines() if line.startswith("amplify_up"))
+    assert "sequence guard: off" in out and "normaliser" in out
 
 
 def test_explain_flags_and_yaml(tmp_path, capsys):

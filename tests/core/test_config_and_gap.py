@@ -9,7 +9,7 @@ import torch
 from triage import TriageConfig, token_gap
 
 
-def test_defaults_follow_design():
+def test_defaults_are_the_keep_down_profile():
     c = TriageConfig()
     assert c.correction == "triage"
     assert (c.consistent, c.correct_up, c.correct_down, c.amplify_up, c.amplify_down) == (
@@ -17,10 +17,20 @@ def test_defaults_follow_design():
         "keep",
         "is",
         "soft",
-        "soft",
+        "keep",
     )
+    assert c.tail_floor is None and c.guard_kappa is None  # nothing removes the δ < 0, A < 0 updates
     assert c.is_cap == 2.0 and c.veto_floor == 1e-4 and (c.icepop_low, c.icepop_high) == (0.5, 5.0)
-    assert c.tail_floor is not None
+    assert TriageConfig.profile("keep-down") == c
+
+
+def test_earlier_default_by_name():
+    old = TriageConfig.profile("suppress-down")
+    assert (old.amplify_down, old.tail_floor, old.guard_kappa) == ("soft", 3.0, 0.1)
+    assert dataclasses.replace(old, amplify_down="keep", tail_floor=None, guard_kappa=None) == TriageConfig()
+    assert TriageConfig.profile("suppress-down", tau=0.1).tau == 0.1  # overrides on top
+    with pytest.raises(ValueError, match="unknown profile 'v0'.*keep-down"):
+        TriageConfig.profile("v0")
 
 
 @pytest.mark.parametrize(

@@ -35,7 +35,7 @@ def test_metric_definitions_by_hand():
     delta = torch.tensor([[-0.5, 0.5, 0.01, 0.0]])
     mask = torch.tensor([[1, 1, 1, 0]])
     adv = torch.tensor([-2.0])
-    cfg = TriageConfig(guard_kappa=None)
+    cfg = TriageConfig(amplify_down="soft")
     w = token_weights(delta, adv, mask, cfg)
     m = mismatch_metrics(delta, adv, mask, w, cfg)
     assert m["triage/tokens"] == 3
@@ -275,8 +275,8 @@ def test_adaptive_tau_tracks_median_and_round_trips():
     assert tracker.value == pytest.approx(1e-3)  # floored
     assert AdaptiveTau(TriageConfig(tau=0.2)).value == 0.2
     # The tracked τ drives the classes.
-    w = token_weights(torch.tensor([[-0.03]]), torch.tensor([-1.0]), torch.ones(1, 1), cfg, tau=0.01)
-    assert w.item() < 1.0
+    w = token_weights(torch.tensor([[0.03]]), torch.tensor([1.0]), torch.ones(1, 1), cfg, tau=0.01)
+    assert w.item() < 1.0  # amplify-up (soft) at τ = 0.01; consistent (w = e^δ > 1) at the config τ
     codes = TriageConfig(tau="auto")
     assert codes.fixed_tau() == 0.05
     assert int(TokenClass.AMPLIFY_DOWN) == 3
@@ -294,7 +294,9 @@ def test_per_token_advantages_may_hold_anything_at_padding(garbage):
     config = TriageConfig(guard_kappa=0.05)
     weights = token_weights(delta, clean, mask, config)
     assert torch.equal(token_weights(delta, dirty, mask, config), weights)
-    assert torch.equal(classify_tokens(delta, dirty, mask, config), classify_tokens(delta, clean, mask, config))
+    assert torch.equal(
+        classify_tokens(delta, dirty, mask, config), classify_tokens(delta, clean, mask, config)
+    )
     assert mismatch_metrics(delta, dirty, mask, weights, config) == mismatch_metrics(
         delta, clean, mask, weights, config
     )

@@ -66,7 +66,7 @@ def test_a_log_too_short_or_without_tail_metrics_is_not_evaluated():
 def test_reward_falling_before_the_tail_alarm_is_said_plainly():
     report = scan_log(synthetic_log(rise_at=200, fall_at=110))
     assert report.lead_steps < 0
-    assert f"{-report.lead_steps} steps BEFORE the first tail alarm" in report.summary()
+    assert f"{-report.lead_steps} steps BEFORE the first alarm" in report.summary()
 
 
 def test_non_finite_metric_is_an_immediate_alarm():
@@ -118,3 +118,21 @@ def test_bad_input_is_named():
         EarlyWarningConfig(warmup=1)
     with pytest.raises(ValueError, match="clip"):
         EarlyWarningConfig(clip=0.5, drift=0.5)
+
+
+def test_mean_abs_delta_rise_is_flagged_and_aligned_noise_is_not():
+    rng = random.Random(3)
+    log = []
+    for step in range(1, 201):
+        abs_delta = 0.01 + rng.gauss(0, 0.0005) + (0.0005 * (step - 120) if step >= 120 else 0.0)
+        log.append({"step": step, "reward": 0.3 + rng.gauss(0, 0.01), "triage/mean_abs_delta": abs_delta})
+    report = scan_log(log)
+    assert set(report.alarms) == {"mean_abs_delta"} and 120 <= report.alarms["mean_abs_delta"].step < 140
+    # an aligned run: |δ| is rounding noise around 1e-6 nats; a doubling of it is no rise of the mismatch
+    aligned = [
+        {"step": s, "reward": 0.3, "triage/mean_abs_delta": 1e-6 * (1 + (s > 100)) + rng.gauss(0, 1e-8)}
+        for s in range(1, 201)
+    ]
+    assert scan_log(aligned).alarms == {}
+    loose = scan_log(aligned, EarlyWarningConfig(abs_delta_min_scale=0.0))
+    assert "mean_abs_delta" in loose.alarms  # without the floor that noise would alarm

@@ -81,17 +81,23 @@ def test_arms_differ_only_in_correction_fields():
         recipe = load_recipe(f"qwen3-4b/{arm}")
         changed = {k for k in recipe.keys() | base.keys() if recipe.get(k) != base.get(k)}
         assert changed <= triage_fields, (arm, changed)
-    soft, mask = load_recipe("tiny/triage"), load_recipe("tiny/triage-mask")
-    assert (soft["amplify_up"], soft["amplify_down"]) == ("soft", "soft")
-    assert (mask["amplify_up"], mask["amplify_down"]) == ("mask", "mask")
-    keep_down, no_is = load_recipe("tiny/triage-keep-down"), load_recipe("tiny/triage-no-is")
-    assert (keep_down["amplify_down"], keep_down["tail_floor"], keep_down["guard_kappa"]) == (
-        "keep",
-        None,
-        None,
+    from triage import TriageConfig
+
+    def triage_fields_of(arm):
+        recipe = load_recipe(f"tiny/{arm}")
+        return TriageConfig(**{k: recipe[k] for k in TriageConfig.field_names() if k in recipe})
+
+    # the `triage` arm is exactly the library default, `triage-suppress-down` the earlier default by name
+    assert triage_fields_of("triage") == TriageConfig()
+    assert triage_fields_of("triage-suppress-down") == TriageConfig.profile("suppress-down")
+    mask = load_recipe("tiny/triage-mask")
+    assert (mask["amplify_up"], mask["amplify_down"]) == ("mask", "keep")
+    no_is = load_recipe("tiny/triage-no-is")
+    assert (no_is["consistent"], no_is["correct_down"], no_is["amplify_down"]) == ("keep", "keep", "keep")
+    no_guard, no_floor = (
+        load_recipe("tiny/triage-suppress-no-guard"),
+        load_recipe("tiny/triage-suppress-no-floor"),
     )
-    assert (no_is["consistent"], no_is["correct_down"]) == ("keep", "keep")
-    no_guard, no_floor = load_recipe("tiny/triage-no-guard"), load_recipe("tiny/triage-no-floor")
     assert (no_guard["guard_kappa"], no_guard["tail_floor"], no_guard["amplify_down"]) == (None, 3.0, "soft")
     assert (no_floor["guard_kappa"], no_floor["tail_floor"], no_floor["amplify_down"]) == (0.1, None, "soft")
 

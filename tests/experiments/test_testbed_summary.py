@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from triage.experiments import testbed_summary
 
 
@@ -39,3 +41,58 @@ def test_a_log_without_its_own_result_is_reported_failed(tmp_path, capsys):
     assert failed == [f"FAILED (no result): {tmp_path / 'runs' / 'aligned' / 'grpo-none' / 'seed1.log'}"]
     runs = json.loads((tmp_path / "summary.json").read_text())["runs"]
     assert sorted((r["seed"], r["complete"]) for r in runs) == [(2, False), (10, True)]
+
+
+def _write_full_run(root, level, arm, seed, suffix=".json", steps=60, lr=5e-5, reward=0.3, delta=0.01):
+    series = {k: [0.0] * steps for k in testbed_summary.SERIES}
+    series.update(step=list(range(1, steps + 1)), reward=[reward] * steps, mean_abs_delta=[delta] * steps)
+    entry = {
+        "level": level,
+        "arm": arm,
+        "seed": seed,
+        "correction": "none",
+        "complete": suffix == ".json",
+        "seconds": 10.0,
+        "params": 123,
+        "series": series,
+        "held_out": {"step": [0, steps], "accuracy": [0.5, 0.6]},
+        "recipe": {"learning_rate": lr, "temperature": 1.0},
+    }
+    folder = root / "runs" / level / arm
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"seed{seed}{suffix}").write_text(json.dumps(entry))
+
+
+def test_several_folders_read_as_one_study(tmp_path, capsys):
+    """Two calls' folders: the finished copy of a run wins over a cut-short one; a learning-rate override is
+    its own group; --rename-arm relabels (keeping the name it ran under); --select refuses an unknown pair."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    _write_full_run(a, "aligned", "grpo-none", 0, suffix=".partial.json", steps=30)
+    _write_full_run(b, "aligned", "grpo-none", 0, steps=60)
+    _write_full_run(b, "aligned", "old-name", 0, lr=2e-4)
+    out = tmp_path / "s.json"
+    assert (
+        testbed_summary.main([str(a), str(b), "--json", str(out), "--rename-arm", "old-name=new-name"]) == 0
+    )
+    runs = json.loads(out.read_text())["runs"]
+    by = {(testbed_summary.group_label(r), r["arm"]): r for r in runs}
+    assert set(by) == {("aligned", "grpo-none"), ("aligned (lr 0.0002)", "new-name")}
+    assert by["aligned", "grpo-none"]["complete"] and by["aligned", "grpo-none"]["steps"] == 60
+    assert by["aligned (lr 0.0002)", "new-name"]["arm_as_run"] == "old-name"
+    with pytest.raises(SystemExit):
+        testbed_summary.main([str(b), "--select", "aligned/nope"])
+    assert "no run is aligned/nope" in capsys.readouterr().err
+
+
+def test_early_warning_replay_names_the_alarm_and_the_lead(tmp_path):
+    _write_full_run(tmp_path, "lv", "grpo-none", 0, steps=200)
+    run = testbed_summary.load_runs(tmp_path)[0]
+    s = run["series"]
+    s["mean_abs_delta"] = [0.01 + (0.002 * (t - 100) if t >= 100 else 0.0) for t in s["step"]]
+    s["reward"] = [0.3 - (0.02 * (t - 150) if t >= 150 else 0.0) for t in s["step"]]
+    run["held_out"]["accuracy"] = [0.5, 0.1]
+    row = testbed_summary.early_warning_table([run]).splitlines()[-1]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[:4] == ["lv", "grpo-none", "0", "yes"]
+    fall, alarm, lead = int(cells[4]), int(cells[5]), int(cells[7])
+    assert 100 <= alarm < 110 and 150 <= fall < 160 and lead == fall - alarm and cells[6] == "–"
