@@ -409,11 +409,18 @@ def format_report(report: dict[str, Any]) -> str:
     ]
     if correction == "triage":
         floor, kappa = triage_config.tail_floor, triage_config.guard_kappa
-        lines.append(
-            f"  The hard floor (w = 0 for amplify-down δ < −{floor}) acts on {s1['floored']} tokens and the "
-            f"sequence guard (κ = {kappa})\n  on {_pct(s1['guarded_frac'])} of the responses: both are for "
-            "far wider gaps."
-        )
+        parts = []
+        if floor is not None:
+            parts.append(f"the hard floor (w = 0 for amplify-down δ < −{floor}) acts on {s1['floored']} tokens")
+        if kappa is not None:
+            parts.append(f"the sequence guard (κ = {kappa}) on {_pct(s1['guarded_frac'])} of the responses")
+        if parts:
+            lines.append("  " + " and ".join(parts).capitalize() + ".")
+        else:
+            lines.append(
+                "  No hard floor and no sequence guard (the defaults): amplify-down tokens keep weight 1\n"
+                "  (docs/triage.md, \"Defaults: the rule and the evidence\")."
+            )
     arms = list(runs)
     lines += ["", f"{cfg['steps']} steps".ljust(22) + "".join(_arm_name(a).rjust(20) for a in arms)]
     rows = (

@@ -104,6 +104,17 @@ def test_demo_summary_states_the_measured_weight_change_and_step_count():
     assert change.max() > 0.2  # far from "a few percent"
     assert f"by {change.mean():.1%} on average (at most {change.max():.1%})" in text
     assert "50 steps of a random tiny model" in text and "few percent" not in text and "dozen" not in text
+    assert "None" not in text and "No hard floor and no sequence guard (the defaults)" in text
+    old = TriageConfig.profile("suppress-down")
+    cfg_old = cfg | {"triage_config": old.to_dict()}
+    step1_old = step1_analysis(
+        {"delta": delta, "advantages": adv, "mask": mask, "weights": token_weights(delta, adv, mask, old, tau=0.01),
+         "tau": 0.01},
+        old,
+    )  # fmt: skip
+    text_old = format_report({"config": cfg_old, "step1": step1_old, "runs": {"triage": run}, "same_samples": None})
+    assert "The hard floor (w = 0 for amplify-down δ < −3.0) acts on 0 tokens" in text_old
+    assert "sequence guard (κ = 0.1)" in text_old and "None" not in text_old
 
 
 def _tiny_recipe(tmp_path):
