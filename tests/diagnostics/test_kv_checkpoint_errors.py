@@ -6,8 +6,8 @@ import copy
 import pytest
 import torch
 
+from triage.kernels.frozen_linear import FrozenNVFP4Linear
 from triage.kernels.linear import NVFP4Linear
-from triage.kernels.lora import FrozenNVFP4Linear
 from triage.kernels.nvfp4 import QuantRecipe, quantize
 from triage.kernels.nvfp4.export import compressed_tensors_quantize
 from triage.kernels.nvfp4.reference import outer_scale_from_recipe
