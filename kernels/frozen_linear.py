@@ -38,10 +38,11 @@ them, and ``copy.deepcopy`` SHARES them. So a sampler copy of a LoRA model (``HF
 
 Conversion: :func:`freeze_nvfp4_base` turns every :class:`~triage.kernels.NVFP4Linear` of a model into a
 ``FrozenNVFP4Linear`` holding the very bytes the NVFP4Linear computed with (so outputs are unchanged in
-``w4a4`` mode) and drops the master weight. Checkpoints: :func:`~triage.kernels.nvfp4.export.write_nvfp4_checkpoint`
-writes the bytes of :meth:`FrozenNVFP4Linear.quantized_weight` as they are, and :func:`load_nvfp4_base` loads
-an NVFP4 checkpoint (ModelOpt, compressed-tensors) back into frozen layers, bit for bit. The PEFT
-integration (the LoRA layer over this base, AQN, adapter save/load) is in ``triage.trainers.lora``.
+``w4a4`` mode) and drops the master weight. Checkpoints: the kernels' one NVFP4 writer,
+:func:`~triage.kernels.nvfp4.export.write_nvfp4_checkpoint`, stores the bytes of
+:meth:`FrozenNVFP4Linear.quantized_weight` as they are, and :func:`load_nvfp4_base` loads an NVFP4
+checkpoint (ModelOpt, compressed-tensors) back into frozen layers, bit for bit. The PEFT integration (the
+LoRA layer over this base, AQN, adapter save/load) is in ``triage.trainers.lora``.
 """
 
 from __future__ import annotations
