@@ -22,9 +22,10 @@ _LAZY = {
     "convert_moe_experts_from_nvfp4": "triage.kernels.moe.experts",
     "NVFP4MoeExperts": "triage.kernels.moe.experts",
     "MoEQuantConfig": "triage.kernels.moe.experts",
-    "FrozenNVFP4Linear": "triage.kernels.lora",
-    "NVFP4BaseConfig": "triage.kernels.lora",
-    "freeze_nvfp4_base": "triage.kernels.lora",
+    "FrozenNVFP4Linear": "triage.kernels.frozen_linear",
+    "NVFP4BaseConfig": "triage.kernels.frozen_linear",
+    "freeze_nvfp4_base": "triage.kernels.frozen_linear",
+    "DEFAULT_SKIP": "triage.kernels.skip",
 }
 
 __all__ = sorted(_LAZY)

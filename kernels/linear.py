@@ -67,7 +67,6 @@ backends of :mod:`triage.kernels.nvfp4` (Triton on CUDA, torch reference on CPU;
 
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -77,9 +76,9 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from triage.kernels.nvfp4.format import pack_nibbles, unpack_nibbles
 from triage.kernels.nvfp4.recipe import QuantRecipe
 from triage.kernels.nvfp4.tensor import NVFP4Tensor
+from triage.kernels.skip import DEFAULT_SKIP, skip_patterns, skipped
 
 __all__ = [
-    "DEFAULT_SKIP",
     "MODES",
     "NVFP4Linear",
     "NVFP4LinearConfig",
@@ -92,8 +91,6 @@ __all__ = [
 ]
 
 MODES = ("bf16-backward", "nvfp4-backward")
-#: Module-name patterns (fnmatch, on the qualified name) that stay high precision by default.
-DEFAULT_SKIP = ("lm_head", "*.lm_head", "*embed*", "*score", "*classifier*")
 
 #: The weight generation (module docstring): bumped after every optimizer step and by
 #: :func:`invalidate_weight_caches`; part of every quantized-weight cache key.
@@ -439,10 +436,6 @@ def _check_features(k: int, n: int, config: NVFP4LinearConfig, what: str) -> Non
         )
 
 
-def _skipped(name: str, skip) -> bool:
-    return any(fnmatch.fnmatchcase(name, pattern) for pattern in skip)
-
-
 def convert_to_nvfp4(
     model: nn.Module,
     recipe: QuantRecipe | NVFP4LinearConfig | None = None,
@@ -453,8 +446,9 @@ def convert_to_nvfp4(
 
     ``recipe``: an :class:`NVFP4LinearConfig`, or a ``QuantRecipe`` used for both activations and weights
     (other fields default), or None (TE defaults). ``skip``: fnmatch patterns on qualified module names
-    that stay high precision (default :data:`DEFAULT_SKIP`: lm_head, embeddings, score/classifier heads;
-    embeddings are ``nn.Embedding`` and never converted anyway). Tied weights stay tied (parameters are
+    that stay high precision (a pattern string or a tuple of them; default
+    :data:`~triage.kernels.skip.DEFAULT_SKIP`, the list the checkpoint export skips: lm_head, embeddings,
+    norms, MoE routers, score/classifier heads). Tied weights stay tied (parameters are
     shared, not copied). Returns the model. Raises ``ValueError`` naming the layer if a non-skipped layer's
     shape does not fit the recipe.
     """
@@ -466,17 +460,18 @@ def convert_to_nvfp4(
         raise TypeError(
             f"recipe must be a QuantRecipe, an NVFP4LinearConfig or None, got {type(recipe).__name__}"
         )
+    skip = skip_patterns(skip)
     targets = [
         (name, m)
         for name, m in model.named_modules()
-        if type(m) is nn.Linear and name and not _skipped(name, skip)
+        if type(m) is nn.Linear and name and not skipped(name, skip)
     ]
     for name, m in targets:
         try:
             new = NVFP4Linear.from_linear(m, config)
         except ValueError as e:
             raise ValueError(f"convert_to_nvfp4: layer {name!r}: {e} (add it to skip=)") from None
-        _set_submodule(model, name, new)
+        model.set_submodule(name, new)
     return model
 
 
@@ -486,11 +481,5 @@ def convert_from_nvfp4(model: nn.Module) -> nn.Module:
     for name, m in targets:
         if not name:
             raise ValueError("convert_from_nvfp4: the model itself is an NVFP4Linear; call .to_linear()")
-        _set_submodule(model, name, m.to_linear())
+        model.set_submodule(name, m.to_linear())
     return model
-
-
-def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, module)

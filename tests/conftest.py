@@ -1,4 +1,4 @@
-"""Suite-wide setup: without a CUDA device, Triton kernels run under its interpreter.
+"""Suite-wide setup: without a CUDA device, Triton kernels run under its interpreter; the AIME-2024 fixture.
 
 TRITON_INTERPRET is read when a kernel is decorated (``@triton.jit`` returns an interpreted function only if
 it is set then) and when its launcher is built, so it must be set before any test module (of any folder)
@@ -8,8 +8,11 @@ first importer, or its kernels would be decorated for a GPU that is not there an
 """
 
 import importlib
+import json
 import os
+from pathlib import Path
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -22,3 +25,19 @@ if not torch.cuda.is_available():
         "triage.kernels.logprob_triton",
     ):
         importlib.import_module(_module)
+
+
+AIME24 = Path(__file__).resolve().parents[2] / "shared" / "data" / "aime24" / "test.jsonl"
+
+
+@pytest.fixture(scope="session")
+def aime24_path() -> Path:
+    """The shared AIME-2024 file beside the repo (the test is skipped without it)."""
+    if not AIME24.is_file():
+        pytest.skip(f"AIME-2024 file absent: expected {AIME24} (the shared data folder beside the repo)")
+    return AIME24
+
+
+@pytest.fixture(scope="session")
+def aime24_rows(aime24_path) -> list[dict]:
+    return [json.loads(line) for line in aime24_path.read_text(encoding="utf-8").splitlines() if line.strip()]

@@ -270,9 +270,9 @@ class TriageGRPOTrainer(GRPOTrainer):
         lora_on_nvfp4 = kwargs.get("peft_config") is not None and args.learner_precision == "nvfp4"
         if lora_on_nvfp4:
             # QeRL setting: frozen NVFP4 base (quantized bytes only) + PEFT LoRA adapters (docs/trainer.md).
-            from triage.kernels.lora import NVFP4BaseConfig
+            from triage.kernels.frozen_linear import NVFP4BaseConfig
             from triage.kernels.nvfp4.recipe import QuantRecipe
-            from triage.trainers.lora import nvfp4_lora_model
+            from triage.trainers.peft_nvfp4 import nvfp4_lora_model
 
             recipe = _quant_recipe(args.quant_recipe)
             model, kwargs["peft_config"] = nvfp4_lora_model(
@@ -284,7 +284,7 @@ class TriageGRPOTrainer(GRPOTrainer):
                 model_init_kwargs=args.model_init_kwargs if isinstance(model, str) else None,
             )
         if args.use_vllm and not isinstance(model, str):
-            from triage.kernels.lora import FrozenNVFP4Linear
+            from triage.kernels.frozen_linear import FrozenNVFP4Linear
 
             if any(isinstance(m, FrozenNVFP4Linear) for m in model.modules()):
                 raise ValueError(
@@ -294,7 +294,7 @@ class TriageGRPOTrainer(GRPOTrainer):
                     "a sampler source with a weight_sync that sends triage.trainers.lora.merged_state_dict(model)"
                 )
         if args.aqn is not None:
-            from triage.trainers.lora import AQNCallback, AQNConfig
+            from triage.trainers.aqn import AQNCallback, AQNConfig
 
             kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), AQNCallback(AQNConfig(**args.aqn))]
 

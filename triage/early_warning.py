@@ -24,7 +24,7 @@ The detector, per signal:
 
 With the defaults (warm-up 50, drift 1, clip 3, threshold 8) a single spike never alarms; at least four
 consecutive steps three σ above the baseline (or a longer, smaller rise) do; a flat noisy signal
-almost never does (none in the 40 flat synthetic logs of tests/diagnostics/test_early_warning.py). The
+almost never does (none in the 40 flat synthetic logs of tests/core/test_early_warning.py). The
 reward gets the same detector on −reward, so a report states whether the first alarm came before the reward
 fall, and by how many steps. A non-finite value is an immediate alarm for its signal (a NaN metric is itself
 a symptom). Pure stdlib: reads JSON lines, a JSON list of records, or a TRL/transformers

@@ -46,9 +46,9 @@ from peft import LoraConfig, get_peft_model  # noqa: E402
 
 from triage import token_gap  # noqa: E402
 from triage.kernels import NVFP4LinearConfig, convert_to_nvfp4  # noqa: E402
-from triage.kernels.lora import FrozenNVFP4Linear, NVFP4BaseConfig, base_nbytes  # noqa: E402
+from triage.kernels.frozen_linear import FrozenNVFP4Linear, NVFP4BaseConfig, base_nbytes  # noqa: E402
 from triage.kernels.nvfp4 import QuantRecipe  # noqa: E402
-from triage.trainers.lora import nvfp4_lora  # noqa: E402
+from triage.trainers.peft_nvfp4 import nvfp4_lora  # noqa: E402
 
 SHAPES = {
     "0.6b": dict(

@@ -7,7 +7,8 @@
     model.load_state_dict(dequantized_state_dict("out/"))
 
 What gets quantized: every 2-D floating ``<module>.weight`` whose module name matches none of the ``skip``
-fnmatch patterns (default :data:`DEFAULT_SKIP`: lm_head, embeddings, norms, MoE routers). Everything else
+fnmatch patterns (default :data:`~triage.kernels.skip.DEFAULT_SKIP`, the list ``convert_to_nvfp4`` skips too:
+lm_head, embeddings, norms, MoE routers, score/classifier heads). Everything else
 (norms, embeddings, biases, skipped layers) is written unchanged. Skipped 2-D weights are listed by module
 name in ``exclude_modules`` / ``ignore`` so that engines load them unquantized.
 
@@ -40,7 +41,6 @@ are errors naming the tensor and file.
 from __future__ import annotations
 
 import copy
-import fnmatch
 import json
 import re
 import shutil
@@ -50,6 +50,7 @@ from pathlib import Path
 
 import torch
 
+from ..skip import DEFAULT_SKIP, skip_patterns, skipped
 from .api import quantize
 from .checkpoint_layouts import (
     GROUP_SIZE,
@@ -76,24 +77,9 @@ __all__ = [
     "load_activation_recipes",
     "load_nvfp4_checkpoint",
     "model_config",
-    "write_nvfp4_files",
+    "write_nvfp4_checkpoint",
 ]
 
-#: Module-name patterns (fnmatch) kept in high precision: output head, embeddings, norms, MoE routers.
-DEFAULT_SKIP = (
-    "lm_head",
-    "*.lm_head",
-    "*embed*",  # embed_tokens, embed_in (GPT-NeoX), embed_positions, word_embeddings
-    "wte",
-    "*.wte",
-    "wpe",
-    "*.wpe",
-    "*norm*",
-    "*.mlp.gate",
-    "*block_sparse_moe.gate",
-    "*router*",
-    "*shared_expert_gate",
-)
 #: Sibling modules the engines fuse into one GEMM with one outer scale (vLLM ``packed_modules_mapping``):
 #: q/k/v, gate/up, MLA's q_a/kv_a (DeepSeek-V2/V3), Mixtral-style expert w1/w3.
 FUSED_GROUPS = (
@@ -173,7 +159,8 @@ def export_nvfp4_checkpoint(
             package's arithmetic (:func:`compressed_tensors_quantize`, nearest rounding only).
             ``block="16x16"`` is allowed (its scales are stored per 1x16 row, which engines read as
             ordinary NVFP4).
-        skip: fnmatch patterns on module names to keep high precision (:data:`DEFAULT_SKIP`).
+        skip: fnmatch patterns on module names to keep high precision (a pattern string or a tuple of them;
+            :data:`~triage.kernels.skip.DEFAULT_SKIP`).
         input_amax: ``{module name: calibrated activation amax}`` for W4A4 checkpoints (``input_scale`` /
             ``input_global_scale``; every quantized module needs one). None: weight-only (W4A16) config.
         share_fused_scales: one outer scale per fused group (see the module docstring).
@@ -187,52 +174,130 @@ def export_nvfp4_checkpoint(
     """
     lay = get_layout(layout)
     recipe = _check_recipe(recipe or QuantRecipe(profile=lay.profile), lay)
+    skip = skip_patterns(skip)
     raw = _state_dict(model_or_state_dict)
     _check_fused_experts(model_or_state_dict, raw, skip)
     state = _unfuse_experts(raw)
     if isinstance(model_or_state_dict, torch.nn.Module):  # embeddings stay high precision whatever their name
         embeddings = [n for n, m in model_or_state_dict.named_modules() if isinstance(m, torch.nn.Embedding)]
-        skip = (*((skip,) if isinstance(skip, str) else tuple(skip)), *embeddings)
+        skip = (*skip, *embeddings)
     targets, excluded = _plan(state, skip)
     for m in targets:
         _check_weight(m, state[f"{m}.weight"], recipe)
     groups = _fused_groups(targets, excluded, fused_groups) if share_fused_scales else {}
     weights = _quantize_weights(state, targets, groups, recipe, backend)
 
-    out: dict[str, torch.Tensor] = {}
-    for m in targets:
-        t = weights[f"{m}.weight"]
-        out[f"{m}.{lay.weight}"] = t.data.cpu().contiguous()
-        out[f"{m}.{lay.weight_scale}"] = t.scale.cpu().contiguous()
-        stored = t.global_encode_scale if lay.stores_encode else t.global_scale
-        out[f"{m}.{lay.weight_global}"] = stored.float().cpu().reshape(lay.global_shape).clone()
-
-    input_scales = {}
-    if input_amax is not None:
-        input_scales = _input_scales(input_amax, targets, groups, lay)
-        for m, v in input_scales.items():
-            out[f"{m}.{lay.input_global}"] = torch.tensor(v, dtype=torch.float32).reshape(lay.global_shape)
-
-    quantized = {f"{m}.weight" for m in targets}
-    out.update(_unshared({name: t for name, t in state.items() if name not in quantized}))
-
-    dtype = state[f"{targets[0]}.weight"].dtype if targets else None
+    input_scales = None if input_amax is None else _input_scales(input_amax, targets, groups, lay)
     path = Path(out_dir)
-    files = write_nvfp4_files(
+    files = write_nvfp4_checkpoint(
         path,
-        out,
+        weights,
+        {name: t for name, t in state.items() if name not in weights},
         layout=lay.name,
         config=config if config is not None else _own_config(model_or_state_dict),
-        excluded=excluded,
-        weight_only=input_amax is None,
-        dtype=dtype,
+        input_scales=input_scales,
         max_shard_bytes=max_shard_bytes,
     )
     gen = getattr(model_or_state_dict, "generation_config", None)
     if gen is not None and hasattr(gen, "save_pretrained"):
         gen.save_pretrained(path)
     _copy_tokenizer(path, model_or_state_dict, tokenizer)
-    return ExportResult(path, lay.name, weights, input_scales, excluded, files)
+    return ExportResult(path, lay.name, weights, input_scales or {}, excluded, files)
+
+
+def write_nvfp4_checkpoint(
+    out_dir,
+    quantized: Mapping[str, NVFP4Tensor],
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    layout: str = "modelopt",
+    config=None,
+    input_scales: Mapping[str, float] | None = None,
+    max_shard_bytes: int = 5 * 2**30,
+) -> list[str]:
+    """Write already-quantized weights (their bytes as they are) and other tensors as an NVFP4 checkpoint:
+    the one writer behind :func:`export_nvfp4_checkpoint` and the LoRA base save (``save_nvfp4_lora``).
+
+    ``quantized``: ``{"<module>.weight": NVFP4Tensor}`` (K % 16 == 0, one outer scale per tensor; for an
+    ENCODE-scale layout a recipe of the layout's profiles with a known encode scale), stored per ``layout``
+    (:data:`~triage.kernels.nvfp4.checkpoint_layouts.LAYOUTS`) as packed codes, E4M3 block scales and the
+    outer scale. ``tensors``: every other tensor (norms, embeddings, biases, skipped layers) by state-dict
+    name, written unchanged; its 2-D floating ``<module>.weight`` entries are the config's
+    ``exclude_modules`` / ``ignore`` (engines load them unquantized). ``input_scales``: ``{module: stored
+    activation outer scale}`` in the layout's convention (decode for ModelOpt, encode for compressed-tensors)
+    for a W4A4 config, every quantized module needing one; None: a weight-only (W4A16) config.
+    ``config``: the model config for config.json (a ``PretrainedConfig`` or a dict naming ``architectures``,
+    e.g. :func:`model_config`), whose ``dtype`` defaults to the quantized weights' dtype when they share one.
+    An earlier NVFP4 export in ``out_dir`` is replaced (:func:`_clear_previous_export`).
+    :func:`load_nvfp4_checkpoint` reads the same bytes and decode scales back. Returns the safetensors
+    file names."""
+    lay = get_layout(layout)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in quantized.items():
+        if not name.endswith(".weight"):
+            raise ValueError(
+                f"write_nvfp4_checkpoint: quantized entry {name!r} must be a '<module>.weight' name"
+            )
+        module = name[: -len(".weight")]
+        if t.shape[-1] % GROUP_SIZE:
+            raise ValueError(
+                f"write_nvfp4_checkpoint: {name!r} has K={t.shape[-1]}, not a multiple of {GROUP_SIZE} "
+                "(engines need it)"
+            )
+        if t.global_scale.numel() != 1:
+            raise ValueError(
+                f"write_nvfp4_checkpoint: {name!r} has a per-row outer scale; checkpoints store one per tensor"
+            )
+        if lay.stores_encode:
+            if t.global_encode_scale is None or t.recipe.profile not in lay.profiles:
+                raise ValueError(
+                    f"write_nvfp4_checkpoint: {name!r} (profile {t.recipe.profile!r}) cannot be stored in the "
+                    f"{lay.name!r} layout, which keeps the ENCODE scale; use layout='modelopt'"
+                )
+            stored = t.global_encode_scale
+        else:
+            stored = t.global_scale
+        out[f"{module}.{lay.weight}"] = t.data.detach().cpu().contiguous()
+        out[f"{module}.{lay.weight_scale}"] = t.scale.detach().cpu().contiguous()
+        out[f"{module}.{lay.weight_global}"] = stored.detach().float().cpu().reshape(lay.global_shape).clone()
+    modules = [name[: -len(".weight")] for name in quantized]
+    if input_scales is not None:
+        unknown = sorted(set(input_scales) - set(modules))
+        missing = [m for m in modules if m not in input_scales]
+        if unknown or missing:
+            raise ValueError(
+                f"write_nvfp4_checkpoint: input_scales must name exactly the quantized modules; unknown "
+                f"{unknown[:3]}, missing {missing[:3]}"
+            )
+        for m in modules:
+            v = torch.tensor(float(input_scales[m]), dtype=torch.float32)
+            if not (torch.isfinite(v) and v > 0):
+                raise ValueError(
+                    f"write_nvfp4_checkpoint: input_scales[{m!r}] = {float(v)!r}; must be finite and > 0"
+                )
+            out[f"{m}.{lay.input_global}"] = v.reshape(lay.global_shape)
+    collide = sorted(set(tensors) & set(out))
+    if collide:
+        raise ValueError(
+            f"write_nvfp4_checkpoint: tensor {collide[0]!r} collides with a quantized tensor name"
+        )
+    out.update(_unshared(tensors))
+    excluded = [
+        n.rpartition(".")[0]
+        for n, t in tensors.items()
+        if n.endswith(".weight") and t.dim() == 2 and t.is_floating_point()
+    ]
+    dtypes = {t.dtype for t in quantized.values()}
+    return _write_files(
+        Path(out_dir),
+        out,
+        layout=lay.name,
+        config=config,
+        excluded=excluded,
+        weight_only=input_scales is None,
+        dtype=dtypes.pop() if len(dtypes) == 1 else None,
+        max_shard_bytes=max_shard_bytes,
+    )
 
 
 def _unshared(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -367,9 +432,8 @@ def _check_fused_experts(obj, state: dict[str, torch.Tensor], skip) -> None:
     """Refuse fused experts of a model type whose checkpoint names differ from the ones written here."""
     config = getattr(obj, "config", None)
     model_type = getattr(config, "model_type", None)
-    skip = (skip,) if isinstance(skip, str) else tuple(skip)
     fused = any(
-        k.endswith(".experts.gate_up_proj") and t.dim() == 3 and not _skipped(k.rpartition(".")[0], skip)
+        k.endswith(".experts.gate_up_proj") and t.dim() == 3 and not skipped(k.rpartition(".")[0], skip)
         for k, t in state.items()
     )
     if fused and model_type is not None and model_type not in UNFUSE_MODEL_TYPES:
@@ -435,22 +499,16 @@ def _fuse_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _skipped(module: str, skip) -> bool:
-    return any(fnmatch.fnmatchcase(module, p) for p in skip)
-
-
 def _plan(state: dict[str, torch.Tensor], skip) -> tuple[list[str], list[str]]:
     """(modules to quantize, 2-D weights kept high precision) in state-dict order."""
-    if isinstance(skip, str):
-        skip = (skip,)
     targets, excluded = [], []
     for name, t in state.items():
         if not t.is_floating_point():
             continue
         module = name.rpartition(".")[0]
         if t.dim() == 2 and name.endswith(".weight"):
-            (excluded if _skipped(module, skip) else targets).append(module)
-        elif t.dim() > 2 and not _skipped(module, skip):
+            (excluded if skipped(module, skip) else targets).append(module)
+        elif t.dim() > 2 and not skipped(module, skip):
             raise ValueError(
                 f"export_nvfp4_checkpoint: tensor {name!r} has {t.dim()} dims {tuple(t.shape)}; only 2-D Linear "
                 "weights (and transformers' fused experts gate_up_proj/down_proj) are exported: add it to skip="
@@ -462,7 +520,7 @@ def _fused_groups(targets: list[str], excluded: list[str], fused_groups) -> dict
     """module -> the members of its fused group that exist. Mixed quantized/skipped groups are an error
     (vLLM refuses a fused layer whose shards are not all quantized or all excluded)."""
     present = set(targets)
-    skipped = set(excluded)
+    kept = set(excluded)
     groups: dict[str, tuple[str, ...]] = {}
     for m in targets:
         parent, _, leaf = m.rpartition(".")
@@ -470,7 +528,7 @@ def _fused_groups(targets: list[str], excluded: list[str], fused_groups) -> dict
             if leaf not in names:
                 continue
             members = tuple(f"{parent}.{n}" if parent else n for n in names)
-            mixed = [x for x in members if x in skipped]
+            mixed = [x for x in members if x in kept]
             if mixed:
                 raise ValueError(
                     f"export_nvfp4_checkpoint: fused group {members} has {mixed} skipped but {m!r} quantized; "
@@ -621,7 +679,7 @@ def _clear_previous_export(path: Path) -> None:
         p.unlink()
 
 
-def write_nvfp4_files(
+def _write_files(
     out_dir,
     tensors: Mapping[str, torch.Tensor],
     *,

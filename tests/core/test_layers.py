@@ -21,21 +21,40 @@ FORBIDDEN = {
     ),
     "kernels": ("trl", "triage.trainers", "triage.experiments"),
     "trainers": ("triage.experiments",),
+    # the samplers (and their KV-cache numerics) sit below the diagnostics, which run them
+    "trainers/sampling": ("triage.trainers.diagnostics",),
 }
+#: The installed package of each top-level folder (setup.py ``package_dir``).
+PACKAGES = {"triage": "triage", "kernels": "triage.kernels", "trainers": "triage.trainers"}
+
+
+def _package(path: Path) -> str:
+    """The dotted package a source file belongs to (``trainers/sampling/hf.py`` -> triage.trainers.sampling)."""
+    top, *rest = path.relative_to(ROOT).parent.parts
+    return ".".join((PACKAGES[top], *rest))
 
 
 def _imports(path: Path) -> set[str]:
+    """Absolute names of every module ``path`` imports, relative imports resolved (``from .x import y`` in
+    ``triage.trainers.sampling`` -> ``triage.trainers.sampling.x`` and ``...x.y``, as ``y`` may be a module)."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = _package(path).split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            else:
+                base = node.module
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
     return names
 
 
 @pytest.mark.parametrize("folder", sorted(FORBIDDEN))
 def test_no_upward_imports(folder):
+    """Static imports (top-level and inside functions, absolute and relative) follow the layer rules."""
     offenders = []
     for path in sorted((ROOT / folder).rglob("*.py")):
         for name in _imports(path):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from triage.kernels.lora import FrozenNVFP4Linear
+from triage.kernels.frozen_linear import FrozenNVFP4Linear
 from triage.kernels.nvfp4 import QuantRecipe, quantize
 from triage.trainers.diagnostics.pairs import compare_paths
 from triage.trainers.diagnostics.paths import ExecutionPath, TokenBatch, prepare_model, run_path

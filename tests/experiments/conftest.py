@@ -1,4 +1,5 @@
-"""Shared setup for tests/experiments: no network, Triton interpreter without CUDA, the AIME fixture."""
+"""Shared setup for tests/experiments: no network, Triton interpreter without CUDA (the AIME fixtures are
+suite-wide, in tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -20,22 +21,3 @@ try:  # set before anything imports triton (kernels are imported by some recipe 
 except ImportError:  # pragma: no cover
     pass
 
-import json  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import pytest  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[2]
-AIME24 = REPO.parent / "shared" / "data" / "aime24" / "test.jsonl"
-
-
-@pytest.fixture(scope="session")
-def aime24_path() -> Path:
-    if not AIME24.is_file():
-        pytest.skip(f"AIME-2024 file absent: expected {AIME24} (the shared data folder beside the repo)")
-    return AIME24
-
-
-@pytest.fixture(scope="session")
-def aime24_rows(aime24_path) -> list[dict]:
-    return [json.loads(line) for line in aime24_path.read_text(encoding="utf-8").splitlines() if line.strip()]

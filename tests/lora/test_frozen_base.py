@@ -10,7 +10,7 @@ from lora_testkit import FAST
 from torch import nn
 
 from triage.kernels import NVFP4Linear, NVFP4LinearConfig
-from triage.kernels.lora import FrozenNVFP4Linear, NVFP4BaseConfig, base_nbytes, freeze_nvfp4_base
+from triage.kernels.frozen_linear import FrozenNVFP4Linear, NVFP4BaseConfig, base_nbytes, freeze_nvfp4_base
 from triage.kernels.nvfp4 import QuantRecipe, quantize
 from triage.kernels.nvfp4.gemm import gemm_reference, gemm_w4a16_reference
 

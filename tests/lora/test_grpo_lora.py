@@ -11,7 +11,7 @@ from lora_testkit import FAST
 from peft import LoraConfig
 
 from triage.kernels import NVFP4LinearConfig, convert_to_nvfp4
-from triage.kernels.lora import FrozenNVFP4Linear, NVFP4BaseConfig
+from triage.kernels.frozen_linear import FrozenNVFP4Linear, NVFP4BaseConfig
 from triage.trainers.lora import AQNCallback, AQNConfig, load_nvfp4_lora, nvfp4_lora, save_nvfp4_lora
 
 

@@ -11,22 +11,11 @@ import torch
 from lora_testkit import FAST
 from peft import LoraConfig, get_peft_model
 
-from triage.kernels.lora import FrozenNVFP4Linear, NVFP4BaseConfig
+from triage.kernels.frozen_linear import FrozenNVFP4Linear, NVFP4BaseConfig
 from triage.kernels.nvfp4 import load_nvfp4_checkpoint
-from triage.trainers.lora import (
-    BASE_SUBDIR,
-    AdaptiveQuantizationNoise,
-    AQNCallback,
-    AQNConfig,
-    NVFP4LoraLinear,
-    adapter_parameters,
-    aqn_sigma,
-    describe,
-    load_nvfp4_lora,
-    merged_state_dict,
-    nvfp4_lora,
-    save_nvfp4_lora,
-)
+from triage.trainers.aqn import AdaptiveQuantizationNoise, AQNCallback, AQNConfig, aqn_sigma
+from triage.trainers.lora_io import BASE_SUBDIR, load_nvfp4_lora, merged_state_dict, save_nvfp4_lora
+from triage.trainers.peft_nvfp4 import NVFP4LoraLinear, adapter_parameters, describe, nvfp4_lora
 
 
 def _lora(model, mode="w4a4", **lora):
@@ -121,6 +110,7 @@ def test_unmerged_save_load_round_trip_is_bit_exact(nvfp4_model, tokenizer, tmp_
 
 
 def test_merged_exports_plain_and_requantized(nvfp4_model, tmp_path):
+    from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
     model = _lora(nvfp4_model, mode="w4a16")
@@ -130,6 +120,8 @@ def test_merged_exports_plain_and_requantized(nvfp4_model, tmp_path):
     expect = q.base_layer.dequantized_weight(torch.float32) + q.get_delta_weight("default")
     assert torch.equal(state["model.layers.0.self_attn.o_proj.weight"], expect)
     save_nvfp4_lora(model, tmp_path / "plain", merged=True, layout=None)
+    with safe_open(str(tmp_path / "plain" / "model.safetensors"), "pt") as f:  # what engines read a tied
+        assert "model.embed_tokens.weight" in f.keys()  # embedding from (transformers drops lm_head)
     plain = AutoModelForCausalLM.from_pretrained(tmp_path / "plain")
     with torch.no_grad():  # fp32 activations: the weight-only forward of Ŵ + ΔW, up to fp32 rounding
         torch.testing.assert_close(plain(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
@@ -215,7 +207,7 @@ def test_aqn_folds_channel_noise_into_the_norms_and_restores_them_exactly(nvfp4_
 
 def test_nvfp4_lora_model_loads_converts_and_freezes_a_saved_model(tmp_path):
     from triage.kernels import NVFP4LinearConfig
-    from triage.trainers.lora import nvfp4_lora_model
+    from triage.trainers.peft_nvfp4 import nvfp4_lora_model
     from triage.trainers.tiny import save_tiny_model
 
     path = save_tiny_model(tmp_path / "tiny")
@@ -380,7 +372,7 @@ def test_load_without_base_config_rebuilds_the_saved_numerics(nvfp4_model, token
     """The base's mode and activation recipe are saved beside it: a reload without ``base_config`` computes
     the same logits (a per-token activation scale here, not the default per-tensor one)."""
     from triage.kernels.nvfp4.recipe import QuantRecipe
-    from triage.trainers.lora import BASE_CONFIG_FILE
+    from triage.trainers.lora_io import BASE_CONFIG_FILE
     from triage.trainers.tiny import build_model
 
     cfg = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")

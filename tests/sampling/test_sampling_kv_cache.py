@@ -101,8 +101,8 @@ def test_fp8_cache_moves_logprobs_slightly(tiny_model, tokenizer, prompt_ids):
 
 
 def test_fp8_cache_is_the_diagnostics_emulation(tiny_model, tokenizer, prompt_ids, monkeypatch):
-    """The sampler builds its cache with ``triage.trainers.diagnostics.kvcache.kv_cache`` (no copy of it)."""
-    from triage.trainers.diagnostics import kvcache
+    """The sampler builds its cache with ``triage.trainers.sampling.kvcache.kv_cache`` (no copy of it)."""
+    from triage.trainers.sampling import kvcache
 
     calls = []
     real = kvcache.kv_cache

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .kvcache import GRANULARITIES, KV_FORMATS, cache_argument, kv_cache
+from triage.trainers.sampling.kvcache import GRANULARITIES, KV_FORMATS, cache_argument, kv_cache
+
 from .precision import Precision, convert_linears
 from .strict import strict_alignment
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from triage.kernels.lora import FrozenNVFP4Linear, NVFP4BaseConfig
+from triage.kernels.frozen_linear import FrozenNVFP4Linear, NVFP4BaseConfig
 from triage.kernels.nvfp4 import (
     NVFP4Tensor,
     QuantRecipe,
@@ -259,7 +259,7 @@ def convert_linears(
     weights are quantized (default ``model``; pass the fp32 master when ``model`` is a bf16 copy).
     ``learner=True`` with online W4A4 uses the trainer's own ``triage.kernels.NVFP4Linear`` (sharing the
     master's weight, quantized by the layer's cache, as in training); everything else an engine-side
-    ``triage.kernels.lora.FrozenNVFP4Linear`` with fixed codes (online, or through an NVFP4 checkpoint).
+    ``triage.kernels.frozen_linear.FrozenNVFP4Linear`` with fixed codes (online, or through an NVFP4 checkpoint).
     """
     if not precision.quantized:
         return model

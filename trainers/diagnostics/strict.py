@@ -37,8 +37,8 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from triage.kernels.frozen_linear import FrozenNVFP4Linear
 from triage.kernels.linear import NVFP4Linear
-from triage.kernels.lora import FrozenNVFP4Linear
 
 from .precision import Precision
 

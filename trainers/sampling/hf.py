@@ -25,7 +25,7 @@ the trainer's weights whenever ``trainer.state.global_step`` changes: built once
 ``None``/``"auto"``/``"native"`` keep them in the model's dtype (transformers' ``DynamicCache``); ``"bf16"``
 rounds them through bfloat16 (a no-op on a bf16 model); ``"fp8"``/``"fp8_e4m3"`` store
 ``e4m3(k / s_k) · s_k`` with one scale per layer for K and one for V, ``s = amax / 448`` calibrated on the
-prefill's non-pad positions and then frozen (the emulation of :mod:`triage.trainers.diagnostics.kvcache`). The
+prefill's non-pad positions and then frozen (the emulation of :mod:`triage.trainers.sampling.kvcache`). The
 learner's full-sequence forward never rounds its keys/values, so an fp8 cache adds to the engine mismatch δ.
 """
 
@@ -80,7 +80,7 @@ _KV_FORMAT = {
 
 
 def _kv_format(kv_cache_dtype: str | None) -> str:
-    """``kv_cache_dtype`` → the format name of :func:`triage.trainers.diagnostics.kvcache.kv_cache`."""
+    """``kv_cache_dtype`` → the format name of :func:`triage.trainers.sampling.kvcache.kv_cache`."""
     if not (kv_cache_dtype is None or isinstance(kv_cache_dtype, str)) or kv_cache_dtype not in _KV_FORMAT:
         raise ValueError(
             f"kv_cache_dtype must be None or one of {KV_CACHE_DTYPES} (the HF sampler emulates an fp8 e4m3 "
@@ -96,7 +96,7 @@ def _new_cache(
 
     fmt = _kv_format(kv_cache_dtype)
     if fmt != "native":
-        from triage.trainers.diagnostics.kvcache import kv_cache
+        from .kvcache import kv_cache
 
         return kv_cache(model.config, fmt, attention_mask=attention_mask)
     try:
@@ -116,7 +116,7 @@ def _resolve_decode(decode: str, model: torch.nn.Module, device: torch.device) -
     ``"dynamic"``; an explicit choice the model cannot run is an error."""
     if decode not in DECODES:
         raise ValueError(f"decode must be one of {DECODES}, got {decode!r}")
-    from triage.trainers.diagnostics.kvcache import static_cache_refusal
+    from .kvcache import static_cache_refusal
 
     config = getattr(model, "config", None)
     impl = getattr(config, "_attn_implementation", None)
@@ -224,7 +224,7 @@ def sample_with_kv_cache(
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     eos = torch.tensor(sorted(set(int(e) for e in eos_ids)), dtype=torch.long, device=device)
     processors = _logits_processors(params)
-    from triage.trainers.diagnostics.kvcache import cache_argument, kv_cache
+    from .kvcache import cache_argument, kv_cache
 
     cache_name = cache_argument(model)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model

@@ -150,7 +150,7 @@ def test_nonfinite_expert_weight_or_token_gives_nan():
 
 
 def test_frozen_base_nan_input_gives_nan():
-    from triage.kernels.lora import FrozenNVFP4Linear, NVFP4BaseConfig
+    from triage.kernels.frozen_linear import FrozenNVFP4Linear, NVFP4BaseConfig
 
     torch.manual_seed(0)
     frozen = FrozenNVFP4Linear.from_linear(

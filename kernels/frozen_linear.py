@@ -38,16 +38,16 @@ them, and ``copy.deepcopy`` SHARES them. So a sampler copy of a LoRA model (``HF
 
 Conversion: :func:`freeze_nvfp4_base` turns every :class:`~triage.kernels.NVFP4Linear` of a model into a
 ``FrozenNVFP4Linear`` holding the very bytes the NVFP4Linear computed with (so outputs are unchanged in
-``w4a4`` mode) and drops the master weight. :func:`write_nvfp4_base` / :func:`load_nvfp4_base` keep the base
-in the NVFP4 checkpoint layouts of :mod:`triage.kernels.nvfp4.export` (ModelOpt, compressed-tensors) bit
-for bit. PEFT integration (the LoRA layer class, AQN, adapter export) is in ``triage.trainers.lora``.
+``w4a4`` mode) and drops the master weight. Checkpoints: the kernels' one NVFP4 writer,
+:func:`~triage.kernels.nvfp4.export.write_nvfp4_checkpoint`, stores the bytes of
+:meth:`FrozenNVFP4Linear.quantized_weight` as they are, and :func:`load_nvfp4_base` loads an NVFP4
+checkpoint (ModelOpt, compressed-tensors) back into frozen layers, bit for bit. The PEFT integration (the
+LoRA layer over this base, AQN, adapter save/load) is in ``triage.trainers.lora``.
 """
 
 from __future__ import annotations
 
 import copy
-import fnmatch
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,6 +56,7 @@ from torch import nn
 
 from triage.kernels.nvfp4.recipe import QuantRecipe
 from triage.kernels.nvfp4.tensor import NVFP4Tensor
+from triage.kernels.skip import DEFAULT_SKIP, skip_patterns, skipped
 
 __all__ = [
     "BASE_MODES",
@@ -64,14 +65,11 @@ __all__ = [
     "base_nbytes",
     "freeze_nvfp4_base",
     "load_nvfp4_base",
-    "write_nvfp4_base",
 ]
 
 BASE_MODES = ("w4a4", "w4a16")
 #: Buffers holding the quantized weight: shared by deepcopy, never cast by ``.to(dtype)``.
 QUANT_BUFFERS = ("qweight", "weight_scale", "weight_scale_2", "weight_encode_scale")
-#: Module-name patterns (fnmatch) that :func:`freeze_nvfp4_base` leaves alone (same as convert_to_nvfp4).
-DEFAULT_SKIP = ("lm_head", "*.lm_head", "*embed*", "*score", "*classifier*")
 
 
 @dataclass(frozen=True)
@@ -496,16 +494,6 @@ def _check_mode_fits(config: NVFP4BaseConfig, weight_recipe: QuantRecipe, k: int
         )
 
 
-def _skipped(name: str, skip) -> bool:
-    return any(fnmatch.fnmatchcase(name, p) for p in ((skip,) if isinstance(skip, str) else skip))
-
-
-def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, module)
-
-
 def freeze_nvfp4_base(
     model: nn.Module,
     config: NVFP4BaseConfig | None = None,
@@ -519,17 +507,19 @@ def freeze_nvfp4_base(
 
     ``config``: the frozen layers' :class:`NVFP4BaseConfig` (None: each NVFP4Linear's own input recipe and
     backends, ``mode="w4a4"`` — the same forward as before). ``quantize_linear=True`` also freezes the plain
-    ``nn.Linear`` layers whose qualified name matches none of ``skip`` (quantized with ``recipe``). Layers
-    already frozen are left as they are. Call it before building the optimizer.
+    ``nn.Linear`` layers whose qualified name matches none of ``skip`` (quantized with ``recipe``; default
+    :data:`~triage.kernels.skip.DEFAULT_SKIP`, as ``convert_to_nvfp4``). Layers already frozen are left as
+    they are. Call it before building the optimizer.
     """
     from triage.kernels.linear import NVFP4Linear
 
+    skip = skip_patterns(skip)
     targets = []
     for name, m in model.named_modules():
         if not name:
             continue
         if isinstance(m, NVFP4Linear) or (
-            quantize_linear and type(m) is nn.Linear and not _skipped(name, skip)
+            quantize_linear and type(m) is nn.Linear and not skipped(name, skip)
         ):
             targets.append((name, m))
     for name, m in targets:
@@ -539,7 +529,7 @@ def freeze_nvfp4_base(
             )
         except (ValueError, TypeError) as e:
             raise type(e)(f"freeze_nvfp4_base: layer {name!r}: {e}") from None
-        _set_submodule(model, name, frozen)
+        model.set_submodule(name, frozen)
     return model
 
 
@@ -550,76 +540,6 @@ def base_nbytes(model: nn.Module) -> tuple[int, int]:
 
 
 # ------------------------------------------------------------------------------------------- checkpoints
-
-
-def write_nvfp4_base(
-    out_dir,
-    quantized: Mapping[str, NVFP4Tensor],
-    tensors: Mapping[str, torch.Tensor],
-    *,
-    layout: str = "modelopt",
-    config=None,
-) -> Path:
-    """Write already-quantized weights (bytes as they are) and other tensors as an NVFP4 checkpoint.
-
-    ``quantized``: ``{"<module>.weight": NVFP4Tensor}`` (K % 16 == 0, per-tensor outer scale); ``tensors``:
-    every other tensor (norms, embeddings, biases, skipped layers) by state-dict name. The layout is one of
-    :data:`triage.kernels.nvfp4.checkpoint_layouts.LAYOUTS`; the config is weight-only (``W4A16_NVFP4`` /
-    no ``input_activations``): the activation scales of a W4A4 engine need calibration (see
-    :func:`~triage.kernels.nvfp4.export_nvfp4_checkpoint`). ``load_nvfp4_checkpoint`` reads the same bytes
-    and decode scales back. ``config``: the model config (a ``PretrainedConfig`` or a dict naming
-    ``architectures``, e.g. ``export.model_config(model)``) for config.json. Files are written as by the
-    exporter (:func:`~triage.kernels.nvfp4.export.write_nvfp4_files`: an earlier export in ``out_dir`` is
-    replaced).
-    """
-    from triage.kernels.nvfp4.checkpoint_layouts import get_layout
-    from triage.kernels.nvfp4.export import _unshared, write_nvfp4_files
-
-    lay = get_layout(layout)
-    out: dict[str, torch.Tensor] = {}
-    for name, t in quantized.items():
-        if not name.endswith(".weight"):
-            raise ValueError(f"write_nvfp4_base: quantized entry {name!r} must be a '<module>.weight' name")
-        module = name[: -len(".weight")]
-        if t.shape[-1] % 16:
-            raise ValueError(
-                f"write_nvfp4_base: {name!r} has K={t.shape[-1]}, not a multiple of 16 (engines need it)"
-            )
-        if t.global_scale.numel() != 1:
-            raise ValueError(
-                f"write_nvfp4_base: {name!r} has a per-row outer scale; checkpoints store one per tensor"
-            )
-        if lay.stores_encode:
-            if t.global_encode_scale is None or t.recipe.profile not in lay.profiles:
-                raise ValueError(
-                    f"write_nvfp4_base: {name!r} (profile {t.recipe.profile!r}) cannot be stored in the {lay.name!r} "
-                    "layout, which keeps the ENCODE scale; use layout='modelopt'"
-                )
-            stored = t.global_encode_scale
-        else:
-            stored = t.global_scale
-        out[f"{module}.{lay.weight}"] = t.data.detach().cpu().contiguous()
-        out[f"{module}.{lay.weight_scale}"] = t.scale.detach().cpu().contiguous()
-        out[f"{module}.{lay.weight_global}"] = stored.detach().float().cpu().reshape(lay.global_shape).clone()
-    collide = sorted(set(tensors) & set(out))
-    if collide:
-        raise ValueError(f"write_nvfp4_base: tensor {collide[0]!r} collides with a quantized tensor name")
-    out.update(_unshared(tensors))
-    excluded = sorted(
-        {n.rsplit(".", 1)[0] for n, t in tensors.items() if n.endswith(".weight") and t.dim() == 2}
-    )
-    dtypes = {t.dtype for t in quantized.values()}
-    path = Path(out_dir)
-    write_nvfp4_files(
-        path,
-        out,
-        layout=lay.name,
-        config=config,
-        excluded=excluded,
-        weight_only=True,
-        dtype=dtypes.pop() if len(dtypes) == 1 else None,
-    )
-    return path
 
 
 def load_nvfp4_base(
@@ -662,7 +582,7 @@ def load_nvfp4_base(
         if bias is not None:
             bias = bias.to(device, old.bias.dtype)
         frozen = FrozenNVFP4Linear(w, bias, cfg)
-        _set_submodule(model, m, frozen)
+        model.set_submodule(m, frozen)
     missing, unexpected = model.load_state_dict({k: v.to(device) for k, v in rest.items()}, strict=False)
     if unexpected:
         raise ValueError(f"load_nvfp4_base: checkpoint tensors the model does not have: {unexpected[:5]}")
