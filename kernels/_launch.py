@@ -24,12 +24,9 @@ from __future__ import annotations
 import functools
 import os
 
-try:
-    import triton
+import triton
 
-    HAVE_TRITON = True
-except ImportError:  # pragma: no cover
-    HAVE_TRITON = False
+from triage.kernels.nvfp4.device import interpreting
 
 #: Global switch (read at import): ``TRIAGE_FAST_LAUNCH=0`` restores Triton's own launch path everywhere.
 ENABLED = os.environ.get("TRIAGE_FAST_LAUNCH", "1") != "0"
@@ -45,10 +42,6 @@ def next_power_of_2(n: int) -> int:
     """Smallest power of two ≥ ``n`` (as ``triton.next_power_of_2``: 0 for ``n`` ≤ 0), for host code (see
     :func:`cdiv`)."""
     return 0 if n <= 0 else 1 << (int(n) - 1).bit_length()
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _hooks_active() -> bool:
@@ -80,7 +73,7 @@ class FastLaunch:
     def __init__(self, fn) -> None:
         self.fn = fn
         self.compiled: dict = {}
-        self.fast = ENABLED and HAVE_TRITON and not _interpreting() and hasattr(fn, "device_caches")
+        self.fast = ENABLED and not interpreting() and hasattr(fn, "device_caches")
         self.hits = 0
 
     def __getitem__(self, grid):

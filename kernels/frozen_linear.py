@@ -82,8 +82,8 @@ class NVFP4BaseConfig:
         input_recipe: activation quantizer for ``w4a4`` (1×16 blocks along K; no Hadamard).
         cache_expanded: keep the exact bf16 expansion ``q·s`` of the weight (+2 bytes/param) for the
             cuBLAS large-M path and the input gradient; off by default (memory first).
-        gemm_backend / quant_backend: passed to :func:`~triage.kernels.nvfp4.gemm.gemm` /
-            :func:`~triage.kernels.nvfp4.gemm.gemm_w4a16` and :func:`~triage.kernels.nvfp4.quantize`.
+        gemm_backend / quant_backend: passed to :func:`~triage.kernels.nvfp4.gemm` /
+            :func:`~triage.kernels.nvfp4.gemm_w4a16` and :func:`~triage.kernels.nvfp4.quantize`.
     """
 
     mode: str = "w4a4"
@@ -252,7 +252,7 @@ class FrozenNVFP4Linear(nn.Module):
     def expansion(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """The exact ``q·s`` [N, Kp] (outer scale NOT applied) in ``dtype`` (bf16, fp16 and fp32 all hold it
         exactly). With ``config.cache_expanded`` a bf16 copy is kept and reused; otherwise it is temporary."""
-        from triage.kernels.nvfp4.gemm import expand
+        from triage.kernels.nvfp4.matmul import expand
 
         def expanded(dt: torch.dtype) -> torch.Tensor:
             if self.config.gemm_backend == "reference":  # the torch twin of ``expand``
@@ -290,7 +290,7 @@ class FrozenNVFP4Linear(nn.Module):
         return self.weight_scale_2.float().reshape(-1)
 
     def _compute(self, x: torch.Tensor) -> torch.Tensor:
-        from triage.kernels.nvfp4.gemm import gemm, gemm_w4a16
+        from triage.kernels.nvfp4.matmul import gemm, gemm_w4a16
 
         cfg = self.config
         K, N = self.in_features, self.out_features
@@ -314,7 +314,7 @@ class FrozenNVFP4Linear(nn.Module):
         return y.reshape(*x.shape[:-1], N)
 
     def _uses_cublas(self, m: int) -> bool:
-        from triage.kernels.nvfp4 import gemm as g
+        from triage.kernels.nvfp4 import matmul as g
 
         b = self.config.gemm_backend
         on_gpu = self.qweight.device.type == "cuda"

@@ -22,7 +22,7 @@ Backward, ``mode="nvfp4-backward"`` (Transformer-Engine style, also straight-thr
     db = Σ dy
 
 (the wgrad operands dyᵀ, xᵀ are quantized straight from the row-major dy, x by
-:func:`~triage.kernels.nvfp4.triton_quant_t.quantize_columnwise`: no transposed copy, same bytes)
+:func:`~triage.kernels.nvfp4.quantize_columns.quantize_columnwise`: no transposed copy, same bytes)
 
 W_qᵀ reuses the forward quantization: with 16×16 weight blocks (``weight_recipe.block="16x16"``) the
 per-tile scale is the same for W and Wᵀ, so W_qᵀ is W_q's codes and scales transposed (no second
@@ -32,7 +32,7 @@ Stochastic rounding keeps the gradient estimator unbiased; its seed is ``grad_re
 module call counter (deterministic run to run, different every step).
 
 Forward GEMM: for more than ``SMALL_M`` rows the activation quantizer also writes the exact bf16 ``q·s``
-(``emit_expanded``) and the GEMM runs on expansions (see :mod:`triage.kernels.nvfp4.gemm`); decode-sized
+(``emit_expanded``) and the GEMM runs on expansions (see :mod:`triage.kernels.nvfp4.matmul`); decode-sized
 inputs stream the packed weight instead.
 
 Weight cache. ``W_q`` (and, for the large-M path, its exact bf16 expansion ``q·s`` and its per-tensor decode
@@ -146,7 +146,7 @@ class NVFP4LinearConfig:
         wgrad_recipe: both wgrad operands (dyᵀ, xᵀ) in ``nvfp4-backward``: Hadamard + 1×16 along tokens,
             ``pad=True`` so any token count works (zero padding contributes nothing to dyᵀ·x).
         mode: ``"bf16-backward"`` or ``"nvfp4-backward"`` (see the module docstring).
-        gemm_backend / quant_backend: passed to :func:`~triage.kernels.nvfp4.gemm.gemm` and
+        gemm_backend / quant_backend: passed to :func:`~triage.kernels.nvfp4.gemm` and
             :func:`~triage.kernels.nvfp4.quantize` (``"auto"`` picks by device).
     """
 
@@ -193,7 +193,7 @@ def _quantize(
 def _quantize_t(x: torch.Tensor, recipe: QuantRecipe, backend: str, seed: int | None = None) -> NVFP4Tensor:
     """``quantize(x.T, recipe)`` of a 2-D ``x`` without the transposed copy (Triton backends; the torch
     backend materializes ``x.T``): 1×16 blocks along x's rows (the tokens), byte-identical."""
-    from triage.kernels.nvfp4.triton_quant_t import quantize_columnwise
+    from triage.kernels.nvfp4.quantize_columns import quantize_columnwise
 
     return nan_if_nonfinite(quantize_columnwise(x, recipe, backend=backend, seed=seed), x)
 
@@ -251,7 +251,7 @@ class _WeightCache:
         self.scale_host = None
         self.transposed = None
         if uses_expanded:
-            from triage.kernels.nvfp4.gemm import expand
+            from triage.kernels.nvfp4.matmul import expand
 
             self.expanded = expand(q)  # returns q.expanded (no extra pass) when the quantizer wrote it
         if config.mode == "nvfp4-backward":
@@ -277,15 +277,15 @@ class _WeightCache:
 
 def _uses_expanded_weight(config: NVFP4LinearConfig, device: torch.device) -> bool:
     """Whether large-M forwards run on the exact bf16 expansions (cached for the weight)."""
-    from triage.kernels.nvfp4.gemm_triton import interpreting
+    from triage.kernels.nvfp4.device import triton_runs_on
 
     if config.gemm_backend in ("cublas", "triton"):
         return True
-    return config.gemm_backend == "auto" and (device.type == "cuda" or interpreting())
+    return config.gemm_backend == "auto" and triton_runs_on(device)
 
 
 def _large_m(config: NVFP4LinearConfig, rows: int, device: torch.device) -> bool:
-    from triage.kernels.nvfp4.gemm import SMALL_M
+    from triage.kernels.nvfp4.matmul import SMALL_M
 
     return rows > SMALL_M and _uses_expanded_weight(config, device)
 
@@ -295,7 +295,7 @@ class _NVFP4LinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, config: NVFP4LinearConfig, cache: _WeightCache, counter: list):
-        from triage.kernels.nvfp4.gemm import gemm
+        from triage.kernels.nvfp4.matmul import gemm
 
         K = x.shape[-1]
         x2 = x.reshape(-1, K)
@@ -332,7 +332,7 @@ class _NVFP4LinearFn(torch.autograd.Function):
             if ctx.needs_input_grad[1]:
                 dw = (dy2.T @ x2.to(dy2.dtype)).to(weight.dtype)
         else:
-            from triage.kernels.nvfp4.gemm import gemm
+            from triage.kernels.nvfp4.matmul import gemm
 
             ctx.counter[0] += 1
             seed = (config.grad_recipe.seed + 2 * ctx.counter[0]) % 2**32

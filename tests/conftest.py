@@ -18,9 +18,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
     for _module in (
-        "triage.kernels.nvfp4.triton_quant",
-        "triage.kernels.nvfp4.triton_quant_t",
-        "triage.kernels.nvfp4.gemm_triton",
+        "triage.kernels.nvfp4.quantize_rows",
+        "triage.kernels.nvfp4.dequantize_rows",
+        "triage.kernels.nvfp4.quantize_columns",
+        "triage.kernels.nvfp4.gemm_dense",
+        "triage.kernels.nvfp4.gemm_decode",
         "triage.kernels.moe.grouped_triton",
         "triage.kernels.logprob_triton",
     ):

@@ -28,7 +28,7 @@ the Hadamard transform and 1×16 blocks along the tokens, all experts at once:
 2. ``dyᵀ`` [N, L] and ``x_rowsᵀ`` [K, L] are quantized ONCE each with ``wgrad`` (``dy``: the recipe's
    rounding, stochastic by default, one seed; ``x``: always nearest, as the dense layer), on CUDA (and
    under the Triton interpreter, unless ``backend="reference"``) straight from the sorted rows of ``dy`` / the tokens of ``x`` by
-   :func:`~triage.kernels.nvfp4.triton_quant_t.quantize_columnwise` (the layout, the top-k gather and the
+   :func:`~triage.kernels.nvfp4.quantize_columns.quantize_columnwise` (the layout, the top-k gather and the
    transpose happen inside the quantizer: nothing [L, C] is written; byte-identical to quantizing the
    materialized transposed layout, which the plain-CPU path still does). No 16-block
    straddles two experts, so every block (Hadamard rotation, block scale, codes) is the one a per-expert
@@ -290,10 +290,12 @@ def nvfp4_wgrad(
     )
     emit = torch.bfloat16 if expanded else None
     x_recipe = replace(cfg.wgrad, rounding="nearest")
+    from triage.kernels.nvfp4.device import interpreting
+
     # CUDA (or the interpreter, unless the reference GEMM was asked for): straight from the sorted rows,
     # byte-identical to the materialized path of the else branch
-    if dy.is_cuda or (_interpreting() and cfg.backend != "reference"):
-        from triage.kernels.nvfp4.triton_quant_t import quantize_columnwise
+    if dy.is_cuda or (interpreting() and cfg.backend != "reference"):
+        from triage.kernels.nvfp4.quantize_columns import quantize_columnwise
 
         dyq = quantize_columnwise(
             dy, cfg.wgrad, seed=seed, dest=dest, length=length, emit_expanded=emit, backend="triton"
@@ -310,23 +312,17 @@ def nvfp4_wgrad(
     return grouped_wgrad(dyq, xq, padded, out_dtype=out_dtype, backend=cfg.backend, validate=False)
 
 
-def _interpreting() -> bool:
-    from triage.kernels.nvfp4.triton_quant import interpreting
-
-    return interpreting()
-
-
 def _qbackend(t: torch.Tensor) -> str:
     """Quantizer backend: Triton on CUDA, the (byte-identical) torch reference on CPU."""
     return "auto" if t.is_cuda else "torch"
 
 
 def _auto_backend(x: torch.Tensor) -> str:
-    from triage.kernels.nvfp4.gemm_triton import interpreting
+    from triage.kernels.nvfp4.device import triton_runs_on
 
     from .grouped_gemm import LARGE_BACKEND
 
-    return LARGE_BACKEND if (x.is_cuda or interpreting()) else "reference"
+    return LARGE_BACKEND if triton_runs_on(x.device) else "reference"
 
 
 def grouped_nvfp4_linear(x, weight, offsets, cfg: MoEQuantConfig, gather=None, cache=None) -> torch.Tensor:

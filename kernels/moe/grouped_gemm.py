@@ -7,7 +7,7 @@ empty). Expert weights ``w`` are NVFP4 [E, N, K] with a per-expert outer scale (
 sorted input: every expert reads the same quantized tokens, so the amax is computed once, not per expert)
 or one per row.
 
-Math (as in the dense GEMM, :mod:`triage.kernels.nvfp4.gemm`): with ``q·s`` exact in fp16/bf16,
+Math (as in the dense GEMM, :mod:`triage.kernels.nvfp4.matmul`): with ``q·s`` exact in fp16/bf16,
 
     y[t, n] = g_a[t] · g_w[e(t), n] · Σ_k (q_a s_a)[t, k] · (q_w s_w)[e(t), n, k]
 
@@ -45,7 +45,8 @@ from __future__ import annotations
 
 import torch
 
-from triage.kernels.nvfp4.gemm import _E2M1, _hadamard, _k_of, _padded, expand
+from triage.kernels.nvfp4.format import e2m1_decode
+from triage.kernels.nvfp4.matmul import check_same_transform, expand, operand_k, padded_k
 
 __all__ = [
     "LARGE_BACKEND",
@@ -120,17 +121,12 @@ def check_offsets(offsets: torch.Tensor, num_rows: int, num_experts: int) -> Non
 
 
 def _check_operands(a, w, offsets, out_dtype, validate, rows=None):
-    Ka, Kw = _k_of(a, "a"), _k_of(w, "w")
+    Ka, Kw = operand_k(a, "a"), operand_k(w, "w")
     if len(tuple(a.shape)) != 2 or len(tuple(w.shape)) != 3:
         raise ValueError(f"a must be [T, K] and w [E, N, K], got {tuple(a.shape)} and {tuple(w.shape)}")
     if Ka != Kw:
         raise ValueError(f"reduction dims differ: a has K={Ka}, w has K={Kw}")
-    ha, hw = _hadamard(a), _hadamard(w)
-    if (ha is None) != (hw is None):
-        raise ValueError(
-            "recipes do not fit: exactly one operand went through the Hadamard transform "
-            f"(a: {ha!r}, w: {hw!r}); a·wᵀ is only preserved when both did (H·Hᵀ = I)"
-        )
+    check_same_transform(a, w, "a", "w")
     if out_dtype not in _OUT_DTYPES:
         raise ValueError(f"out_dtype must be one of {_OUT_DTYPES}, got {out_dtype}")
     if a.data.device != w.data.device or offsets.device != a.data.device:
@@ -138,7 +134,7 @@ def _check_operands(a, w, offsets, out_dtype, validate, rows=None):
     T, (E, N, _) = a.shape[0], tuple(w.shape)
     if validate:
         check_offsets(offsets, T if rows is None else rows, E)
-    return T, E, N, _padded(Ka)
+    return T, E, N, padded_k(Ka)
 
 
 def _outer_a(a, T: int) -> torch.Tensor:
@@ -178,9 +174,9 @@ def dequantize64(t, crop: bool = True) -> torch.Tensor:
     ``crop=False`` keeps the padded columns [..., Kp]: after a Hadamard transform they are not zero, and a
     product of two padded operands contracts over all Kp columns (as the dense ``gemm_reference``).
     """
-    Kp = _padded(t.shape[-1])
+    Kp = padded_k(t.shape[-1])
     codes = torch.stack([t.data & 0xF, t.data >> 4], dim=-1).reshape(*t.data.shape[:-1], Kp).long()
-    q = torch.tensor(_E2M1, dtype=torch.float64, device=t.data.device)[codes]
+    q = e2m1_decode(codes).double()
     s = t.scale.double().repeat_interleave(16, dim=-1)
     v = q * s * t.global_scale.double()
     return v[..., : t.shape[-1]] if crop else v
@@ -244,11 +240,11 @@ def _try_grouped_mm(a, b, ends):
 
 
 def _pick(backend: str, device: torch.device) -> str:
-    from triage.kernels.nvfp4.gemm_triton import interpreting
+    from triage.kernels.nvfp4.device import triton_runs_on
 
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-    gpu = device.type == "cuda" or interpreting()
+    gpu = triton_runs_on(device)
     if backend == "auto":
         return LARGE_BACKEND if gpu else "reference"
     if backend in ("triton", "triton_expanded") and not gpu:
@@ -344,7 +340,7 @@ def padded_segments(offsets: torch.Tensor, num_rows: int) -> tuple[torch.Tensor,
     padded[1:] = torch.cumsum((counts + 15) // 16 * 16, 0)
     expert = torch.repeat_interleave(torch.arange(E, device=dev), counts, output_size=num_rows)
     dest = torch.arange(num_rows, device=dev) + (padded[:-1] - offsets[:-1].long())[expert]
-    return padded, dest, _padded(num_rows + 15 * E)
+    return padded, dest, padded_k(num_rows + 15 * E)
 
 
 def pad_segments(
@@ -356,7 +352,7 @@ def pad_segments(
 
 
 def _check_wgrad(a, b, offsets, out_dtype, validate):
-    La, Lb = _k_of(a, "a"), _k_of(b, "b")
+    La, Lb = operand_k(a, "a"), operand_k(b, "b")
     if len(tuple(a.shape)) != 2 or len(tuple(b.shape)) != 2:
         raise ValueError(f"a must be [M, L] and b [N, L], got {tuple(a.shape)} and {tuple(b.shape)}")
     if La != Lb:
@@ -433,7 +429,7 @@ def grouped_wgrad(
     if which == "reference":
         return grouped_wgrad_reference(a, b, offsets, out_dtype=out_dtype, validate=False)
     g_a, g_b = _outer_rows(a, M, "a"), _outer_rows(b, N, "b")
-    L = _padded(a.shape[-1])
+    L = padded_k(a.shape[-1])
     offs = offsets.contiguous()
     if which == "grouped_mm":
         acc = grouped_mm(expand(a, torch.bfloat16), expand(b, torch.bfloat16).t(), offs).float()

@@ -6,7 +6,7 @@ expert after expert (each expert wastes at most one partial tile), so the grid h
 and experts with zero rows own zero tiles. Unused tiles exit at once.
 
 Operands are packed NVFP4 (uint8 codes + e4m3 block scales, unpacked and scaled exactly in registers by the
-dense GEMM's ``_load_tile``) or dense fp16/bf16 (for example the exact ``q·s`` expansion), each independently.
+dense GEMMs' :func:`~triage.kernels.nvfp4.device.load_tile`) or dense fp16/bf16 (for example the exact ``q·s`` expansion), each independently.
 ``rows`` (optional, int32/int64 [R]): row r of the product reads row ``rows[r]`` of A (the MoE top-k gather),
 so the routed copy of the activations is never materialized; per-row ``g_a`` is indexed the same way.
 Epilogue in fp32: ``acc · 2¹⁴ per packed operand · g_a (none / scalar / per row) · g_b (per expert / per
@@ -23,16 +23,16 @@ import triton
 import triton.language as tl
 
 from triage.kernels._launch import cdiv, fast_launch
-from triage.kernels.nvfp4.gemm_triton import (
+from triage.kernels.nvfp4.device import (
     UNPACK_FACTOR,
-    _epilogue,
-    _load_tile,
-    _scale_mode,
-    _swizzled_tile,
+    epilogue,
     interpreting,
+    load_tile,
+    scale_mode,
+    swizzled_tile,
 )
+from triage.kernels.nvfp4.gemm_dense import bf16_by_hand, dot_config
 
-_TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 #: GPU tile of the grouped GEMM: the best of the H200 sweep (bench_grouped_gemm.py --sweep, 2026-11-29:
 #: 128x256x64 w8 s3 at 501 / 414 TFLOP/s on gate_up / down, vs 402 / 301 for 128x128x64 w8 s4).
 GROUPED_CONFIG = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)
@@ -106,7 +106,7 @@ def _grouped_gemm_kernel(
                 k_ok = offs_k < K
                 a_mask = m_ok[:, None] & k_ok[None, :]
                 b_mask = k_ok[:, None] & n_ok[None, :]
-            a = _load_tile(
+            a = load_tile(
                 a_ptr,
                 a_scale_ptr,
                 a_rows[:, None],
@@ -119,7 +119,7 @@ def _grouped_gemm_kernel(
                 A_PACKED,
                 DOT_DTYPE,
             )
-            b = _load_tile(
+            b = load_tile(
                 b_e,
                 bs_e,
                 offs_n[None, :],
@@ -154,18 +154,6 @@ def tile_table(offsets: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch
     return tile_end, tiles
 
 
-def _dot_dtype(a, a_packed: bool, b, b_packed: bool, what: str) -> tuple[torch.dtype, str]:
-    """tl.dot operand dtype and precision: the dense operands' dtype (fp16 when both are packed); fp32
-    "ieee" under the interpreter for bf16 (its bf16 tl.dot is broken; fp32 holds q·s exactly)."""
-    dense = [t.dtype for t, p in ((a, a_packed), (b, b_packed)) if not p]
-    if dense and any(d != dense[0] for d in dense):
-        raise TypeError(f"dense {what} operands must share a dtype, got {dense}")
-    dot_dtype = dense[0] if dense else torch.float16
-    if interpreting() and dot_dtype == torch.bfloat16:
-        dot_dtype = torch.float32
-    return dot_dtype, "ieee" if dot_dtype == torch.float32 else "tf32"
-
-
 def launch_grouped_gemm(
     a: torch.Tensor,
     a_scale: torch.Tensor | None,
@@ -187,7 +175,7 @@ def launch_grouped_gemm(
     T, N = out.shape
     E = offsets.numel() - 1
     a_packed, b_packed = a_scale is not None, b_scale is not None
-    dot_dtype, precision = _dot_dtype(a, a_packed, b, b_packed, "grouped-GEMM")
+    dot_dtype, precision = dot_config(a, a_packed, b, b_packed, "grouped-GEMM")
     if config is None:
         if interpreting():
             config = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=1)
@@ -207,7 +195,7 @@ def launch_grouped_gemm(
     tile_expert = tile_expert.to(torch.int32)
     tile_row0 = tile_row0.to(torch.int64)
     dummy = out
-    ga_mode = _scale_mode(g_a)
+    ga_mode = scale_mode(g_a)
     gb_row = g_b.dim() == 2
     grid = (n_tiles, cdiv(N, cfg["BLOCK_N"]))
     if T == 0 or N == 0 or E == 0:
@@ -246,7 +234,7 @@ def launch_grouped_gemm(
         GB_ROW=gb_row,
         GATHER=rows is not None,
         EVEN_K=K % cfg["BLOCK_K"] == 0,
-        DOT_DTYPE=_TL_DTYPE[dot_dtype],
+        DOT_DTYPE=dot_dtype,
         INPUT_PRECISION=precision,
         num_warps=num_warps,
         num_stages=num_stages,
@@ -310,7 +298,7 @@ def _grouped_wgrad_kernel(
     """
     pid = tl.program_id(0)
     e = tl.program_id(1)
-    pid_m, pid_n = _swizzled_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = swizzled_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = offs_m < M
@@ -326,7 +314,7 @@ def _grouped_wgrad_kernel(
         for k0 in range(k_first, seg_end, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_ok = (offs_k >= seg_start) & (offs_k < seg_end)
-            a = _load_tile(
+            a = load_tile(
                 a_ptr,
                 a_scale_ptr,
                 rows_a[:, None],
@@ -339,7 +327,7 @@ def _grouped_wgrad_kernel(
                 A_PACKED,
                 DOT_DTYPE,
             )
-            b = _load_tile(
+            b = load_tile(
                 b_ptr,
                 b_scale_ptr,
                 rows_b[None, :],
@@ -353,7 +341,7 @@ def _grouped_wgrad_kernel(
                 DOT_DTYPE,
             )
             acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-        _epilogue(
+        epilogue(
             acc,
             offs_m,
             offs_n,
@@ -399,7 +387,7 @@ def launch_grouped_wgrad(
     """
     E, M, N = out.shape
     a_packed, b_packed = a_scale is not None, b_scale is not None
-    dot_dtype, precision = _dot_dtype(a, a_packed, b, b_packed, "grouped-wgrad")
+    dot_dtype, precision = dot_config(a, a_packed, b, b_packed, "grouped-wgrad")
     if config is None:
         if interpreting():
             config = _INTERPRETER_WGRAD_CONFIG
@@ -436,10 +424,10 @@ def launch_grouped_wgrad(
         UNPACK_FACTOR ** (int(a_packed) + int(b_packed)),
         A_PACKED=a_packed,
         B_PACKED=b_packed,
-        GA_MODE=_scale_mode(g_a),
-        GB_MODE=_scale_mode(g_b),
-        BF16_BY_HAND=interpreting() and out.dtype == torch.bfloat16,
-        DOT_DTYPE=_TL_DTYPE[dot_dtype],
+        GA_MODE=scale_mode(g_a),
+        GB_MODE=scale_mode(g_b),
+        BF16_BY_HAND=bf16_by_hand(out),
+        DOT_DTYPE=dot_dtype,
         INPUT_PRECISION=precision,
         num_warps=num_warps,
         num_stages=num_stages,

@@ -1,7 +1,8 @@
-"""NVFP4 formats, recipes, reference quantizers and Triton kernels (``triage.kernels.nvfp4``).
+"""NVFP4 formats, recipes, reference quantizers, GEMMs and Triton kernels (``triage.kernels.nvfp4``).
 
-Public contract: ``quantize(x, recipe) -> NVFP4Tensor``, ``dequantize(t)``, ``QuantRecipe``, ``NVFP4Tensor``
-and the format helpers. See docs/nvfp4.md.
+Public contract: ``quantize(x, recipe) -> NVFP4Tensor``, ``dequantize(t)``, ``QuantRecipe``, ``NVFP4Tensor``,
+the format helpers and the GEMMs ``gemm(a, b)`` (W4A4), ``gemm_w4a16(x, w)`` and ``expand(t)`` with their
+torch twins. See docs/nvfp4.md and docs/kernels.md. Importing this package does not import triton.
 """
 
 from .api import dequantize, quantize
@@ -28,6 +29,7 @@ from .format import (
     unswizzle_scales,
 )
 from .hadamard import TE_SIGNS, hadamard16, hadamard16_matrix, inverse_hadamard16
+from .matmul import expand, gemm, gemm_reference, gemm_w4a16, gemm_w4a16_reference
 from .recipe import PROFILES, QuantRecipe
 from .reference import dequantize_reference, quantize_reference
 from .tensor import NVFP4Tensor
@@ -50,7 +52,12 @@ __all__ = [
     "e2m1_decode",
     "e4m3_decode",
     "e4m3_encode",
+    "expand",
     "export_nvfp4_checkpoint",
+    "gemm",
+    "gemm_reference",
+    "gemm_w4a16",
+    "gemm_w4a16_reference",
     "hadamard16",
     "hadamard16_matrix",
     "inverse_hadamard16",

@@ -14,9 +14,9 @@ BACKENDS = ("auto", "triton", "torch")
 
 
 def _triton_usable(x: torch.Tensor) -> bool:
-    from . import triton_quant
+    from .device import available
 
-    return triton_quant.available(x.device)
+    return available(x.device)
 
 
 def quantize(
@@ -54,7 +54,7 @@ def quantize(
         if emit_expanded is not None:
             t.expanded = t.block_values().to(emit_expanded)
         return t
-    from .triton_quant import quantize_triton
+    from .quantize_rows import quantize_triton
 
     return quantize_triton(x, recipe, seed=seed, emit_expanded=emit_expanded)
 
@@ -68,6 +68,6 @@ def dequantize(t: NVFP4Tensor, dtype: torch.dtype | None = None, *, backend: str
         raise ValueError(f"dequantize: backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "torch" or (backend == "auto" and not _triton_usable(t.data)):
         return t.dequantize(dtype)
-    from .triton_quant import dequantize_triton
+    from .dequantize_rows import dequantize_triton
 
     return dequantize_triton(t, dtype)

@@ -10,6 +10,7 @@ import pytest
 triton = pytest.importorskip("triton")
 
 from triage.kernels import _launch  # noqa: E402
+from triage.kernels.nvfp4.device import interpreting  # noqa: E402
 
 
 class _Compiled:
@@ -111,7 +112,7 @@ def test_unexpected_triton_internals_fall_back_for_good(fake_gpu):
 
 def test_interpreter_and_callable_grids_use_tritons_path(fake_gpu):
     launcher = _launch.FastLaunch(_FakeJIT())
-    assert launcher.fast is (_launch.ENABLED and not _launch._interpreting())
+    assert launcher.fast is (_launch.ENABLED and not interpreting())
     launcher.fast = True
     launcher[lambda meta: (1,)]("x", 32)
     assert launcher.fn.slow_calls == 1 and launcher.hits == 0

@@ -11,8 +11,7 @@ from torch import nn
 
 from triage.kernels import NVFP4Linear, NVFP4LinearConfig
 from triage.kernels.frozen_linear import FrozenNVFP4Linear, NVFP4BaseConfig, base_nbytes, freeze_nvfp4_base
-from triage.kernels.nvfp4 import QuantRecipe, quantize
-from triage.kernels.nvfp4.gemm import gemm_reference, gemm_w4a16_reference
+from triage.kernels.nvfp4 import QuantRecipe, gemm_reference, gemm_w4a16_reference, quantize
 
 
 def _frozen(n=40, k=48, *, bias=True, recipe=None, seed=0, scale=1.0, **config):

@@ -10,8 +10,8 @@ import torch
 from _dense_operands import device, random_nvfp4, rel_err
 
 from triage.kernels.nvfp4 import QuantRecipe, quantize
-from triage.kernels.nvfp4 import gemm_triton as gt
-from triage.kernels.nvfp4.gemm import (
+from triage.kernels.nvfp4 import gemm_decode as gd
+from triage.kernels.nvfp4.matmul import (
     SMALL_M,
     expand,
     gemm,
@@ -38,12 +38,12 @@ def test_decode_kernel_w4a16(M, split_k, xdtype, N, K):
     w = random_nvfp4((N, K), gen=gen, scale="row", zero_block_frac=0.2)
     bias = torch.randn(N, generator=gen).to(device())
     out = _poisoned(M, N)
-    gt.launch_decode(x, w.data, w.scale, K, out, None, w.global_scale.reshape(-1), bias, split_k=split_k)
+    gd.launch_decode(x, w.data, w.scale, K, out, None, w.global_scale.reshape(-1), bias, split_k=split_k)
     assert not torch.isnan(out).any(), "unwritten output"
     ref = gemm_w4a16_reference(x, w, out_dtype=torch.float64, bias=bias)
     assert rel_err(out, ref) < FP32_TOL
     again = torch.empty_like(out)
-    gt.launch_decode(x, w.data, w.scale, K, again, None, w.global_scale.reshape(-1), bias, split_k=split_k)
+    gd.launch_decode(x, w.data, w.scale, K, again, None, w.global_scale.reshape(-1), bias, split_k=split_k)
     assert torch.equal(out, again)  # deterministic split-K
 
 
@@ -128,7 +128,7 @@ def test_decode_rejects_large_m():
     w = random_nvfp4((8, 32), gen=gen)
     x = torch.zeros(65, 32, dtype=torch.bfloat16, device=device())
     with pytest.raises(ValueError, match="M <= 64"):
-        gt.launch_decode(x, w.data, w.scale, 32, torch.empty(65, 8, device=device()), None, None, None)
+        gd.launch_decode(x, w.data, w.scale, 32, torch.empty(65, 8, device=device()), None, None, None)
 
 
 @pytest.mark.parametrize("xmode", [0, 1, 2])
@@ -141,7 +141,7 @@ def test_decode_kernel_variants(xmode, prefetch, N, K):
     w = random_nvfp4((N, K), gen=gen, scale="row", zero_block_frac=0.2)
     cfg = dict(BM=16, BN=16, NB=2, SPLIT_K=2, num_warps=4, num_stages=1, XMODE=xmode, PREFETCH=prefetch)
     out = _poisoned(5, N)
-    gt.launch_decode(x, w.data, w.scale, K, out, None, w.global_scale.reshape(-1), None, config=cfg)
+    gd.launch_decode(x, w.data, w.scale, K, out, None, w.global_scale.reshape(-1), None, config=cfg)
     assert rel_err(out, gemm_w4a16_reference(x, w, out_dtype=torch.float64)) < FP32_TOL
 
 
@@ -156,11 +156,11 @@ def test_decode_paired_scale_same_bits(xdtype, M, N, K):
     w = random_nvfp4((N, K), gen=gen, scale="row", scale_exp=(-9, 4), zero_block_frac=0.2)
     w.scale.view(torch.uint8)[3, 1] = 0x7F  # e4m3 NaN: row 3 NaN on both paths
     g_b = w.global_scale.reshape(-1)
-    cfg = gt.decode_config(M, N, K, 2)
+    cfg = gd.decode_config(M, N, K, 2)
     outs = []
     for paired in (False, True):
         out = _poisoned(M, N, torch.bfloat16)
-        gt.launch_decode(x, w.data, w.scale, K, out, None, g_b, None, config=dict(cfg, PAIRED_SCALE=paired))
+        gd.launch_decode(x, w.data, w.scale, K, out, None, g_b, None, config=dict(cfg, PAIRED_SCALE=paired))
         outs.append(out)
     assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
     fin = torch.arange(N, device=out.device) != 3
@@ -195,7 +195,7 @@ def test_decode_fused_splitk_reduce_bit_identical(M, case):
     # early would find in a reused workspace), then on x
     for fused, xs in ((False, x), (True, -x), (True, x)):
         out = _poisoned(M, N, odtype)
-        gt.launch_decode(xs, w.data, w.scale, K, out, g_a, g_b, bias, split_k=split, fused_reduce=fused,
+        gd.launch_decode(xs, w.data, w.scale, K, out, g_a, g_b, bias, split_k=split, fused_reduce=fused,
                          counters=cnt if fused else None)  # fmt: skip
         assert not torch.isnan(out).any(), "unwritten output"
         assert not cnt.any(), "ticket counters not reset"
@@ -218,16 +218,16 @@ def test_decode_fused_splitk_default_counters_and_config_switch():
     for fused in (True, False, None):
         out = _poisoned(3, 40)
         c = dict(cfg) if fused is None else dict(cfg, FUSED_REDUCE=fused)
-        gt.launch_decode(x, w.data, w.scale, 96, out, None, g_b, None, config=c)
+        gd.launch_decode(x, w.data, w.scale, 96, out, None, g_b, None, config=c)
         outs.append(out)
     out = _poisoned(3, 40)  # the keyword wins over the config
-    gt.launch_decode(x, w.data, w.scale, 96, out, None, g_b, None, config=dict(cfg, FUSED_REDUCE=True),
+    gd.launch_decode(x, w.data, w.scale, 96, out, None, g_b, None, config=dict(cfg, FUSED_REDUCE=True),
                      fused_reduce=False)  # fmt: skip
     outs.append(out)
     assert all(torch.equal(outs[0], o) for o in outs[1:])
-    cached = gt.splitk_counters(out.device, 3)
+    cached = gd.splitk_counters(out.device, 3)
     assert cached.numel() >= 3 and not cached.any()
-    assert gt.splitk_counters(out.device, cached.numel() + 1).numel() > cached.numel()  # grows
+    assert gd.splitk_counters(out.device, cached.numel() + 1).numel() > cached.numel()  # grows
     with pytest.raises(ValueError, match="counters"):
-        gt.launch_decode(x, w.data, w.scale, 96, out, None, g_b, None, config=cfg,
+        gd.launch_decode(x, w.data, w.scale, 96, out, None, g_b, None, config=cfg,
                          counters=torch.zeros(2, dtype=torch.int32, device=device()))  # fmt: skip

@@ -8,8 +8,8 @@ import pytest
 import torch
 from _dense_operands import device, random_nvfp4, rel_err
 
-from triage.kernels.nvfp4 import gemm_triton as gt
-from triage.kernels.nvfp4.gemm import (
+from triage.kernels.nvfp4 import gemm_dense
+from triage.kernels.nvfp4.matmul import (
     _dequantize64,
     expand,
     gemm,
@@ -78,7 +78,7 @@ def test_split_k_decode_path_is_exact_and_writes_everything(split_k):
     b = random_nvfp4((N, K), gen=gen)
     bias = torch.randn(N, generator=gen).to(device())
     out = _poisoned(M, N, torch.float32)
-    gt.launch_gemm(
+    gemm_dense.launch_gemm(
         a.data,
         a.scale,
         b.data,
@@ -95,7 +95,7 @@ def test_split_k_decode_path_is_exact_and_writes_everything(split_k):
     assert rel_err(out, ref) < FP32_TOL
     # deterministic: same bits twice
     again = torch.empty_like(out)
-    gt.launch_gemm(
+    gemm_dense.launch_gemm(
         a.data,
         a.scale,
         b.data,

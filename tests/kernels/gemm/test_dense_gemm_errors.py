@@ -8,7 +8,7 @@ import pytest
 import torch
 from _dense_operands import device, random_nvfp4
 
-from triage.kernels.nvfp4.gemm import gemm, gemm_w4a16
+from triage.kernels.nvfp4.matmul import gemm, gemm_w4a16
 
 
 @pytest.fixture

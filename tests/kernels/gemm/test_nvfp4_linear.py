@@ -12,7 +12,7 @@ from torch import nn
 from triage.kernels import NVFP4Linear, NVFP4LinearConfig, convert_from_nvfp4, convert_to_nvfp4
 from triage.kernels.linear import transpose_16x16
 from triage.kernels.nvfp4 import QuantRecipe, quantize
-from triage.kernels.nvfp4.gemm import gemm_reference
+from triage.kernels.nvfp4.matmul import gemm_reference
 
 # the torch reference quantizer keeps the CPU tests fast; the GEMMs run in the Triton interpreter
 CFG = NVFP4LinearConfig(quant_backend="torch")

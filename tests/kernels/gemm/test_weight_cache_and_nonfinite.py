@@ -16,7 +16,7 @@ from torch import nn
 from triage.kernels import NVFP4Linear, NVFP4LinearConfig
 from triage.kernels.moe.experts import MoEQuantConfig, NVFP4MoeExperts
 from triage.kernels.nvfp4 import QuantRecipe, quantize
-from triage.kernels.nvfp4.gemm import gemm
+from triage.kernels.nvfp4.matmul import gemm
 
 CFG = NVFP4LinearConfig(quant_backend="torch", gemm_backend="reference")
 OPTIMIZERS = {

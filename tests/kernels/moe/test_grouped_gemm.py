@@ -15,7 +15,7 @@ from triage.kernels.moe import (
 )
 from triage.kernels.moe.experts import MoEQuantConfig, grouped_nvfp4_linear
 from triage.kernels.nvfp4.api import quantize
-from triage.kernels.nvfp4.gemm import gemm_reference
+from triage.kernels.nvfp4.matmul import gemm_reference
 from triage.kernels.nvfp4.recipe import QuantRecipe
 
 COUNTS = {

@@ -11,7 +11,7 @@ from triage.kernels.moe.grouped_gemm import (
 )
 from triage.kernels.moe.grouped_triton import launch_grouped_wgrad
 from triage.kernels.nvfp4.api import quantize
-from triage.kernels.nvfp4.gemm import gemm_reference
+from triage.kernels.nvfp4.matmul import gemm_reference
 from triage.kernels.nvfp4.recipe import QuantRecipe
 
 # padded segment lengths (multiples of 16; the interpreter's BLOCK_K is 32, so 16 and 48 end mid-tile and

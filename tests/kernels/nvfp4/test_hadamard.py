@@ -22,8 +22,8 @@ from triage.kernels.nvfp4.hadamard import (
     hadamard16_matrix,
     inverse_hadamard16,
 )
-from triage.kernels.nvfp4.triton_quant import quantize_triton
-from triage.kernels.nvfp4.triton_quant_t import quantize_columnwise
+from triage.kernels.nvfp4.quantize_columns import quantize_columnwise
+from triage.kernels.nvfp4.quantize_rows import quantize_triton
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy overflow casts in the interpreter
@@ -220,17 +220,17 @@ _PTX_SCRIPT = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from triage.kernels.nvfp4 import triton_quant, triton_quant_t
+    from triage.kernels.nvfp4 import device, quantize_columns, quantize_rows
 
-    common = {"PROPAGATE_NAN": False, "HADAMARD": True, "ROUND": 0, "SIGNS": triton_quant.SIGN_MASK, "NB": 4}
+    common = {"PROPAGATE_NAN": False, "HADAMARD": True, "ROUND": 0, "SIGNS": device.SIGN_MASK, "NB": 4}
     kernels = {
         "tiled (_rht16)": (
-            triton_quant._amax_tiled_kernel,
+            quantize_rows._amax_tiled_kernel,
             {"x_ptr": "*fp32", "amax_ptr": "*i32", "rows_per_group": "i32", "K": "i32", "KP": "i32"},
             {**common, "BR": 64},
         ),
         "columnwise (_quarter)": (
-            triton_quant_t._amax_colwise_kernel,
+            quantize_columns._amax_colwise_kernel,
             {"x_ptr": "*fp32", "src_ptr": "*fp32", "buf_ptr": "*i32", "C": "i32", "L": "i32", "sx0": "i32"},
             {**common, "sx1": 1, "TILES": 1, "PER_ROW": False, "HAS_SRC": False, "BC": 16},
         ),

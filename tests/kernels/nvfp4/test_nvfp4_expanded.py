@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from triage.kernels.nvfp4 import PROFILES, QuantRecipe, quantize
+from triage.kernels.nvfp4.dequantize_rows import expand_triton
 from triage.kernels.nvfp4.fuzz import adversarial
-from triage.kernels.nvfp4.gemm import expand, host_decode_scale
-from triage.kernels.nvfp4.triton_quant import expand_triton
+from triage.kernels.nvfp4.matmul import expand, host_decode_scale
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 warnings.filterwarnings("ignore", category=RuntimeWarning)

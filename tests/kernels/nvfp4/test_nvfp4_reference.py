@@ -18,7 +18,7 @@ from triage.kernels.nvfp4 import (
     unswizzle_scales,
 )
 from triage.kernels.nvfp4.fuzz import adversarial, midpoint_tensor
-from triage.kernels.nvfp4.triton_quant_t import quantize_columnwise
+from triage.kernels.nvfp4.quantize_columns import quantize_columnwise
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")

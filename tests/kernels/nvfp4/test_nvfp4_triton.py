@@ -130,13 +130,13 @@ def test_triton_matches_reference_hypothesis(
 
 
 def test_triton_backend_errors_on_cpu_without_interpreter(monkeypatch):
-    from triage.kernels.nvfp4 import triton_quant
+    from triage.kernels.nvfp4 import device
 
-    monkeypatch.setattr(triton_quant, "interpreting", lambda: False)
+    monkeypatch.setattr(device, "interpreting", lambda: False)
     if DEV == "cpu":
         with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
             quantize(torch.randn(2, 16), backend="triton")
-    assert triton_quant.available(torch.device("cpu")) is False
+    assert device.available(torch.device("cpu")) is False
 
 
 @pytest.mark.parametrize("profile", PROFILES)
@@ -152,7 +152,7 @@ def test_triton_bf16_pair_fast_path(profile, variant):
     against the reference and the general path, bytes and emit_expanded: several K chunks with a partial last
     chunk (K = 16·21 with 8-block chunks), rows not a multiple of the tile, non-contiguous input, and shapes
     that fall back (fp16, K % 16 != 0, an odd storage offset)."""
-    from triage.kernels.nvfp4.triton_quant import quantize_triton
+    from triage.kernels.nvfp4.quantize_rows import quantize_triton
 
     x = adversarial(37 if "block" not in variant else 48, 16 * 21, seed=21, device=DEV)
     assert x.dtype == torch.bfloat16

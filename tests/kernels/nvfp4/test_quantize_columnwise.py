@@ -13,9 +13,9 @@ import torch
 from _same_bytes import assert_same_bytes
 
 from triage.kernels.nvfp4 import PROFILES, QuantRecipe, quantize
-from triage.kernels.nvfp4 import triton_quant_t as qt
+from triage.kernels.nvfp4 import quantize_columns as qt
 from triage.kernels.nvfp4.fuzz import adversarial
-from triage.kernels.nvfp4.triton_quant_t import columnwise_matrix, quantize_columnwise
+from triage.kernels.nvfp4.quantize_columns import columnwise_matrix, quantize_columnwise
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 warnings.filterwarnings("ignore", category=RuntimeWarning)  # numpy overflow/NaN casts in the interpreter

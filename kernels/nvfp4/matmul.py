@@ -12,7 +12,7 @@ bf16/fp16 operands (that would round).
 
 Two regimes on Hopper (see docs/kernels.md for the H200 numbers):
 
-* small M (≤ :data:`SMALL_M`, decode; memory-bound): :func:`~.gemm_triton.launch_decode` streams the packed
+* small M (≤ :data:`SMALL_M`, decode; memory-bound): :func:`~.gemm_decode.launch_decode` streams the packed
   weight once (0.5625 B/param), unpacks it in registers to the exact ``q·s`` and runs a swap-AB tensor-core
   dot against the (few) activation rows; split-K with a deterministic reduction.
 * large M (training, prefill; compute-bound): no unpacking in the inner loop. The operands' exact
@@ -56,6 +56,8 @@ from collections.abc import Callable
 
 import torch
 
+from .format import e2m1_decode
+
 __all__ = [
     "LARGE_M_BACKEND",
     "SMALL_M",
@@ -73,7 +75,6 @@ LARGE_M_BACKEND = "cublas"
 #: Up to this many rows the memory-bound decode tiling is used.
 SMALL_M = 64
 
-_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _BACKENDS = ("auto", "triton", "cublas", "fused", "dot_scaled", "reference")
 
@@ -83,7 +84,7 @@ _BACKENDS = ("auto", "triton", "cublas", "fused", "dot_scaled", "reference")
 # ---------------------------------------------------------------------------------------------------
 
 
-def _k_of(t, name: str) -> int:
+def operand_k(t, name: str) -> int:
     """Validate an NVFP4 operand; return its logical K (``data``/``scale`` cover K padded to 16)."""
     for attr in ("data", "scale", "global_scale", "shape"):
         if not hasattr(t, attr):
@@ -109,7 +110,8 @@ def _k_of(t, name: str) -> int:
     return K
 
 
-def _padded(K: int) -> int:
+def padded_k(K: int) -> int:
+    """K rounded up to the NVFP4 block (16): the width ``data`` / ``scale`` cover."""
     return -(-K // 16) * 16
 
 
@@ -135,27 +137,33 @@ def _outer_scale(t, name: str) -> torch.Tensor:
     )
 
 
-def _hadamard(t) -> object:
+def hadamard_of(t) -> object:
+    """The Hadamard transform ``t``'s recipe applied, or None."""
     recipe = getattr(t, "recipe", None)
     h = getattr(recipe, "hadamard", None)
     return h if h not in (False, 0, "none") else None
 
 
+def check_same_transform(a, b, name_a: str, name_b: str) -> None:
+    """Both operands went through the Hadamard transform, or neither (``a·bᵀ = (aH)·(bH)ᵀ`` needs both)."""
+    ha, hb = hadamard_of(a), hadamard_of(b)
+    if (ha is None) != (hb is None):
+        raise ValueError(
+            "recipes do not fit: exactly one operand went through the Hadamard transform "
+            f"({name_a}: {ha!r}, {name_b}: {hb!r}); {name_a}·{name_b}ᵀ is only preserved when both did (H·Hᵀ = I)"
+        )
+
+
 def _check_pair(a, b, bias, out_dtype, reference: bool = False) -> tuple[int, int, int]:
-    Ka = _k_of(a, "a")
-    Kb = _k_of(b, "b")
+    Ka = operand_k(a, "a")
+    Kb = operand_k(b, "b")
     if len(tuple(b.shape)) != 2:
         raise ValueError(f"b (the weight) must be 2-D [N, K], got shape {tuple(b.shape)}")
     if Ka != Kb:
         raise ValueError(f"reduction dims differ: a has K={Ka}, b has K={Kb}")
     if a.data.device != b.data.device:
         raise ValueError(f"a is on {a.data.device} but b is on {b.data.device}")
-    ha, hb = _hadamard(a), _hadamard(b)
-    if (ha is None) != (hb is None):
-        raise ValueError(
-            "recipes do not fit: exactly one operand went through the Hadamard transform "
-            f"(a: {ha!r}, b: {hb!r}); a·bᵀ is only preserved when both did (H·Hᵀ = I)"
-        )
+    check_same_transform(a, b, "a", "b")
     N = b.shape[0]
     _check_out(out_dtype, bias, N, b.data.device, reference)
     return _rows(a.shape), N, Ka
@@ -183,10 +191,10 @@ def _dequantize64(t, crop: bool = True) -> torch.Tensor:
     a W4A4 product of two padded operands contracts over all Kp columns (that is what preserves a·bᵀ).
     """
     K = t.shape[-1]
-    Kp = _padded(K)
+    Kp = padded_k(K)
     data = t.data.reshape(-1, Kp // 2)
     codes = torch.stack([data & 0xF, data >> 4], dim=-1).reshape(-1, Kp).long()
-    q = torch.tensor(_E2M1, dtype=torch.float64, device=data.device)[codes]
+    q = e2m1_decode(codes).double()
     s = t.scale.reshape(-1, Kp // 16).double().repeat_interleave(16, dim=1)
     g = _outer_scale(t, "operand").double()
     v = q * s * (g if g.numel() == 1 else g[:, None])
@@ -217,9 +225,9 @@ def gemm_w4a16_reference(x: torch.Tensor, w, *, out_dtype=None, bias=None) -> to
 
 
 def _gpu_ready(device: torch.device) -> bool:
-    from triage.kernels.nvfp4.gemm_triton import interpreting
+    from triage.kernels.nvfp4.device import triton_runs_on
 
-    return device.type == "cuda" or interpreting()
+    return triton_runs_on(device)
 
 
 def _pick(backend: str, M: int, device: torch.device) -> str:
@@ -247,7 +255,7 @@ def expand(t, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     exactly) or fp32. Returns ``t.expanded`` when the quantizer already wrote it in ``dtype``; otherwise a
     bandwidth-bound Triton kernel on CUDA or under the interpreter, torch elsewhere.
     """
-    K = _padded(_k_of(t, "t"))
+    K = padded_k(operand_k(t, "t"))
     if dtype not in _OUT_DTYPES:
         raise ValueError(f"dtype must be one of {_OUT_DTYPES}, got {dtype}")
     cached = getattr(t, "expanded", None)
@@ -256,12 +264,12 @@ def expand(t, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     data = t.data.reshape(-1, K // 2)
     scale = t.scale.reshape(-1, K // 16)
     if _gpu_ready(data.device):
-        from triage.kernels.nvfp4.triton_quant import expand_triton
+        from triage.kernels.nvfp4.dequantize_rows import expand_triton
 
         out = expand_triton(data, scale, K, dtype)
     else:
         codes = torch.stack([data & 0xF, data >> 4], dim=-1).reshape(-1, K).long()
-        q = torch.tensor(_E2M1, dtype=torch.float32, device=data.device)[codes]
+        q = e2m1_decode(codes)
         out = (q * scale.float().repeat_interleave(16, dim=1)).to(dtype)
     return out.reshape(*tuple(t.shape)[:-1], K)
 
@@ -290,9 +298,9 @@ def host_decode_scale(t) -> float:
     fixes it (``scale="none"``, static or checkpoint source: the quantizer's own host computation);
     otherwise one device→host read."""
     if _host_known(t):
-        from triage.kernels.nvfp4.triton_quant import _given_outer
+        from triage.kernels.nvfp4.device import given_outer
 
-        return _given_outer(t.recipe)[1]
+        return given_outer(t.recipe)[1]
     return float(t.global_scale.reshape(-1)[0])
 
 
@@ -374,7 +382,7 @@ def gemm(
     optional [M, N] buffer (M = rows of a) of ``out_dtype`` to write into.
     """
     M, N, K = _check_pair(a, b, bias, out_dtype)
-    K = _padded(K)  # both operands carry the same zero padding
+    K = padded_k(K)  # both operands carry the same zero padding
     lead = tuple(a.shape)[:-1]
     device = a.data.device
     which = _pick(backend, M, device)
@@ -383,15 +391,15 @@ def gemm(
         out.copy_(gemm_reference(a, b, out_dtype=out_dtype, bias=bias).reshape(M, N))
         return out.reshape(*lead, N)
     g_a, g_b = _outer_scale(a, "a"), _outer_scale(b, "b")
-    from triage.kernels.nvfp4 import gemm_triton as gt
+    from triage.kernels.nvfp4 import gemm_decode, gemm_dense
 
     a_data, a_scale = a.data.reshape(M, K // 2), a.scale.reshape(M, K // 16)
     if which == "dot_scaled":
-        gt.launch_dot_scaled(a_data, a_scale, b.data, b.scale, K, out, g_a, g_b, bias)
+        gemm_dense.launch_dot_scaled(a_data, a_scale, b.data, b.scale, K, out, g_a, g_b, bias)
     elif which == "fused":
-        gt.launch_gemm(a_data, a_scale, b.data, b.scale, K, out, g_a, g_b, bias)
+        gemm_dense.launch_gemm(a_data, a_scale, b.data, b.scale, K, out, g_a, g_b, bias)
     elif which == "triton" and M <= SMALL_M:  # decode: stream the packed weight
-        gt.launch_decode(expand(a, torch.float16).reshape(M, K), b.data, b.scale, K, out, g_a, g_b, bias)
+        gemm_decode.launch_decode(expand(a, torch.float16).reshape(M, K), b.data, b.scale, K, out, g_a, g_b, bias)
     else:
         xa = expand(a).reshape(M, K)
         wb = b_expanded if b_expanded is not None else expand(b)
@@ -404,7 +412,7 @@ def gemm(
             if not per_tensor or (needs_sync and 2.0 * M * N * K < SYNC_FREE_MAX_FLOP):
                 which = "triton"
         if which == "triton":
-            gt.launch_gemm(xa, None, wb, None, K, out, g_a, g_b, bias)
+            gemm_dense.launch_gemm(xa, None, wb, None, K, out, g_a, g_b, bias)
         elif per_tensor:  # cuBLAS, scales folded into alpha
             gb = _host_scale(b, b_scale_host)
             alpha = float(torch.tensor(host_decode_scale(a)) * torch.tensor(gb))  # RN(g_a·g_b) in fp32
@@ -428,7 +436,7 @@ def _out_buffer(out, M: int, N: int, dtype: torch.dtype, device: torch.device) -
 
 
 def _check_w4a16(x: torch.Tensor, w, bias, out_dtype, reference: bool = False) -> tuple[int, int, int]:
-    K = _k_of(w, "w")
+    K = operand_k(w, "w")
     if len(tuple(w.shape)) != 2:
         raise ValueError(f"w (the weight) must be 2-D [N, K], got shape {tuple(w.shape)}")
     if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != K:
@@ -437,7 +445,7 @@ def _check_w4a16(x: torch.Tensor, w, bias, out_dtype, reference: bool = False) -
         raise ValueError(f"x must be bf16 or fp16 (W4A16), got {x.dtype}")
     if x.device != w.data.device:
         raise ValueError(f"x is on {x.device} but w is on {w.data.device}")
-    if _hadamard(w) is not None:
+    if hadamard_of(w) is not None:
         raise ValueError("recipes do not fit: w went through the Hadamard transform, x did not")
     _check_out(out_dtype or x.dtype, bias, w.shape[0], x.device, reference)
     return _rows(x.shape), w.shape[0], K
@@ -473,18 +481,18 @@ def gemm_w4a16(
         return out.reshape(*x.shape[:-1], N)
     g_w = _outer_scale(w, "w")
     x2 = x.reshape(M, K)
-    from triage.kernels.nvfp4 import gemm_triton as gt
+    from triage.kernels.nvfp4 import gemm_decode, gemm_dense
 
     if which == "fused":
-        gt.launch_gemm(x2, None, w.data, w.scale, K, out, None, g_w, bias)
+        gemm_dense.launch_gemm(x2, None, w.data, w.scale, K, out, None, g_w, bias)
     elif which == "triton" and M <= SMALL_M:
-        gt.launch_decode(x2, w.data, w.scale, K, out, None, g_w, bias)
+        gemm_decode.launch_decode(x2, w.data, w.scale, K, out, None, g_w, bias)
     else:
         wx = (w_expanded if w_expanded is not None else expand(w, x.dtype))[:, :K]
         if which == "cublas" and backend == "auto" and g_w.numel() != 1 and x.device.type == "cuda":
             which = "triton"
         if which == "triton":
-            gt.launch_gemm(x2, None, wx, None, K, out, None, g_w, bias)
+            gemm_dense.launch_gemm(x2, None, wx, None, K, out, None, g_w, bias)
         elif g_w.numel() == 1:
             _alpha_mm(x2, wx, _host_scale(w, w_scale_host), bias, out)
         else:

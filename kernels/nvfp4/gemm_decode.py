@@ -1,0 +1,422 @@
+"""The small-M (decode) NVFP4 GEMM kernel behind :func:`triage.kernels.nvfp4.gemm` and ``gemm_w4a16`` for
+M ≤ ``SMALL_M`` (memory-bound): :func:`launch_decode`.
+
+It streams the packed weight once (0.5625 B/param) as int32 words, turns each word into eight exact
+``e2m1·2⁻¹⁴`` fp16 values (on the GPU with bf16 activations ``e2m1·2⁻¹²⁶`` bf16) with a few integer ops
+(:func:`_unpack_words`), multiplies them by the block's e4m3 scale (exact: ≤ 6 significant bits) and runs a
+swap-AB tensor-core dot against the few activation rows, fp32 accumulation; the epilogue undoes the unpack
+bias and applies the outer scales (:func:`~.device.epilogue`). Split-K with a deterministic reduction:
+folded into the kernel (:func:`_splitk_last_reduces`, the default) or the dense GEMM's second kernel
+(:func:`~.gemm_dense.splitk_reduce`), same bits. Tiles: :data:`DECODE_CONFIG`, :data:`DECODE_CONFIG_M16`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from triage.kernels._launch import cdiv, fast_launch, next_power_of_2
+from triage.kernels.nvfp4.device import (
+    INTERPRETED,
+    UNPACK_FACTOR,
+    e4m3_nan,
+    epilogue,
+    interpreting,
+    scale_mode,
+)
+from triage.kernels.nvfp4.gemm_dense import bf16_by_hand, dot_config, num_sms, splitk_reduce
+
+#: Element order of one unpacked word (:func:`_unpack_words`): position p holds element ``WORD_ORDER[p]``.
+#: Each adjacent pair is one 32-bit register of the bit trick, so no repacking; the activation is loaded in
+#: the same order (the dot product does not care about the order of K).
+WORD_ORDER = (0, 4, 2, 6, 1, 5, 3, 7)
+
+
+@triton.jit
+def _scale_pairs(r, sdw):
+    """``r`` (uint32: two bf16 bit patterns) times ``sdw`` (uint32: the block scale in both halves), one
+    ``mul.rn.bf16x2`` per word: the same HMUL2 the default path runs, with no half-swaps around it."""
+    return tl.inline_asm_elementwise(
+        "mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [r, sdw], dtype=tl.uint32, is_pure=True, pack=1
+    )
+
+
+@triton.jit
+def _unpack_words(q, BF16: tl.constexpr, sdw=None, PAIRED: tl.constexpr = False):
+    """Packed codes as int32 words [R, W] (8 nibbles each, element 8w+i in nibble i) -> ``e2m1·2⁻¹⁴`` in
+    fp16 (``BF16``: ``e2m1·2⁻¹²⁶`` in bf16) as [R, W, 2, 2, 2], read in :data:`WORD_ORDER` when flattened.
+
+    ``(u & 0x80008000) | ((u & 0x70007000) >> 3)`` turns the nibbles in bits 12-15 and 28-31 of ``u`` into
+    two fp16 bit patterns at once (sign to bit 15, exponent/mantissa bits to 11-9: the module docstring's
+    trick); ``>> 6`` puts them at bf16's 8-6 instead (exponent field e, mantissa bit m: ``e2m1·2⁻¹²⁶``, code 1
+    the bf16 subnormal 2⁻¹²⁷). Shifting the word left by 12, 8, 4, 0 brings nibbles 0/4, 1/5, 2/6, 3/7 there.
+    """
+    u = q.to(tl.uint32, bitcast=True)
+    SH: tl.constexpr = 6 if BF16 else 3
+    r0 = ((u << 12) & 0x80008000) | (((u << 12) & 0x70007000) >> SH)  # elements 0 (low half), 4 (high)
+    r1 = ((u << 8) & 0x80008000) | (((u << 8) & 0x70007000) >> SH)  # 1, 5
+    r2 = ((u << 4) & 0x80008000) | (((u << 4) & 0x70007000) >> SH)  # 2, 6
+    r3 = (u & 0x80008000) | ((u & 0x70007000) >> SH)  # 3, 7
+    if PAIRED:  # PAIRED_SCALE (bf16 only): the block scale times the packed pairs (sdw: [R, W] uint32)
+        r0 = _scale_pairs(r0, sdw)
+        r1 = _scale_pairs(r1, sdw)
+        r2 = _scale_pairs(r2, sdw)
+        r3 = _scale_pairs(r3, sdw)
+    DT: tl.constexpr = tl.bfloat16 if BF16 else tl.float16
+    lo = tl.join(
+        tl.join(
+            (r0 & 0xFFFF).to(tl.uint16).to(DT, bitcast=True), (r1 & 0xFFFF).to(tl.uint16).to(DT, bitcast=True)
+        ),
+        tl.join(
+            (r2 & 0xFFFF).to(tl.uint16).to(DT, bitcast=True), (r3 & 0xFFFF).to(tl.uint16).to(DT, bitcast=True)
+        ),
+    )
+    hi = tl.join(
+        tl.join((r0 >> 16).to(tl.uint16).to(DT, bitcast=True), (r1 >> 16).to(tl.uint16).to(DT, bitcast=True)),
+        tl.join((r2 >> 16).to(tl.uint16).to(DT, bitcast=True), (r3 >> 16).to(tl.uint16).to(DT, bitcast=True)),
+    )
+    # join(lo, hi)[j, t, u] = (lo, hi)[u][j, t] = half u of r[2t + j]: flat 4j + 2t + u -> WORD_ORDER
+    return tl.join(lo, hi)
+
+
+@triton.jit
+def _decode_loads(
+    w_rows, s_rows, x_ptr, kb, kb_end, jw, jb, j, j_perm, offs_m, m_ok, n_ok, stride_xm, K, KB,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, XMODE: tl.constexpr, BM: tl.constexpr, BW: tl.constexpr,
+    BK: tl.constexpr,
+):  # fmt: skip
+    """One K step of :func:`_decode_kernel` from 16-block ``kb``: code words [BN, BW], e4m3 scales [BN, NB]
+    and the activation tile xᵀ [BK, BM] in :data:`WORD_ORDER`; blocks at or past ``kb_end`` (≤ KB) read 0."""
+    cw = kb * 2 + jw
+    cb = kb + jb
+    if EVEN_N:
+        q = tl.load(w_rows + cw[None, :], mask=cw[None, :] < 2 * kb_end, other=0)
+        s = tl.load(s_rows + cb[None, :], mask=cb[None, :] < kb_end, other=0.0)
+    else:
+        q = tl.load(w_rows + cw[None, :], mask=n_ok[:, None] & (cw[None, :] < 2 * kb_end), other=0)
+        s = tl.load(s_rows + cb[None, :], mask=n_ok[:, None] & (cb[None, :] < kb_end), other=0.0)
+    kk = kb * 16 + j_perm
+    k_end = kb_end * 16
+    if EVEN_K and XMODE == 2:  # natural [BM, BK] load (16-byte vectors), WORD_ORDER applied in registers
+        kn = kb * 16 + j
+        xn = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + kn[None, :],
+            mask=m_ok[:, None] & (kn[None, :] < k_end),
+            other=0.0,
+        )
+        xt = tl.trans(tl.reshape(tl.permute(tl.reshape(xn, (BM, BW, 2, 2, 2)), (0, 1, 4, 3, 2)), (BM, BK)))
+    elif EVEN_K and XMODE == 1:
+        xt = tl.trans(
+            tl.load(
+                x_ptr + offs_m[:, None] * stride_xm + kk[None, :],
+                mask=m_ok[:, None] & (kk[None, :] < k_end),
+                other=0.0,
+            )
+        )
+    else:
+        if not EVEN_K:
+            k_end = min(k_end, K)
+        xt = tl.load(
+            x_ptr + offs_m[None, :] * stride_xm + kk[:, None],
+            mask=m_ok[None, :] & (kk[:, None] < k_end),
+            other=0.0,
+        )
+    return q, s, xt
+
+
+@triton.jit
+def _splitk_last_reduces(
+    part_ptr, cnt_ptr, tile, mask, offs_m, offs_n, M, N, c_ptr, stride_cm, stride_cn, ga_ptr, gb_ptr, bias_ptr,
+    out_mult, GA_MODE: tl.constexpr, GB_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, BF16_BY_HAND: tl.constexpr,
+    SPLIT_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+):  # fmt: skip
+    """Split-K reduction folded into the kernel ("last program reduces"), called right after this program
+    stored its partial ``part[pid_k]`` of the tile: take a ticket from the tile's counter ``cnt_ptr``; the
+    program that draws ticket SPLIT_K - 1 (every other partial of the tile is stored by then) sums
+    ``part[0..SPLIT_K-1]`` in slice order (the same fp32 additions as ``gemm_dense._splitk_reduce_kernel``, so the
+    same bits), runs the epilogue and puts the counter back to 0 for the next launch (CUDA-graph replays
+    included: no host-side zeroing).
+
+    Memory ordering: (1) ``debug_barrier`` (bar.sync) orders every thread's partial stores before the
+    ticket, which one thread takes with an acq_rel gpu-scope atomic (release is cumulative: it publishes
+    what the barrier made it observe); (2) the counter's RMWs form one release sequence, so the last ticket's
+    acquire sees every partial; Triton broadcasts the ticket through shared memory behind a barrier, which
+    orders that acquire before the other threads' loads; (3) the loads are ``.cg`` (L2, never a stale L1).
+    """
+    tl.debug_barrier()
+    ticket = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+    if ticket == SPLIT_K - 1:
+        total = tl.zeros((BM, BN), dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):  # unrolled: the SPLIT_K independent loads issue together
+            total += tl.load(part_ptr + s * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
+        epilogue(
+            total, offs_m, offs_n, M, N, c_ptr, stride_cm, stride_cn, ga_ptr, gb_ptr, bias_ptr, out_mult,
+            GA_MODE, GB_MODE, HAS_BIAS, BF16_BY_HAND,
+        )  # fmt: skip
+        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")  # every ticket of this launch is drawn
+
+
+@fast_launch
+@triton.jit
+def _decode_kernel(
+    x_ptr,
+    w_ptr,
+    ws_ptr,
+    c_ptr,
+    part_ptr,
+    cnt_ptr,
+    ga_ptr,
+    gb_ptr,
+    bias_ptr,
+    M,
+    N,
+    K,
+    KB,
+    stride_xm,
+    stride_wn,
+    stride_wsn,
+    stride_cm,
+    stride_cn,
+    out_mult,
+    GA_MODE: tl.constexpr,
+    GB_MODE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BF16_BY_HAND: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BF16: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    NB: tl.constexpr,
+    XMODE: tl.constexpr = 0,
+    PREFETCH: tl.constexpr = True,
+    PROBE: tl.constexpr = 0,
+    FUSED_REDUCE: tl.constexpr = False,
+    PAIRED_SCALE: tl.constexpr = False,
+):
+    """Small-M (decode) ``C[M, N] = x[M, K]·Wᵀ`` streaming the packed weight once.
+
+    Swap-AB: the program computes ``Cᵀ`` tile ``[BN, BM] = W_tile[BN, BK] · xᵀ[BK, BM]``, so the unpacked
+    weight (the big operand, ``BN`` ≥ 64 rows) is the MMA's M side and the few activation rows (``BM``: M
+    padded to 16/32/64) its N side. The weight streams as int32 words (``w_ptr`` is the uint8 codes viewed
+    as int32, ``stride_wn`` in words): :func:`_unpack_words` turns each word into eight exact fp16
+    ``e2m1·2⁻¹⁴`` with ~2 integer ops per element, then one fp16 multiply by the block's e4m3 scale (exact,
+    module docstring); the epilogue multiplies by 2¹⁴. ``x`` is dense (bf16/fp16 activations, or the exact
+    fp16 expansion of an NVFP4 activation). Program axis 1 splits K (in whole 16-blocks); with
+    ``SPLIT_K > 1`` the fp32 partials go to ``part[pid_k, M, N]`` and are summed in slice order 0..SPLIT_K-1
+    (deterministic): by :func:`~.gemm_dense.splitk_reduce` (a second launch), or with ``FUSED_REDUCE`` here, by
+    the program of the N tile that draws the last ticket of ``cnt[pid_n]`` (:func:`_splitk_last_reduces`).
+    ``EVEN_N`` / ``EVEN_K``: no row / K-tail masks in the loop (N % BN == 0, KB % NB == 0).
+    """
+    BK: tl.constexpr = 16 * NB
+    BW: tl.constexpr = 2 * NB
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_m = tl.arange(0, BM)
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    span = tl.cdiv(tl.cdiv(KB, SPLIT_K), NB) * NB  # 16-blocks per split, a multiple of NB
+    kb0 = pid_k * span
+    kb1 = min(KB, kb0 + span)
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    s_rows = ws_ptr + offs_n[:, None].to(tl.int64) * stride_wsn
+    j = tl.arange(0, BK)
+    j_perm = (j // 8) * 8 + ((j % 2) * 4 + ((j // 4) % 2) + ((j // 2) % 2) * 2)  # WORD_ORDER within words
+    jw = tl.arange(0, BW)
+    jb = tl.arange(0, NB)
+    # PREFETCH: the next K step's codes, scales and activations are loaded before this step's unpack and MMA
+    # (register double buffering: twice the bytes in flight per program, which a memory-bound kernel needs)
+    q, s, xt = _decode_loads(
+        w_rows, s_rows, x_ptr, kb0, kb1, jw, jb, j, j_perm, offs_m, m_ok, n_ok, stride_xm, K, KB,
+        EVEN_N, EVEN_K, XMODE, BM, BW, BK,
+    )  # fmt: skip
+    for kb in range(kb0, kb1, NB):
+        if PREFETCH:
+            q_c, s_c, x_c = q, s, xt
+            q, s, xt = _decode_loads(
+                w_rows, s_rows, x_ptr, kb + NB, kb1, jw, jb, j, j_perm, offs_m, m_ok, n_ok, stride_xm,
+                K, KB, EVEN_N, EVEN_K, XMODE, BM, BW, BK,
+            )  # fmt: skip
+        else:
+            q_c, s_c, x_c = _decode_loads(
+                w_rows, s_rows, x_ptr, kb, kb1, jw, jb, j, j_perm, offs_m, m_ok, n_ok, stride_xm, K, KB,
+                EVEN_N, EVEN_K, XMODE, BM, BW, BK,
+            )  # fmt: skip
+        if PROBE == 1:  # benchmark probe, wrong results: the loads alone (floor of this access pattern)
+            acc += (tl.sum(q_c, axis=1).to(tl.float32) + tl.sum(s_c.to(tl.float32), axis=1))[:, None]
+            acc += tl.sum(x_c.to(tl.float32), axis=0)[None, :]
+        else:
+            if BF16:  # e2m1·2⁻¹²⁶ · (s·2¹¹⁹) = e2m1·s·2⁻⁷: exact, normal bf16
+                sd = (s_c.to(tl.float32) * 6.646139978924579e35).to(tl.bfloat16)
+            else:  # e2m1·2⁻¹⁴ · s: exact in fp16
+                sd = s_c.to(tl.float16)
+            sd = e4m3_nan(s_c, sd)
+            if PAIRED_SCALE and BF16 and not INTERPRETED:
+                # opt-in: one mul.rn.bf16x2 per unpacked register by the scale in both halves (same products,
+                # same bits). bf16 only: there the default's join-then-multiply compiles (Triton 3.6, sm_90)
+                # to a PRMT half-swap before and after every HMUL2 (256 of the 1245 instructions of a K step;
+                # 1037 with this); the fp16 path has no swaps (909) and inline asm would only add work
+                s16 = sd.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+                s2 = (s16 | (s16 << 16)).to(tl.uint32, bitcast=True)  # [BN, NB]
+                sdw = tl.reshape(tl.broadcast_to(s2[:, :, None], (BN, NB, 2)), (BN, BW))  # per code word
+                v = _unpack_words(q_c, BF16, sdw, True)  # [BN, BW, 2, 2, 2], scaled
+            else:
+                v = _unpack_words(q_c, BF16)  # [BN, BW, 2, 2, 2]
+                v = tl.reshape(v, (BN, NB, 16)) * sd[:, :, None]
+            w = tl.reshape(v, (BN, BK)).to(DOT_DTYPE)
+            if PROBE == 2:  # benchmark probe, wrong results: loads + unpack, no MMA
+                acc += tl.sum(w.to(tl.float32), axis=1)[:, None] + tl.sum(x_c.to(tl.float32), axis=0)[None, :]
+            else:
+                acc = tl.dot(w, x_c.to(DOT_DTYPE), acc, input_precision=INPUT_PRECISION)
+    acc = tl.trans(acc)  # [BM, BN]
+    if SPLIT_K == 1:
+        epilogue(
+            acc, offs_m, offs_n, M, N, c_ptr, stride_cm, stride_cn, ga_ptr, gb_ptr, bias_ptr, out_mult,
+            GA_MODE, GB_MODE, HAS_BIAS, BF16_BY_HAND,
+        )  # fmt: skip
+    else:
+        mask = m_ok[:, None] & n_ok[None, :]
+        tile = offs_m[:, None] * N + offs_n[None, :]
+        tl.store(part_ptr + pid_k * M * N + tile, acc, mask=mask)
+        if FUSED_REDUCE:
+            _splitk_last_reduces(
+                part_ptr, cnt_ptr + pid_n, tile, mask, offs_m, offs_n, M, N, c_ptr, stride_cm, stride_cn, ga_ptr,
+                gb_ptr, bias_ptr, out_mult, GA_MODE, GB_MODE, HAS_BIAS, BF16_BY_HAND, SPLIT_K, BM, BN,
+            )  # fmt: skip
+
+
+#: Decode tiling (rows of W per program, 16-blocks per K step, warps, stages): the best of the H200 sweep
+#: (bench_gemm.py --sweep, 2026-11-29; 128 registers, no spills; pipelining (stages > 1) stages the codes
+#: through shared memory byte by byte and was slower).
+DECODE_CONFIG = dict(BN=64, NB=8, num_warps=4, num_stages=1, XMODE=2, PREFETCH=True)
+
+
+#: M <= 16: two warps (mma.sync on register operands), 256-wide K steps, a 3-stage cp.async pipeline, split-K
+#: to ~2 waves: the best of the H200 sweep (bench_gemm.py --sweep, 2026-11-29: 18.8 / 20.0 µs at M = 1 / 16,
+#: N×K = 4096×12288, against 23.6 / 25.7 with DECODE_CONFIG; bf16 torch.mm 30 µs).
+DECODE_CONFIG_M16 = dict(BN=64, NB=16, num_warps=2, num_stages=3, XMODE=2, PREFETCH=False)
+
+
+def decode_config(M: int, N: int, K: int, split_k: int | None = None) -> dict:
+    """Tiles of :func:`_decode_kernel`: BM = M padded to 16/32/64; K split until ~2 waves of programs."""
+    bm = 16 if M <= 16 else (32 if M <= 32 else 64)
+    if interpreting():
+        return dict(BM=bm, BN=16, NB=2, SPLIT_K=split_k or 1, num_warps=4, num_stages=1, XMODE=2)
+    cfg = dict(DECODE_CONFIG_M16 if bm == 16 else DECODE_CONFIG, BM=bm)
+    kb = -(-K // 16)
+    if split_k is None:
+        tiles = cdiv(N, cfg["BN"])
+        split_k = 1
+        while tiles * split_k < 2 * num_sms() and kb // (split_k * 2) >= 4 * cfg["NB"]:
+            split_k *= 2
+    cfg["SPLIT_K"] = split_k
+    return cfg
+
+
+#: Ticket counters (int32, one per N tile) of the fused split-K reduction. Eager launches: one zeroed buffer
+#: per (device, stream), allocated on first use on that stream (so its zero-fill is ordered before its first
+#: use) and never freed; every launch leaves it at zero. Grown (a new buffer, the old one kept alive) when a
+#: launch needs more tiles. While a CUDA graph is being captured each launch gets its own zeroed buffer
+#: instead: the zero-fill is captured with it and re-runs on every replay, so graphs never share tickets
+#: with each other or with eager work. Launches on one stream are ordered, so they can share; launches that
+#: run concurrently on one stream's buffer cannot happen. Pass ``counters=`` to :func:`launch_decode` only
+#: for a buffer the caller keeps zeroed and unshared.
+_SPLITK_COUNTERS: dict[tuple, list[torch.Tensor]] = {}
+_SPLITK_COUNTERS_MIN = 4096
+
+
+def splitk_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed ticket counters (≥ ``tiles``) for a launch on the current stream of ``device`` (see above)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(tiles, dtype=torch.int32, device=device)  # captured: re-zeroed on every replay
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    bufs = _SPLITK_COUNTERS.setdefault((device.type, device.index, stream), [])
+    if bufs and bufs[-1].numel() >= tiles:
+        return bufs[-1]
+    size = max(_SPLITK_COUNTERS_MIN, next_power_of_2(tiles))
+    bufs.append(torch.zeros(size, dtype=torch.int32, device=device))
+    return bufs[-1]
+
+
+def launch_decode(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    K: int,
+    out: torch.Tensor,
+    g_a: torch.Tensor | None,
+    g_b: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    *,
+    split_k: int | None = None,
+    config: dict | None = None,
+    fused_reduce: bool | None = None,
+    counters: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``out[M,N] = ((x·Wᵀ)·g_a)·g_b + bias`` for small M: x dense bf16/fp16 [M, K] (row stride any, unit
+    column stride), W packed uint8 [N, Kp/2] + e4m3 scales [N, Kp/16] (row-major rows).
+
+    Split-K (``SPLIT_K > 1``): ``fused_reduce`` (default ``config["FUSED_REDUCE"]``, else True) sums the
+    partials inside the kernel (one launch) instead of a second kernel; both give the same bits. ``counters``: zeroed int32 [≥ N tiles] ticket counters for the fused
+    path (left zeroed after every launch); default the device's cached buffer (:func:`splitk_counters`).
+    """
+    M, N = out.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if w.stride(-1) != 1 or w_scale.stride(-1) != 1:
+        w, w_scale = w.contiguous(), w_scale.contiguous()
+    if M > 64:
+        raise ValueError(f"launch_decode handles M <= 64, got M={M}")
+    try:  # the codes stream as int32 words (rows are 8-byte multiples: K % 16 == 0)
+        w32 = w.view(torch.int32)
+    except RuntimeError:  # storage offset or row stride not 4-byte aligned
+        w32 = w.contiguous().view(torch.int32)
+    dot_dtype, precision = dot_config(x, False, w, True, "decode")
+    cfg = dict(config) if config else decode_config(M, N, K, split_k)
+    num_warps, num_stages = cfg.pop("num_warps"), cfg.pop("num_stages")
+    fused = cfg.pop("FUSED_REDUCE", True)
+    fused = fused if fused_reduce is None else fused_reduce
+    split = cfg["SPLIT_K"]
+    dummy = out
+    part = torch.empty((split, M, N), device=out.device, dtype=torch.float32) if split > 1 else dummy
+    tiles = cdiv(N, cfg["BN"])
+    cnt = None
+    if split > 1 and fused:
+        if counters is not None:
+            if (
+                counters.dtype != torch.int32
+                or counters.numel() < tiles
+                or counters.device != out.device
+                or not counters.is_contiguous()
+            ):
+                raise ValueError(
+                    f"counters must be a contiguous, zeroed int32 tensor with >= {tiles} elements on {out.device}"
+                )
+            cnt = counters
+        else:
+            cnt = splitk_counters(out.device, tiles)
+    by_hand = bf16_by_hand(out)
+    kb = w_scale.shape[-1]
+    # bf16 bit trick on the GPU (its code-1 value is a bf16 subnormal, which the interpreter flushes): the
+    # interpreter runs the fp16 trick and an fp32 dot instead, exact as well
+    bf16 = x.dtype == torch.bfloat16 and not interpreting()
+    out_mult = 2.0**7 if bf16 else UNPACK_FACTOR  # undoes the unpack bias (see _unpack_words)
+    even_n = N % cfg["BN"] == 0
+    even_k = kb % cfg["NB"] == 0 and K == 16 * kb
+    _decode_kernel[(tiles, split)](
+        x, w32, w_scale.view(torch.float8_e4m3fn), out, part, cnt if cnt is not None else dummy,
+        g_a if g_a is not None else dummy, g_b if g_b is not None else dummy, bias if bias is not None else dummy,
+        M, N, K, kb, x.stride(0), w32.stride(0), w_scale.stride(0), out.stride(0), out.stride(1), out_mult,
+        GA_MODE=scale_mode(g_a), GB_MODE=scale_mode(g_b), HAS_BIAS=bias is not None, BF16_BY_HAND=by_hand,
+        DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision, EVEN_N=even_n, EVEN_K=even_k, BF16=bf16,
+        FUSED_REDUCE=cnt is not None, num_warps=num_warps, num_stages=num_stages, **cfg,
+    )  # fmt: skip
+    if split > 1 and cnt is None:
+        splitk_reduce(part, out, g_a, g_b, bias, out_mult, split)
+    return out
