@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib.util
 import os
 import sys
@@ -58,9 +59,9 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
 
-from triage.kernels.nvfp4 import QuantRecipe, quantize  # noqa: E402
-from triage.kernels.nvfp4 import gemm_triton as gt  # noqa: E402
-from triage.kernels.nvfp4.gemm import (  # noqa: E402
+from triage.kernels.nvfp4 import QuantRecipe, gemm_dense, quantize  # noqa: E402
+from triage.kernels.nvfp4 import gemm_decode as gd  # noqa: E402
+from triage.kernels.nvfp4.matmul import (  # noqa: E402
     expand,
     gemm,
     gemm_reference,
@@ -215,7 +216,9 @@ def w4a4_forward(quick: bool, sweep: bool) -> None:
             for i, cfg in enumerate(DENSE_CONFIGS):
                 try:
                     ms = bench(
-                        lambda cfg=cfg: gt.launch_gemm(xa, None, wb, None, K, out, ga, gbt, None, config=cfg)
+                        lambda cfg=cfg: gemm_dense.launch_gemm(
+                            xa, None, wb, None, K, out, ga, gbt, None, config=cfg
+                        )
                     )
                     rows.append(
                         (f"  sweep triton dense {cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']} "
@@ -246,12 +249,12 @@ DECODE_SPLITS = (4, 8, 16, 32)
 @contextlib.contextmanager
 def two_kernel_splitk():
     """Decode launches inside take the two-kernel split-K path (the baseline of the fused reduction)."""
-    old = gt.DECODE_FUSED_REDUCE
-    gt.DECODE_FUSED_REDUCE = False
+    launch = gd.launch_decode
+    gd.launch_decode = functools.partial(launch, fused_reduce=False)
     try:
         yield
     finally:
-        gt.DECODE_FUSED_REDUCE = old
+        gd.launch_decode = launch
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -265,22 +268,22 @@ def decode_graph_replays(x, b, K, gw, replays: int = 50) -> str:
     M, N = x.shape[0], b.data.shape[0]
     ref = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
     with two_kernel_splitk():
-        gt.launch_decode(x, b.data, b.scale, K, ref, None, gw, None)
+        gd.launch_decode(x, b.data, b.scale, K, ref, None, gw, None)
     out = torch.empty_like(ref)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up outside the capture (compiles; allocates the counters)
-        gt.launch_decode(x, b.data, b.scale, K, out, None, gw, None)
+        gd.launch_decode(x, b.data, b.scale, K, out, None, gw, None)
     torch.cuda.current_stream().wait_stream(side)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        gt.launch_decode(x, b.data, b.scale, K, out, None, gw, None)
+        gd.launch_decode(x, b.data, b.scale, K, out, None, gw, None)
     same = True
     for _ in range(replays):
         out.fill_(float("nan"))
         g.replay()
         same &= same_bits(out, ref)
-    zero = not bool(gt.splitk_counters(out.device, 1).any())
+    zero = not bool(gd.splitk_counters(out.device, 1).any())
     return f"{replays} graph replays == two-kernel bits: {same}, counters zero: {zero} -> {'ok' if same and zero else 'FAIL'}"
 
 
@@ -305,8 +308,8 @@ def decode(quick: bool, sweep: bool) -> None:
             gw = w.global_scale.reshape(-1)
             for split in (3, 8):
                 y_f, y_2 = (torch.full((M, N), float("nan"), device="cuda") for _ in range(2))
-                gt.launch_decode(x, w.data, w.scale, K, y_f, None, gw, None, split_k=split)
-                gt.launch_decode(
+                gd.launch_decode(x, w.data, w.scale, K, y_f, None, gw, None, split_k=split)
+                gd.launch_decode(
                     x, w.data, w.scale, K, y_2, None, gw, None, split_k=split, fused_reduce=False
                 )
                 same &= same_bits(y_f, y_2)
@@ -349,16 +352,16 @@ def decode(quick: bool, sweep: bool) -> None:
             if M in (1, 16) and (N, K) == (4096, 12288):  # where the decode time goes (probe kernels)
                 emit(f"|   M={M}: {decode_graph_replays(x, b, K, gw)} | | | | | | | |")
                 out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
-                c0 = gt.decode_config(M, N, K)
+                c0 = gd.decode_config(M, N, K)
                 probes = {}
                 for probe in (1, 2):
                     c = dict(c0, PROBE=probe)
                     probes[probe] = do_bench_cudagraph(
-                        lambda c=c: gt.launch_decode(x, b.data, b.scale, K, out, None, gw, None, config=c)
+                        lambda c=c: gd.launch_decode(x, b.data, b.scale, K, out, None, gw, None, config=c)
                     )
                 c = dict(c0, SPLIT_K=1)
                 t_nosplit = do_bench_cudagraph(
-                    lambda c=c: gt.launch_decode(x, b.data, b.scale, K, out, None, gw, None, config=c)
+                    lambda c=c: gd.launch_decode(x, b.data, b.scale, K, out, None, gw, None, config=c)
                 )
                 emit(
                     f"|   probes M={M} {c0} (fused reduction): loads only {probes[1] * 1e3:.1f} µs, loads+unpack "
@@ -370,23 +373,23 @@ def decode(quick: bool, sweep: bool) -> None:
                 best = None
                 for cfg in DECODE_CONFIGS:
                     for split in DECODE_SPLITS:
-                        c = dict(gt.decode_config(M, N, K, split), **cfg, SPLIT_K=split)
+                        c = dict(gd.decode_config(M, N, K, split), **cfg, SPLIT_K=split)
                         try:
                             out32 = torch.full((M, N), float("nan"), device="cuda")
-                            gt.launch_decode(x, b.data, b.scale, K, out32, None, gw, None, config=dict(c))
+                            gd.launch_decode(x, b.data, b.scale, K, out32, None, gw, None, config=dict(c))
                             e = rel(out32, ref)
                             t = do_bench_cudagraph(
-                                lambda c=c: gt.launch_decode(
+                                lambda c=c: gd.launch_decode(
                                     x, b.data, b.scale, K, out, None, gw, None, config=c
                                 )
                             )
                             t2 = ""
                             if (
-                                cfg == gt.DECODE_CONFIG_M16
+                                cfg == gd.DECODE_CONFIG_M16
                             ):  # the default tile: the two-kernel path next to it
                                 c2 = dict(c, FUSED_REDUCE=False)
                                 t2 = do_bench_cudagraph(
-                                    lambda c2=c2: gt.launch_decode(
+                                    lambda c2=c2: gd.launch_decode(
                                         x, b.data, b.scale, K, out, None, gw, None, config=c2
                                     )
                                 )

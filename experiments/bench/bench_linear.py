@@ -157,7 +157,7 @@ def main() -> None:
     if args.cprofile:
         lines += ["", host_profile(model, args.batch, args.seq)]
     if args.compare_sync:
-        from triage.kernels.nvfp4 import gemm as gemm_mod
+        from triage.kernels.nvfp4 import matmul as gemm_mod
 
         old, gemm_mod.SYNC_FREE_MAX_FLOP = gemm_mod.SYNC_FREE_MAX_FLOP, 0.0
         sync = tokens_per_s(model, args.batch, args.seq, args.steps)

@@ -32,7 +32,7 @@ warnings.filterwarnings("ignore", category=RuntimeWarning)
 def _import():
     from triage.kernels.nvfp4 import PROFILES, QuantRecipe, dequantize, quantize
     from triage.kernels.nvfp4.fuzz import adversarial, midpoint_tensor
-    from triage.kernels.nvfp4.triton_quant import quantize_triton
+    from triage.kernels.nvfp4.quantize_rows import quantize_triton
 
     return PROFILES, QuantRecipe, dequantize, quantize, adversarial, midpoint_tensor, quantize_triton
 
@@ -51,7 +51,7 @@ def compare(a, b) -> dict:
 
 
 def check_exact(quick: bool) -> list[dict]:
-    from triage.kernels.nvfp4.gemm import expand
+    from triage.kernels.nvfp4 import expand
 
     PROFILES, QuantRecipe, _, quantize, adversarial, midpoint_tensor, quantize_triton = _import()
     rows, k = (256, 16384) if quick else (1024, 16384)  # 262,144 or 1,048,576 blocks
@@ -144,7 +144,7 @@ def bench(quick: bool, ab: bool = False, sweep: bool = False) -> dict:
     import triton
     from triton.testing import do_bench, do_bench_cudagraph
 
-    from triage.kernels.nvfp4.gemm import expand
+    from triage.kernels.nvfp4 import expand
 
     PROFILES, QuantRecipe, dequantize, quantize, _, _, quantize_triton = _import()
     m, k = 16384, 4096
@@ -238,7 +238,7 @@ def bench_columnwise(quick: bool) -> dict:
 
     from triage.kernels.moe import offsets_from_expert_ids
     from triage.kernels.moe.grouped_gemm import pad_segments, padded_segments
-    from triage.kernels.nvfp4.triton_quant_t import columnwise_matrix, quantize_columnwise
+    from triage.kernels.nvfp4.quantize_columns import columnwise_matrix, quantize_columnwise
 
     PROFILES, QuantRecipe, _, quantize, adversarial, _, _ = _import()
     rows, ok = [], True

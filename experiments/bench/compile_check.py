@@ -143,7 +143,8 @@ class _Recorder:
 #: Modules whose host code picks tiles and dot dtypes by ``interpreting()`` (small tiles and an fp32 dot for
 #: bf16 under the interpreter); ``--gpu-host`` makes them pick the GPU's choices instead.
 _HOST_CHOICE_MODULES = (
-    "triage.kernels.nvfp4.gemm_triton", "triage.kernels.moe.grouped_triton", "triage.kernels.nvfp4.triton_quant_t",
+    "triage.kernels.nvfp4.gemm_dense", "triage.kernels.nvfp4.gemm_decode", "triage.kernels.moe.grouped_triton",
+    "triage.kernels.nvfp4.quantize_columns",
 )  # fmt: skip
 
 

@@ -36,8 +36,10 @@ class _NoLaunch:
 
 
 def stub_kernels() -> list[_NoLaunch]:
-    import triage.kernels.nvfp4.gemm_triton  # noqa: F401  (import every module that defines kernels)
-    import triage.kernels.nvfp4.triton_quant  # noqa: F401
+    import triage.kernels.nvfp4.dequantize_rows  # noqa: F401  (import every module that defines kernels)
+    import triage.kernels.nvfp4.gemm_decode  # noqa: F401
+    import triage.kernels.nvfp4.gemm_dense  # noqa: F401
+    import triage.kernels.nvfp4.quantize_rows  # noqa: F401
 
     stubs = []
     for name, module in list(sys.modules.items()):

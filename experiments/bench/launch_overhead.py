@@ -64,8 +64,7 @@ def profile_calls(fn, calls: int = 200) -> str:
 
 def main() -> None:
     from triage.kernels import NVFP4Linear, NVFP4LinearConfig
-    from triage.kernels.nvfp4 import QuantRecipe, quantize
-    from triage.kernels.nvfp4.gemm import gemm
+    from triage.kernels.nvfp4 import QuantRecipe, gemm, quantize
 
     torch.manual_seed(0)
     x = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16)  # small: host-bound, not GPU-bound
@@ -117,8 +116,11 @@ def main() -> None:
 def all_launchers() -> list:
     import triage.kernels.logprob_triton  # noqa: F401
     import triage.kernels.moe.grouped_triton  # noqa: F401
-    import triage.kernels.nvfp4.gemm_triton  # noqa: F401
-    import triage.kernels.nvfp4.triton_quant  # noqa: F401
+    import triage.kernels.nvfp4.dequantize_rows  # noqa: F401
+    import triage.kernels.nvfp4.gemm_decode  # noqa: F401
+    import triage.kernels.nvfp4.gemm_dense  # noqa: F401
+    import triage.kernels.nvfp4.quantize_columns  # noqa: F401
+    import triage.kernels.nvfp4.quantize_rows  # noqa: F401
     from triage.kernels._launch import FastLaunch
 
     found = []
@@ -142,8 +144,7 @@ def with_fast(launchers, on: bool, fn):
 def check_identical(launchers) -> bool:
     """Quantize + GEMM outputs through the fast path equal Triton's own path, over shapes, offsets (pointer
     alignment), int sizes and recipes that change Triton's specialization from call to call."""
-    from triage.kernels.nvfp4 import QuantRecipe, quantize
-    from triage.kernels.nvfp4.gemm import gemm
+    from triage.kernels.nvfp4 import QuantRecipe, gemm, quantize
 
     torch.manual_seed(1)
     base = torch.randn(600000, device="cuda", dtype=torch.bfloat16) * 3

@@ -13,7 +13,7 @@ import sys
 
 os.environ.pop("TRITON_INTERPRET", None)
 from triage.experiments.bench.sass import compile_sass, instructions, loops
-from triage.kernels.nvfp4 import triton_quant as q
+from triage.kernels.nvfp4 import quantize_rows as q
 
 
 def _unused(sass):

@@ -53,7 +53,7 @@ def fake_gpu(monkeypatch):
         active=types.SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda d: 1234)
     )
     monkeypatch.setattr("triton.runtime.driver", driver, raising=False)
-    hooks = types.SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None, debug=False)
+    hooks = types.SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None, debug=False, interpret=False)
     compilation = types.SimpleNamespace(instrumentation_mode="")
     monkeypatch.setattr(
         triton, "knobs", types.SimpleNamespace(runtime=hooks, compilation=compilation), raising=False
