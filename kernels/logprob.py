@@ -22,7 +22,6 @@ Outputs are fp32; gradients come back in the input dtypes.
 from __future__ import annotations
 
 import math
-import os
 from collections import deque
 from typing import Literal, NamedTuple
 
@@ -462,7 +461,9 @@ def _pick_backend(backend: Backend, hidden: torch.Tensor) -> bool:
         return False
     if backend != "auto":
         raise ValueError(f"token_logprobs: backend must be 'auto', 'triton' or 'torch', got {backend!r}")
-    return hidden.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    from triage.kernels.nvfp4.device import triton_runs_on
+
+    return triton_runs_on(hidden.device)
 
 
 def _chunk_size(chunk_size: int | None, n: int, vocab: int, bytes_per_column_row: int) -> int:

@@ -118,6 +118,7 @@ def scale_mode(g: torch.Tensor | None) -> int:
 
 @triton.jit
 def max_nan(a, b):
+    """``max(a, b)``, NaN if either is NaN (also a ``tl.reduce`` combiner)."""
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 

@@ -93,11 +93,6 @@ class QuantRecipe:
             raise ValueError("QuantRecipe: checkpoint_scale is only used with scale_source='checkpoint'")
         check_seed(self.seed, "QuantRecipe.seed")
 
-    @property
-    def tile_rows(self) -> int:
-        """Rows sharing one block scale: 1 for "1x16", 16 for "16x16"."""
-        return 16 if self.block == "16x16" else 1
-
 
 def check_seed(seed, name: str) -> None:
     """A stochastic-rounding seed is an int in [0, 2**32) (a bool is refused: ``seed=True`` is a mistake)."""

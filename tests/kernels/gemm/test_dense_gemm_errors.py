@@ -11,6 +11,18 @@ from _dense_operands import device, random_nvfp4
 from triage.kernels.nvfp4.matmul import gemm, gemm_w4a16
 
 
+def test_public_names_resolve():
+    """``triage.kernels.nvfp4.gemm`` is the GEMM function (no module shadows it), and every exported name of
+    ``triage.kernels`` and ``triage.kernels.nvfp4`` resolves."""
+    import triage.kernels
+    from triage.kernels import nvfp4
+
+    assert nvfp4.gemm is gemm and nvfp4.gemm_w4a16 is gemm_w4a16 and callable(nvfp4.expand)
+    for package in (triage.kernels, nvfp4):
+        for name in package.__all__:
+            assert getattr(package, name) is not None, f"{package.__name__}.{name}"
+
+
 @pytest.fixture
 def ab():
     gen = torch.Generator().manual_seed(0)

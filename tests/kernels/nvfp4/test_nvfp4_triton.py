@@ -139,6 +139,19 @@ def test_triton_backend_errors_on_cpu_without_interpreter(monkeypatch):
     assert device.available(torch.device("cpu")) is False
 
 
+@pytest.mark.parametrize("spelling", ["true", "ON"])
+def test_triton_backend_follows_tritons_own_interpreter_switch(monkeypatch, spelling):
+    """``TRITON_INTERPRET`` as Triton reads it (a boolean: ``true``, ``on``, ... as well as ``1``) is the one
+    rule for the quantizer, the dequantizer and the GEMMs alike: CPU tensors then run the kernels."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU interpreter rule")
+    monkeypatch.setenv("TRITON_INTERPRET", spelling)
+    x = adversarial(4, 32, seed=3)
+    t = quantize(x, QuantRecipe(), backend="triton")
+    assert_same_bytes(quantize(x, QuantRecipe(), backend="torch"), t, QuantRecipe())
+    assert_same_values(dequantize(t, backend="triton"), dequantize(t, backend="torch"))
+
+
 @pytest.mark.parametrize("profile", PROFILES)
 @pytest.mark.parametrize(
     "variant",
