@@ -13,7 +13,8 @@ bit pattern ``(c & 8) << 12 | (c & 7) << 9``, whose value is ``e2m1(c)·2⁻¹�
 subnormals 0 and 2⁻¹⁵, the others on normals). Multiplying by the e4m3 scale in fp16 is exact: ``q·s`` has
 ≤ 6 significant bits and ``q·s·2⁻¹⁴`` is a multiple of 2⁻²⁴ (the fp16 subnormal step) below 2688·2⁻¹⁴. The
 tensor cores then multiply exact operands exactly and accumulate in fp32; the epilogue multiplies by
-``2¹⁴`` (:data:`~.device.UNPACK_FACTOR`) per packed operand (a power of two: exact), by the fp32 outer scales and adds the bias.
+``2¹⁴`` (:data:`~.device.UNPACK_FACTOR`) per packed operand (a power of two: exact), by the fp32 outer
+scales and adds the bias (:func:`~.device.epilogue`).
 
 Dot dtype: fp16 for W4A4 (exact, and correct under ``TRITON_INTERPRET=1``); the activation's dtype for
 W4A16 (``q·s·2⁻¹⁴`` is exact in bf16 as well). Under the interpreter, bf16 ``tl.dot`` is broken, so
@@ -42,7 +43,7 @@ _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float
 def dot_config(a: torch.Tensor, a_packed: bool, b: torch.Tensor, b_packed: bool, what: str) -> tuple:
     """``(DOT_DTYPE, INPUT_PRECISION)`` of a ``tl.dot`` over operands ``a`` and ``b``: the dense operands'
     dtype (they must share one; fp16 when both are packed: ``q·s·2⁻¹⁴`` is exact there), "ieee" precision
-    for fp32, "tf32" otherwise (never used on 16-bit operands). Under the interpreter a bf16 dot becomes an
+    for fp32, "tf32" otherwise (which 16-bit dots ignore). Under the interpreter a bf16 dot becomes an
     fp32 "ieee" one (its bf16 ``tl.dot`` is wrong; fp32 holds ``q·s`` exactly). ``what`` names the GEMM
     in the error."""
     dense = [t.dtype for t, p in ((a, a_packed), (b, b_packed)) if not p]
