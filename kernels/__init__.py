@@ -13,8 +13,6 @@ _LAZY = {
     "NVFP4LinearConfig": "triage.kernels.linear",
     "convert_to_nvfp4": "triage.kernels.linear",
     "convert_from_nvfp4": "triage.kernels.linear",
-    "token_logprobs": "triage.kernels.logprob",
-    "token_logprobs_reference": "triage.kernels.logprob",
     "grouped_gemm": "triage.kernels.moe",
     "grouped_gemm_reference": "triage.kernels.moe",
     "offsets_from_expert_ids": "triage.kernels.moe",

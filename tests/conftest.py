@@ -24,7 +24,6 @@ if not torch.cuda.is_available():
         "triage.kernels.nvfp4.gemm_dense",
         "triage.kernels.nvfp4.gemm_decode",
         "triage.kernels.moe.grouped_triton",
-        "triage.kernels.logprob_triton",
     ):
         importlib.import_module(_module)
 

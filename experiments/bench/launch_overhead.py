@@ -114,7 +114,6 @@ def main() -> None:
 
 
 def all_launchers() -> list:
-    import triage.kernels.logprob_triton  # noqa: F401
     import triage.kernels.moe.grouped_triton  # noqa: F401
     import triage.kernels.nvfp4.dequantize_rows  # noqa: F401
     import triage.kernels.nvfp4.gemm_decode  # noqa: F401
