@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 from sampling_fakes import FakeEngineServer
-from trainer_testkit import PerturbedRollout, arithmetic_dataset, make_trainer
+from trainer_testkit import PerturbedRollout, arithmetic_dataset, make_trainer, tiny_moe_model
 
 from triage import CORRECTIONS
 
@@ -229,20 +229,12 @@ def test_nvfp4_learner_converts_fused_moe_experts(tmp_path, monkeypatch):
     """A Qwen3-MoE learner: the fused experts become NVFP4MoeExperts (one outer scale per expert), the router
     stays high precision; a bf16 sampler copy gets the original experts back."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
     from triage.kernels import NVFP4MoeExperts
     from triage.trainers.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
-    config = Qwen3MoeConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_experts=4,
-        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-        max_position_embeddings=256, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
-    torch.manual_seed(0)
     model_dir = tmp_path / "moe"
-    Qwen3MoeForCausalLM(config).save_pretrained(model_dir)
+    tiny_moe_model(tokenizer).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     trainer = _nvfp4_learner(
         str(model_dir), tmp_path / "out", sampler_kwargs={"seed": 0, "precision": "bf16"}

@@ -59,6 +59,19 @@ class PerturbedRollout:
         return out
 
 
+def tiny_moe_model(tokenizer, seed: int = 0):
+    """A random 2-layer Qwen3-MoE (4 experts, 2 per token) over ``tokenizer``'s vocabulary."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        max_position_embeddings=256, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return Qwen3MoeForCausalLM(config)
+
+
 def make_args(output_dir, config_cls=None, **overrides):
     """A 2-step CPU run's config (``config_cls``: ``TriageGRPOConfig`` by default, or TRL's ``GRPOConfig``)."""
     from triage.trainers import TriageGRPOConfig
