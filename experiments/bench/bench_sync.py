@@ -63,18 +63,6 @@ PAIRS = {
 }
 
 
-class _Accelerator:
-    """What ``HFSampler``'s unwrap reads from an accelerate ``Accelerator`` (one process, no sharding)."""
-
-    class state:
-        deepspeed_plugin = None
-        fsdp_plugin = None
-
-    @staticmethod
-    def unwrap_model(model, keep_fp32_wrapper=True):
-        return model
-
-
 def _clock(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -114,6 +102,8 @@ def train_step(model, optimizer, ids: torch.Tensor, micro_batch: int) -> None:
 
 
 def bench_pair(shape_name: str, pair: str, args, device: torch.device) -> dict:
+    from accelerate import Accelerator
+
     from triage.trainers.grpo_trainer import resolve_sampler_kwargs
     from triage.trainers.sampling import HFSampler, SamplingParams
 
@@ -123,7 +113,7 @@ def bench_pair(shape_name: str, pair: str, args, device: torch.device) -> dict:
     trainer = SimpleNamespace(
         model=learner,
         model_wrapped=learner,
-        accelerator=_Accelerator(),
+        accelerator=Accelerator(cpu=device.type == "cpu"),  # one process: unwrap is the identity
         args=SimpleNamespace(),
         state=SimpleNamespace(global_step=0),
     )

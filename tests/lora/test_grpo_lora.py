@@ -6,22 +6,13 @@ import math
 
 import pytest
 import torch
-from datasets import Dataset
 from lora_testkit import FAST
 from peft import LoraConfig
+from trainer_testkit import make_trainer
 
 from triage.kernels import NVFP4LinearConfig, convert_to_nvfp4
 from triage.kernels.frozen_linear import FrozenNVFP4Linear, NVFP4BaseConfig
 from triage.trainers.lora import AQNCallback, AQNConfig, load_nvfp4_lora, nvfp4_lora, save_nvfp4_lora
-
-
-def _dataset(n: int = 8) -> Dataset:
-    return Dataset.from_list(
-        [
-            {"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}]}
-            for a, b in [(i, 3 * i % 5) for i in range(n)]
-        ]
-    )
 
 
 def _reward(completions, completion_ids, **kwargs):
@@ -41,39 +32,23 @@ def _frozen_buffers(model) -> dict[str, torch.Tensor]:
     "sampler_model, mode", [("shared", "w4a4"), ("copy", "w4a16")], ids=["shared-w4a4", "copy-w4a16"]
 )
 def test_two_grpo_steps_train_only_the_adapters(tokenizer, tmp_path, sampler_model, mode):
-    from triage.trainers import TriageGRPOConfig, TriageGRPOTrainer
     from triage.trainers.tiny import build_model
 
     model = convert_to_nvfp4(build_model(tokenizer, seed=0), NVFP4LinearConfig(**FAST))
     model, peft_config = nvfp4_lora(
         model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"), NVFP4BaseConfig(mode=mode, **FAST)
     )
-    args = TriageGRPOConfig(
-        output_dir=str(tmp_path / "run"),
-        use_cpu=True,
-        bf16=False,
-        max_steps=2,
-        per_device_train_batch_size=4,
-        num_generations=2,
+    aqn = AQNCallback(AQNConfig(num_stages=2, sigma_start=1e-2, sigma_end=1e-2))
+    trainer = make_trainer(
+        model,
+        tmp_path / "run",
+        rollout=None,
+        reward=_reward,
+        trainer_kwargs={"processing_class": tokenizer, "peft_config": peft_config, "callbacks": [aqn]},
         max_completion_length=6,
         learning_rate=5e-2,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        seed=0,
-        disable_tqdm=True,
         sampler="hf",
         sampler_kwargs={"sampler_model": sampler_model},
-    )
-    aqn = AQNCallback(AQNConfig(num_stages=2, sigma_start=1e-2, sigma_end=1e-2))
-    trainer = TriageGRPOTrainer(
-        model=model,
-        reward_funcs=_reward,
-        args=args,
-        train_dataset=_dataset(),
-        processing_class=tokenizer,
-        peft_config=peft_config,
-        callbacks=[aqn],
     )
     learner = trainer.model
     bytes_before = {k: v.clone() for k, v in _frozen_buffers(learner).items()}
@@ -107,36 +82,36 @@ def test_two_grpo_steps_train_only_the_adapters(tokenizer, tmp_path, sampler_mod
         assert torch.equal(reloaded(ids).logits, learner(ids).logits)
 
 
-def test_trainer_wires_peft_config_on_an_nvfp4_learner(tokenizer, tmp_path):
-    """`peft_config` + learner_precision="nvfp4": the trainer freezes an NVFP4 base itself (QeRL setting)."""
-    from triage.trainers import TriageGRPOConfig, TriageGRPOTrainer
+def _wired_trainer(tokenizer, tmp_path, lora: dict | None = None, **overrides):
+    """A 1-step trainer that freezes the NVFP4 base itself (learner_precision="nvfp4" + peft_config)."""
     from triage.trainers.tiny import build_model
 
-    args = TriageGRPOConfig(
-        output_dir=str(tmp_path / "run"),
-        use_cpu=True,
-        bf16=False,
-        max_steps=1,
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=4,
+    lora_config = LoraConfig(**{"r": 4, "lora_alpha": 8, "target_modules": "all-linear", **(lora or {})})
+    args = {
+        "max_steps": 1,
+        "max_completion_length": 4,
+        "sampler": "hf",
+        "learner_precision": "nvfp4",
+        **overrides,
+    }
+    return make_trainer(
+        build_model(tokenizer, seed=0),
+        tmp_path / "run",
+        rollout=None,
+        reward=_reward,
+        trainer_kwargs={"processing_class": tokenizer, "peft_config": lora_config},
+        **args,
+    )
+
+
+def test_trainer_wires_peft_config_on_an_nvfp4_learner(tokenizer, tmp_path):
+    """`peft_config` + learner_precision="nvfp4": the trainer freezes an NVFP4 base itself (QeRL setting)."""
+    trainer = _wired_trainer(
+        tokenizer,
+        tmp_path,
         learning_rate=5e-2,
-        report_to="none",
-        save_strategy="no",
-        seed=0,
-        disable_tqdm=True,
-        sampler="hf",
-        learner_precision="nvfp4",
         lora_base_mode="w4a16",
         aqn={"num_stages": 2, "sigma_start": 1e-2, "sigma_end": 1e-2},
-    )
-    trainer = TriageGRPOTrainer(
-        model=build_model(tokenizer, seed=0),
-        reward_funcs=_reward,
-        args=args,
-        train_dataset=_dataset(),
-        processing_class=tokenizer,
-        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"),
     )
     frozen = [m for m in trainer.model.modules() if isinstance(m, FrozenNVFP4Linear)]
     assert frozen and all(m.config.mode == "w4a16" for m in frozen)
@@ -156,36 +131,6 @@ def test_lora_config_fields_are_validated():
         TriageGRPOConfig(output_dir="x", lora_base_mode="w8a8")
     with pytest.raises(ValueError, match="aqn"):
         TriageGRPOConfig(output_dir="x", aqn="{not json")
-
-
-def _wired_trainer(tokenizer, tmp_path, lora: dict | None = None, **overrides):
-    """A trainer that freezes the NVFP4 base itself (learner_precision="nvfp4" + peft_config); not trained."""
-    from triage.trainers import TriageGRPOConfig, TriageGRPOTrainer
-    from triage.trainers.tiny import build_model
-
-    values = dict(
-        output_dir=str(tmp_path / "run"),
-        use_cpu=True,
-        bf16=False,
-        max_steps=1,
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=4,
-        report_to="none",
-        save_strategy="no",
-        disable_tqdm=True,
-        sampler="hf",
-        learner_precision="nvfp4",
-    )
-    values.update(overrides)
-    return TriageGRPOTrainer(
-        model=build_model(tokenizer, seed=0),
-        reward_funcs=_reward,
-        args=TriageGRPOConfig(**values),
-        train_dataset=_dataset(),
-        processing_class=tokenizer,
-        peft_config=LoraConfig(**{"r": 4, "lora_alpha": 8, "target_modules": "all-linear", **(lora or {})}),
-    )
 
 
 def test_trainer_quant_recipe_sets_the_frozen_base_activation_recipe_too(tokenizer, tmp_path):

@@ -387,3 +387,47 @@ def test_load_without_base_config_rebuilds_the_saved_numerics(nvfp4_model, token
     ids = torch.randint(3, 400, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=1e-6)
+
+
+def _imported_modules(path, package: str) -> set[str]:
+    """Absolute names of the modules that the source file ``path`` (in ``package``) imports."""
+    import ast
+    from importlib.util import resolve_name
+
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            module = resolve_name("." * node.level + (node.module or ""), package)
+            names.add(module)
+            names.update(f"{module}.{a.name}" for a in node.names)
+    return names
+
+
+def test_triage_trainers_lora_is_the_users_import_only():
+    """`triage.trainers.lora` gathers public names for users (docs, error messages); the library imports the
+    modules that define them, never this facade."""
+    from pathlib import Path
+
+    import triage
+    import triage.experiments
+    import triage.kernels
+    import triage.trainers
+    from triage.trainers import aqn, lora, lora_io, peft_nvfp4
+
+    facade = Path(lora.__file__).resolve()
+    importers = []
+    for pkg in (triage, triage.kernels, triage.trainers, triage.experiments):
+        root = Path(pkg.__file__).resolve().parent
+        for path in root.rglob("*.py"):
+            if path.resolve() == facade:
+                continue
+            parts = path.relative_to(root).with_suffix("").parts
+            package = ".".join((pkg.__name__, *parts[:-1]))  # a module's package (for relative imports)
+            if "triage.trainers.lora" in _imported_modules(path, package):
+                importers.append(str(path.relative_to(root)))
+    assert importers == []
+    for name in lora.__all__:  # each name is the defining module's object
+        owner = next(m for m in (aqn, lora_io, peft_nvfp4) if hasattr(m, name))
+        assert getattr(lora, name) is getattr(owner, name), name

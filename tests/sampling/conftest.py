@@ -36,10 +36,8 @@ def sampling_model_dir(tmp_path_factory):
 
 @pytest.fixture
 def fake_server():
-    server = FakeEngineServer()
-    server.start()
-    yield server
-    server.stop()
+    with FakeEngineServer() as server:
+        yield server
 
 
 @pytest.fixture

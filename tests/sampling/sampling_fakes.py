@@ -76,6 +76,13 @@ class FakeEngineServer:
         self.httpd.shutdown()
         self.httpd.server_close()
 
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
     # -- behaviour -------------------------------------------------------------------------------------------
     def answer(self, path: str, body: dict):
         mode = self.mode

@@ -11,6 +11,7 @@ import copy
 import pytest
 import torch
 from sampling_fakes import NoAccelerator, make_fake_trainer
+from trainer_testkit import tiny_moe_model
 
 from triage.trainers.grpo_trainer import _to_nvfp4, resolve_sampler_kwargs
 from triage.trainers.sampling import HFSampler, SamplingParams, sample_with_kv_cache
@@ -34,22 +35,10 @@ def _torch_twins(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
 
 
-def _moe_model(tokenizer):
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    config = Qwen3MoeConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_experts=4,
-        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-        max_position_embeddings=256, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return Qwen3MoeForCausalLM(config)
-
-
 def _learner(tokenizer, tiny_model, dtype, recipe, moe=False):
     from triage.trainers.grpo_trainer import _quant_recipe
 
-    model = (_moe_model(tokenizer) if moe else copy.deepcopy(tiny_model)).to(dtype)
+    model = (tiny_moe_model(tokenizer) if moe else copy.deepcopy(tiny_model)).to(dtype)
     if recipe is not None:
         _to_nvfp4(model, _quant_recipe(recipe))
     return model

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from datasets import Dataset
 from sampling_fakes import fake_completion
+from trainer_testkit import make_trainer
 
 from triage.trainers.sampling import HTTPOptions, encode_prompts, make_sampler
 
@@ -45,31 +46,19 @@ def offline_store(tokenizer):
     return rows
 
 
-def make_trainer(rollout, reward, model_dir, output_dir, **overrides):
+def grpo_trainer(rollout, reward, model_dir, output_dir, **overrides):
+    """A plain TRL ``GRPOTrainer`` for one step over ``QUESTIONS``, ``rollout`` as its ``rollout_func``."""
     from trl import GRPOConfig, GRPOTrainer
 
-    values = dict(
-        output_dir=str(output_dir),
-        use_cpu=True,
-        bf16=False,
-        max_steps=1,
-        per_device_train_batch_size=4,
-        num_generations=NUM_GENERATIONS,
-        max_completion_length=MAX_NEW,
-        learning_rate=1e-3,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        seed=0,
-        disable_tqdm=True,
-    )
-    values.update(overrides)
-    return GRPOTrainer(
-        model=model_dir,
-        reward_funcs=reward,
-        args=GRPOConfig(**values),
-        train_dataset=Dataset.from_list([{"prompt": chat(q)} for q in QUESTIONS]),
-        rollout_func=rollout,
+    return make_trainer(
+        model_dir,
+        output_dir,
+        rollout=rollout,
+        dataset=Dataset.from_list([{"prompt": chat(q)} for q in QUESTIONS]),
+        reward=reward,
+        trainer_cls=GRPOTrainer,
+        config_cls=GRPOConfig,
+        **{"max_steps": 1, "num_generations": NUM_GENERATIONS, "max_completion_length": MAX_NEW, **overrides},
     )
 
 
@@ -84,7 +73,7 @@ def test_one_grpo_step_per_source(kind, sampling_model_dir, fake_server, tokeniz
         "offline": lambda: make_sampler("offline", data=offline_store(tokenizer)),
     }[kind]()
     recorder = Recorder(source)
-    trainer = make_trainer(recorder, recorder.reward, sampling_model_dir, tmp_path)
+    trainer = grpo_trainer(recorder, recorder.reward, sampling_model_dir, tmp_path)
     trainer.train()
     assert trainer.state.global_step == 1
     assert len(recorder.outputs) == 1 and recorder.rewarded == [recorder.outputs[0]["completion_ids"]]
@@ -98,7 +87,7 @@ def test_hf_sampler_logprobs_equal_trl_learner_logprobs(sampling_model_dir, tmp_
     """The HF sampler reports what TRL's learner computes (temperature only): delta = 0 in fp32."""
     import torch
 
-    trainer = make_trainer(
+    trainer = grpo_trainer(
         make_sampler("hf", seed=3),
         lambda completions, **kw: [0.0] * len(completions),
         sampling_model_dir,
@@ -121,7 +110,7 @@ def test_hf_copy_runs_its_own_weights_not_the_trainers(sampling_model_dir, tmp_p
     import torch
 
     source = make_sampler("hf", sampler_model="copy", dtype=torch.bfloat16, seed=3)
-    trainer = make_trainer(
+    trainer = grpo_trainer(
         source, lambda completions, **kw: [0.0] * len(completions), sampling_model_dir, tmp_path
     )
     assert "forward" in vars(trainer.model)  # TRL's fused-LM-head patch, the reason for this test

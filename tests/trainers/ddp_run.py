@@ -12,26 +12,11 @@ import os
 import sys
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+from trainer_testkit import TINY_RECIPE  # noqa: E402  (this script's folder is on sys.path)
+
 from triage.experiments.train import build_trainer  # noqa: E402
 
-RECIPE = {  # a `triage train` recipe (base.yaml is layered under it by load_recipe)
-    "model_name_or_path": "tiny",  # replaced by the test's saved tiny model
-    "dataset": {"source": "synthetic", "n": 16, "difficulty": 1},
-    "reward_funcs": ["dapo_accuracy", {"soft_overlong": {"cache_length": 4}}],
-    "learner_precision": "bf16",
-    "quant_recipe": None,
-    "use_cpu": True,
-    "bf16": False,
-    "gradient_checkpointing": False,
-    "max_steps": 2,
-    "per_device_train_batch_size": 2,
-    "num_generations": 2,
-    "max_completion_length": 8,
-    "save_strategy": "no",
-    "sampler": "hf",
-    "sampler_kwargs": {"seed": 0, "precision": "bf16"},  # a bf16 sampler copy vs the fp32 learner
-    "tau": "auto",
-}
+RECIPE = {**TINY_RECIPE, "dataset": {**TINY_RECIPE["dataset"], "n": 16}, "per_device_train_batch_size": 2}
 
 
 def main(model_dir: str, output_dir: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pickle
 
 import pytest
+from trainer_testkit import make_trainer
 
 from triage.trainers.rewards import (
     REWARD_FUNCTIONS,
@@ -289,27 +290,18 @@ def test_rewards_inside_trl_grpo_trainer(tmp_path):
         seen.update(completion=completions[0], reward_model=reward_model[0])
         return [0.0] * len(prompts)
 
-    args = GRPOConfig(
-        output_dir=str(tmp_path),
-        use_cpu=True,
-        bf16=False,
-        per_device_train_batch_size=4,
+    trainer = make_trainer(
+        build_model(tokenizer, TinyModelSpec()),
+        tmp_path,
+        rollout=None,
+        dataset=synthetic_math(4, difficulty=1),
+        reward=[*build_reward_funcs(["dapo_accuracy", {"soft_overlong": {"cache_length": 4}}], 16), spy],
+        trainer_cls=GRPOTrainer,
+        config_cls=GRPOConfig,
+        trainer_kwargs={"processing_class": tokenizer},
         num_generations=4,
         max_completion_length=16,
         max_steps=1,
-        report_to="none",
-        logging_steps=1,
-        save_strategy="no",
-    )
-    trainer = GRPOTrainer(
-        model=build_model(tokenizer, TinyModelSpec()),
-        processing_class=tokenizer,
-        reward_funcs=[
-            *build_reward_funcs(["dapo_accuracy", {"soft_overlong": {"cache_length": 4}}], 16),
-            spy,
-        ],
-        args=args,
-        train_dataset=synthetic_math(4, difficulty=1),
     )
     trainer.train()
     assert seen["completion"][0]["role"] == "assistant" and isinstance(seen["completion"][0]["content"], str)

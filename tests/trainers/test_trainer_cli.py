@@ -6,6 +6,7 @@ import json
 
 import pytest
 import yaml
+from trainer_testkit import TINY_RECIPE
 
 from triage.cli import main
 from triage.trainers.report import CLASSES, format_summary, summarize, write_report
@@ -118,25 +119,7 @@ def test_demo_summary_states_the_measured_weight_change_and_step_count():
 
 
 def _tiny_recipe(tmp_path):
-    recipe = {
-        "model_name_or_path": "tiny",
-        "dataset": {"source": "synthetic", "n": 8, "difficulty": 1},
-        "reward_funcs": ["dapo_accuracy", {"soft_overlong": {"cache_length": 4}}],
-        "learner_precision": "bf16",
-        "quant_recipe": None,
-        "use_cpu": True,
-        "bf16": False,
-        "gradient_checkpointing": False,
-        "max_steps": 2,
-        "per_device_train_batch_size": 4,
-        "num_generations": 2,
-        "max_completion_length": 8,
-        "save_strategy": "no",
-        "sampler": "hf",
-        "sampler_kwargs": {"seed": 0, "precision": "bf16"},
-        "correction": "triage",
-        "tau": "auto",
-    }
+    recipe = {**TINY_RECIPE, "correction": "triage"}
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
     return path

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import math
-import os
-import sys
 
 import pytest
 import torch
-from trainer_testkit import PerturbedRollout, make_trainer
+from sampling_fakes import FakeEngineServer
+from trainer_testkit import PerturbedRollout, arithmetic_dataset, make_trainer, tiny_moe_model
 
 from triage import CORRECTIONS
-
-SAMPLING_TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sampling")
 
 
 def _train(trainer):
@@ -76,15 +73,8 @@ def _offline_store(dataset, tmp_path):
 
 @pytest.fixture
 def fake_server():
-    sys.path.insert(0, SAMPLING_TESTS)
-    try:
-        from sampling_fakes import FakeEngineServer
-    finally:
-        sys.path.remove(SAMPLING_TESTS)
-    server = FakeEngineServer()
-    server.start()
-    yield server
-    server.stop()
+    with FakeEngineServer() as server:
+        yield server
 
 
 @pytest.mark.parametrize(
@@ -123,17 +113,9 @@ def test_two_steps_for_each_sampler_source(tiny_model_dir, tmp_path, dataset, so
 def test_the_one_line_swap_trains_with_the_builtin_sampler(tiny_model_dir, tmp_path):
     """GRPOConfig(...) -> TriageGRPOConfig(...) with nothing else: no sampler, no rollout_func, use_vllm off.
     The correction needs sampler log-probs, so the built-in HF sampler (the learner's own weights) supplies them."""
-    from trainer_testkit import arithmetic_dataset, length_reward, make_args
-
-    from triage.trainers import TriageGRPOTrainer
     from triage.trainers.sampling import HFSampler
 
-    trainer = TriageGRPOTrainer(
-        model=tiny_model_dir,
-        reward_funcs=length_reward,
-        args=make_args(tmp_path, max_steps=1),
-        train_dataset=arithmetic_dataset(),
-    )
+    trainer = make_trainer(tiny_model_dir, tmp_path, rollout=None, max_steps=1)
     source = trainer._sampler_source()
     assert isinstance(source, HFSampler) and source.sampler_model == "shared"
     logs = _train(trainer)
@@ -141,12 +123,7 @@ def test_the_one_line_swap_trains_with_the_builtin_sampler(tiny_model_dir, tmp_p
         logs[0]["triage/tokens"] > 0 and logs[0]["triage/mean_abs_delta"] < 1e-4
     )  # same weights: noise only
     # correction="none" without any sampler log-probs is plain GRPOTrainer: it trains, logs no triage/...
-    trainer = TriageGRPOTrainer(
-        model=tiny_model_dir,
-        reward_funcs=length_reward,
-        args=make_args(tmp_path, correction="none", max_steps=1),
-        train_dataset=arithmetic_dataset(),
-    )
+    trainer = make_trainer(tiny_model_dir, tmp_path, rollout=None, correction="none", max_steps=1)
     assert trainer.rollout_func is None
     logs = _train(trainer)
     assert not any(k.startswith("triage/") for k in logs[0])
@@ -163,10 +140,6 @@ def test_the_one_line_swap_trains_with_the_builtin_sampler(tiny_model_dir, tmp_p
 def test_a_dataset_without_the_prompt_column_is_refused_at_construction(
     tiny_model_dir, tmp_path, train, eval_, match
 ):
-    from trainer_testkit import arithmetic_dataset, length_reward, make_args
-
-    from triage.trainers import TriageGRPOTrainer
-
     def dataset(column):
         if isinstance(column, dict):
             return {key: dataset(value) for key, value in column.items()}
@@ -175,12 +148,12 @@ def test_a_dataset_without_the_prompt_column_is_refused_at_construction(
         return arithmetic_dataset().rename_column("prompt", column)
 
     with pytest.raises(ValueError, match=match):
-        TriageGRPOTrainer(
-            model=tiny_model_dir,
-            reward_funcs=length_reward,
-            args=make_args(tmp_path),
-            train_dataset=dataset(train),
-            eval_dataset=dataset(eval_),
+        make_trainer(
+            tiny_model_dir,
+            tmp_path,
+            rollout=None,
+            dataset=dataset(train),
+            trainer_kwargs={"eval_dataset": dataset(eval_)},
         )
 
 
@@ -256,20 +229,12 @@ def test_nvfp4_learner_converts_fused_moe_experts(tmp_path, monkeypatch):
     """A Qwen3-MoE learner: the fused experts become NVFP4MoeExperts (one outer scale per expert), the router
     stays high precision; a bf16 sampler copy gets the original experts back."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
     from triage.kernels import NVFP4MoeExperts
     from triage.trainers.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
-    config = Qwen3MoeConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_experts=4,
-        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-        max_position_embeddings=256, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
-    torch.manual_seed(0)
     model_dir = tmp_path / "moe"
-    Qwen3MoeForCausalLM(config).save_pretrained(model_dir)
+    tiny_moe_model(tokenizer).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     trainer = _nvfp4_learner(
         str(model_dir), tmp_path / "out", sampler_kwargs={"seed": 0, "precision": "bf16"}

@@ -59,7 +59,21 @@ class PerturbedRollout:
         return out
 
 
-def make_args(output_dir, **overrides):
+def tiny_moe_model(tokenizer, seed: int = 0):
+    """A random 2-layer Qwen3-MoE (4 experts, 2 per token) over ``tokenizer``'s vocabulary."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        max_position_embeddings=256, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return Qwen3MoeForCausalLM(config)
+
+
+def make_args(output_dir, config_cls=None, **overrides):
+    """A 2-step CPU run's config (``config_cls``: ``TriageGRPOConfig`` by default, or TRL's ``GRPOConfig``)."""
     from triage.trainers import TriageGRPOConfig
 
     values = dict(
@@ -78,19 +92,53 @@ def make_args(output_dir, **overrides):
         disable_tqdm=True,
     )
     values.update(overrides)
-    return TriageGRPOConfig(**values)
+    return (config_cls or TriageGRPOConfig)(**values)
 
 
 def make_trainer(
-    model_dir, output_dir, rollout="perturbed", dataset=None, reward=length_reward, trainer_cls=None, **args
+    model,
+    output_dir,
+    rollout="perturbed",
+    dataset=None,
+    reward=length_reward,
+    trainer_cls=None,
+    config_cls=None,
+    trainer_kwargs=None,
+    **args,
 ):
+    """``trainer_cls`` (``TriageGRPOTrainer`` by default) over ``model`` (a path or a module) with
+    :func:`make_args` ``(output_dir, config_cls, **args)``; ``trainer_kwargs`` go to the trainer as they are
+    (``processing_class``, ``peft_config``, ``callbacks``)."""
     from triage.trainers import TriageGRPOTrainer
 
     trainer_cls = trainer_cls or TriageGRPOTrainer
     return trainer_cls(
-        model=model_dir,
+        model=model,
         reward_funcs=reward,
-        args=make_args(output_dir, **args),
+        args=make_args(output_dir, config_cls, **args),
         train_dataset=dataset if dataset is not None else arithmetic_dataset(),
         rollout_func=PerturbedRollout() if rollout == "perturbed" else rollout,
+        **(trainer_kwargs or {}),
     )
+
+
+#: A ``triage train`` recipe of 2 CPU steps on the tiny model (``base.yaml`` is layered under it by
+#: ``load_recipe``): the built-in HF sampler on a bf16 copy of the fp32 learner.
+TINY_RECIPE = {
+    "model_name_or_path": "tiny",
+    "dataset": {"source": "synthetic", "n": 8, "difficulty": 1},
+    "reward_funcs": ["dapo_accuracy", {"soft_overlong": {"cache_length": 4}}],
+    "learner_precision": "bf16",
+    "quant_recipe": None,
+    "use_cpu": True,
+    "bf16": False,
+    "gradient_checkpointing": False,
+    "max_steps": 2,
+    "per_device_train_batch_size": 4,
+    "num_generations": 2,
+    "max_completion_length": 8,
+    "save_strategy": "no",
+    "sampler": "hf",
+    "sampler_kwargs": {"seed": 0, "precision": "bf16"},
+    "tau": "auto",
+}

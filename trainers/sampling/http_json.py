@@ -1,4 +1,5 @@
-"""Bounded JSON-over-HTTP for the server clients (standard library only).
+"""The inference-server clients' common layer: bounded JSON-over-HTTP (standard library only) and
+:class:`ServerClient`, the base of :class:`SGLangClient` and :class:`VLLMServerClient`.
 
 Every request has a timeout; connection failures, timeouts and HTTP 502/503/504 are retried at most
 ``max_retries`` times with exponential backoff, so a dead server fails a rollout within
@@ -16,6 +17,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
+
+from .base import RANK_SEED_STRIDE, SamplerSource, SamplingParams
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -104,3 +107,82 @@ def server_root(base_url: str) -> str:
     """``base_url`` without trailing slashes or a trailing ``/v1`` (both spellings are common in configs)."""
     root = base_url.rstrip("/")
     return root[: -len("/v1")] if root.endswith("/v1") else root
+
+
+class ServerClient(SamplerSource):
+    """What the server clients share: endpoint URL, HTTP options, seed stream, sampling fields, request fan-out.
+
+    A subclass names its ``engine`` (in errors), ``endpoint`` (appended to :func:`server_root` of ``base_url``)
+    and ``max_tokens_field``; its :meth:`~SamplerSource.generate` splits the prompt entries into requests and
+    hands them to :meth:`fan_out` with a function that sends one and parses its completions.
+
+    Seed stream: with ``seed`` set, the ``k``-th seed this process draws is
+    ``seed + RANK_SEED_STRIDE × process index + k``; the running counter ``k`` is the checkpointed state.
+    """
+
+    engine = "server"
+    endpoint = ""
+    max_tokens_field = "max_tokens"
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        params: SamplingParams | None = None,
+        seed: int | None = None,
+        http: HTTPOptions | None = None,
+        weight_sync: Callable[[Any], None] | None = None,
+        validate: bool = True,
+    ):
+        super().__init__(params=params, weight_sync=weight_sync, validate=validate)
+        self.url = server_root(base_url) + self.endpoint
+        self.seed = seed
+        self.http = http or HTTPOptions()
+        self._counter = 0  # seeds drawn so far by this process; saved in checkpoints
+
+    def state_dict(self) -> dict:
+        """The running seed counter (with ``seed`` set, each request's seed is ``seed`` + offsets + counter)."""
+        return {"counter": self._counter}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._counter = int(state.get("counter", self._counter))
+
+    def take_seeds(self, count: int) -> list[int] | None:
+        """The next ``count`` seeds of this process's stream (``None`` without ``seed``: the server's RNG)."""
+        if self.seed is None:
+            return None
+        first = self.seed + RANK_SEED_STRIDE * self.rank + self._counter
+        self._counter += count
+        return list(range(first, first + count))
+
+    def sampling_fields(self, params: SamplingParams, eos_ids: Sequence[int]) -> dict:
+        """Every sampling parameter, explicitly, in the names both engines share (``top_k`` off is ``-1``,
+        ``min_p`` off is ``0``; ``stop_token_ids`` are the trainer's EOS ids)."""
+        return {
+            self.max_tokens_field: params.max_new_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k if params.top_k > 0 else -1,
+            "min_p": params.min_p or 0.0,
+            "repetition_penalty": params.repetition_penalty,
+            "stop_token_ids": [int(e) for e in eos_ids],
+        }
+
+    def post(self, payload: Any) -> Any:
+        """:func:`post_json` to this client's endpoint."""
+        return post_json(self.url, payload, self.http, self.engine)
+
+    def error(self, what: str) -> EngineError:
+        """``EngineError("<engine> server at <url> <what>")``."""
+        return EngineError(f"{self.engine} server at {self.url} {what}")
+
+    def fan_out(self, send: Callable[[T], list[R]], requests: Sequence[T]) -> list[R]:
+        """``send`` each request, up to ``http.max_concurrency`` in flight; the answers concatenated in order."""
+        return [
+            item for answer in map_concurrently(send, requests, self.http.max_concurrency) for item in answer
+        ]
+
+    @staticmethod
+    def rollout(parsed: Sequence[tuple[list, list]]) -> dict:
+        """``{"completion_ids", "logprobs"}`` of one ``(completion ids, log-probs)`` pair per prompt entry."""
+        return {"completion_ids": [p[0] for p in parsed], "logprobs": [p[1] for p in parsed]}

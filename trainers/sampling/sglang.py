@@ -26,11 +26,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .base import RANK_SEED_STRIDE, SamplerSource, SamplingParams
-from .http_json import EngineError, HTTPOptions, map_concurrently, post_json, server_root
+from .base import SamplingParams
+from .http_json import EngineError, HTTPOptions, ServerClient
 
 
-class SGLangClient(SamplerSource):
+class SGLangClient(ServerClient):
     """TRL ``rollout_func`` backed by an SGLang server (``python -m sglang.launch_server``).
 
     Args:
@@ -44,6 +44,9 @@ class SGLangClient(SamplerSource):
     """
 
     name = "sglang"
+    engine = "SGLang"
+    endpoint = "/generate"
+    max_tokens_field = "max_new_tokens"
 
     def __init__(
         self,
@@ -56,42 +59,24 @@ class SGLangClient(SamplerSource):
         weight_sync: Callable[[Any], None] | None = None,
         validate: bool = True,
     ):
-        super().__init__(params=params, weight_sync=weight_sync, validate=validate)
-        self.url = server_root(base_url) + "/generate"
-        self.seed = seed
-        self.http = http or HTTPOptions()
+        super().__init__(
+            base_url, params=params, seed=seed, http=http, weight_sync=weight_sync, validate=validate
+        )
         self.extra_sampling_params = dict(extra_sampling_params or {})
-        self._next_entry = 0  # running entry counter (seed offsets); saved in checkpoints
-
-    def state_dict(self) -> dict:
-        """The running seed counter (with ``seed`` set, each request's seed is ``seed`` + offsets + counter)."""
-        return {"counter": self._next_entry}
-
-    def load_state_dict(self, state: dict) -> None:
-        self._next_entry = int(state.get("counter", self._next_entry))
 
     def sampling_params(self, params: SamplingParams, eos_ids: Sequence[int]) -> dict:
         """SGLang's ``sampling_params`` object for ``params``."""
-        return {
-            "max_new_tokens": params.max_new_tokens,
-            "temperature": params.temperature,
-            "top_p": params.top_p,
-            "top_k": params.top_k if params.top_k > 0 else -1,
-            "min_p": params.min_p or 0.0,
-            "repetition_penalty": params.repetition_penalty,
-            "stop_token_ids": [int(e) for e in eos_ids],
-            **self.extra_sampling_params,
-        }
+        return {**self.sampling_fields(params, eos_ids), **self.extra_sampling_params}
 
     def _request(self, batch: list[list[int]], sampling: dict, seeds: list[int] | None) -> list[dict]:
         payload: dict[str, Any] = {"input_ids": batch, "return_logprob": True, "sampling_params": sampling}
         if seeds is not None:
             payload["sampling_params"] = [{**sampling, "sampling_seed": s} for s in seeds]
-        answer = post_json(self.url, payload, self.http, "SGLang")
+        answer = self.post(payload)
         answer = [answer] if isinstance(answer, dict) else answer
         if not isinstance(answer, list) or len(answer) != len(batch):
             got = len(answer) if isinstance(answer, list) else type(answer).__name__
-            raise EngineError(f"SGLang server at {self.url} answered {got} results for {len(batch)} prompts")
+            raise self.error(f"answered {got} results for {len(batch)} prompts")
         return answer
 
     def parse(self, item: Any, index: int) -> tuple[list, list]:
@@ -120,16 +105,11 @@ class SGLangClient(SamplerSource):
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, eos_ids: Sequence[int]) -> dict:
         sampling = self.sampling_params(params, eos_ids)
-        base = None if self.seed is None else self.seed + RANK_SEED_STRIDE * self.rank
-        seeds = None if base is None else [base + self._next_entry + j for j in range(len(prompt_ids))]
-        self._next_entry += len(prompt_ids) if base is not None else 0
+        seeds = self.take_seeds(len(prompt_ids))
         size = self.http.batch_size
         requests = [
             (prompt_ids[i : i + size], None if seeds is None else seeds[i : i + size])
             for i in range(0, len(prompt_ids), size)
         ]
-        answers = map_concurrently(
-            lambda r: self._request(r[0], sampling, r[1]), requests, self.http.max_concurrency
-        )
-        parsed = [self.parse(item, i) for i, item in enumerate(a for batch in answers for a in batch)]
-        return {"completion_ids": [p[0] for p in parsed], "logprobs": [p[1] for p in parsed]}
+        answers = self.fan_out(lambda r: self._request(r[0], sampling, r[1]), requests)
+        return self.rollout([self.parse(item, i) for i, item in enumerate(answers)])

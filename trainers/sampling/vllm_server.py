@@ -27,8 +27,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .base import RANK_SEED_STRIDE, SamplerSource, SamplingParams
-from .http_json import EngineError, HTTPOptions, map_concurrently, post_json, server_root
+from .base import SamplingParams
+from .http_json import EngineError, HTTPOptions, ServerClient
 
 TOKEN_PREFIX = "token_id:"
 
@@ -58,7 +58,7 @@ def parse_token(token: Any, where: str) -> int:
     )
 
 
-class VLLMServerClient(SamplerSource):
+class VLLMServerClient(ServerClient):
     """TRL ``rollout_func`` backed by a ``vllm serve`` OpenAI-compatible server.
 
     Args:
@@ -72,6 +72,8 @@ class VLLMServerClient(SamplerSource):
     """
 
     name = "vllm-server"
+    engine = "vLLM"
+    endpoint = "/v1/completions"
 
     def __init__(
         self,
@@ -85,22 +87,13 @@ class VLLMServerClient(SamplerSource):
         weight_sync: Callable[[Any], None] | None = None,
         validate: bool = True,
     ):
-        super().__init__(params=params, weight_sync=weight_sync, validate=validate)
         if not model:
             raise ValueError("VLLMServerClient needs the served model name (model=...)")
-        self.url = server_root(base_url) + "/v1/completions"
+        super().__init__(
+            base_url, params=params, seed=seed, http=http, weight_sync=weight_sync, validate=validate
+        )
         self.model = model
-        self.seed = seed
-        self.http = http or HTTPOptions()
         self.extra_body = dict(extra_body or {})
-        self._next_run = 0  # running request counter (seed offsets); saved in checkpoints
-
-    def state_dict(self) -> dict:
-        """The running seed counter (with ``seed`` set, each request's seed is ``seed`` + offsets + counter)."""
-        return {"counter": self._next_run}
-
-    def load_state_dict(self, state: dict) -> None:
-        self._next_run = int(state.get("counter", self._next_run))
 
     def request_body(
         self, prompts: list[list[int]], n: int, params: SamplingParams, eos_ids: Sequence[int]
@@ -110,13 +103,7 @@ class VLLMServerClient(SamplerSource):
             "model": self.model,
             "prompt": prompts,
             "n": n,
-            "max_tokens": params.max_new_tokens,
-            "temperature": params.temperature,
-            "top_p": params.top_p,
-            "top_k": params.top_k if params.top_k > 0 else -1,
-            "min_p": params.min_p or 0.0,
-            "repetition_penalty": params.repetition_penalty,
-            "stop_token_ids": [int(e) for e in eos_ids],
+            **self.sampling_fields(params, eos_ids),
             "logprobs": 0,
             "return_tokens_as_token_ids": True,
             **self.extra_body,
@@ -124,10 +111,9 @@ class VLLMServerClient(SamplerSource):
 
     def _plan(self, runs: list[tuple[list[int], int]]) -> list[tuple[list[list[int]], int, int | None]]:
         """Requests as ``(prompts, n, seed)``: equal-length runs packed up to ``batch_size`` entries."""
-        if self.seed is not None:
-            base = self.seed + RANK_SEED_STRIDE * self.rank
-            first, self._next_run = self._next_run, self._next_run + len(runs)
-            return [([p], n, base + first + j) for j, (p, n) in enumerate(runs)]
+        seeds = self.take_seeds(len(runs))
+        if seeds is not None:
+            return [([p], n, s) for (p, n), s in zip(runs, seeds)]
         plan: list[tuple[list[list[int]], int, int | None]] = []
         for p, n in runs:
             if plan and plan[-1][1] == n and (len(plan[-1][0]) + 1) * n <= self.http.batch_size:
@@ -140,13 +126,12 @@ class VLLMServerClient(SamplerSource):
         body = self.request_body(prompts, n, params, eos_ids)
         if seed is not None:
             body["seed"] = seed
-        answer = post_json(self.url, body, self.http, "vLLM")
+        answer = self.post(body)
         choices = answer.get("choices") if isinstance(answer, dict) else None
         if not isinstance(choices, list) or len(choices) != len(prompts) * n:
             got = len(choices) if isinstance(choices, list) else "no"
-            raise EngineError(
-                f"vLLM server at {self.url} answered {got} choices for {len(prompts)} prompts x n={n}: "
-                f"{str(answer)[:200]}"
+            raise self.error(
+                f"answered {got} choices for {len(prompts)} prompts x n={n}: {str(answer)[:200]}"
             )
         choices = sorted(choices, key=lambda c: c.get("index", 0) if isinstance(c, dict) else 0)
         return [self.parse(c, j) for j, c in enumerate(choices)]
@@ -172,8 +157,4 @@ class VLLMServerClient(SamplerSource):
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, eos_ids: Sequence[int]) -> dict:
         plan = self._plan(runs_of_identical(prompt_ids))
-        answers = map_concurrently(
-            lambda r: self._request(r[0], r[1], r[2], params, eos_ids), plan, self.http.max_concurrency
-        )
-        parsed = [c for request in answers for c in request]
-        return {"completion_ids": [p[0] for p in parsed], "logprobs": [p[1] for p in parsed]}
+        return self.rollout(self.fan_out(lambda r: self._request(*r, params, eos_ids), plan))
