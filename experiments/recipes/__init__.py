@@ -66,8 +66,15 @@ RECIPE_DIR = Path(__file__).resolve().parent
 ACCELERATE_DIR = RECIPE_DIR.parent / "accelerate"
 CPU_LAYER = RECIPE_DIR / "cpu.yaml"  # the CPU overrides (load_recipe(..., cpu=True), `triage train --cpu`)
 ARMS = ("grpo-none", "tis", "icepop", "opsm", "triage", "triage-mask")
-# Not run by default: the follow-ups of the first local ablation (docs/results.md §3); `--arms` selects them.
-FOLLOW_UP_ARMS = ("triage-suppress-down", "triage-suppress-no-guard", "triage-suppress-no-floor", "triage-no-is")
+# Not run by default (`--arms` selects them): TRL's default sequence IS through the same switch, and the
+# follow-ups of the testbed (docs/results.md §3).
+FOLLOW_UP_ARMS = (
+    "seq-mis-trl",
+    "triage-suppress-down",
+    "triage-suppress-no-guard",
+    "triage-suppress-no-floor",
+    "triage-no-is",
+)
 ALL_ARMS = ARMS + FOLLOW_UP_ARMS
 PRESETS = ("qwen3-4b", "qwen3-30b-a3b", "tiny")
 # Learner/sampler mismatch levels (levels/*.yaml), from the closest alignment to the widest gap (docs/results.md).

@@ -53,7 +53,8 @@ def test_every_preset_arm_validates_and_builds(name):
     # NVFP4 learner
     assert config.learner_precision == "nvfp4" and recipe["quant_recipe"]["scale"] == "tensor"
     arm = name.split("/")[1]
-    expected = {"grpo-none": "none", "tis": "tis", "icepop": "icepop", "opsm": "opsm"}.get(arm, "triage")
+    expected = {"grpo-none": "none", "tis": "tis", "icepop": "icepop", "opsm": "opsm", "seq-mis-trl": "seq-mis"}
+    expected = expected.get(arm, "triage")
     assert config.triage_config().correction == expected
     assert [f.__name__ for f in recipes_reward_funcs(recipe)] == ["dapo_accuracy", "soft_overlong_penalty"]
 
@@ -90,6 +91,9 @@ def test_arms_differ_only_in_correction_fields():
     # the `triage` arm is exactly the library default, `triage-suppress-down` the earlier default by name
     assert triage_fields_of("triage") == TriageConfig()
     assert triage_fields_of("triage-suppress-down") == TriageConfig.profile("suppress-down")
+    trl = triage_fields_of("seq-mis-trl")  # TRL's sequence_mask default (C_max 3, no C_min), applied once
+    assert (trl.correction, trl.seq_mis_level, trl.seq_mis_low, trl.seq_mis_high) == ("seq-mis", "product", 0.0, 3.0)
+    assert load_recipe("tiny/seq-mis-trl")["vllm_importance_sampling_correction"] is False
     mask = load_recipe("tiny/triage-mask")
     assert (mask["amplify_up"], mask["amplify_down"]) == ("mask", "keep")
     no_is = load_recipe("tiny/triage-no-is")
