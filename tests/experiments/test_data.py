@@ -261,7 +261,6 @@ def test_synthetic_problems_are_pinned():
     """The generator's exact outputs (committed SFT/RL results, level 6 above all, depend on them): a hash of
     every level's first problems, both splits, and of a held-out-filtered level-6 training set."""
     import hashlib
-    import json
 
     h = hashlib.sha256()
     for difficulty in range(1, 7):
