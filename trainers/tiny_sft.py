@@ -209,7 +209,9 @@ def sft_steps(
         width = int(batch_mask.sum(1).max())
         with autocast:
             out = model(
-                input_ids=ids[index, :width], attention_mask=batch_mask[:, :width], labels=labels[index, :width]
+                input_ids=ids[index, :width],
+                attention_mask=batch_mask[:, :width],
+                labels=labels[index, :width],
             )
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
