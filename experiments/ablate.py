@@ -57,6 +57,7 @@ from typing import Any
 
 from triage.experiments.sft import SFTConfig
 from triage.trainers.report import CLASSES
+from triage.trainers.tiny import SMALL_SPEC, TinyModelSpec
 
 __all__ = [
     "AblationPreset",
@@ -182,7 +183,7 @@ class AblationPreset:
     def from_dict(cls, data: Mapping[str, Any]) -> AblationPreset:
         """The inverse of :meth:`to_dict` (``DIR/study.json``)."""
         return cls(
-            **{**data, "sft": SFTConfig(**data["sft"]), "overrides": dict(data.get("overrides") or {})}
+            **{**data, "sft": SFTConfig.from_dict(data["sft"]), "overrides": dict(data.get("overrides") or {})}
         )
 
     def fingerprint(self) -> str:
@@ -212,12 +213,7 @@ PRESETS: dict[str, AblationPreset] = {
     "local": AblationPreset(
         name="local",
         sft=SFTConfig(
-            hidden_size=128,
-            intermediate_size=384,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=32,
+            model=SMALL_SPEC,
             difficulty=(1, 2, 3),
             n_train=8192,
             n_eval=256,
@@ -246,12 +242,14 @@ PRESETS: dict[str, AblationPreset] = {
     "testbed": AblationPreset(
         name="testbed",
         sft=SFTConfig(
-            hidden_size=448,
-            intermediate_size=1536,
-            num_hidden_layers=4,
-            num_attention_heads=7,
-            num_key_value_heads=1,
-            head_dim=64,
+            model=TinyModelSpec(
+                hidden_size=448,
+                intermediate_size=1536,
+                num_hidden_layers=4,
+                num_attention_heads=7,
+                num_key_value_heads=1,
+                head_dim=64,
+            ),
             difficulty=(6,),
             n_train=16384,
             n_eval=256,

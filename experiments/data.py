@@ -24,7 +24,6 @@ import hashlib
 import inspect
 import json
 import os
-import random
 import re
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -33,6 +32,8 @@ from typing import Any
 
 import datasets
 from datasets import Dataset, Features, List, Value
+
+from triage.trainers.tiny_sft import MAX_DIFFICULTY, arithmetic_problem
 
 __all__ = [
     "DAPO_PROMPT_PREFIX",
@@ -347,118 +348,27 @@ def load_aime24(path: str | os.PathLike | None = None):
 # synthetic problems
 
 SYNTHETIC_SOURCE = "synthetic_math"
-MAX_DIFFICULTY = 6
-
-
-def _signed(n: int) -> str:
-    return f"({n})" if n < 0 else str(n)
-
-
-def _times_x(a: int) -> str:
-    return "x" if a == 1 else f"{a}x"
-
-
-def _linear_lhs(a: int, b: int) -> str:
-    return f"{_times_x(a)} + {b}" if b >= 0 else f"{_times_x(a)} - {-b}"
-
-
-def _level_1(rng: random.Random) -> tuple[str, list[str], int]:
-    a, b = rng.randint(0, 20), rng.randint(0, 20)
-    if rng.random() < 0.5:
-        return f"Compute {a} + {b}.", [f"{a} + {b} = {a + b}."], a + b
-    a, b = max(a, b), min(a, b)
-    return f"Compute {a} - {b}.", [f"{a} - {b} = {a - b}."], a - b
-
-
-def _level_2(rng: random.Random) -> tuple[str, list[str], int]:
-    op = rng.choice("+-*")
-    if op == "*":
-        a, b = rng.randint(2, 12), rng.randint(2, 12)
-        return f"Compute {a} * {b}.", [f"{a} * {b} = {a * b}."], a * b
-    a, b = rng.randint(10, 99), rng.randint(10, 99)
-    value = a + b if op == "+" else a - b
-    return f"Compute {a} {op} {b}.", [f"{a} {op} {b} = {value}."], value
-
-
-def _level_3(rng: random.Random) -> tuple[str, list[str], int]:
-    a, b, c = rng.randint(1, 20), rng.randint(1, 20), rng.randint(2, 9)
-    form = rng.randrange(3)
-    if form == 0:  # (a + b) * c
-        s = a + b
-        return f"Compute ({a} + {b}) * {c}.", [f"{a} + {b} = {s}.", f"{s} * {c} = {s * c}."], s * c
-    if form == 1:  # a + b * c
-        p = b * c
-        return f"Compute {a} + {b} * {c}.", [f"{b} * {c} = {p}.", f"{a} + {p} = {a + p}."], a + p
-    p = c * b  # c * b - a
-    return f"Compute {c} * {b} - {a}.", [f"{c} * {b} = {p}.", f"{p} - {a} = {p - a}."], p - a
-
-
-def _level_4(rng: random.Random) -> tuple[str, list[str], int]:
-    x, a, b = rng.randint(-12, 12), rng.randint(2, 9), rng.randint(-30, 30)
-    c = a * x + b
-    steps = [f"{a}x = {c} - {_signed(b)} = {c - b}.", f"x = {c - b} / {a} = {x}."]
-    return f"Solve for x: {_linear_lhs(a, b)} = {c}.", steps, x
-
-
-def _level_5(rng: random.Random) -> tuple[str, list[str], int]:
-    x = rng.randint(-15, 15)
-    a = rng.randint(3, 12)
-    c = rng.randint(1, a - 1)  # a > c, so k = a - c > 0
-    b = rng.randint(-40, 40)
-    d = (a - c) * x + b  # so a x + b = c x + d
-    k, m = a - c, d - b
-    steps = [
-        f"Subtract {_times_x(c)} from both sides: {_linear_lhs(k, b)} = {d}.",
-        f"{_times_x(k)} = {d} - {_signed(b)} = {m}.",
-        f"x = {m} / {k} = {x}.",
-    ]
-    return f"Solve for x: {_linear_lhs(a, b)} = {_linear_lhs(c, d)}.", steps, x
-
-
-def _level_6(rng: random.Random) -> tuple[str, list[str], int]:
-    """A running sum of 11–13 two-digit numbers, one line per partial sum: the worked solution is 135–175
-    tokens with digit-level tokenisation (139–173 in 99.9 % of problems), so one slip anywhere in a long
-    completion changes the answer."""
-    terms = [rng.randint(10, 99) for _ in range(rng.randint(11, 13))]
-    steps, total = [], terms[0]
-    for t in terms[1:]:
-        steps.append(f"{total} + {t} = {total + t}.")
-        total += t
-    return f"Compute {' + '.join(map(str, terms))}.", steps, total
-
-
-_LEVELS: dict[int, Callable[[random.Random], tuple[str, list[str], int]]] = {
-    1: _level_1,  # a + b, a - b with a, b <= 20
-    2: _level_2,  # two-digit + and -, or a times table product
-    3: _level_3,  # three operands with precedence / parentheses
-    4: _level_4,  # one-sided linear equation a x + b = c, integer x
-    5: _level_5,  # two-sided linear equation a x + b = c x + d, integer x
-    6: _level_6,  # a running sum of 11-13 two-digit numbers (long worked solutions)
-}
 
 
 def synthetic_problem(difficulty: int, seed: int, index: int, split: str = "train") -> dict[str, Any]:
-    """Problem ``index`` of the synthetic stream ``(seed, split, difficulty)``; a pure function of its
-    arguments (``random.Random`` seeded with the string, which is hashed with SHA-512, not ``hash()``)."""
-    if difficulty not in _LEVELS:
-        raise ValueError(f"difficulty must be an int in 1..{MAX_DIFFICULTY}, got {difficulty!r}")
-    rng = random.Random(f"triage-synthetic/{seed}/{split}/{difficulty}/{index}")
-    problem, steps, answer = _LEVELS[difficulty](rng)
-    solution = " ".join(steps) + f"\nAnswer: {answer}"
+    """Problem ``index`` of the synthetic stream ``(seed, split, difficulty)`` as a DAPO row: the
+    :func:`triage.trainers.tiny_sft.arithmetic_problem` of those arguments, its worked solution in
+    ``extra_info.solution``."""
+    p = arithmetic_problem(difficulty, seed, index, split)
     return dapo_row(
-        problem,
-        answer,
+        p.problem,
+        p.answer,
         index=f"synthetic-{split}-d{difficulty}-s{seed}-{index}",
         data_source=SYNTHETIC_SOURCE,
         split=split,
         difficulty=difficulty,
-        solution=solution,
+        solution=p.solution,
     )
 
 
 def _difficulties(difficulty: int | Sequence[int]) -> list[int]:
     levels = [difficulty] if isinstance(difficulty, int) else list(difficulty)
-    if not levels or any(isinstance(d, bool) or d not in _LEVELS for d in levels):
+    if not levels or any(isinstance(d, bool) or d not in range(1, MAX_DIFFICULTY + 1) for d in levels):
         raise ValueError(
             f"difficulty must be an int in 1..{MAX_DIFFICULTY} or a list of them, got {difficulty!r}"
         )

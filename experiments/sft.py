@@ -2,8 +2,8 @@
 
 The RL ablation needs a policy that already solves a useful fraction of the problems: a random model never
 writes a correct ``Answer: N``, every group gets equal rewards and GRPO has nothing to learn. This module
-trains one with a plain torch loop (the model is tiny; a loop over one pre-tokenised tensor is faster and
-simpler than a Trainer here):
+trains one with the small SFT loop of ``triage.trainers.tiny_sft`` (:func:`~triage.trainers.tiny_sft.sft_steps`;
+the model is tiny, a loop over one pre-tokenised tensor is faster and simpler than a Trainer here):
 
 * data: ``synthetic_math(n_train, difficulty, seed, held_out=n_eval)`` — the worked solutions of the rows
   (``extra_info.solution``, ending in ``Answer: N``) are the targets; the ``n_eval`` held-out problems
@@ -26,10 +26,12 @@ import dataclasses
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from triage.trainers.tiny import TinyModelSpec
 
 __all__ = [
     "TOKENIZER_CORPUS",
@@ -59,8 +61,7 @@ class SFTConfig:
     """What :func:`train_sft` trains (every field goes into ``sft.json``; a changed field means a new run).
 
     Attributes:
-        hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
-            head_dim: the Qwen3 shape (``TinyModelSpec`` fields; dimensions multiples of 16 for NVFP4).
+        model: the Qwen3 shape (dimensions multiples of 16 for NVFP4); ``model.vocab_size`` sizes the tokenizer.
         difficulty: synthetic levels trained and evaluated (``triage.experiments.data.synthetic_math``).
         n_train: distinct training problems (drawn with replacement into batches).
         n_eval: held-out problems (``split="eval"``), excluded from training, for :func:`greedy_accuracy`.
@@ -75,12 +76,7 @@ class SFTConfig:
         max_new_tokens: generation length for the evaluation.
     """
 
-    hidden_size: int = 64
-    intermediate_size: int = 128
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    head_dim: int = 16
+    model: TinyModelSpec = TinyModelSpec()
     difficulty: tuple[int, ...] = (1, 2, 3)
     n_train: int = 4096
     n_eval: int = 256
@@ -110,31 +106,45 @@ class SFTConfig:
             )
         object.__setattr__(self, "difficulty", tuple(self.difficulty))
 
-    def model_spec(self):
-        from triage.trainers.tiny import TinyModelSpec
-
-        return TinyModelSpec(
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_hidden_layers,
-            num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.head_dim,
-        )
-
     def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
+        """The flat ``sft.json`` layout: the ``model`` fields beside the others. ``vocab_size``,
+        ``max_position_embeddings``, ``tie_word_embeddings`` and ``target_accuracy`` are written only when
+        they differ from their defaults, so the records of configs that leave them unset keep the layout
+        (and the match of :func:`ensure_sft_checkpoint`) of checkpoints written before they were fields."""
+        out = {**dataclasses.asdict(self.model), **dataclasses.asdict(self)}
+        del out["model"]
         out["difficulty"] = list(self.difficulty)
-        if out["target_accuracy"] is None:  # absent from checkpoints written before the field existed
-            del out["target_accuracy"]
+        for name, default in _OPTIONAL.items():
+            if out[name] == default:
+                del out[name]
         return out
 
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SFTConfig:
+        """The inverse of :meth:`to_dict` (``sft.json``, ``study.json``); an unknown key is an error."""
+        shape = {f.name for f in dataclasses.fields(TinyModelSpec)}
+        own = {f.name for f in dataclasses.fields(cls)} - {"model"}
+        unknown = sorted(set(data) - shape - own)
+        if unknown:
+            raise ValueError(f"SFTConfig: unknown fields {unknown} (expected some of {sorted(shape | own)})")
+        model = TinyModelSpec(**{k: v for k, v in data.items() if k in shape})
+        return cls(model=model, **{k: v for k, v in data.items() if k in own})
 
-def build_sft_tokenizer():
+
+_OPTIONAL = {
+    "vocab_size": TinyModelSpec.vocab_size,
+    "max_position_embeddings": TinyModelSpec.max_position_embeddings,
+    "tie_word_embeddings": TinyModelSpec.tie_word_embeddings,
+    "target_accuracy": None,
+}
+"""Fields :meth:`SFTConfig.to_dict` leaves out at these values (absent from older ``sft.json`` files)."""
+
+
+def build_sft_tokenizer(vocab_size: int = TinyModelSpec.vocab_size):
     """The tiny ChatML BPE tokenizer trained on :data:`TOKENIZER_CORPUS` (digits stay single tokens)."""
     from triage.trainers.tiny import build_tokenizer
 
-    return build_tokenizer(corpus=TOKENIZER_CORPUS)
+    return build_tokenizer(vocab_size, corpus=TOKENIZER_CORPUS)
 
 
 def prompt_ids(tokenizer, row: dict) -> list[int]:
@@ -146,7 +156,7 @@ def prompt_ids(tokenizer, row: dict) -> list[int]:
 def tokenize_examples(tokenizer, dataset) -> tuple[Any, Any, Any]:
     """(input_ids, attention_mask, labels) tensors, right-padded: prompt + solution + EOS, labels −100 on the
     prompt and the padding (the loss is on the completion only). A row without a solution is an error."""
-    import torch
+    from triage.trainers.tiny_sft import pad_completions
 
     rows = []
     for i, row in enumerate(dataset):
@@ -158,16 +168,7 @@ def tokenize_examples(tokenizer, dataset) -> tuple[Any, Any, Any]:
         p = prompt_ids(tokenizer, row)
         c = tokenizer(solution, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         rows.append((p, c))
-    width = max(len(p) + len(c) for p, c in rows)
-    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    labels = torch.full((len(rows), width), -100, dtype=torch.long)
-    for i, (p, c) in enumerate(rows):
-        n = len(p) + len(c)
-        ids[i, :n] = torch.tensor(p + c)
-        mask[i, :n] = 1
-        labels[i, len(p) : n] = torch.tensor(c)
-    return ids, mask, labels
+    return pad_completions(rows, tokenizer.pad_token_id)
 
 
 def greedy_accuracy(
@@ -216,15 +217,6 @@ def greedy_accuracy(
     }
 
 
-def _lr_factor(step: int, config: SFTConfig) -> float:
-    """Linear warm-up over ``warmup_steps``, then cosine from 1 to ``min_lr_ratio`` at ``steps``."""
-    if step < config.warmup_steps:
-        return (step + 1) / config.warmup_steps
-    span = max(config.steps - config.warmup_steps, 1)
-    progress = min((step - config.warmup_steps) / span, 1.0)
-    return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
 def train_sft(
     config: SFTConfig, output_dir: str | Path, log: Callable[[str], None] = print, device: str | None = None
 ) -> dict[str, Any]:
@@ -233,12 +225,13 @@ def train_sft(
 
     from triage.experiments.data import synthetic_math
     from triage.trainers.tiny import build_model
+    from triage.trainers.tiny_sft import sft_steps
 
     output_dir = Path(output_dir)
     start = time.perf_counter()
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    tokenizer = build_sft_tokenizer()
-    model = build_model(tokenizer, config.model_spec(), seed=config.seed).to(device)
+    tokenizer = build_sft_tokenizer(config.model.vocab_size)
+    model = build_model(tokenizer, config.model, seed=config.seed).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     train = synthetic_math(
         config.n_train, list(config.difficulty), config.seed, "train", held_out=config.n_eval
@@ -250,36 +243,23 @@ def train_sft(
         f"{config.steps} steps x {config.batch_size} on {device.type}"
         + (f", capped at {config.max_seconds:.0f} s" if config.max_seconds else "")
     )
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay, betas=(0.9, 0.98)
-    )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, config))
-    generator = torch.Generator(device="cpu").manual_seed(config.seed)
-    autocast = (
-        torch.autocast("cuda", dtype=torch.bfloat16)
-        if device.type == "cuda"
-        else torch.autocast("cpu", enabled=False)
-    )
     losses, evals = [], []
-    model.train()
     step, stopped_by = 0, "steps"
     window = []
-    for step in range(1, config.steps + 1):
-        index = torch.randint(0, ids.size(0), (config.batch_size,), generator=generator).to(device)
-        batch_mask = mask[index]
-        width = int(batch_mask.sum(1).max())
-        with autocast:
-            out = model(
-                input_ids=ids[index, :width],
-                attention_mask=batch_mask[:, :width],
-                labels=labels[index, :width],
-            )
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        window.append(out.loss.detach())
+    for step, loss in sft_steps(
+        model,
+        ids,
+        mask,
+        labels,
+        steps=config.steps,
+        batch_size=config.batch_size,
+        learning_rate=config.learning_rate,
+        weight_decay=config.weight_decay,
+        warmup_steps=config.warmup_steps,
+        min_lr_ratio=config.min_lr_ratio,
+        seed=config.seed,
+    ):
+        window.append(loss)
         last = step == config.steps
         over_time = config.max_seconds is not None and time.perf_counter() - start > config.max_seconds
         evaluate = bool(config.eval_every) and step % config.eval_every == 0 and not (last or over_time)
@@ -374,14 +354,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="SFTConfig fields")
     args = parser.parse_args(argv)
     fields = PRESETS[args.preset].sft.to_dict()
-    # every field, also those to_dict leaves out (an unset target_accuracy)
-    names = sorted(f.name for f in dataclasses.fields(SFTConfig))
+    # every field, also those to_dict leaves out (an unset target_accuracy), and the model's fields
+    names = sorted(
+        {f.name for f in dataclasses.fields(SFTConfig) if f.name != "model"}
+        | {f.name for f in dataclasses.fields(TinyModelSpec)}
+    )
     for text in args.overrides:
         key, sep, value = text.partition("=")
         if not sep or key not in names:
             parser.error(f"{text!r}: expected KEY=VALUE with KEY one of {names}")
         fields[key] = yaml.safe_load(value)
-    train_sft(SFTConfig(**fields), args.output)
+    train_sft(SFTConfig.from_dict(fields), args.output)
     return 0
 
 

@@ -43,13 +43,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _load(args, device):
     import torch
 
-    from triage.trainers.diagnostics.preset import TinyPreset, train_tiny_model
+    from triage.trainers.diagnostics.preset import TinyDiagnoseConfig, train_tiny_model
 
     if args.preset == "tiny":
-        preset = TinyPreset(seed=args.seed)
+        config = TinyDiagnoseConfig(seed=args.seed)
         if args.train_steps is not None:
-            preset = TinyPreset(train_steps=args.train_steps, seed=args.seed)
-        model, tokenizer = train_tiny_model(preset)
+            config = TinyDiagnoseConfig(train_steps=args.train_steps, seed=args.seed)
+        model, tokenizer = train_tiny_model(config)
         return model.to(device), tokenizer, "tiny"
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -46,6 +46,17 @@ class TinyModelSpec:
     tie_word_embeddings: bool = True
 
 
+SMALL_SPEC = TinyModelSpec(
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+)
+"""A 0.84M-parameter shape: the model of ``triage diagnose --preset tiny`` and of the ``local`` ablation."""
+
+
 def build_tokenizer(vocab_size: int = 512, corpus: list[str] | None = None):
     """Train a byte-level BPE on a small corpus and wrap it as a ChatML ``PreTrainedTokenizerFast``.
 

@@ -18,9 +18,9 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from triage.trainers.diagnostics.preset import TinyPreset, sample_batch, train_tiny_model  # noqa: E402
+from triage.trainers.diagnostics.preset import TinyDiagnoseConfig, sample_batch, train_tiny_model  # noqa: E402
 
-PRESET = TinyPreset(train_steps=60, train_batch=16, sequences=32, max_new_tokens=16)
+TINY = TinyDiagnoseConfig(train_steps=60, train_batch=16, sequences=32, max_new_tokens=16)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -34,10 +34,10 @@ def _single_thread():
 @pytest.fixture(scope="session")
 def trained(_single_thread):
     """(model, tokenizer): the tiny preset model after a short deterministic training run (fp32)."""
-    return train_tiny_model(PRESET)
+    return train_tiny_model(TINY)
 
 
 @pytest.fixture(scope="session")
 def batch(trained):
     model, tokenizer = trained
-    return sample_batch(model, tokenizer, PRESET.sequences, PRESET.max_new_tokens, seed=1)
+    return sample_batch(model, tokenizer, TINY.sequences, TINY.max_new_tokens, seed=1)

@@ -476,9 +476,9 @@ def test_presets_fingerprint_round_trip_and_mini():
     assert again == custom and again.fingerprint() == custom.fingerprint()
     small = mini(local)
     assert small.name == "local-mini" and small.sft.difficulty == local.sft.difficulty
-    assert small.sft.hidden_size < local.sft.hidden_size and small.steps <= 3
+    assert small.sft.model.hidden_size < local.sft.model.hidden_size and small.steps <= 3
     for name in ("hidden_size", "intermediate_size"):  # NVFP4 blocks of 16 along K
-        assert getattr(local.sft, name) % 16 == 0
+        assert getattr(local.sft.model, name) % 16 == 0
     with pytest.raises(ValueError, match="generations must be >= 2"):
         dataclasses.replace(local, generations=1)
     with pytest.raises(ValueError, match="n_eval"):
@@ -506,3 +506,12 @@ def test_run_recipes_validate_and_build(name, tmp_path):
                 == preset.max_completion_length // 4
             )
             assert (config.seed, config.data_seed, recipe["sampler_kwargs"]["seed"]) == (7, 7, 7)
+
+
+def test_preset_fingerprints_are_pinned():
+    """The fingerprints of the built-in presets (study folders on disk are resumed and aggregated by them)."""
+    assert {name: p.fingerprint() for name, p in PRESETS.items()} == {
+        "smoke": "aa2ba77ebb57b650",
+        "local": "f871e4389902b3be",
+        "testbed": "b417477eb28a0467",
+    }

@@ -255,3 +255,19 @@ def test_aime24_without_a_path_loads_the_hub_copy(monkeypatch, aime24_path):
     assert data.load_aime24() == "hub" and calls == [True]
     monkeypatch.setenv("TRIAGE_AIME24", str(aime24_path))
     assert data.load_aime24().num_rows == 30 and calls == [True]
+
+
+def test_synthetic_problems_are_pinned():
+    """The generator's exact outputs (committed SFT/RL results, level 6 above all, depend on them): a hash of
+    every level's first problems, both splits, and of a held-out-filtered level-6 training set."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for difficulty in range(1, 7):
+        for split in ("train", "eval"):
+            for i in range(8):
+                h.update(json.dumps(synthetic_problem(difficulty, 3, i, split), sort_keys=True).encode())
+    assert h.hexdigest() == "e8f0e354e1f6429fddf9bdb9afd006356c3f14b8df0a808cbadd91f16de45e5a"
+    rows = synthetic_math(16, [6], seed=0, split="train", held_out=8).to_list()
+    digest = hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()
+    assert digest == "72117fc70c0adf6e2616b80d524f391149712c4c23d1d58a1150deafdda112aa"

@@ -3,6 +3,7 @@ checkpoint reuse and its errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -11,7 +12,6 @@ from triage.experiments.data import dapo_row, synthetic_math
 from triage.experiments.sft import (
     SFT_FILE,
     SFTConfig,
-    _lr_factor,
     build_sft_tokenizer,
     ensure_sft_checkpoint,
     greedy_accuracy,
@@ -83,14 +83,6 @@ def test_a_row_without_solution_is_an_error_naming_it(tokenizer):
         tokenize_examples(tokenizer, Dataset.from_list(rows, features=FEATURES))
 
 
-def test_schedule_warms_up_then_decays_to_the_floor():
-    cfg = SFTConfig(steps=100, warmup_steps=10, min_lr_ratio=0.1)
-    factors = [_lr_factor(s, cfg) for s in range(101)]
-    assert factors[0] == pytest.approx(0.1) and factors[9] == pytest.approx(1.0)
-    assert factors[10] == pytest.approx(1.0) and factors[100] == pytest.approx(0.1)
-    assert all(a >= b for a, b in zip(factors[10:], factors[11:]))
-
-
 @pytest.mark.parametrize(
     "bad",
     [
@@ -134,12 +126,12 @@ def test_checkpoint_is_reused_for_the_same_config_and_refused_for_another(memori
     assert ensure_sft_checkpoint(MEMORISE, out, log=logs.append)["final"] == record["final"]
     assert "reusing" in logs[0]
     with pytest.raises(ValueError, match=r"another config \(differs in \['steps'\]\)"):
-        ensure_sft_checkpoint(SFTConfig(**{**MEMORISE.to_dict(), "steps": 101}), out)
+        ensure_sft_checkpoint(SFTConfig.from_dict({**MEMORISE.to_dict(), "steps": 101}), out)
 
 
 def test_evaluations_more_often_than_loss_logging(tmp_path):
     """``eval_every`` below the 50-step loss window: each evaluation line reports the loss up to its step."""
-    cfg = SFTConfig(**{**MEMORISE.to_dict(), "steps": 6, "eval_every": 2, "n_eval": 2})
+    cfg = SFTConfig.from_dict({**MEMORISE.to_dict(), "steps": 6, "eval_every": 2, "n_eval": 2})
     logs: list[str] = []
     record = train_sft(cfg, tmp_path / "ckpt", log=logs.append, device="cpu")
     assert [e["step"] for e in record["eval"]] == [2, 4, 6]
@@ -164,7 +156,7 @@ def test_target_accuracy_stops_at_the_first_evaluation_that_reaches_it(tmp_path,
     monkeypatch.setattr(
         sft, "greedy_accuracy", lambda *a, **k: {"accuracy": next(accuracies), "by_difficulty": {}, "n": 4}
     )
-    cfg = SFTConfig(**{**MEMORISE.to_dict(), "steps": 20, "eval_every": 2, "target_accuracy": 0.5})
+    cfg = SFTConfig.from_dict({**MEMORISE.to_dict(), "steps": 20, "eval_every": 2, "target_accuracy": 0.5})
     record = train_sft(cfg, tmp_path / "ckpt", log=lambda line: None, device="cpu")
     assert record["stopped_by"] == "target_accuracy" and record["steps_done"] == 4
     assert [e["step"] for e in record["eval"]] == [2, 4, 4] and record["config"]["target_accuracy"] == 0.5
@@ -179,6 +171,33 @@ def test_cli_overrides_any_field_an_unset_target_accuracy_too(tmp_path, monkeypa
     monkeypatch.setattr(sft, "train_sft", lambda config, output: trained.append(config))
     assert sft.main(["--preset", "local", "--output", str(tmp_path), "target_accuracy=0.6", "steps=10"]) == 0
     assert trained[0].target_accuracy == 0.6 and trained[0].steps == 10
-    assert trained[0].hidden_size == PRESETS["local"].sft.hidden_size
+    assert trained[0].model == PRESETS["local"].sft.model
+    sft.main(["--preset", "local", "--output", str(tmp_path), "hidden_size=256"])  # a model field
+    assert trained[1].model == dataclasses.replace(PRESETS["local"].sft.model, hidden_size=256)
     with pytest.raises(SystemExit):
         sft.main(["--preset", "local", "--output", str(tmp_path), "nope=1"])
+
+
+def test_config_dict_is_the_flat_sft_json_layout_and_round_trips():
+    """``to_dict`` keeps the layout of the ``sft.json`` files on disk (the model shape flat beside the other
+    fields, the optional fields absent at their defaults), so existing checkpoints still match."""
+    from triage.trainers.tiny import TinyModelSpec
+
+    old_layout = {  # the config of an sft.json written before SFTConfig held a TinyModelSpec
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "difficulty": [1], "n_train": 4, "n_eval": 4, "seed": 0,
+        "steps": 100, "max_seconds": None, "batch_size": 4, "learning_rate": 0.01, "weight_decay": 0.01,
+        "warmup_steps": 5, "min_lr_ratio": 0.1, "eval_every": 0, "max_new_tokens": 16, "eval_batch_size": 256,
+    }  # fmt: skip
+    assert MEMORISE.to_dict() == old_layout and SFTConfig.from_dict(old_layout) == MEMORISE
+    wide = dataclasses.replace(MEMORISE, model=TinyModelSpec(hidden_size=128, vocab_size=1024))
+    assert wide.to_dict()["vocab_size"] == 1024 and SFTConfig.from_dict(wide.to_dict()) == wide
+    with pytest.raises(ValueError, match=r"SFTConfig: unknown fields \['hidden'\]"):
+        SFTConfig.from_dict({**old_layout, "hidden": 3})
+
+
+def test_a_checkpoint_of_the_old_sft_json_layout_is_reused(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    final = {"accuracy": 0.5, "by_difficulty": {"1": 0.5}}
+    (tmp_path / SFT_FILE).write_text(json.dumps({"config": MEMORISE.to_dict(), "final": final}))
+    assert ensure_sft_checkpoint(MEMORISE, tmp_path, log=lambda line: None)["final"] == final
