@@ -24,6 +24,7 @@ Contents, by section:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -33,6 +34,7 @@ import triton.language as tl
 from .recipe import QuantRecipe
 from .reference import outer_scale_from_recipe
 from .rng import seed_key
+from .tensor import NVFP4Tensor
 
 
 def interpreting() -> bool:
@@ -90,6 +92,58 @@ def given_outer(recipe: QuantRecipe) -> tuple[float, float, float | None]:
     computed by the reference's own torch code on the CPU (IEEE, so the same bits as on CUDA)."""
     o = outer_scale_from_recipe(recipe, "cpu")
     return float(o.encode), float(o.decode), None if o.amax is None else float(o.amax)
+
+
+def given_outer_args(recipe: QuantRecipe) -> tuple[float, float, float, bool]:
+    """The quantizers' outer-scale arguments for data-independent outer scales: ``(encode, decode, amax,
+    WRITE_AMAX)`` of :func:`given_outer`; a recipe without an amax passes 1.0, never written."""
+    enc, dec, amax = given_outer(recipe)
+    return enc, dec, 1.0 if amax is None else amax, amax is not None
+
+
+@dataclasses.dataclass
+class QuantOutputs:
+    """The output buffers of one quantizer launch over ``rows`` rows of ``length`` (a multiple of 16)
+    elements: codes ``data`` uint8 [rows, length/2], block-scale bits ``scale`` uint8 [rows, length/16],
+    the optional exact expansion ``expanded`` [rows, length], and the outer scales ``enc`` / ``dec`` /
+    ``amax`` fp32 [n_outer] (``amax`` is ``enc`` when the kernel does not write it)."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    expanded: torch.Tensor | None
+    enc: torch.Tensor
+    dec: torch.Tensor
+    amax: torch.Tensor
+    write_amax: bool
+
+    @classmethod
+    def empty(
+        cls, rows: int, length: int, n_outer: int, write_amax: bool, emit_expanded: torch.dtype | None, device
+    ) -> QuantOutputs:
+        enc = torch.empty(n_outer, dtype=torch.float32, device=device)
+        return cls(
+            data=torch.empty((rows, length // 2), dtype=torch.uint8, device=device),
+            scale=torch.empty((rows, length // 16), dtype=torch.uint8, device=device),
+            expanded=None if emit_expanded is None else torch.empty((rows, length), dtype=emit_expanded, device=device),
+            enc=enc, dec=torch.empty_like(enc), amax=torch.empty_like(enc) if write_amax else enc,
+            write_amax=write_amax,
+        )  # fmt: skip
+
+    def tensor(self, recipe: QuantRecipe, shape: torch.Size, dtype: torch.dtype, outer_shape) -> NVFP4Tensor:
+        """The :class:`NVFP4Tensor` of a quantized ``shape`` (its leading dims are the rows; the last, padded
+        to ``length``, the blocks), outer scales shaped ``outer_shape``."""
+        lead, length = tuple(shape[:-1]), self.data.shape[-1] * 2
+        return NVFP4Tensor(
+            data=self.data.reshape(*lead, length // 2),
+            scale=self.scale.view(torch.float8_e4m3fn).reshape(*lead, length // 16),
+            global_scale=self.dec.reshape(outer_shape),
+            recipe=recipe,
+            shape=shape,
+            dtype=dtype,
+            global_encode_scale=self.enc.reshape(outer_shape),
+            amax=self.amax.reshape(outer_shape) if self.write_amax else None,
+            expanded=None if self.expanded is None else self.expanded.reshape(*lead, length),
+        )
 
 
 def seed_arg(recipe: QuantRecipe, seed: int | None) -> int:
