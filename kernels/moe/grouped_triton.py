@@ -30,7 +30,6 @@ from triage.kernels.nvfp4.device import (
     operand_strides,
     scale_mode,
     swizzled_tile,
-    tile_dot,
     unpack_mult,
 )
 from triage.kernels.nvfp4.gemm_dense import bf16_by_hand, dot_config
@@ -108,11 +107,33 @@ def _grouped_gemm_kernel(
                 k_ok = offs_k < K
                 a_mask = m_ok[:, None] & k_ok[None, :]
                 b_mask = k_ok[:, None] & n_ok[None, :]
-            acc = tile_dot(
-                acc, a_ptr, a_scale_ptr, a_rows, b_e, bs_e, offs_n, offs_k, a_mask, b_mask,
-                stride_am, stride_ak, stride_asm, stride_ask, stride_bn, stride_bk, stride_bsn, stride_bsk,
-                A_PACKED, B_PACKED, DOT_DTYPE, INPUT_PRECISION,
-            )  # fmt: skip
+            a = load_tile(
+                a_ptr,
+                a_scale_ptr,
+                a_rows[:, None],
+                offs_k[None, :],
+                a_mask,
+                stride_am,
+                stride_ak,
+                stride_asm,
+                stride_ask,
+                A_PACKED,
+                DOT_DTYPE,
+            )
+            b = load_tile(
+                b_e,
+                bs_e,
+                offs_n[None, :],
+                offs_k[:, None],
+                b_mask,
+                stride_bn,
+                stride_bk,
+                stride_bsn,
+                stride_bsk,
+                B_PACKED,
+                DOT_DTYPE,
+            )
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
         acc = acc * out_mult
         if GA_MODE == 1:
             acc = acc * tl.load(ga_ptr)
@@ -286,8 +307,6 @@ def _grouped_wgrad_kernel(
         for k0 in range(k_first, seg_end, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_ok = (offs_k >= seg_start) & (offs_k < seg_end)
-            # two load_tile calls, not tile_dot: each mask built right before its load keeps this kernel's
-            # sm_90 code (tile_dot takes both masks ready: 2240 -> 2256 instructions, packed 128x128x32)
             a = load_tile(
                 a_ptr, a_scale_ptr, rows_a[:, None], offs_k[None, :], m_ok[:, None] & k_ok[None, :],
                 stride_am, stride_ak, stride_asm, stride_ask, A_PACKED, DOT_DTYPE,

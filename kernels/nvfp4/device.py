@@ -18,7 +18,7 @@ Contents, by section:
 * quantizer steps shared by :mod:`.quantize_rows` and :mod:`.quantize_columns` (Hadamard first step and
   butterfly, block scales, outer scales; the formulas of ``reference.py``);
 * GEMM pieces shared by :mod:`.gemm_dense`, :mod:`.gemm_decode` and ``triage.kernels.moe.grouped_triton``
-  (operand tile loader, one K step, epilogue, tile order; on the host the operand strides and the unpack
+  (operand tile loader, epilogue, tile order; on the host the operand strides and the unpack
   multiplier).
 """
 
@@ -487,48 +487,6 @@ def load_tile(
         return (q * s16).to(DOT_DTYPE)
     else:
         return tl.load(ptr + r2 * stride_r + k2 * stride_k, mask=mask, other=0.0).to(DOT_DTYPE)
-
-
-@triton.jit
-def tile_dot(
-    acc,
-    a_ptr,
-    a_scale_ptr,
-    rows_a,
-    b_ptr,
-    b_scale_ptr,
-    rows_b,
-    offs_k,
-    a_mask,
-    b_mask,
-    stride_am,
-    stride_ak,
-    stride_asm,
-    stride_ask,
-    stride_bn,
-    stride_bk,
-    stride_bsn,
-    stride_bsk,
-    A_PACKED: tl.constexpr,
-    B_PACKED: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
-):
-    """One K step of a tiled GEMM: ``acc + A[rows_a, offs_k] · B[rows_b, offs_k]ᵀ`` (fp32 accumulator).
-
-    ``rows_a`` [BLOCK_M], ``rows_b`` [BLOCK_N], ``offs_k`` [BLOCK_K] index the operands; ``a_mask``
-    [BLOCK_M, BLOCK_K] and ``b_mask`` [BLOCK_K, BLOCK_N] say which elements exist (0 elsewhere). Each
-    operand is read by :func:`load_tile` (packed: ``q·s·2⁻¹⁴``, exact), B transposed as the dot wants it.
-    """
-    a = load_tile(
-        a_ptr, a_scale_ptr, rows_a[:, None], offs_k[None, :], a_mask,
-        stride_am, stride_ak, stride_asm, stride_ask, A_PACKED, DOT_DTYPE,
-    )  # fmt: skip
-    b = load_tile(
-        b_ptr, b_scale_ptr, rows_b[None, :], offs_k[:, None], b_mask,
-        stride_bn, stride_bk, stride_bsn, stride_bsk, B_PACKED, DOT_DTYPE,
-    )  # fmt: skip
-    return tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
 
 
 @triton.jit

@@ -31,10 +31,10 @@ from triage.kernels._launch import cdiv, fast_launch
 from triage.kernels.nvfp4.device import (
     epilogue,
     interpreting,
+    load_tile,
     operand_strides,
     scale_mode,
     swizzled_tile,
-    tile_dot,
     unpack_mult,
 )
 
@@ -122,12 +122,33 @@ def _gemm_kernel(
     for k0 in range(k_begin, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < k_end
-        acc = tile_dot(
-            acc, a_ptr, a_scale_ptr, offs_m, b_ptr, b_scale_ptr, offs_n, offs_k,
-            (offs_m[:, None] < M) & k_ok[None, :], k_ok[:, None] & (offs_n[None, :] < N),
-            stride_am, stride_ak, stride_asm, stride_ask, stride_bn, stride_bk, stride_bsn, stride_bsk,
-            A_PACKED, B_PACKED, DOT_DTYPE, INPUT_PRECISION,
-        )  # fmt: skip
+        a = load_tile(
+            a_ptr,
+            a_scale_ptr,
+            offs_m[:, None],
+            offs_k[None, :],
+            (offs_m[:, None] < M) & k_ok[None, :],
+            stride_am,
+            stride_ak,
+            stride_asm,
+            stride_ask,
+            A_PACKED,
+            DOT_DTYPE,
+        )
+        b = load_tile(
+            b_ptr,
+            b_scale_ptr,
+            offs_n[None, :],
+            offs_k[:, None],
+            k_ok[:, None] & (offs_n[None, :] < N),
+            stride_bn,
+            stride_bk,
+            stride_bsn,
+            stride_bsk,
+            B_PACKED,
+            DOT_DTYPE,
+        )
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
 
     if SPLIT_K == 1:
         epilogue(
