@@ -17,6 +17,10 @@ script closes that gap in two steps:
     python experiments/bench/compile_check.py record --gpu-host --out /tmp/specs-gpu.jsonl tests/kernels
     PYTHONPATH=/tmp/t36 python experiments/bench/compile_check.py compile /tmp/specs*.jsonl --arch 90
 
+``compile --hashes OUT.json`` also writes each spec's instruction hash (SHA-1 of the SASS opcodes and
+operands, addresses left out); ``same OLD.json NEW.json`` then lists the specs whose instructions differ
+between two trees, the proof that a refactor left the compiled kernels unchanged.
+
 ``--gpu-host`` makes the kernels' host code pick its GPU tiles and dot dtypes (bf16 dots, which the
 interpreter computes wrongly: tests fail, but every launch they reach is still logged).
 
@@ -169,13 +173,14 @@ def record(out: str, pytest_args: list[str], gpu_host: bool = False) -> int:
     return 0 if not recorder.errors else 1
 
 
-def _compile_one(spec: dict, arch: int) -> tuple[str, str, int, float]:
-    """(label, error or "", local-memory instructions in the SASS, seconds)."""
+def _compile_one(spec: dict, arch: int) -> tuple[str, str, int, float, str]:
+    """(label, error or "", local-memory instructions in the SASS, seconds, instruction hash)."""
+    import hashlib
     import importlib
     import re
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from sass import compile_sass
+    from sass import compile_sass, instructions
 
     label = f"{spec['module'].rsplit('.', 1)[-1]}.{spec['name']} w{spec['num_warps']} s{spec['num_stages']}"
     t0 = time.perf_counter()
@@ -187,12 +192,18 @@ def _compile_one(spec: dict, arch: int) -> tuple[str, str, int, float]:
         )  # fmt: skip
     except Exception as e:
         msg = f"{type(e).__name__}: {e}".strip().splitlines()
-        return label, " | ".join(msg[-3:])[:600], 0, time.perf_counter() - t0
+        return label, " | ".join(msg[-3:])[:600], 0, time.perf_counter() - t0, ""
     local = len(re.findall(r"\b(?:LDL|STL)(?:\.[A-Z0-9]+)*\b", sass))
-    return label, "", local, time.perf_counter() - t0
+    ins = [(op, rest) for _, op, rest in instructions(sass)]
+    digest = f"{hashlib.sha1(repr(ins).encode()).hexdigest()[:16]} ({len(ins)} instructions)"
+    return label, "", local, time.perf_counter() - t0, digest
 
 
-def compile_all(paths: list[str], arch: int, jobs: int) -> int:
+def _spec_key(spec: dict) -> str:
+    return json.dumps({k: v for k, v in spec.items() if k != "test"}, sort_keys=True)
+
+
+def compile_all(paths: list[str], arch: int, jobs: int, hashes: str | None = None) -> int:
     os.environ.pop("TRITON_INTERPRET", None)
     import multiprocessing as mp
 
@@ -202,11 +213,14 @@ def compile_all(paths: list[str], arch: int, jobs: int) -> int:
     for path in paths:
         for line in open(path):
             spec = json.loads(line)
-            specs.setdefault(json.dumps({k: v for k, v in spec.items() if k != "test"}, sort_keys=True), spec)
+            specs.setdefault(_spec_key(spec), spec)
     specs = list(specs.values())
     print(f"triton {triton.__version__} ({os.path.dirname(triton.__file__)}), sm_{arch}: {len(specs)} specs")
     with mp.get_context("fork").Pool(jobs) as pool:
         results = pool.starmap(_compile_one, [(s, arch) for s in specs])
+    if hashes:
+        with open(hashes, "w") as f:
+            json.dump({_spec_key(s): [r[0], r[1] or r[4]] for s, r in zip(specs, results)}, f, indent=0)
     failed = [(s, r) for s, r in zip(specs, results) if r[1]]
     spilled = [(s, r) for s, r in zip(specs, results) if not r[1] and r[2]]
     by_kernel: dict[str, list] = {}
@@ -226,6 +240,20 @@ def compile_all(paths: list[str], arch: int, jobs: int) -> int:
     return 1 if failed else 0
 
 
+def same(old: str, new: str) -> int:
+    """Compare two ``compile --hashes`` files spec by spec: 0 when every spec of both compiled to the same
+    instructions (or failed the same way)."""
+    a, b = json.load(open(old)), json.load(open(new))
+    differ = [k for k in a.keys() & b.keys() if a[k] != b[k]]
+    for k in sorted(differ, key=lambda k: a[k][0]):
+        print(f"DIFFERS {a[k][0]}: {a[k][1]} -> {b[k][1]}  {k[:300]}")
+    only = [(f, k) for f, d, e in ((old, a, b), (new, b, a)) for k in d.keys() - e.keys()]
+    for f, k in only:
+        print(f"only in {f}: {k[:300]}")
+    print(f"{len(a.keys() & b.keys()) - len(differ)}/{len(a.keys() | b.keys())} specs with identical instructions")
+    return 1 if differ or only else 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -239,12 +267,16 @@ def main() -> int:
     c.add_argument("specs", nargs="+")
     c.add_argument("--arch", type=int, default=90)
     c.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    c.add_argument("--hashes", help="write each spec's instruction hash to this JSON file")
+    s = sub.add_parser("same", help="compare two --hashes files (exit 1 if any spec's instructions differ)")
+    s.add_argument("old")
+    s.add_argument("new")
     a = p.parse_args()
-    return (
-        record(a.out, a.pytest_args, a.gpu_host)
-        if a.cmd == "record"
-        else compile_all(a.specs, a.arch, a.jobs)
-    )
+    if a.cmd == "record":
+        return record(a.out, a.pytest_args, a.gpu_host)
+    if a.cmd == "same":
+        return same(a.old, a.new)
+    return compile_all(a.specs, a.arch, a.jobs, a.hashes)
 
 
 if __name__ == "__main__":

@@ -48,8 +48,9 @@ import torch
 from triage.kernels.nvfp4.format import e2m1_decode
 from triage.kernels.nvfp4.matmul import check_same_transform, expand, operand_k, padded_k
 
+#: the public functions, re-exported by ``triage.kernels.moe`` (:data:`LARGE_BACKEND` is read here at each
+#: call: set it on this module)
 __all__ = [
-    "LARGE_BACKEND",
     "check_offsets",
     "dequantize64",
     "expand_experts",

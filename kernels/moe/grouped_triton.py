@@ -24,12 +24,13 @@ import triton.language as tl
 
 from triage.kernels._launch import cdiv, fast_launch
 from triage.kernels.nvfp4.device import (
-    UNPACK_FACTOR,
     epilogue,
     interpreting,
     load_tile,
+    operand_strides,
     scale_mode,
     swizzled_tile,
+    unpack_mult,
 )
 from triage.kernels.nvfp4.gemm_dense import bf16_by_hand, dot_config
 
@@ -215,19 +216,11 @@ def launch_grouped_gemm(
         E,
         N,
         K,
-        a.stride(0),
-        a.stride(1),
-        a_scale.stride(0) if a_packed else 0,
-        a_scale.stride(1) if a_packed else 0,
-        b.stride(0),
-        b.stride(1),
-        b.stride(2),
-        b_scale.stride(0) if b_packed else 0,
-        b_scale.stride(1) if b_packed else 0,
-        b_scale.stride(2) if b_packed else 0,
+        *operand_strides(a, a_scale),
+        *operand_strides(b, b_scale),
         out.stride(0),
         out.stride(1),
-        UNPACK_FACTOR ** (int(a_packed) + int(b_packed)),
+        unpack_mult(a_scale, b_scale),
         A_PACKED=a_packed,
         B_PACKED=b_packed,
         GA_MODE=ga_mode,
@@ -315,50 +308,18 @@ def _grouped_wgrad_kernel(
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_ok = (offs_k >= seg_start) & (offs_k < seg_end)
             a = load_tile(
-                a_ptr,
-                a_scale_ptr,
-                rows_a[:, None],
-                offs_k[None, :],
-                m_ok[:, None] & k_ok[None, :],
-                stride_am,
-                stride_ak,
-                stride_asm,
-                stride_ask,
-                A_PACKED,
-                DOT_DTYPE,
-            )
+                a_ptr, a_scale_ptr, rows_a[:, None], offs_k[None, :], m_ok[:, None] & k_ok[None, :],
+                stride_am, stride_ak, stride_asm, stride_ask, A_PACKED, DOT_DTYPE,
+            )  # fmt: skip
             b = load_tile(
-                b_ptr,
-                b_scale_ptr,
-                rows_b[None, :],
-                offs_k[:, None],
-                k_ok[:, None] & n_ok[None, :],
-                stride_bn,
-                stride_bk,
-                stride_bsn,
-                stride_bsk,
-                B_PACKED,
-                DOT_DTYPE,
-            )
+                b_ptr, b_scale_ptr, rows_b[None, :], offs_k[:, None], k_ok[:, None] & n_ok[None, :],
+                stride_bn, stride_bk, stride_bsn, stride_bsk, B_PACKED, DOT_DTYPE,
+            )  # fmt: skip
             acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
         epilogue(
-            acc,
-            offs_m,
-            offs_n,
-            M,
-            N,
-            c_e,
-            stride_cm,
-            stride_cn,
-            ga_ptr,
-            gb_ptr,
-            ga_ptr,
-            out_mult,
-            GA_MODE,
-            GB_MODE,
-            False,
-            BF16_BY_HAND,
-        )
+            acc, offs_m, offs_n, M, N, c_e, stride_cm, stride_cn, ga_ptr, gb_ptr, ga_ptr, out_mult,
+            GA_MODE, GB_MODE, False, BF16_BY_HAND,
+        )  # fmt: skip
     else:
         c_ptrs = c_e + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
         zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty)
@@ -410,18 +371,12 @@ def launch_grouped_wgrad(
         offsets,
         M,
         N,
-        a.stride(0),
-        a.stride(1),
-        a_scale.stride(0) if a_packed else 0,
-        a_scale.stride(1) if a_packed else 0,
-        b.stride(0),
-        b.stride(1),
-        b_scale.stride(0) if b_packed else 0,
-        b_scale.stride(1) if b_packed else 0,
+        *operand_strides(a, a_scale),
+        *operand_strides(b, b_scale),
         out.stride(0),
         out.stride(1),
         out.stride(2),
-        UNPACK_FACTOR ** (int(a_packed) + int(b_packed)),
+        unpack_mult(a_scale, b_scale),
         A_PACKED=a_packed,
         B_PACKED=b_packed,
         GA_MODE=scale_mode(g_a),

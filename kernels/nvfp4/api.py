@@ -13,6 +13,19 @@ __all__ = ["BACKENDS", "dequantize", "quantize"]
 BACKENDS = ("auto", "triton", "torch")
 
 
+def check_quantize_options(what: str, backend: str, seed: int | None, emit_expanded) -> None:
+    """The options every quantizer entry point takes (``what`` names it in the error): ``backend`` one of
+    :data:`BACKENDS`, ``seed`` None or a valid seed, ``emit_expanded`` None, bf16 or fp16."""
+    if backend not in BACKENDS:
+        raise ValueError(f"{what}: backend must be one of {BACKENDS}, got {backend!r}")
+    if seed is not None:
+        check_seed(seed, f"{what}: seed")
+    if emit_expanded not in (None, torch.bfloat16, torch.float16):
+        raise ValueError(
+            f"{what}: emit_expanded must be None, torch.bfloat16 or torch.float16, got {emit_expanded}"
+        )
+
+
 def _triton_usable(x: torch.Tensor) -> bool:
     from .device import available
 
@@ -40,14 +53,7 @@ def quantize(
     The Triton path never synchronizes with the host (outer scales stay on the device).
     """
     recipe = QuantRecipe() if recipe is None else recipe
-    if backend not in BACKENDS:
-        raise ValueError(f"quantize: backend must be one of {BACKENDS}, got {backend!r}")
-    if seed is not None:
-        check_seed(seed, "quantize: seed")
-    if emit_expanded not in (None, torch.bfloat16, torch.float16):
-        raise ValueError(
-            f"quantize: emit_expanded must be None, torch.bfloat16 or torch.float16, got {emit_expanded}"
-        )
+    check_quantize_options("quantize", backend, seed, emit_expanded)
     check_input(x, recipe)
     if backend == "torch" or (backend == "auto" and not _triton_usable(x)):
         t = quantize_reference(x, recipe, seed=seed)

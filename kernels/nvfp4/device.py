@@ -18,11 +18,13 @@ Contents, by section:
 * quantizer steps shared by :mod:`.quantize_rows` and :mod:`.quantize_columns` (Hadamard first step and
   butterfly, block scales, outer scales; the formulas of ``reference.py``);
 * GEMM pieces shared by :mod:`.gemm_dense`, :mod:`.gemm_decode` and ``triage.kernels.moe.grouped_triton``
-  (operand tile loader, epilogue, tile order).
+  (operand tile loader, epilogue, tile order; on the host the operand strides and the unpack
+  multiplier).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -32,6 +34,7 @@ import triton.language as tl
 from .recipe import QuantRecipe
 from .reference import outer_scale_from_recipe
 from .rng import seed_key
+from .tensor import NVFP4Tensor
 
 
 def interpreting() -> bool:
@@ -91,6 +94,58 @@ def given_outer(recipe: QuantRecipe) -> tuple[float, float, float | None]:
     return float(o.encode), float(o.decode), None if o.amax is None else float(o.amax)
 
 
+def given_outer_args(recipe: QuantRecipe) -> tuple[float, float, float, bool]:
+    """The quantizers' outer-scale arguments for data-independent outer scales: ``(encode, decode, amax,
+    WRITE_AMAX)`` of :func:`given_outer`; a recipe without an amax passes 1.0, never written."""
+    enc, dec, amax = given_outer(recipe)
+    return enc, dec, 1.0 if amax is None else amax, amax is not None
+
+
+@dataclasses.dataclass
+class QuantOutputs:
+    """The output buffers of one quantizer launch over ``rows`` rows of ``length`` (a multiple of 16)
+    elements: codes ``data`` uint8 [rows, length/2], block-scale bits ``scale`` uint8 [rows, length/16],
+    the optional exact expansion ``expanded`` [rows, length], and the outer scales ``enc`` / ``dec`` /
+    ``amax`` fp32 [n_outer] (``amax`` is ``enc`` when the kernel does not write it)."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    expanded: torch.Tensor | None
+    enc: torch.Tensor
+    dec: torch.Tensor
+    amax: torch.Tensor
+    write_amax: bool
+
+    @classmethod
+    def empty(
+        cls, rows: int, length: int, n_outer: int, write_amax: bool, emit_expanded: torch.dtype | None, device
+    ) -> QuantOutputs:
+        enc = torch.empty(n_outer, dtype=torch.float32, device=device)
+        return cls(
+            data=torch.empty((rows, length // 2), dtype=torch.uint8, device=device),
+            scale=torch.empty((rows, length // 16), dtype=torch.uint8, device=device),
+            expanded=None if emit_expanded is None else torch.empty((rows, length), dtype=emit_expanded, device=device),
+            enc=enc, dec=torch.empty_like(enc), amax=torch.empty_like(enc) if write_amax else enc,
+            write_amax=write_amax,
+        )  # fmt: skip
+
+    def tensor(self, recipe: QuantRecipe, shape: torch.Size, dtype: torch.dtype, outer_shape) -> NVFP4Tensor:
+        """The :class:`NVFP4Tensor` of a quantized ``shape`` (its leading dims are the rows; the last, padded
+        to ``length``, the blocks), outer scales shaped ``outer_shape``."""
+        lead, length = tuple(shape[:-1]), self.data.shape[-1] * 2
+        return NVFP4Tensor(
+            data=self.data.reshape(*lead, length // 2),
+            scale=self.scale.view(torch.float8_e4m3fn).reshape(*lead, length // 16),
+            global_scale=self.dec.reshape(outer_shape),
+            recipe=recipe,
+            shape=shape,
+            dtype=dtype,
+            global_encode_scale=self.enc.reshape(outer_shape),
+            amax=self.amax.reshape(outer_shape) if self.write_amax else None,
+            expanded=None if self.expanded is None else self.expanded.reshape(*lead, length),
+        )
+
+
 def seed_arg(recipe: QuantRecipe, seed: int | None) -> int:
     """The stochastic-rounding key of ``seed`` (default ``recipe.seed``) as an int32 kernel argument (the
     kernels reinterpret it as uint32)."""
@@ -109,6 +164,18 @@ def scale_mode(g: torch.Tensor | None) -> int:
     if g is None:
         return SCALE_NONE
     return SCALE_SCALAR if g.numel() == 1 else SCALE_ROW
+
+
+def unpack_mult(*scales: torch.Tensor | None) -> float:
+    """The epilogue's ``out_mult`` of a GEMM whose operands have block scales ``scales`` (None: a dense
+    operand): ``UNPACK_FACTOR ** (number of packed operands)``, undoing :func:`load_tile`'s 2⁻¹⁴ each."""
+    return UNPACK_FACTOR ** sum(s is not None for s in scales)
+
+
+def operand_strides(t: torch.Tensor, scale: torch.Tensor | None) -> tuple[int, ...]:
+    """The stride arguments of one GEMM operand: ``t``'s strides, then its block scales' (zeros for a dense
+    operand, ``scale`` None: the kernel never reads them)."""
+    return (*t.stride(), *(scale.stride() if scale is not None else (0,) * t.dim()))
 
 
 # ---------------------------------------------------------------------------------------------------

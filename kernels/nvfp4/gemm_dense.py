@@ -29,12 +29,13 @@ import triton.language as tl
 
 from triage.kernels._launch import cdiv, fast_launch
 from triage.kernels.nvfp4.device import (
-    UNPACK_FACTOR,
     epilogue,
     interpreting,
     load_tile,
+    operand_strides,
     scale_mode,
     swizzled_tile,
+    unpack_mult,
 )
 
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -151,23 +152,9 @@ def _gemm_kernel(
 
     if SPLIT_K == 1:
         epilogue(
-            acc,
-            offs_m,
-            offs_n,
-            M,
-            N,
-            c_ptr,
-            stride_cm,
-            stride_cn,
-            ga_ptr,
-            gb_ptr,
-            bias_ptr,
-            out_mult,
-            GA_MODE,
-            GB_MODE,
-            HAS_BIAS,
-            BF16_BY_HAND,
-        )
+            acc, offs_m, offs_n, M, N, c_ptr, stride_cm, stride_cn, ga_ptr, gb_ptr, bias_ptr, out_mult,
+            GA_MODE, GB_MODE, HAS_BIAS, BF16_BY_HAND,
+        )  # fmt: skip
     else:
         mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
         ws = ws_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :]
@@ -203,23 +190,9 @@ def _splitk_reduce_kernel(
     for s in range(SPLIT_K):
         acc += tl.load(ws_ptr + s * M * N + offs_m[:, None] * N + offs_n[None, :], mask=mask, other=0.0)
     epilogue(
-        acc,
-        offs_m,
-        offs_n,
-        M,
-        N,
-        c_ptr,
-        stride_cm,
-        stride_cn,
-        ga_ptr,
-        gb_ptr,
-        bias_ptr,
-        out_mult,
-        GA_MODE,
-        GB_MODE,
-        HAS_BIAS,
-        BF16_BY_HAND,
-    )
+        acc, offs_m, offs_n, M, N, c_ptr, stride_cm, stride_cn, ga_ptr, gb_ptr, bias_ptr, out_mult,
+        GA_MODE, GB_MODE, HAS_BIAS, BF16_BY_HAND,
+    )  # fmt: skip
 
 
 @fast_launch
@@ -289,23 +262,9 @@ def _dot_scaled_kernel(
         )
         acc = tl.dot_scaled(a, a_s, "e2m1", b, b_s, "e2m1", acc)
     epilogue(
-        acc,
-        offs_m,
-        offs_n,
-        M,
-        N,
-        c_ptr,
-        stride_cm,
-        stride_cn,
-        ga_ptr,
-        gb_ptr,
-        bias_ptr,
-        1.0,
-        GA_MODE,
-        GB_MODE,
-        HAS_BIAS,
-        False,
-    )
+        acc, offs_m, offs_n, M, N, c_ptr, stride_cm, stride_cn, ga_ptr, gb_ptr, bias_ptr, 1.0, GA_MODE,
+        GB_MODE, HAS_BIAS, False,
+    )  # fmt: skip
 
 
 def num_sms() -> int:
@@ -363,7 +322,7 @@ def launch_gemm(
     split = cfg["SPLIT_K"]
     dummy = out  # never dereferenced when the matching constexpr switch is off
     ws = torch.empty((split, M, N), device=out.device, dtype=torch.float32) if split > 1 else dummy
-    out_mult = UNPACK_FACTOR ** (int(a_packed) + int(b_packed))
+    out_mult = unpack_mult(a_scale, b_scale)
     by_hand = bf16_by_hand(out)
     grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]), split)
     _gemm_kernel[grid](
@@ -379,14 +338,8 @@ def launch_gemm(
         M,
         N,
         K,
-        a.stride(0),
-        a.stride(1),
-        a_scale.stride(0) if a_packed else 0,
-        a_scale.stride(1) if a_packed else 0,
-        b.stride(0),
-        b.stride(1),
-        b_scale.stride(0) if b_packed else 0,
-        b_scale.stride(1) if b_packed else 0,
+        *operand_strides(a, a_scale),
+        *operand_strides(b, b_scale),
         out.stride(0),
         out.stride(1),
         out_mult,

@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from .._launch import cdiv, fast_launch, next_power_of_2
-from .api import BACKENDS, quantize
+from .api import check_quantize_options, quantize
 from .device import (
     EXPANDED_ID,
     INTERPRETED,
@@ -53,6 +53,7 @@ from .device import (
     PROFILE_ID,
     ROUND_ID,
     SIGN_MASK,
+    QuantOutputs,
     available,
     bfly16,
     bits_view,
@@ -62,7 +63,7 @@ from .device import (
     e2m1_code,
     expanded_word,
     fmix32,
-    given_outer,
+    given_outer_args,
     interpreting,
     max_nan,
     outer_from_row_amax,
@@ -73,7 +74,7 @@ from .device import (
 )
 from .format import BLOCK
 from .quantize_rows import quantize_triton
-from .recipe import QuantRecipe, check_seed
+from .recipe import QuantRecipe
 from .reference import check_input
 from .tensor import NVFP4Tensor
 
@@ -459,14 +460,7 @@ def quantize_columnwise(
     powers of two, ``block_t`` a multiple of 16) and ``num_warps`` tune the tiles. Recipes other than
     ``block="1x16"`` take the reference path. Never synchronizes with the host."""
     recipe = QuantRecipe() if recipe is None else recipe
-    if backend not in BACKENDS:
-        raise ValueError(f"quantize_columnwise: backend must be one of {BACKENDS}, got {backend!r}")
-    if seed is not None:
-        check_seed(seed, "quantize_columnwise: seed")
-    if emit_expanded not in (None, torch.bfloat16, torch.float16):
-        raise ValueError(
-            f"quantize_columnwise: emit_expanded must be None, torch.bfloat16 or torch.float16, got {emit_expanded}"
-        )
+    check_quantize_options("quantize_columnwise", backend, seed, emit_expanded)
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"quantize_columnwise: x must be a 2-D [T, C] tensor, got {shape}")
@@ -522,9 +516,7 @@ def _columnwise_triton(x, recipe, seed, gather, dest, L, emit_expanded, block_c,
     elif dynamic and recipe.scale == "tensor":
         mode, n_outer, out_shape = OUTER_GROUP, 1, ()
     else:
-        enc_arg, dec_arg, amax_arg = given_outer(recipe)
-        write_amax = amax_arg is not None
-        amax_arg = 1.0 if amax_arg is None else amax_arg
+        enc_arg, dec_arg, amax_arg, write_amax = given_outer_args(recipe)
         mode, n_outer, out_shape = OUTER_GIVEN, 1, ()
     n_t, n_c = cdiv(nblk, nb), cdiv(C, bc)
     if mode != OUTER_GIVEN:
@@ -536,31 +528,16 @@ def _columnwise_triton(x, recipe, seed, gather, dest, L, emit_expanded, block_c,
             HADAMARD=recipe.hadamard, ROUND=round_id, SIGNS=SIGN_MASK, HAS_SRC=has_src, BC=bc, NB=nb,
             num_warps=warps,
         )  # fmt: skip
-    enc_t = torch.empty(n_outer, dtype=torch.float32, device=dev)
-    dec_t = torch.empty_like(enc_t)
-    amax_t = torch.empty_like(enc_t) if write_amax else enc_t
-    data = torch.empty((C, lp // 2), dtype=torch.uint8, device=dev)
-    scale = torch.empty((C, nblk), dtype=torch.uint8, device=dev)
-    expanded = None if emit_expanded is None else torch.empty((C, lp), dtype=emit_expanded, device=dev)
+    out = QuantOutputs.empty(C, lp, n_outer, write_amax, emit_expanded, dev)
+    data32, expanded, enc_t = out.data.view(torch.int32), out.expanded, out.enc
     key = seed_arg(recipe, seed)
-    data32 = data.view(torch.int32)
     _quantize_colwise_kernel[(n_t, n_c)](
-        xa, src_arg, data32, scale, data32 if expanded is None else expanded.view(torch.int32),
-        enc_t, dec_t, amax_t, enc_t if group_amax is None else group_amax, enc_arg, dec_arg, amax_arg,
+        xa, src_arg, data32, out.scale, data32 if expanded is None else expanded.view(torch.int32),
+        enc_t, out.dec, out.amax, enc_t if group_amax is None else group_amax, enc_arg, dec_arg, amax_arg,
         C, L, lp, sx0, sx1, key,
         PROFILE=PROFILE_ID[recipe.profile], OUTER=mode, HADAMARD=recipe.hadamard, ROUND=round_id,
         STOCHASTIC=recipe.rounding == "stochastic", SIGNBIT=recipe.profile in ("te", "torchao"),
         SIGNS=SIGN_MASK, WRITE_AMAX=write_amax, EXPANDED=0 if expanded is None else EXPANDED_ID[emit_expanded],
         HAS_SRC=has_src, BC=bc, NB=nb, num_warps=warps,
     )  # fmt: skip
-    return NVFP4Tensor(
-        data=data,
-        scale=scale.view(torch.float8_e4m3fn),
-        global_scale=dec_t.reshape(out_shape),
-        recipe=recipe,
-        shape=torch.Size((C, L)),
-        dtype=x.dtype,
-        global_encode_scale=enc_t.reshape(out_shape),
-        amax=amax_t.reshape(out_shape) if write_amax else None,
-        expanded=expanded,
-    )
+    return out.tensor(recipe, torch.Size((C, L)), x.dtype, out_shape)

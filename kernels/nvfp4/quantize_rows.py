@@ -44,6 +44,7 @@ from .device import (
     PROFILE_ID,
     ROUND_ID,
     SIGN_MASK,
+    QuantOutputs,
     bf16_rne,
     bfly16,
     bits_view,
@@ -55,7 +56,7 @@ from .device import (
     e2m1_value,
     expanded_word,
     fmix32,
-    given_outer,
+    given_outer_args,
     interpreting,
     max_nan,
     outer_from_row_amax,
@@ -659,7 +660,7 @@ def quantize_triton(
     if recipe.block == "16x16" and br % 16:
         raise ValueError(f"block_rows must be a multiple of 16 for 16x16 tiles, got {br}")
     dev = x.device
-    lead, gshape = shape[:-1], shape[:-1] + (1,)
+    gshape = shape[:-1] + (1,)
     enc_arg = dec_arg = amax_arg = 1.0
     group_amax = None
     write_amax = True
@@ -671,16 +672,10 @@ def quantize_triton(
         mode, rows_per_outer, n_outer = OUTER_GROUP, rows // groups, groups
         out_shape = (groups,) + (1,) * (len(shape) - 1) if recipe.scale == "expert" else ()
     else:
-        enc_arg, dec_arg, amax_arg = given_outer(recipe)
-        write_amax = amax_arg is not None
-        amax_arg = 1.0 if amax_arg is None else amax_arg
+        enc_arg, dec_arg, amax_arg, write_amax = given_outer_args(recipe)
         mode, rows_per_outer, n_outer, out_shape = OUTER_GIVEN, rows, 1, ()
-    enc_t = torch.empty(n_outer, dtype=torch.float32, device=dev)
-    dec_t = torch.empty_like(enc_t)
-    amax_t = torch.empty_like(enc_t) if write_amax else enc_t
-    data = torch.empty((rows, kp // 2), dtype=torch.uint8, device=dev)
-    scale = torch.empty((rows, kp // 16), dtype=torch.uint8, device=dev)
-    expanded = None if emit_expanded is None else torch.empty((rows, kp), dtype=emit_expanded, device=dev)
+    out = QuantOutputs.empty(rows, kp, n_outer, write_amax, emit_expanded, dev)
+    data, scale, expanded, enc_t = out.data, out.scale, out.expanded, out.enc
     key = seed_arg(recipe, seed)
     grid = (cdiv(n, br), slices)
     extra = {} if num_warps is None else {"num_warps": num_warps}
@@ -690,7 +685,7 @@ def quantize_triton(
     else:
         xa, da, ea = bits_view(x2), data, data if expanded is None else bits_view(expanded)
     _quantize_kernel[grid](
-        xa, da, scale, ea, enc_t, dec_t, amax_t,
+        xa, da, scale, ea, enc_t, out.dec, out.amax,
         enc_t if group_amax is None else group_amax, enc_arg, dec_arg, amax_arg,
         n, k, kp, rows_per_outer, key,
         PROFILE=PROFILE_ID[recipe.profile], OUTER=mode, TILE16=recipe.block == "16x16",
@@ -698,14 +693,4 @@ def quantize_triton(
         SIGNBIT=recipe.profile in ("te", "torchao"), SIGNS=SIGN_MASK, WRITE_AMAX=write_amax,
         EXPANDED=0 if expanded is None else EXPANDED_ID[emit_expanded], BR=br, NB=nb, PAIRS=pairs, **extra,
     )  # fmt: skip
-    return NVFP4Tensor(
-        data=data.reshape(*lead, kp // 2),
-        scale=scale.view(torch.float8_e4m3fn).reshape(*lead, kp // 16),
-        global_scale=dec_t.reshape(out_shape),
-        recipe=recipe,
-        shape=shape,
-        dtype=dtype,
-        global_encode_scale=enc_t.reshape(out_shape),
-        amax=amax_t.reshape(out_shape) if write_amax else None,
-        expanded=None if expanded is None else expanded.reshape(*lead, kp),
-    )
+    return out.tensor(recipe, shape, dtype, out_shape)

@@ -34,3 +34,25 @@ def test_launch_spec_types_constexprs_and_divisibility():
     assert sig["stride"] == sig["maybe"] == sig["BLOCK"] == "constexpr"
     assert spec["divisible"] == ["x_ptr", "n"]  # y_ptr misaligned; seed not specialized
     assert launch_spec(_toy, (x, y, 2**40, 3, 0, 1.0, False, None), dict(BLOCK=32))["signature"]["n"] == "i64"
+
+
+def test_same_flags_changed_missing_and_accepts_identical(tmp_path, capsys):
+    """``same`` passes only when both hash files hold the same specs with the same instructions."""
+    import json
+
+    from triage.experiments.bench.compile_check import same
+
+    def write(name, table):
+        path = tmp_path / name
+        path.write_text(json.dumps(table))
+        return str(path)
+
+    old = {'{"name": "k", "w": 4}': ["m.k w4 s3", "aa (10 instructions)"], '{"name": "j"}': ["m.j", "bb (5)"]}
+    assert same(write("old.json", old), write("copy.json", dict(old))) == 0
+    assert "2/2 specs with identical instructions" in capsys.readouterr().out
+    changed = dict(old, **{'{"name": "k", "w": 4}': ["m.k w4 s3", "cc (11 instructions)"]})
+    assert same(write("old.json", old), write("changed.json", changed)) == 1
+    assert "DIFFERS m.k w4 s3: aa (10 instructions) -> cc (11 instructions)" in capsys.readouterr().out
+    missing = {k: v for k, v in old.items() if "j" not in k}
+    assert same(write("old.json", old), write("missing.json", missing)) == 1
+    assert "only in" in capsys.readouterr().out

@@ -13,12 +13,13 @@ from triage.kernels.nvfp4.matmul import gemm, gemm_w4a16
 
 def test_public_names_resolve():
     """``triage.kernels.nvfp4.gemm`` is the GEMM function (no module shadows it), and every exported name of
-    ``triage.kernels`` and ``triage.kernels.nvfp4`` resolves."""
+    ``triage.kernels``, ``triage.kernels.nvfp4`` and ``triage.kernels.moe`` resolves."""
     import triage.kernels
-    from triage.kernels import nvfp4
+    from triage.kernels import moe, nvfp4
 
     assert nvfp4.gemm is gemm and nvfp4.gemm_w4a16 is gemm_w4a16 and callable(nvfp4.expand)
-    for package in (triage.kernels, nvfp4):
+    assert "grouped_gemm" in moe.__all__ and "LARGE_BACKEND" not in moe.__all__  # read on grouped_gemm
+    for package in (triage.kernels, nvfp4, moe):
         for name in package.__all__:
             assert getattr(package, name) is not None, f"{package.__name__}.{name}"
 
