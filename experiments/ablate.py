@@ -105,6 +105,9 @@ SERIES_KEYS = {
     "suppressed_frac": "triage/suppressed_frac",
     "guarded_frac": "triage/guarded_frac",
     "kl_k3": "triage/kl_k3",
+    # the per-response mean δ that OPSM thresholds (calibrate opsm_threshold on it)
+    "seq_mean_delta_p1": "triage/seq_mean_delta_p1",
+    "seq_mean_delta_p50": "triage/seq_mean_delta_p50",
     **{f"share/{c}": f"triage/{c}/share" for c in CLASSES},
 }
 #: the run-summary numbers aggregated over seeds (:func:`run_summary`), besides the class shares.

@@ -36,6 +36,8 @@ SERIES = (
     "share/correct_up",
     "share/correct_down",
     "share/inert",
+    "seq_mean_delta_p1",
+    "seq_mean_delta_p50",
 )  # the early-warning signal (amplify-down share) included
 
 

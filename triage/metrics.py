@@ -22,6 +22,9 @@ Two steps so a multi-process trainer can aggregate exactly:
 * ``triage/suppressed_frac``     = share of valid tokens the correction cut by more than 1 % (w < 0.99)
 * ``triage/guarded_frac``        = share of responses scaled down by the TRIAGE sequence guard
 * ``triage/delta_p0.1`` … ``triage/delta_p99.9``: quantiles 0.1 %, 1 %, 50 %, 99 %, 99.9 % of δ
+* ``triage/seq_mean_delta_p0.1`` … ``_p99.9``: the same quantiles of the per-response mean δ
+                                   (Σ_t δ / valid tokens of the response; responses with none left out):
+                                   the statistic OPSM thresholds, to calibrate ``opsm_threshold`` on
 
 With no valid token every metric is 0.0 (never NaN).
 """
@@ -116,24 +119,35 @@ def metrics_from_sums(sums: dict[str, torch.Tensor | float]) -> dict[str, float]
     return out
 
 
-def delta_quantiles(delta: torch.Tensor, mask: torch.Tensor | None = None) -> dict[str, float]:
-    """Quantiles of δ over the valid tokens (all of ``delta`` when ``mask`` is None; 0.0 when empty)."""
-    values = delta.detach().float()
-    if mask is not None:
-        values = values[as_mask(mask, delta.shape)]
-    values = values.flatten()
+def _quantiles(values: torch.Tensor, prefix: str) -> dict[str, float]:
+    """``prefix + name`` → the :data:`QUANTILES` of 1-D ``values`` (0.0 each when empty), interpolated linearly
+    between order statistics (numpy's default "linear" method)."""
     if values.numel() == 0:
-        return {f"triage/delta_{name}": 0.0 for name in QUANTILES}
+        return {f"{prefix}{name}": 0.0 for name in QUANTILES}
     ordered = values.sort().values
     last = ordered.numel() - 1
     out = {}
     for name, q in QUANTILES.items():
-        # Linear interpolation between order statistics (numpy's default "linear" method).
         pos = q * last
         lo = int(pos)
         hi = min(lo + 1, last)
         frac = pos - lo
-        out[f"triage/delta_{name}"] = float(ordered[lo] * (1 - frac) + ordered[hi] * frac)
+        out[f"{prefix}{name}"] = float(ordered[lo] * (1 - frac) + ordered[hi] * frac)
+    return out
+
+
+def delta_quantiles(delta: torch.Tensor, mask: torch.Tensor | None = None) -> dict[str, float]:
+    """Quantiles of δ over the valid tokens (all of ``delta`` when ``mask`` is None; 0.0 when empty), and of
+    the per-response mean δ (``triage/seq_mean_delta_*``, over responses with at least one valid token)."""
+    values = delta.detach().float()
+    valid = torch.ones_like(values, dtype=torch.bool) if mask is None else as_mask(mask, delta.shape)
+    out = _quantiles(values[valid].flatten(), "triage/delta_")
+    rows = values.reshape(-1, values.shape[-1]) if values.dim() else values.reshape(1, 1)
+    row_valid = valid.reshape(rows.shape)
+    counts = row_valid.sum(-1)
+    sums = torch.where(row_valid, rows, torch.zeros((), device=rows.device)).sum(-1)  # padding may be garbage
+    means = sums[counts > 0] / counts[counts > 0]
+    out.update(_quantiles(means, "triage/seq_mean_delta_"))
     return out
 
 

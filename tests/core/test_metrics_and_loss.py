@@ -86,6 +86,21 @@ def test_quantiles_match_numpy():
         assert got[f"triage/delta_{name}"] == pytest.approx(float(np.quantile(values, q)), rel=1e-5, abs=1e-6)
 
 
+def test_sequence_mean_delta_quantiles_match_numpy_and_ignore_padding():
+    """The per-response mean δ (what OPSM thresholds): padding — even NaN there — and empty responses left out."""
+    delta, _, mask = _batch(4)
+    delta = torch.where(mask.bool(), delta, torch.full_like(delta, float("nan")))
+    mask[1] = 0  # a response with no valid token
+    got = delta_quantiles(delta, mask)
+    rows = [delta[i][mask[i].bool()].numpy() for i in range(delta.shape[0]) if mask[i].any()]
+    means = np.array([r.mean() for r in rows])
+    for name, q in {"p0.1": 0.001, "p1": 0.01, "p50": 0.5, "p99": 0.99, "p99.9": 0.999}.items():
+        want = float(np.quantile(means, q))
+        assert got[f"triage/seq_mean_delta_{name}"] == pytest.approx(want, rel=1e-5, abs=1e-6), name
+    empty = delta_quantiles(torch.zeros(2, 3), torch.zeros(2, 3))
+    assert empty["triage/seq_mean_delta_p50"] == 0.0 and empty["triage/delta_p50"] == 0.0
+
+
 def test_no_valid_token_gives_zero_loss_and_defined_metrics():
     delta = torch.zeros(3, 4)
     mask = torch.zeros(3, 4)

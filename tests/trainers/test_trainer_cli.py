@@ -63,6 +63,9 @@ def test_demo_shows_a_mismatch_triage_acts_on_beside_vanilla_grpo(tmp_path, caps
     assert runs["none"]["summary"]["suppressed_frac"] == 0.0 < runs["triage"]["summary"]["suppressed_frac"]
     first = {arm: r["steps"][0] for arm, r in runs.items()}
     assert first["none"]["triage/delta_p50"] == first["triage"]["triage/delta_p50"]
+    # the per-response mean δ (OPSM's statistic) is logged by the trainer too, from the same gathered δ
+    assert first["none"]["triage/seq_mean_delta_p50"] == first["triage"]["triage/seq_mean_delta_p50"]
+    assert first["triage"]["triage/seq_mean_delta_p1"] <= first["triage"]["triage/seq_mean_delta_p50"]
     # the step-1 table is what the trainers logged: loss mass without weights = the vanilla run's, with = TRIAGE's
     for c, row in step1["classes"].items():
         assert row["mass_share_unweighted"] == pytest.approx(
