@@ -2,7 +2,7 @@
 mismatch levels and seeds, from one SFT checkpoint — a dose-response study, run as resumable processes and
 aggregated over seeds.
 
-    triage ablate --preset smoke|local --output DIR [--levels a,b] [--arms a,b] [--seeds 0,1,2] [--steps N]
+    triage ablate --scale smoke|local --output DIR [--levels a,b] [--arms a,b] [--seeds 0,1,2] [--steps N]
                   [--parallel N] [--resume] [--time-budget S] [--set KEY=VALUE ...] [--mini]
     triage ablate --study study.yaml --output DIR [any flag above, overriding the file]
 
@@ -13,7 +13,7 @@ What one call does:
    holds a checkpoint of the same config. Every run starts from it.
 2. **Runs**: one per (level, arm, seed), seed-major (every level and arm of seed 0 first). A run trains the
    recipe ``tiny/<arm>/<level>`` (:mod:`triage.experiments.recipes`: the arm is the correction, the level the
-   learner/sampler numerics) sized by the preset; its seed sets ``seed`` (TRL's prompt order and the model's
+   learner/sampler numerics) sized by the scale; its seed sets ``seed`` (TRL's prompt order and the model's
    RNG), ``data_seed`` and the HF sampler's generator seed. Within one seed every run sees the same prompts
    in the same order. A finished run writes ``DIR/runs/<level>/<arm>/seed<k>.json`` and its log
    ``seed<k>.log`` beside it. ``--parallel 1`` (default) runs them one after another in this process;
@@ -27,12 +27,12 @@ What one call does:
 
 ``--resume`` skips the runs already finished in ``DIR``. ``--time-budget S`` starts no run expected to end
 more than S seconds after the call began (the estimate: the mean seconds of the finished runs, else the
-preset's ``arm_seconds``) and stops a started run cleanly before a step that would end past it: a run cut
-short is not saved and runs again under ``--resume``. Runs of another preset config in ``DIR`` are an error,
+scale's ``arm_seconds``) and stops a started run cleanly before a step that would end past it: a run cut
+short is not saved and runs again under ``--resume``. Runs of another scale (other sizes, steps or overrides) in ``DIR`` are an error,
 never mixed into the results.
 
-Presets (:data:`PRESETS`): ``smoke`` runs for a few steps on CPU with a tiny model (CI); ``local`` and
-``testbed`` (the mismatch testbed: longer completions, 300 steps) are sized for one H200. ``--mini`` shrinks a preset to smoke size, to check the whole pipeline on a CPU (its numbers mean
+Scales (:data:`SCALES`): ``smoke`` runs for a few steps on CPU with a tiny model (CI); ``local`` and
+``testbed`` (the mismatch testbed: longer completions, 300 steps) are sized for one H200. ``--mini`` shrinks a scale to smoke size, to check the whole pipeline on a CPU (its numbers mean
 nothing). Held-out accuracy is greedy decoding by the *learner* (the trained policy, in its numerics) on
 problems that neither SFT nor RL ever trains on, measured before the first step and every ``eval_every`` steps.
 """
@@ -60,8 +60,8 @@ from triage.trainers.report import CLASSES
 from triage.trainers.tiny import SMALL_SPEC, TinyModelSpec
 
 __all__ = [
-    "AblationPreset",
-    "PRESETS",
+    "StudyScale",
+    "SCALES",
     "SERIES_KEYS",
     "SUMMARY_KEYS",
     "BAND_SERIES",
@@ -132,11 +132,11 @@ BAND_SERIES = ("reward", "accuracy", "entropy", "mean_abs_delta", "suppressed_fr
 
 
 @dataclass(frozen=True)
-class AblationPreset:
+class StudyScale:
     """Sizes of the runs of one study (every level, arm and seed shares them).
 
     Attributes:
-        name: preset name.
+        name: scale name.
         sft: the SFT model and schedule (:class:`~triage.experiments.sft.SFTConfig`).
         steps: optimizer steps per run; one generation batch per step (``prompts × generations`` completions,
             all used in one update, so the sampler ran exactly the weights the learner scores: δ is mismatch only).
@@ -145,7 +145,7 @@ class AblationPreset:
         learning_rate, warmup_steps: RL optimizer (AdamW as in the ``tiny`` recipe, constant after warm-up).
         eval_every: steps between held-out evaluations (plus one before the first step and one after the last).
         n_eval: held-out problems evaluated (the first ``n_eval`` of SFT's held-out set).
-        arm_seconds: a-priori seconds per run on the preset's target device (the time-budget estimate until a
+        arm_seconds: a-priori seconds per run on the scale's target device (the time-budget estimate until a
             run has finished).
         overrides: further recipe overrides (``KEY: value``, dotted keys allowed) applied to every run.
     """
@@ -167,13 +167,13 @@ class AblationPreset:
         for name in ("steps", "prompts", "max_completion_length", "n_eval"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(
-                    f"preset {self.name}: {name} must be a positive int, got {getattr(self, name)!r}"
+                    f"scale {self.name}: {name} must be a positive int, got {getattr(self, name)!r}"
                 )
         if self.generations < 2:
-            raise ValueError(f"preset {self.name}: generations must be >= 2 (GRPO compares a group)")
+            raise ValueError(f"scale {self.name}: generations must be >= 2 (GRPO compares a group)")
         if self.n_eval > self.sft.n_eval:
             raise ValueError(
-                f"preset {self.name}: n_eval {self.n_eval} > the SFT held-out set ({self.sft.n_eval})"
+                f"scale {self.name}: n_eval {self.n_eval} > the SFT held-out set ({self.sft.n_eval})"
             )
 
     def to_dict(self) -> dict[str, Any]:
@@ -183,7 +183,7 @@ class AblationPreset:
         return out
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> AblationPreset:
+    def from_dict(cls, data: Mapping[str, Any]) -> StudyScale:
         """The inverse of :meth:`to_dict` (``DIR/study.json``)."""
         return cls(
             **{**data, "sft": SFTConfig.from_dict(data["sft"]), "overrides": dict(data.get("overrides") or {})}
@@ -196,9 +196,9 @@ class AblationPreset:
         return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-PRESETS: dict[str, AblationPreset] = {
+SCALES: dict[str, StudyScale] = {
     # two steps per run on CPU with a 0.1M-parameter model (CI): checks the pipeline, not the method
-    "smoke": AblationPreset(
+    "smoke": StudyScale(
         name="smoke",
         sft=SFTConfig(steps=20, batch_size=16, n_train=128, n_eval=8, difficulty=(1,), max_new_tokens=16),
         steps=2,
@@ -213,7 +213,7 @@ PRESETS: dict[str, AblationPreset] = {
     # one H200: SFT of a 0.84M-parameter Qwen3, then runs of 40 steps x 256 completions. Calibration (CPU,
     # fp32, the same shape with a 3000-step cosine): held-out greedy accuracy 42 % at step 500, 62 % at 750,
     # 77 % at 1000 (docs/results.md §4); 600 fully decayed steps aim at ~60 %, leaving the RL room to improve.
-    "local": AblationPreset(
+    "local": StudyScale(
         name="local",
         sft=SFTConfig(
             model=SMALL_SPEC,
@@ -242,7 +242,7 @@ PRESETS: dict[str, AblationPreset] = {
     # 11-13 two-digit numbers (135-175-token worked solutions) until half the held-out problems are solved
     # (trained on, it reaches 100 %: no reward variance, no entropy), then 300 RL steps x 16 prompts x 8
     # completions of up to 256 tokens. Long completions let small per-token gaps compound.
-    "testbed": AblationPreset(
+    "testbed": StudyScale(
         name="testbed",
         sft=SFTConfig(
             model=TinyModelSpec(
@@ -279,20 +279,20 @@ PRESETS: dict[str, AblationPreset] = {
 }
 
 
-def mini(preset: AblationPreset) -> AblationPreset:
-    """``preset`` shrunk to smoke size (model, SFT, steps, batch) — for checking the pipeline on a CPU."""
-    smoke = PRESETS["smoke"]
+def mini(scale: StudyScale) -> StudyScale:
+    """``scale`` shrunk to smoke size (model, SFT, steps, batch) — for checking the pipeline on a CPU."""
+    smoke = SCALES["smoke"]
     return dataclasses.replace(
-        preset,
-        name=f"{preset.name}-mini",
+        scale,
+        name=f"{scale.name}-mini",
         sft=dataclasses.replace(
             smoke.sft,
-            difficulty=preset.sft.difficulty,
+            difficulty=scale.sft.difficulty,
             max_seconds=60.0,
             eval_every=0,
             n_eval=smoke.sft.n_eval,
         ),
-        steps=min(preset.steps, 3),
+        steps=min(scale.steps, 3),
         prompts=smoke.prompts,
         generations=smoke.generations,
         max_completion_length=smoke.max_completion_length,
@@ -348,16 +348,16 @@ def _seeds(value: Any) -> tuple[int, ...]:
     return seeds
 
 
-#: the run seed owns these recipe keys (dotted); a preset override of one is an error (use ``seeds``).
+#: the run seed owns these recipe keys (dotted); a scale override of one is an error (use ``seeds``).
 _SEED_KEYS = ("seed", "data_seed", "sampler_kwargs.seed")
 
 
 @dataclass(frozen=True)
 class Study:
-    """What one ``triage ablate`` call runs: ``levels × arms × seeds`` runs of ``preset``.
+    """What one ``triage ablate`` call runs: ``levels × arms × seeds`` runs of ``scale``.
 
     Attributes:
-        preset: the sizes every run shares (:class:`AblationPreset`, with its recipe overrides).
+        scale: the sizes every run shares (:class:`StudyScale`, with its recipe overrides).
         levels: mismatch levels (``experiments/recipes/levels``), default ``realistic`` (the ``tiny`` preset).
         arms: correction arms (``experiments/recipes/arms``), default the six of ``recipes.ARMS``.
         seeds: run seeds, default ``(0,)``.
@@ -365,7 +365,7 @@ class Study:
         time_budget: seconds from the start of the call after which no run may end (``None``: no limit).
     """
 
-    preset: AblationPreset
+    scale: StudyScale
     levels: tuple[str, ...] = ("realistic",)
     arms: tuple[str, ...] | None = None
     seeds: tuple[int, ...] = (0,)
@@ -386,7 +386,7 @@ class Study:
             raise ValueError(f"parallel must be a positive int, got {self.parallel!r}")
         if self.time_budget is not None and not self.time_budget >= 0:
             raise ValueError(f"time_budget must be >= 0 seconds, got {self.time_budget!r}")
-        nested = parse_overrides(self.preset.overrides)
+        nested = parse_overrides(self.scale.overrides)
         for key in _SEED_KEYS:
             head, _, tail = key.partition(".")
             if head in nested and (not tail or tail in (nested[head] or {})):
@@ -398,8 +398,8 @@ class Study:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "preset": self.preset.to_dict(),
-            "fingerprint": self.preset.fingerprint(),
+            "scale": self.scale.to_dict(),
+            "fingerprint": self.scale.fingerprint(),
             "levels": list(self.levels),
             "arms": list(self.arms),
             "seeds": list(self.seeds),
@@ -408,8 +408,16 @@ class Study:
         }
 
 
-#: the keys of a study file (``triage ablate --study FILE``); every one is optional but ``preset``.
-STUDY_KEYS = ("preset", "mini", "levels", "arms", "seeds", "steps", "parallel", "time_budget", "overrides")
+#: the keys of a study file (``triage ablate --study FILE``); every one is optional but ``scale``.
+STUDY_KEYS = ("scale", "mini", "levels", "arms", "seeds", "steps", "parallel", "time_budget", "overrides")
+
+
+def _check_scale_key(spec: Mapping[str, Any], path: Path) -> None:
+    """A study file or ``study.json`` that names the scale under its former key ``preset`` is an error naming
+    the file and the key to use (``scale``); the rest of such a file is unchanged, so renaming the key is
+    enough (fingerprints do not change)."""
+    if "preset" in spec:
+        raise ValueError(f"{path}: the key 'preset' is now called 'scale'; rename it")
 
 
 def load_study_file(path: str | Path) -> dict[str, Any]:
@@ -420,11 +428,12 @@ def load_study_file(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"study file not found: {path}")
     spec = load_yaml(path)
+    _check_scale_key(spec, path)
     unknown = [k for k in spec if k not in STUDY_KEYS]
     if unknown:
         raise ValueError(f"{path}: unknown study keys {unknown}; keys: {', '.join(STUDY_KEYS)}")
-    if spec.get("preset") is not None and spec["preset"] not in PRESETS:
-        raise ValueError(f"{path}: preset {spec['preset']!r} is not one of {', '.join(sorted(PRESETS))}")
+    if spec.get("scale") is not None and spec["scale"] not in SCALES:
+        raise ValueError(f"{path}: scale {spec['scale']!r} is not one of {', '.join(sorted(SCALES))}")
     if not isinstance(spec.get("overrides") or {}, Mapping):
         raise ValueError(f"{path}: overrides must be a mapping of recipe keys, got {spec['overrides']!r}")
     return spec
@@ -435,40 +444,40 @@ def load_study_file(path: str | Path) -> dict[str, Any]:
 
 
 def run_recipe(
-    preset: AblationPreset, key: RunKey, model_dir: str | Path, output_dir: str | Path, cpu: bool
+    scale: StudyScale, key: RunKey, model_dir: str | Path, output_dir: str | Path, cpu: bool
 ) -> dict:
-    """The flat recipe ``tiny/<arm>/<level>`` sized by ``preset``, seeded by ``key.seed``: within one seed every
+    """The flat recipe ``tiny/<arm>/<level>`` sized by ``scale``, seeded by ``key.seed``: within one seed every
     run has the same data, order and geometry; only the correction (arm) and the numerics (level) differ."""
     from triage.experiments.recipes import load_recipe, merge, parse_overrides
 
-    batch = preset.prompts * preset.generations
-    sft = preset.sft
+    batch = scale.prompts * scale.generations
+    sft = scale.sft
     overrides: dict[str, Any] = {
         "model_name_or_path": str(model_dir),
         "output_dir": str(output_dir),
         # the prompts: the SFT training distribution minus its held-out problems, enough for every step
         "dataset": {
             "source": "synthetic",
-            "n": preset.steps * preset.prompts,
+            "n": scale.steps * scale.prompts,
             "difficulty": list(sft.difficulty),
             "seed": sft.seed,
             "held_out": sft.n_eval,
         },
         "eval_dataset": None,  # held-out accuracy is measured by HeldOutAccuracy (greedy, learner)
         "eval_strategy": "no",
-        "max_steps": preset.steps,
-        "num_generations": preset.generations,
+        "max_steps": scale.steps,
+        "num_generations": scale.generations,
         "generation_batch_size": batch,
         "per_device_train_batch_size": batch,
         "gradient_accumulation_steps": 1,
-        "max_completion_length": preset.max_completion_length,
+        "max_completion_length": scale.max_completion_length,
         # DAPO's soft overlong penalty over the last quarter of the length budget (the tiny recipe: 16 of 64)
         "reward_funcs": [
             "dapo_accuracy",
-            {"soft_overlong": {"cache_length": max(1, preset.max_completion_length // 4)}},
+            {"soft_overlong": {"cache_length": max(1, scale.max_completion_length // 4)}},
         ],
-        "learning_rate": preset.learning_rate,
-        "warmup_steps": preset.warmup_steps,
+        "learning_rate": scale.learning_rate,
+        "warmup_steps": scale.warmup_steps,
         "logging_steps": 1,
         "save_strategy": "no",
         "disable_tqdm": True,
@@ -479,7 +488,7 @@ def run_recipe(
         **({"use_cpu": True, "bf16": False} if cpu else {}),
     }
     return load_recipe(
-        f"tiny/{key.arm}/{key.level}", merge(parse_overrides(overrides), parse_overrides(preset.overrides))
+        f"tiny/{key.arm}/{key.level}", merge(parse_overrides(overrides), parse_overrides(scale.overrides))
     )
 
 
@@ -549,7 +558,7 @@ def run_summary(series: Mapping[str, list], held_out: Mapping[str, list], window
 
 def load_runs(output_dir: str | Path, fingerprint: str | None = None) -> dict[RunKey, dict]:
     """Every finished run in ``output_dir/runs`` (sorted by level, arm, seed in recipe order). With
-    ``fingerprint``, a run of another preset config is an error naming its file."""
+    ``fingerprint``, a run of another scale is an error naming its file."""
     from triage.experiments.recipes import ALL_ARMS, LEVELS
 
     found = {}
@@ -559,7 +568,7 @@ def load_runs(output_dir: str | Path, fingerprint: str | None = None) -> dict[Ru
         entry = json.loads(path.read_text())
         if fingerprint is not None and entry.get("fingerprint") != fingerprint:
             raise ValueError(
-                f"{path} was produced by another preset config (fingerprint {entry.get('fingerprint')} != "
+                f"{path} was produced by another study scale (fingerprint {entry.get('fingerprint')} != "
                 f"{fingerprint}); use another --output or delete it"
             )
         found[RunKey(entry["level"], entry["arm"], int(entry["seed"]))] = entry
@@ -624,18 +633,18 @@ def _group(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 def aggregate(
     runs: Mapping[RunKey, Mapping[str, Any]],
-    preset: Mapping[str, Any],
+    scale: Mapping[str, Any],
     sft: Mapping[str, Any] | None,
     study: Mapping[str, Any] | None = None,
 ) -> dict:
-    """The ``results.json`` dict: the preset, the SFT summary, the requested study (levels, arms, seeds) and,
+    """The ``results.json`` dict: the scale, the SFT summary, the requested study (levels, arms, seeds) and,
     per level and arm with at least one finished run, :func:`_group` of its runs (``groups[level][arm]``)."""
     grouped: dict[str, dict[str, list]] = {}
     for key, entry in runs.items():
         grouped.setdefault(key.level, {}).setdefault(key.arm, []).append(entry)
     return {
-        "preset": preset.get("name"),
-        "config": dict(preset),
+        "scale": scale.get("name"),
+        "config": dict(scale),
         "sft": sft,
         "study": {k: study[k] for k in ("levels", "arms", "seeds")} if study else None,
         "groups": {lv: {arm: _group(r) for arm, r in arms.items()} for lv, arms in grouped.items()},
@@ -698,7 +707,7 @@ def write_results(output_dir: str | Path, results: Mapping[str, Any], plots: boo
     sft = results.get("sft") or {}
     final = sft.get("final") or {}
     header = [
-        f"# triage ablate --preset {results.get('preset')}",
+        f"# triage ablate --scale {results.get('scale')}",
         "",
         f"SFT checkpoint: {sft.get('params', '?')} parameters, {sft.get('steps_done', '?')} steps, held-out greedy "
         f"accuracy {_fmt(final.get('accuracy'), '.1%')} (by level {final.get('by_difficulty')}).",
@@ -721,7 +730,7 @@ def write_results(output_dir: str | Path, results: Mapping[str, Any], plots: boo
 # running one run
 
 
-def _run_callback(trainer, tokenizer, dataset, preset: AblationPreset, log: Callable[[str], None], deadline):
+def _run_callback(trainer, tokenizer, dataset, scale: StudyScale, log: Callable[[str], None], deadline):
     """A ``TrainerCallback`` that records the learner's greedy held-out accuracy (before step 1, every
     ``eval_every`` steps, after the last) into ``callback.record``, prints each step, and, with ``deadline``
     (``time.time()`` seconds), stops training after a step when the next one would end past it (a step is
@@ -742,7 +751,7 @@ def _run_callback(trainer, tokenizer, dataset, preset: AblationPreset, log: Call
             model = trainer.accelerator.unwrap_model(trainer.model)
             with torch.no_grad(), trainer.accelerator.autocast():
                 acc = greedy_accuracy(
-                    model, tokenizer, dataset, preset.sft.max_new_tokens, preset.sft.eval_batch_size
+                    model, tokenizer, dataset, scale.sft.max_new_tokens, scale.sft.eval_batch_size
                 )
             self.record["step"].append(step)
             self.record["accuracy"].append(acc["accuracy"])
@@ -756,10 +765,10 @@ def _run_callback(trainer, tokenizer, dataset, preset: AblationPreset, log: Call
 
         def on_step_end(self, args, state, control, **kwargs):
             step, now = state.global_step, time.time()
-            if deadline is not None and step < preset.steps and now + (now - self.began) > deadline:
+            if deadline is not None and step < scale.steps and now + (now - self.began) > deadline:
                 control.should_training_stop = True
                 self.stopped_by = "time_budget"
-            if step % preset.eval_every == 0 or step >= preset.steps or control.should_training_stop:
+            if step % scale.eval_every == 0 or step >= scale.steps or control.should_training_stop:
                 self._evaluate(step)
 
         def on_log(self, args, state, control, logs=None, **kwargs):  # after on_step_end of the same step
@@ -768,7 +777,7 @@ def _run_callback(trainer, tokenizer, dataset, preset: AblationPreset, log: Call
             step = state.global_step
             held = self.record["accuracy"][-1] if self.record["step"][-1] == step else None
             log(
-                f"    step {step:>3}/{preset.steps}: reward {logs['reward']:+.3f}, mean |δ| "
+                f"    step {step:>3}/{scale.steps}: reward {logs['reward']:+.3f}, mean |δ| "
                 f"{logs.get('triage/mean_abs_delta', float('nan')):.4f}"
                 + (f", held-out {held:.1%}" if held is not None else "")
                 + f" ({time.time() - self.start:.0f} s)"
@@ -786,7 +795,7 @@ def _write_json(path: Path, entry: Mapping[str, Any]) -> None:
 
 
 def run_one(
-    preset: AblationPreset,
+    scale: StudyScale,
     key: RunKey,
     output_dir: str | Path,
     deadline: float | None = None,
@@ -812,12 +821,12 @@ def run_one(
     started, start = time.time(), time.perf_counter()
     cpu = not torch.cuda.is_available()
     model_dir = output_dir / SFT_DIR
-    recipe = run_recipe(preset, key, model_dir, key.path(output_dir), cpu=cpu)
+    recipe = run_recipe(scale, key, model_dir, key.path(output_dir), cpu=cpu)
     trainer = build_trainer(recipe, recipe["output_dir"])
     trainer.remove_callback(PrinterCallback)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    held_out = synthetic_math(preset.n_eval, list(preset.sft.difficulty), preset.sft.seed, "eval")
-    callback = _run_callback(trainer, tokenizer, held_out, preset, log, deadline)
+    held_out = synthetic_math(scale.n_eval, list(scale.sft.difficulty), scale.sft.seed, "eval")
+    callback = _run_callback(trainer, tokenizer, held_out, scale, log, deadline)
     trainer.add_callback(callback)
     trainer.train()
     series = run_series(trainer.state.log_history)
@@ -831,7 +840,7 @@ def run_one(
         "seed": key.seed,
         "description": recipe.get("description"),
         "correction": recipe.get("correction"),
-        "fingerprint": preset.fingerprint(),
+        "fingerprint": scale.fingerprint(),
         "params": sft_record.get("params"),
         "mean_abs_delta_step1": summary["mean_abs_delta_step1"],
         "seconds": time.perf_counter() - start,
@@ -851,7 +860,7 @@ def run_one(
     if not complete:
         _write_json(key.path(output_dir, PARTIAL_SUFFIX), entry)
         log(
-            f"    {key}: stopped by the time budget after step {summary['steps']}/{preset.steps}; not finished"
+            f"    {key}: stopped by the time budget after step {summary['steps']}/{scale.steps}; not finished"
         )
         return None
     _write_json(key.path(output_dir, ".json"), entry)
@@ -864,7 +873,7 @@ def run_one(
 
 
 def _run_here(
-    preset: AblationPreset, key: RunKey, output_dir: Path, deadline: float | None, log: Callable[[str], None]
+    scale: StudyScale, key: RunKey, output_dir: Path, deadline: float | None, log: Callable[[str], None]
 ) -> str:
     """:func:`run_one` in this process, its lines (and a crash's traceback) also written to its log file;
     returns ``"done"``, ``"cut short"`` or ``"failed"``."""
@@ -878,7 +887,7 @@ def _run_here(
             fh.flush()
 
         try:
-            entry = run_one(preset, key, output_dir, deadline, tee)
+            entry = run_one(scale, key, output_dir, deadline, tee)
         except Exception:
             fh.write(traceback.format_exc())
             return "failed"
@@ -916,7 +925,7 @@ def _check_recipes(study: Study, output_dir: Path, done: Mapping[RunKey, Mapping
     for key in study.runs():
         if key not in done:
             continue
-        now = run_recipe(study.preset, key, output_dir / SFT_DIR, key.path(output_dir), cpu=cpu)
+        now = run_recipe(study.scale, key, output_dir / SFT_DIR, key.path(output_dir), cpu=cpu)
         now = json.loads(json.dumps(now, default=str))  # as the run's JSON holds it
         ran = done[key].get("recipe") or {}
         changed = sorted(k for k in now.keys() | ran.keys() if k not in where and now.get(k) != ran.get(k))
@@ -943,7 +952,7 @@ def run_study(
     start = time.time()
     deadline = None if study.time_budget is None else start + study.time_budget
     output_dir = Path(output_dir)
-    preset, fingerprint = study.preset, study.preset.fingerprint()
+    scale, fingerprint = study.scale, study.scale.fingerprint()
     done = load_runs(output_dir, fingerprint)  # errors early on runs of another config
     if resume:
         _check_recipes(study, output_dir, done)
@@ -951,12 +960,12 @@ def run_study(
     todo = [k for k in study.runs() if k not in status]
     sft_dir = output_dir / SFT_DIR
     log(
-        f"triage ablate --preset {preset.name}: {len(todo)} run(s) to run ({len(study.levels)} level(s) × "
+        f"triage ablate --scale {scale.name}: {len(todo)} run(s) to run ({len(study.levels)} level(s) × "
         f"{len(study.arms)} arm(s) × {len(study.seeds)} seed(s)"
         + (f", {len(status)} already done" if status else "")
         + f"), {study.parallel} at a time; SFT {'cached' if (sft_dir / 'sft.json').is_file() else 'first'}"
     )
-    sft = sft_summary(ensure_sft_checkpoint(preset.sft, sft_dir, log))
+    sft = sft_summary(ensure_sft_checkpoint(scale.sft, sft_dir, log))
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / STUDY_FILE).write_text(json.dumps(study.to_dict(), indent=1) + "\n")  # what children read
 
@@ -972,7 +981,7 @@ def run_study(
                 f"{_fmt(s['held_out_last'], '.1%')}, reward {_fmt(s['reward_first'], '.3f')} → "
                 f"{_fmt(s['reward_last'], '.3f')}, mean |δ| {_fmt(s['mean_abs_delta'], '.4f')}"
             )
-            write_results(output_dir, aggregate(runs, preset.to_dict(), sft, study.to_dict()), plots=plots)
+            write_results(output_dir, aggregate(runs, scale.to_dict(), sft, study.to_dict()), plots=plots)
         elif outcome == "failed":
             log_path = key.path(output_dir, ".log")
             log(f"  {key} FAILED: {_last_error(log_path)} (traceback in {log_path})")
@@ -984,7 +993,7 @@ def run_study(
     while pending or running:
         while pending and len(running) < study.parallel:
             seconds = [e["seconds"] for e in load_runs(output_dir, fingerprint).values()]
-            per_run = _mean(seconds) or preset.arm_seconds
+            per_run = _mean(seconds) or scale.arm_seconds
             if deadline is not None and time.time() + per_run > deadline:
                 log(
                     f"time budget: {time.time() - start:.0f} s used, a run takes ~{per_run:.0f} s, budget "
@@ -996,7 +1005,7 @@ def run_study(
             key = pending.pop(0)
             log(f"[{len(todo) - len(pending)}/{len(todo)}] {key}")
             if study.parallel == 1:
-                finished(key, _run_here(preset, key, output_dir, deadline, log))
+                finished(key, _run_here(scale, key, output_dir, deadline, log))
             else:
                 running[key] = _spawn(key, output_dir, deadline, threads)
         for key, proc in list(running.items()):
@@ -1011,7 +1020,7 @@ def run_study(
         if running:
             time.sleep(0.2)
     runs = load_runs(output_dir, fingerprint)
-    results = aggregate(runs, preset.to_dict(), sft, study.to_dict())
+    results = aggregate(runs, scale.to_dict(), sft, study.to_dict())
     if runs:
         write_results(output_dir, results, plots=plots)
     return results, status
@@ -1023,10 +1032,10 @@ def run_study(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--preset", choices=sorted(PRESETS), default=None, help="smoke (CPU, CI), local or testbed (one GPU)"
+        "--scale", choices=sorted(SCALES), default=None, help="smoke (CPU, CI), local or testbed (one GPU)"
     )
     parser.add_argument(
-        "--study", default=None, help="a study YAML (preset, levels, arms, seeds, ...); flags win"
+        "--study", default=None, help="a study YAML (scale, levels, arms, seeds, ...); flags win"
     )
     parser.add_argument(
         "--output",
@@ -1041,10 +1050,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--resume", action="store_true", help="skip the runs already finished in --output")
     parser.add_argument(
-        "--steps", type=int, default=None, help="override the preset's optimizer steps per run"
+        "--steps", type=int, default=None, help="override the scale's optimizer steps per run"
     )
     parser.add_argument(
-        "--mini", action="store_true", help="shrink the preset to smoke size (check the pipeline on CPU)"
+        "--mini", action="store_true", help="shrink the scale to smoke size (check the pipeline on CPU)"
     )
     parser.add_argument(
         "--time-budget",
@@ -1073,31 +1082,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def resolve_study(args: argparse.Namespace) -> Study:
     """The :class:`Study` of the command line: the study file (``--study``), then the flags over it."""
     spec = load_study_file(args.study) if args.study else {}
-    name = args.preset or spec.get("preset")
+    name = args.scale or spec.get("scale")
     if name is None:
-        raise ValueError("give --preset or a --study file that names a preset")
-    preset = PRESETS[name]
+        raise ValueError("give --scale or a --study file that names a scale")
+    scale = SCALES[name]
     if args.mini or spec.get("mini"):
-        preset = mini(preset)
+        scale = mini(scale)
     steps = args.steps if args.steps is not None else spec.get("steps")
     if steps is not None:
         if not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps must be a positive int, got {steps!r}")
-        preset = dataclasses.replace(preset, steps=steps)
-    overrides = {**preset.overrides, **(spec.get("overrides") or {})}
+        scale = dataclasses.replace(scale, steps=steps)
+    overrides = {**scale.overrides, **(spec.get("overrides") or {})}
     if args.set:
         from triage.experiments.recipes import parse_overrides, parse_value
 
         parse_overrides(args.set)  # malformed KEY=VALUE is an error now, not after the SFT
         pairs = (text.split("=", 1) for text in args.set)
         overrides.update({k.strip(): parse_value(v) for k, v in pairs})
-    preset = dataclasses.replace(preset, overrides=overrides)
+    scale = dataclasses.replace(scale, overrides=overrides)
 
     def pick(flag: Any, key: str, default: Any) -> Any:
         return flag if flag is not None else spec.get(key, default)
 
     return Study(
-        preset=preset,
+        scale=scale,
         levels=pick(args.levels, "levels", ("realistic",)),
         arms=pick(args.arms, "arms", None),
         seeds=pick(args.seeds, "seeds", (0,)),
@@ -1111,8 +1120,10 @@ def _run_child(args: argparse.Namespace) -> int:
     path = Path(args.output) / STUDY_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: --run runs one run of a study that triage ablate started")
-    preset = AblationPreset.from_dict(json.loads(path.read_text())["preset"])
-    entry = run_one(preset, RunKey.parse(args.run), args.output, args.deadline)
+    study = json.loads(path.read_text())
+    _check_scale_key(study, path)
+    scale = StudyScale.from_dict(study["scale"])
+    entry = run_one(scale, RunKey.parse(args.run), args.output, args.deadline)
     return 0 if entry is not None else EXIT_CUT_SHORT
 
 

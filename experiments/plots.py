@@ -68,7 +68,7 @@ def plot_level(results: Mapping[str, Any], level: str, path: str | Path) -> Path
         ax.grid(alpha=0.3)
     axes.flat[0].legend(fontsize=8, loc="best")
     fig.suptitle(
-        f"triage ablate, preset {results.get('preset', '?')}, level {level}: mean over seeds, band min–max",
+        f"triage ablate, scale {results.get('scale', '?')}, level {level}: mean over seeds, band min–max",
         fontsize=12,
     )
     fig.tight_layout()

@@ -340,20 +340,20 @@ def sft_summary(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m triage.experiments.sft --preset local --output DIR [KEY=VALUE ...]``: the SFT of an ablation
-    preset alone, with ``SFTConfig`` fields overridden (YAML values), e.g. ``steps=3000 eval_every=250``."""
+    """``python -m triage.experiments.sft --scale local --output DIR [KEY=VALUE ...]``: the SFT of an ablation
+    scale alone, with ``SFTConfig`` fields overridden (YAML values), e.g. ``steps=3000 eval_every=250``."""
     import argparse
 
     import yaml
 
-    from triage.experiments.ablate import PRESETS
+    from triage.experiments.ablate import SCALES
 
     parser = argparse.ArgumentParser(prog="python -m triage.experiments.sft", description=main.__doc__)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="local")
+    parser.add_argument("--scale", choices=sorted(SCALES), default="local")
     parser.add_argument("--output", required=True, help="checkpoint folder (model, tokenizer, sft.json)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="SFTConfig fields")
     args = parser.parse_args(argv)
-    fields = PRESETS[args.preset].sft.to_dict()
+    fields = SCALES[args.scale].sft.to_dict()
     # every field, also those to_dict leaves out (an unset target_accuracy), and the model's fields
     names = sorted(
         {f.name for f in dataclasses.fields(SFTConfig) if f.name != "model"}

@@ -7,7 +7,7 @@
 
 ``RUN_DIR/runs/<level>/<arm>/seed<k>.json`` are the finished runs and ``seed<k>.partial.json`` the runs a time
 budget cut short (both written by ``triage ablate``). Several RUN_DIRs (one per GPU call, or one per recipe
-override) are read as one study. A run whose learning rate or temperature differs from the testbed preset's
+override) are read as one study. A run whose learning rate or temperature differs from the testbed scale's
 (``--set learning_rate=2e-4``) is its own group: its ``variant`` (e.g. ``lr 0.0002``) is shown after the level.
 When the same run (level, variant, arm, seed) is found twice, the finished one (else the longer) is kept.
 """
@@ -19,7 +19,7 @@ import json
 import statistics
 from pathlib import Path
 
-from triage.experiments.ablate import PARTIAL_SUFFIX, PRESETS
+from triage.experiments.ablate import PARTIAL_SUFFIX, SCALES
 
 SERIES = (
     "reward",
@@ -42,10 +42,10 @@ SERIES = (
 
 
 def variant(recipe: dict) -> str:
-    """What a run changed against the testbed preset (learning rate, temperature), "" for none."""
+    """What a run changed against the testbed scale (learning rate, temperature), "" for none."""
     parts = []
     lr, temperature = recipe.get("learning_rate"), recipe.get("temperature", 1.0)
-    if lr is not None and float(lr) != PRESETS["testbed"].learning_rate:
+    if lr is not None and float(lr) != SCALES["testbed"].learning_rate:
         parts.append(f"lr {float(lr):g}")
     if temperature is not None and float(temperature) != 1.0:
         parts.append(f"T {float(temperature):g}")

@@ -83,7 +83,7 @@ def _check_model_path(name: str) -> None:
     except HFValidationError:
         raise FileNotFoundError(
             f"model_name_or_path {name!r}: no such folder (and not a hub model id). The tiny preset expects the "
-            "SFT checkpoint of `triage ablate --preset local --output runs/ablate`; for a laptop smoke run with "
+            "SFT checkpoint of `triage ablate --scale local --output runs/ablate`; for a laptop smoke run with "
             "a locally built tiny model, add --cpu"
         ) from None
 

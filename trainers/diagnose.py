@@ -1,10 +1,10 @@
 """``triage diagnose``: the learner–sampler gap table of a model, and the early warning on a training log.
 
-    triage diagnose --preset tiny --output DIR          # trained-ish tiny Qwen3 on CPU (about a minute)
-    triage diagnose --preset /path/to/model --output DIR [--device cuda]
+    triage diagnose --model tiny --output DIR          # trained-ish tiny Qwen3 on CPU (about a minute)
+    triage diagnose --model /path/to/model --output DIR [--device cuda]
     triage diagnose --log trainer_state.json            # early warning on a training log
 
-Prints the gap table (rows: the seed's ablation axes; see ``triage.trainers.diagnostics.gap_table``) and
+Prints the gap table (rows: the ablation axes; see ``triage.trainers.diagnostics.gap_table``) and
 writes ``DIR/gap_table.json``, ``DIR/delta_hist.png`` and ``DIR/layer_divergence.png``.
 """
 
@@ -19,7 +19,7 @@ DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--preset", default=None, help="'tiny' (train a tiny model here) or a local model path"
+        "--model", default=None, help="'tiny' (train a tiny model here) or a local model path"
     )
     parser.add_argument("--output", default=None, help="directory for gap_table.json and the PNGs")
     parser.add_argument(
@@ -28,14 +28,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sequences", type=int, default=64, help="sampled completions to score (default 64)")
     parser.add_argument("--max-new-tokens", type=int, default=24, help="completion length cap (default 24)")
     parser.add_argument(
-        "--train-steps", type=int, default=None, help="tiny preset: AdamW steps (default 120)"
+        "--train-steps", type=int, default=None, help="--model tiny: AdamW steps (default 120)"
     )
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="compute dtype of both paths")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     parser.add_argument("--axes", default=None, help="comma-separated axes to run (default: all)")
     parser.add_argument("--tau", type=float, default=0.01, help="class tolerance for the shares (nats)")
     parser.add_argument("--threshold", type=float, default=1e-2, help="layer divergence threshold")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads (tiny preset default: 1)")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (--model tiny default: 1)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNGs")
     parser.add_argument("--seed", type=int, default=0)
 
@@ -45,7 +45,7 @@ def _load(args, device):
 
     from triage.trainers.diagnostics.preset import TinyDiagnoseConfig, train_tiny_model
 
-    if args.preset == "tiny":
+    if args.model == "tiny":
         config = TinyDiagnoseConfig(seed=args.seed)
         if args.train_steps is not None:
             config = TinyDiagnoseConfig(train_steps=args.train_steps, seed=args.seed)
@@ -53,10 +53,10 @@ def _load(args, device):
         return model.to(device), tokenizer, "tiny"
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(args.preset)
-    model = AutoModelForCausalLM.from_pretrained(args.preset, dtype=torch.float32).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval()
     model.requires_grad_(False)
-    return model, tokenizer, args.preset
+    return model, tokenizer, args.model
 
 
 def _run_table(args) -> int:
@@ -69,7 +69,7 @@ def _run_table(args) -> int:
     threads = (
         args.threads
         if args.threads is not None
-        else (1 if args.preset == "tiny" and device.type == "cpu" else None)
+        else (1 if args.model == "tiny" and device.type == "cpu" else None)
     )
     if threads:
         torch.set_num_threads(threads)
@@ -111,20 +111,20 @@ def _run_table(args) -> int:
 
 
 def run(args) -> int:
-    if args.preset is None and args.log is None:
+    if args.model is None and args.log is None:
         print(
-            "triage diagnose: give --preset tiny|<model path> (with --output DIR) and/or --log FILE",
+            "triage diagnose: give --model tiny|<model path> (with --output DIR) and/or --log FILE",
             file=sys.stderr,
         )
         return 2
-    if args.preset is not None and args.output is None:
-        print("triage diagnose: --preset needs --output DIR", file=sys.stderr)
+    if args.model is not None and args.output is None:
+        print("triage diagnose: --model needs --output DIR", file=sys.stderr)
         return 2
     if args.sequences < 1 or args.max_new_tokens < 1:
         print("triage diagnose: --sequences and --max-new-tokens must be >= 1", file=sys.stderr)
         return 2
     status = 0
-    if args.preset is not None:
+    if args.model is not None:
         status = _run_table(args)
     if args.log is not None:
         from triage.early_warning import read_log, scan_log

@@ -54,7 +54,7 @@ SMALL_SPEC = TinyModelSpec(
     num_key_value_heads=2,
     head_dim=32,
 )
-"""A 0.84M-parameter shape: the model of ``triage diagnose --preset tiny`` and of the ``local`` ablation."""
+"""A 0.84M-parameter shape: the model of ``triage diagnose --model tiny`` and of the ``local`` ablation."""
 
 
 def build_tokenizer(vocab_size: int = 512, corpus: list[str] | None = None):

@@ -2,7 +2,7 @@
 
 One task generator, :func:`arithmetic_problem`, at six difficulty levels (1 = sums ≤ 20, … 6 = running sums
 of 11–13 two-digit numbers with 135–175-token worked solutions), and one supervised loop, :func:`sft_steps`,
-over a pre-tokenised tensor (:func:`pad_completions`). ``triage diagnose --preset tiny`` trains on level 1
+over a pre-tokenised tensor (:func:`pad_completions`). ``triage diagnose --model tiny`` trains on level 1
 with the bare problem as the prompt; ``triage.experiments.sft`` wraps the same problems in the DAPO prompt
 (``triage.experiments.data.synthetic_math``) and adds evaluation, a wall-clock cap and checkpoints.
 """

@@ -12,7 +12,7 @@ run: ``cuda_graph`` must return exactly ``static``'s tokens and log-probs (same 
 Shapes (random weights, std 0.02, Qwen3 architecture from :mod:`triage.trainers.tiny`):
 
 * ``testbed``: the shape of the mismatch testbed's first pilot (hidden 384, 6 layers, 6 heads of 64, 2 KV
-  heads, MLP 1152; the ``testbed`` preset of ``triage ablate`` now trains 4 layers of hidden 448);
+  heads, MLP 1152; the ``testbed`` scale of ``triage ablate`` now trains 4 layers of hidden 448);
 * ``qwen3-4b-width``: Qwen3-4B's layer shape (hidden 2560, MLP 9728, 32 heads of 128, 8 KV heads), 4 layers.
 
 NVFP4 is the sampler copy's W4A4 (:func:`triage.kernels.convert_to_nvfp4`, per-token activation scales,

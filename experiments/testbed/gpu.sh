@@ -8,7 +8,7 @@
 #     "RUN_DIR=/tmp/tb/base LEVELS='aligned pair' SEEDS='0 1 2' STEPS=300 BUDGET=480" \
 #     "RUN_DIR=/tmp/tb/lr2e-4 LEVELS=aligned SET=learning_rate=2e-4 STEPS=300 BUDGET=480"
 #
-# A carried .sftcache/sft (a finished SFT checkpoint of the testbed preset) is copied into each RUN_DIR/sft,
+# A carried .sftcache/sft (a finished SFT checkpoint of the testbed scale) is copied into each RUN_DIR/sft,
 # so no call repeats the SFT. MPS=1: the parallel runs are many small processes on one GPU; without MPS their
 # kernels time-slice (one process at a time), with it they run concurrently. If the MPS daemon does not come
 # up (or a CUDA client cannot attach within 60 s) the call goes on without it and says so.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Mismatch testbed (one GPU): SFT the `testbed` preset's model once, then every (level, arm, seed) run as its
+# Mismatch testbed (one GPU): SFT the `testbed` scale's model once, then every (level, arm, seed) run as its
 # own process (`triage ablate --parallel`), each stopping cleanly at BUDGET seconds (a run cut short is not
 # finished: its steps so far go to runs/<level>/<arm>/seed<k>.partial.json, and the next call runs it again).
 # Writes RUN_DIR/results.md (mean ± std over seeds per level and arm) and prints the testbed summary.
@@ -35,15 +35,15 @@ join() { local IFS=,; echo "$*"; }
 if [ -n "${SFT_ONLY:-}" ]; then
   python -c "
 import sys
-from triage.experiments.ablate import PRESETS, SFT_DIR, mini
+from triage.experiments.ablate import SCALES, SFT_DIR, mini
 from triage.experiments.sft import ensure_sft_checkpoint
-p = PRESETS['testbed']
+p = SCALES['testbed']
 ensure_sft_checkpoint((mini(p) if sys.argv[1] else p).sft, sys.argv[2] + '/' + SFT_DIR)
 " "$MINI" "$R"
   exit $?
 fi
 # shellcheck disable=SC2086
-python -m triage ablate --preset testbed $MINI --output "$R" --levels "$(join "${L[@]}")" \
+python -m triage ablate --scale testbed $MINI --output "$R" --levels "$(join "${L[@]}")" \
   --arms "$(join "${A[@]}")" --seeds "$(join "${S[@]}")" --steps "$STEPS" --parallel "$PARALLEL" \
   --time-budget "$BUDGET" --resume --no-plots ${SET:+--set $SET}
 python -m triage.experiments.testbed_summary "$R"

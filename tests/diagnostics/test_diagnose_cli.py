@@ -1,4 +1,4 @@
-"""``triage diagnose`` end to end on a very small tiny preset, and its argument errors."""
+"""``triage diagnose`` end to end on a very small tiny model, and its argument errors."""
 
 import json
 
@@ -9,7 +9,7 @@ def test_diagnose_tiny_writes_table_and_plots(tmp_path, capsys):
     out = tmp_path / "diag"
     code = main(
         [
-            "diagnose", "--preset", "tiny", "--output", str(out), "--train-steps", "10", "--sequences", "6",
+            "diagnose", "--model", "tiny", "--output", str(out), "--train-steps", "10", "--sequences", "6",
             "--max-new-tokens", "6", "--axes", "precision,kv_cache,alignment", "--device", "cpu",
         ]
     )  # fmt: skip
@@ -33,12 +33,12 @@ def test_diagnose_log_and_errors(tmp_path, capsys):
     assert main(["diagnose", "--log", str(log)]) == 0
     assert "not evaluated" in capsys.readouterr().out
     assert main(["diagnose"]) == 2
-    assert main(["diagnose", "--preset", "tiny"]) == 2
+    assert main(["diagnose", "--model", "tiny"]) == 2
     assert (
         main(
             [
                 "diagnose",
-                "--preset",
+                "--model",
                 "tiny",
                 "--output",
                 str(tmp_path),

@@ -1,6 +1,6 @@
-"""``triage ablate``: the smoke preset end to end (every arm at the default level, results.json, figure, table,
+"""``triage ablate``: the smoke scale end to end (every arm at the default level, results.json, figure, table,
 resume, time budget), the other levels on CPU, parallel child processes with a crashing run, and unit tests
-of the series extraction, summaries, recipes and presets. Aggregation and study files: test_study.py."""
+of the series extraction, summaries, recipes and scales. Aggregation and study files: test_study.py."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import pytest
 
 from triage.experiments import ablate
 from triage.experiments.ablate import (
-    PRESETS,
-    AblationPreset,
+    SCALES,
     RunKey,
+    StudyScale,
     load_runs,
     markdown_table,
     mini,
@@ -50,10 +50,10 @@ TRIAGE_FIELDS = {
 }
 
 
-def _args(output, *extra, preset="smoke"):
+def _args(output, *extra, scale="smoke"):
     parser = argparse.ArgumentParser()
     ablate.add_arguments(parser)
-    return parser.parse_args([*(["--preset", preset] if preset else []), "--output", str(output), *extra])
+    return parser.parse_args([*(["--scale", scale] if scale else []), "--output", str(output), *extra])
 
 
 def _run(key: str, out):
@@ -62,7 +62,7 @@ def _run(key: str, out):
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
-    """The smoke preset run once through the CLI entry point (kernels' torch twins, no interpreter; child
+    """The smoke scale run once through the CLI entry point (kernels' torch twins, no interpreter; child
     processes inherit the environment).
 
     One intra-op thread: the matrices are tiny, and on a shared 2-core machine two spinning threads per op
@@ -83,18 +83,18 @@ def smoke(tmp_path_factory):
         mp.undo()
 
 
-def test_smoke_preset_writes_results_figure_and_table_for_every_arm(smoke):
+def test_smoke_scale_writes_results_figure_and_table_for_every_arm(smoke):
     results = json.loads((smoke / "results.json").read_text())
-    preset = PRESETS["smoke"]
-    assert list(results["groups"]["realistic"]) == list(ARMS) and results["preset"] == "smoke"
-    assert results["sft"]["steps_done"] == preset.sft.steps and (smoke / "sft" / "config.json").is_file()
+    scale = SCALES["smoke"]
+    assert list(results["groups"]["realistic"]) == list(ARMS) and results["scale"] == "smoke"
+    assert results["sft"]["steps_done"] == scale.sft.steps and (smoke / "sft" / "config.json").is_file()
     for name in ARMS:
         run = _run(f"realistic/{name}/0", smoke)
         assert (run["level"], run["arm"], run["seed"]) == ("realistic", name, 0)
         assert run["params"] == results["sft"]["params"] > 0
-        assert (RunKey("realistic", name, 0).path(smoke, ".log")).read_text().count("step ") >= preset.steps
+        assert (RunKey("realistic", name, 0).path(smoke, ".log")).read_text().count("step ") >= scale.steps
         series = run["series"]
-        assert series["step"] == list(range(1, preset.steps + 1)), name
+        assert series["step"] == list(range(1, scale.steps + 1)), name
         for key in (
             "reward",
             "entropy",
@@ -105,13 +105,13 @@ def test_smoke_preset_writes_results_figure_and_table_for_every_arm(smoke):
             "grad_norm",
         ):
             assert all(v is not None and math.isfinite(v) for v in series[key]), (name, key)
-        for i in range(preset.steps):
+        for i in range(scale.steps):
             assert sum(series[f"share/{c}"][i] for c in CLASSES) == pytest.approx(1.0), (name, i)
         assert all(v > 0 for v in series["mean_abs_delta"])  # NVFP4 learner vs NVFP4 sampler: a real gap
         assert run["mean_abs_delta_step1"] == series["mean_abs_delta"][0]
         assert run["complete"] is True and run["stopped_by"] == "steps"
-        assert run["held_out"]["step"] == [0, preset.steps]
-        assert len(run["held_out"]["accuracy"]) == 2 and run["summary"]["steps"] == preset.steps
+        assert run["held_out"]["step"] == [0, scale.steps]
+        assert len(run["held_out"]["accuracy"]) == 2 and run["summary"]["steps"] == scale.steps
         # the realistic mismatch, in every arm
         recipe = run["recipe"]
         assert recipe["learner_precision"] == "nvfp4" and recipe["quant_recipe"]["scale"] == "tensor"
@@ -158,7 +158,7 @@ def test_arms_share_checkpoint_seeds_and_data(smoke):
 
 
 def test_other_levels_run_on_cpu_with_their_numerics(smoke):
-    """Three more levels at the smoke preset: each runs its own numerics; `aligned` (the fp32 learner samples
+    """Three more levels at the smoke scale: each runs its own numerics; `aligned` (the fp32 learner samples
     itself) has no gap at step 1, the others a real one."""
     levels = ("aligned", "nvfp4-matched", "realistic-bf16-learner")
     assert ablate.run(_args(smoke, "--levels", ",".join(levels), "--arms", "grpo-none", "--no-plots")) == 0
@@ -218,7 +218,7 @@ def test_a_run_past_its_deadline_stops_cleanly_and_is_not_saved(smoke, capsys):
     """The child entry point (what --parallel starts) with a deadline the run cannot meet: it stops after a
     step, writes no result and exits with the cut-short status, which the parent reports as such."""
     key = RunKey("realistic", "icepop", 9)
-    args = _args(smoke, "--run", str(key), "--deadline", repr(time.time() + 0.5), preset=None)
+    args = _args(smoke, "--run", str(key), "--deadline", repr(time.time() + 0.5), scale=None)
     assert ablate.run(args) == ablate.EXIT_CUT_SHORT
     assert "stopped by the time budget after step 1/2; not finished" in capsys.readouterr().out
     assert not key.path(smoke, ".json").exists()
@@ -271,7 +271,7 @@ def test_in_process_crash_is_logged_and_reported(smoke, capsys):
 
 
 def test_runs_of_another_config_are_refused(smoke):
-    with pytest.raises(ValueError, match=r"seed0.json was produced by another preset config"):
+    with pytest.raises(ValueError, match=r"seed0.json was produced by another study scale"):
         ablate.run(_args(smoke, "--steps", "3"))
 
 
@@ -288,14 +288,14 @@ def test_bad_names_and_overrides_are_errors(tmp_path):
         ablate.resolve_study(_args(tmp_path, "--set", "seed=1"))
     with pytest.raises(ValueError, match="'sampler_kwargs.seed': the run seed sets it"):
         ablate.resolve_study(_args(tmp_path, "--set", "sampler_kwargs.seed=1"))
-    with pytest.raises(ValueError, match="give --preset or a --study file"):
-        ablate.resolve_study(_args(tmp_path, preset=None))
+    with pytest.raises(ValueError, match="give --scale or a --study file"):
+        ablate.resolve_study(_args(tmp_path, scale=None))
     assert not (tmp_path / "sft").exists()  # nothing was trained
 
 
 def test_repeated_set_flags_accumulate_and_parse_like_recipe_overrides(tmp_path):
     args = _args(tmp_path, "--set", "learning_rate=3e-5", "--set", "save_strategy=no", "top_k=4")
-    overrides = ablate.resolve_study(args).preset.overrides
+    overrides = ablate.resolve_study(args).scale.overrides
     assert (
         overrides["learning_rate"] == 3e-5 and overrides["save_strategy"] == "no" and overrides["top_k"] == 4
     )
@@ -310,7 +310,7 @@ def test_seeds_set_prompt_order_and_sampler_stream(smoke):
 
     def trainer(seed):
         key = RunKey("realistic", "grpo-none", seed)
-        recipe = run_recipe(PRESETS["smoke"], key, smoke / "sft", smoke / "unused" / str(seed), cpu=True)
+        recipe = run_recipe(SCALES["smoke"], key, smoke / "sft", smoke / "unused" / str(seed), cpu=True)
         return build_trainer(recipe, recipe["output_dir"])
 
     t0, t0b, t1 = trainer(0), trainer(0), trainer(1)
@@ -425,7 +425,7 @@ def test_load_runs_orders_by_level_arm_seed_and_checks_the_fingerprint(tmp_path)
     ]
     assert load_runs(tmp_path / "nothing-here") == {}
     _write(tmp_path, _entry("aligned", "tis", 0, fingerprint="g"))
-    with pytest.raises(ValueError, match="aligned/tis/seed0.json was produced by another preset config"):
+    with pytest.raises(ValueError, match="aligned/tis/seed0.json was produced by another study scale"):
         load_runs(tmp_path, "f")
 
 
@@ -467,12 +467,12 @@ def test_table_and_files(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_presets_fingerprint_round_trip_and_mini():
-    local = PRESETS["local"]
+def test_scales_fingerprint_round_trip_and_mini():
+    local = SCALES["local"]
     assert local.fingerprint() == dataclasses.replace(local, arm_seconds=1.0).fingerprint()
     assert local.fingerprint() != dataclasses.replace(local, steps=local.steps + 1).fingerprint()
     custom = dataclasses.replace(local, overrides={"quant_recipe.scale": "row"})
-    again = AblationPreset.from_dict(json.loads(json.dumps(custom.to_dict())))  # DIR/study.json
+    again = StudyScale.from_dict(json.loads(json.dumps(custom.to_dict())))  # DIR/study.json
     assert again == custom and again.fingerprint() == custom.fingerprint()
     small = mini(local)
     assert small.name == "local-mini" and small.sft.difficulty == local.sft.difficulty
@@ -482,35 +482,35 @@ def test_presets_fingerprint_round_trip_and_mini():
     with pytest.raises(ValueError, match="generations must be >= 2"):
         dataclasses.replace(local, generations=1)
     with pytest.raises(ValueError, match="n_eval"):
-        AblationPreset("x", SFTConfig(n_eval=4), 1, 1, 2, 8, 1e-4, n_eval=8)
+        StudyScale("x", SFTConfig(n_eval=4), 1, 1, 2, 8, 1e-4, n_eval=8)
 
 
-@pytest.mark.parametrize("name", sorted(PRESETS))
+@pytest.mark.parametrize("name", sorted(SCALES))
 def test_run_recipes_validate_and_build(name, tmp_path):
     from triage.experiments.recipes import build_config, validate_recipe
 
-    preset = PRESETS[name]
+    scale = SCALES[name]
     for level in LEVELS:
         for arm in ARMS:
             key = RunKey(level, arm, 7)
-            recipe = run_recipe(preset, key, tmp_path / "sft", tmp_path / arm, cpu=True)
+            recipe = run_recipe(scale, key, tmp_path / "sft", tmp_path / arm, cpu=True)
             validate_recipe(recipe, build=True)
             config = build_config(recipe, output_dir=str(tmp_path / arm))
-            assert config.max_steps == preset.steps and config.num_generations == preset.generations
+            assert config.max_steps == scale.steps and config.num_generations == scale.generations
             assert (
                 config.generation_batch_size == config.per_device_train_batch_size
             )  # one update per generation
-            assert recipe["dataset"]["held_out"] == preset.sft.n_eval and recipe["eval_dataset"] is None
+            assert recipe["dataset"]["held_out"] == scale.sft.n_eval and recipe["eval_dataset"] is None
             assert (
                 recipe["reward_funcs"][1]["soft_overlong"]["cache_length"]
-                == preset.max_completion_length // 4
+                == scale.max_completion_length // 4
             )
             assert (config.seed, config.data_seed, recipe["sampler_kwargs"]["seed"]) == (7, 7, 7)
 
 
-def test_preset_fingerprints_are_pinned():
-    """The fingerprints of the built-in presets (study folders on disk are resumed and aggregated by them)."""
-    assert {name: p.fingerprint() for name, p in PRESETS.items()} == {
+def test_scale_fingerprints_are_pinned():
+    """The fingerprints of the built-in scales (study folders on disk are resumed and aggregated by them)."""
+    assert {name: p.fingerprint() for name, p in SCALES.items()} == {
         "smoke": "aa2ba77ebb57b650",
         "local": "f871e4389902b3be",
         "testbed": "b417477eb28a0467",

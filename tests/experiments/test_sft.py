@@ -164,18 +164,18 @@ def test_target_accuracy_stops_at_the_first_evaluation_that_reaches_it(tmp_path,
 
 def test_cli_overrides_any_field_an_unset_target_accuracy_too(tmp_path, monkeypatch):
     import triage.experiments.sft as sft
-    from triage.experiments.ablate import PRESETS
+    from triage.experiments.ablate import SCALES
 
-    assert PRESETS["local"].sft.target_accuracy is None  # so the preset's to_dict() has no such key
+    assert SCALES["local"].sft.target_accuracy is None  # so the scale's to_dict() has no such key
     trained = []
     monkeypatch.setattr(sft, "train_sft", lambda config, output: trained.append(config))
-    assert sft.main(["--preset", "local", "--output", str(tmp_path), "target_accuracy=0.6", "steps=10"]) == 0
+    assert sft.main(["--scale", "local", "--output", str(tmp_path), "target_accuracy=0.6", "steps=10"]) == 0
     assert trained[0].target_accuracy == 0.6 and trained[0].steps == 10
-    assert trained[0].model == PRESETS["local"].sft.model
-    sft.main(["--preset", "local", "--output", str(tmp_path), "hidden_size=256"])  # a model field
-    assert trained[1].model == dataclasses.replace(PRESETS["local"].sft.model, hidden_size=256)
+    assert trained[0].model == SCALES["local"].sft.model
+    sft.main(["--scale", "local", "--output", str(tmp_path), "hidden_size=256"])  # a model field
+    assert trained[1].model == dataclasses.replace(SCALES["local"].sft.model, hidden_size=256)
     with pytest.raises(SystemExit):
-        sft.main(["--preset", "local", "--output", str(tmp_path), "nope=1"])
+        sft.main(["--scale", "local", "--output", str(tmp_path), "nope=1"])
 
 
 def test_config_dict_is_the_flat_sft_json_layout_and_round_trips():

@@ -10,7 +10,7 @@ import math
 import pytest
 
 from triage.experiments import ablate
-from triage.experiments.ablate import PRESETS, RunKey, Study, aggregate, load_runs, run_summary, seed_stats
+from triage.experiments.ablate import SCALES, RunKey, Study, aggregate, load_runs, run_summary, seed_stats
 from triage.experiments.recipes import ARMS
 
 
@@ -23,7 +23,7 @@ def _args(*argv):
 def test_study_file_sets_the_study_and_flags_override_it(tmp_path):
     path = tmp_path / "study.yaml"
     path.write_text(
-        "preset: local\n"
+        "scale: local\n"
         "levels: [aligned, realistic]\n"
         "arms: grpo-none, triage\n"
         "seeds: [0, 1, 2]\n"
@@ -33,10 +33,10 @@ def test_study_file_sets_the_study_and_flags_override_it(tmp_path):
         "overrides: {learning_rate: 3.0e-5, sampler_kwargs.batch_size: 64}\n"
     )
     study = ablate.resolve_study(_args("--study", str(path), "--output", str(tmp_path)))
-    assert study.preset.name == "local" and study.preset.steps == 300
+    assert study.scale.name == "local" and study.scale.steps == 300
     assert study.levels == ("aligned", "realistic") and study.arms == ("grpo-none", "triage")
     assert study.seeds == (0, 1, 2) and study.parallel == 12 and study.time_budget == 540
-    assert study.preset.overrides == {"learning_rate": 3e-5, "sampler_kwargs.batch_size": 64}
+    assert study.scale.overrides == {"learning_rate": 3e-5, "sampler_kwargs.batch_size": 64}
     assert [str(k) for k in study.runs()[:3]] == [
         "aligned/grpo-none/0",
         "aligned/triage/0",
@@ -45,33 +45,33 @@ def test_study_file_sets_the_study_and_flags_override_it(tmp_path):
     assert len(study.runs()) == 12  # 2 levels x 2 arms x 3 seeds, seed-major
 
     flags = ("--seeds", "4", "--parallel", "2", "--steps", "5", "--levels", "nvfp4-matched", "--mini")
-    flags += ("--time-budget", "60", "--set", "learning_rate=1e-4", "--preset", "smoke")
+    flags += ("--time-budget", "60", "--set", "learning_rate=1e-4", "--scale", "smoke")
     over = ablate.resolve_study(_args("--study", str(path), "--output", str(tmp_path), *flags))
-    assert over.preset.name == "smoke-mini" and over.preset.steps == 5
+    assert over.scale.name == "smoke-mini" and over.scale.steps == 5
     assert over.levels == ("nvfp4-matched",) and over.arms == ("grpo-none", "triage")  # arms from the file
     assert over.seeds == (4,) and over.parallel == 2 and over.time_budget == 60
-    assert over.preset.overrides == {"learning_rate": 1e-4, "sampler_kwargs.batch_size": 64}
+    assert over.scale.overrides == {"learning_rate": 1e-4, "sampler_kwargs.batch_size": 64}
 
 
 def test_defaults_are_the_single_seed_ablation(tmp_path):
-    study = ablate.resolve_study(_args("--preset", "smoke", "--output", str(tmp_path)))
+    study = ablate.resolve_study(_args("--scale", "smoke", "--output", str(tmp_path)))
     assert study.levels == ("realistic",) and study.arms == ARMS and study.seeds == (0,)
-    assert study.parallel == 1 and study.time_budget is None and study.preset == PRESETS["smoke"]
+    assert study.parallel == 1 and study.time_budget is None and study.scale == SCALES["smoke"]
 
 
 @pytest.mark.parametrize(
     "text, match",
     [
-        ("preset: smoke\nseed: [0]\n", r"unknown study keys \['seed'\]"),
-        ("preset: tiny\n", "preset 'tiny' is not one of"),
-        ("preset: smoke\noverrides: [a]\n", "overrides must be a mapping"),
-        ("preset: smoke\nparallel: 0\n", "parallel must be a positive int"),
-        ("preset: smoke\nsteps: 0\n", "steps must be a positive int"),
-        ("preset: smoke\nlevels: []\n", "levels must be a non-empty list"),
-        ("preset: smoke\nseeds: [1, 1]\n", "seeds must be distinct"),
-        ("preset: smoke\ntime_budget: -1\n", "time_budget must be >= 0"),
-        ("preset: smoke\noverrides: {data_seed: 3}\n", "'data_seed': the run seed sets it"),
-        ("levels: [aligned]\n", "give --preset or a --study file that names a preset"),
+        ("scale: smoke\nseed: [0]\n", r"unknown study keys \['seed'\]"),
+        ("scale: tiny\n", "scale 'tiny' is not one of"),
+        ("scale: smoke\noverrides: [a]\n", "overrides must be a mapping"),
+        ("scale: smoke\nparallel: 0\n", "parallel must be a positive int"),
+        ("scale: smoke\nsteps: 0\n", "steps must be a positive int"),
+        ("scale: smoke\nlevels: []\n", "levels must be a non-empty list"),
+        ("scale: smoke\nseeds: [1, 1]\n", "seeds must be distinct"),
+        ("scale: smoke\ntime_budget: -1\n", "time_budget must be >= 0"),
+        ("scale: smoke\noverrides: {data_seed: 3}\n", "'data_seed': the run seed sets it"),
+        ("levels: [aligned]\n", "give --scale or a --study file that names a scale"),
     ],
 )
 def test_bad_study_files_are_errors(tmp_path, text, match):
@@ -79,6 +79,21 @@ def test_bad_study_files_are_errors(tmp_path, text, match):
     path.write_text(text)
     with pytest.raises(ValueError, match=match):
         ablate.resolve_study(_args("--study", str(path), "--output", str(tmp_path)))
+
+
+def test_the_former_key_preset_is_an_error_naming_scale(tmp_path):
+    """A study file or DIR/study.json written with the former key ``preset`` names the file and the new key
+    (renaming the key is enough: the fingerprint of the sizes is unchanged)."""
+    path = tmp_path / "old.yaml"
+    path.write_text("preset: smoke\nlevels: [aligned]\n")
+    with pytest.raises(ValueError, match=r"old.yaml: the key 'preset' is now called 'scale'"):
+        ablate.resolve_study(_args("--study", str(path), "--output", str(tmp_path)))
+    study = Study(SCALES["smoke"]).to_dict()
+    assert "preset" not in study and study["scale"]["name"] == "smoke"  # what study.json holds now
+    study["preset"] = study.pop("scale")
+    (tmp_path / "study.json").write_text(json.dumps(study))
+    with pytest.raises(ValueError, match=r"study.json: the key 'preset' is now called 'scale'"):
+        ablate.run(_args("--output", str(tmp_path), "--run", "aligned/tis/0"))
 
 
 def test_missing_study_file_and_child_without_study_are_errors(tmp_path):
@@ -134,9 +149,10 @@ def test_aggregation_over_seeds_from_run_files(tmp_path):
         path = RunKey(e["level"], e["arm"], e["seed"]).path(tmp_path, ".json")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(e))
-    study = Study(PRESETS["smoke"], arms=("grpo-none", "tis"), seeds=(0, 1, 2)).to_dict()
+    study = Study(SCALES["smoke"], arms=("grpo-none", "tis"), seeds=(0, 1, 2)).to_dict()
     results = aggregate(load_runs(tmp_path, "f"), {"name": "unit"}, None, study)
     assert results["study"] == {"levels": ["realistic"], "arms": ["grpo-none", "tis"], "seeds": [0, 1, 2]}
+    assert results["scale"] == "unit" and "preset" not in results  # results.json names the scale
     group = results["groups"]["realistic"]["grpo-none"]
     assert group["n"] == 3 and group["seeds"] == [0, 1, 2] and group["correction"] == "none"
     last = group["summary"]["reward_last"]  # window 1: each seed's last reward 2, 4, 6
@@ -186,7 +202,7 @@ def test_a_run_that_starts_again_drops_its_earlier_result(tmp_path, monkeypatch)
 
     monkeypatch.setattr(train, "build_trainer", crash)
     with pytest.raises(RuntimeError, match="the re-run crashed"):
-        ablate.run_one(PRESETS["smoke"], key, tmp_path)
+        ablate.run_one(SCALES["smoke"], key, tmp_path)
     assert not key.path(tmp_path, ".json").exists() and not key.path(tmp_path, ablate.PARTIAL_SUFFIX).exists()
     assert load_runs(tmp_path) == {}
 
@@ -195,10 +211,10 @@ def test_resume_checks_a_moved_study_folder_by_its_recipe_not_its_path(tmp_path)
     """A study folder copied elsewhere (off a GPU box, say) resumes; a changed numerics key is still refused."""
     import torch
 
-    study = Study(PRESETS["smoke"], arms=("tis",))
+    study = Study(SCALES["smoke"], arms=("tis",))
     key, cpu = study.runs()[0], not torch.cuda.is_available()
     old = tmp_path / "elsewhere" / "study"
-    ran = json.loads(json.dumps(ablate.run_recipe(study.preset, key, old / "sft", key.path(old), cpu=cpu)))
+    ran = json.loads(json.dumps(ablate.run_recipe(study.scale, key, old / "sft", key.path(old), cpu=cpu)))
     here = tmp_path / "study"
     ablate._check_recipes(study, here, {key: {"recipe": ran}})
     ran["sampler_kwargs"]["kv_cache_dtype"] = "native"
@@ -207,7 +223,7 @@ def test_resume_checks_a_moved_study_folder_by_its_recipe_not_its_path(tmp_path)
 
 
 def test_shipped_testbed_study_files_resolve(tmp_path):
-    """The study files under experiments/testbed/ name the testbed preset, known levels and arms, 300 steps."""
+    """The study files under experiments/testbed/ name the testbed scale, known levels and arms, 300 steps."""
     from pathlib import Path
 
     from triage.experiments.recipes import ALL_ARMS, LEVELS
@@ -217,6 +233,6 @@ def test_shipped_testbed_study_files_resolve(tmp_path):
     assert {f.name for f in files} >= {"dose-response.yaml", "corrections.yaml"}
     for f in files:
         study = ablate.resolve_study(_args("--study", str(f), "--output", str(tmp_path)))
-        assert study.preset.name == "testbed" and study.preset.steps == 300, f
+        assert study.scale.name == "testbed" and study.scale.steps == 300, f
         assert set(study.levels) <= set(LEVELS) and set(study.arms) <= set(ALL_ARMS), f
         assert len(study.seeds) >= 3 and study.runs(), f

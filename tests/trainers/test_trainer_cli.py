@@ -161,7 +161,7 @@ def test_user_errors_print_one_line_and_exit_2(tmp_path, capsys):
     assert "recipe file not found" in _one_line_error(capsys)
     assert main(["explain", "--config", str(tmp_path / "missing.yaml")]) == 2  # every subcommand
     assert "missing.yaml" in _one_line_error(capsys)
-    assert main(["ablate", "--preset", "smoke", "--output", str(tmp_path / "a"), "--arms", "vanilla"]) == 2
+    assert main(["ablate", "--scale", "smoke", "--output", str(tmp_path / "a"), "--arms", "vanilla"]) == 2
     assert "unknown arms ['vanilla']" in _one_line_error(capsys)
 
 

@@ -1,7 +1,7 @@
 """Models and token batches for ``triage diagnose``: a trained-ish tiny model (CPU), or a local model.
 
 A randomly initialised model has near-uniform next-token distributions, where every engine difference is
-averaged away and δ says little. ``--preset tiny`` (:class:`TinyDiagnoseConfig`) therefore trains the tiny
+averaged away and δ says little. ``--model tiny`` (:class:`TinyDiagnoseConfig`) therefore trains the tiny
 Qwen3 for a few hundred deterministic AdamW steps of the library's small SFT loop
 (:func:`triage.trainers.tiny_sft.sft_steps`) on its synthetic arithmetic task at level 2
 (``Compute a + b.`` → ``a + b = c.`` / ``Answer: c`` with two-digit ``+``/``-`` or a times-table ``*``, the
@@ -30,7 +30,7 @@ __all__ = ["TinyDiagnoseConfig", "sample_batch", "train_tiny_model"]
 
 @dataclass(frozen=True)
 class TinyDiagnoseConfig:
-    """What ``triage diagnose --preset tiny`` trains and scores.
+    """What ``triage diagnose --model tiny`` trains and scores.
 
     Attributes:
         model: the tiny Qwen3 shape.
