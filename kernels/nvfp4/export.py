@@ -301,14 +301,17 @@ def write_nvfp4_checkpoint(
 
 
 def _unshared(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Detached CPU tensors, each with its own contiguous storage (safetensors refuses shared memory)."""
+    """Detached CPU tensors, each the whole of its own contiguous storage: a view (a slice of a fused expert
+    tensor, a tied or shared weight) is copied, as safetensors and ``save_torch_state_dict`` refuse shared or
+    partly covered storage."""
     seen: set[int] = set()
     out = {}
     for name, t in tensors.items():
         t = t.detach().cpu()
-        ptr = t.untyped_storage().data_ptr()
-        out[name] = t.clone() if ptr in seen or not t.is_contiguous() else t
-        seen.add(ptr)
+        storage = t.untyped_storage()
+        whole = t.is_contiguous() and storage.nbytes() == t.numel() * t.element_size()
+        out[name] = t if whole and storage.data_ptr() not in seen else t.clone()
+        seen.add(storage.data_ptr())
     return out
 
 
@@ -592,32 +595,14 @@ def _input_scales(input_amax, targets, groups, lay: Layout) -> dict[str, float]:
 
 
 def _save_sharded(tensors: dict[str, torch.Tensor], path: Path, max_bytes: int) -> list[str]:
-    from safetensors.torch import save_file
+    """Write ``tensors`` with ``huggingface_hub.save_torch_state_dict``: ``model.safetensors``, or shards of at
+    most ``max_bytes`` (a tensor larger than that alone in its own) named ``model-0000i-of-0000n.safetensors``
+    with ``model.safetensors.index.json`` (``{"metadata": {"total_size"}, "weight_map"}``); every file's
+    safetensors metadata is ``{"format": "pt"}``. Returns the file names in shard order."""
+    from huggingface_hub import save_torch_state_dict, split_torch_state_dict_into_shards
 
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
-        n = t.numel() * t.element_size()
-        if shards[-1] and size + n > max_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += n
-    meta = {"format": "pt"}
-    if len(shards) == 1:
-        save_file(shards[0], str(path / "model.safetensors"), metadata=meta)
-        return ["model.safetensors"]
-    files, weight_map = [], {}
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(path / fname), metadata=meta)
-        files.append(fname)
-        weight_map.update(dict.fromkeys(shard, fname))
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    (path / INDEX).write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
-    )
-    return files
+    save_torch_state_dict(tensors, path, max_shard_size=max_bytes)
+    return list(split_torch_state_dict_into_shards(tensors, max_shard_size=max_bytes).filename_to_tensors)
 
 
 def model_config(model):
@@ -693,9 +678,9 @@ def _write_files(
     """Write the tensors of an NVFP4 checkpoint (already in the layout's names) and its configs.
 
     An earlier NVFP4 export in ``out_dir`` is replaced (:func:`_clear_previous_export`). config.json is
-    ``config`` (a ``PretrainedConfig`` or a dict naming ``architectures``; None: nothing but the
-    quantization config and ``dtype``, enough for :func:`load_nvfp4_checkpoint`, not for an engine)
-    + ``quantization_config`` (+ ``dtype`` if unset); ModelOpt also gets ``hf_quant_config.json``.
+    ``config`` + ``quantization_config`` (+ ``dtype`` if unset): a ``PretrainedConfig`` through its own
+    ``save_pretrained``, a dict naming ``architectures`` as JSON, None as nothing but those two keys (enough
+    for :func:`load_nvfp4_checkpoint`, not for an engine). ModelOpt also gets ``hf_quant_config.json``.
     Returns the safetensors file names."""
     from triage._version import __version__
 
@@ -710,10 +695,19 @@ def _write_files(
         (path / HF_QUANT_CONFIG).write_text(json.dumps(hf_quant, indent=2))
     else:
         qconfig = compressed_tensors_config(excluded, weight_only)
-    if dtype is not None and cfg.get("dtype") is None and cfg.get("torch_dtype") is None:
-        cfg["dtype"] = str(dtype).removeprefix("torch.")  # as save_pretrained records it; loaders read it
-    cfg["quantization_config"] = qconfig
-    (path / CONFIG).write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))
+    if cfg.get("dtype") or cfg.get("torch_dtype"):
+        dtype = None  # the config names its own; else the weights' dtype (loaders read it)
+    if config is None or isinstance(config, Mapping):
+        cfg["quantization_config"] = qconfig
+        if dtype is not None:
+            cfg["dtype"] = str(dtype).removeprefix("torch.")  # as save_pretrained records it
+        (path / CONFIG).write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str) + "\n")
+    else:  # a PretrainedConfig saves itself (a remote-code model's configuration file included)
+        config = copy.deepcopy(config)
+        config.quantization_config = qconfig
+        if dtype is not None:
+            config.dtype = dtype
+        config.save_pretrained(path)
     return files
 
 

@@ -373,6 +373,36 @@ def test_te_16x16_recipe_round_trips(layout, model, tmp_path):
         assert torch.equal(loaded[name].dequantize(), t.dequantize())
 
 
+def test_sharded_export_files_index_and_metadata(model, tmp_path):
+    """``max_shard_bytes`` is huggingface_hub's ``max_shard_size``: shards ``model-0000i-of-0000n.safetensors``
+    of at most that many bytes (a larger tensor alone in its shard), an index whose ``weight_map`` names every
+    tensor in the shard that holds it and whose ``total_size`` is their bytes, ``{"format": "pt"}`` in every
+    file; the shards hold exactly the tensors of the one-file export."""
+    from safetensors import safe_open
+
+    limit = 20_000
+    assert export_nvfp4_checkpoint(model, tmp_path / "one").files == ["model.safetensors"]
+    single = load_file(str(tmp_path / "one" / "model.safetensors"))
+    with safe_open(str(tmp_path / "one" / "model.safetensors"), "pt") as fh:
+        assert fh.metadata() == {"format": "pt"}
+    many = tmp_path / "many"
+    files = export_nvfp4_checkpoint(model, many, max_shard_bytes=limit).files
+    n = len(files)
+    assert n > 2 and files == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    assert sorted(p.name for p in many.glob("*.safetensors")) == files
+    index = json.loads((many / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(single) and set(index["weight_map"].values()) == set(files)
+    assert index["metadata"] == {"total_size": sum(t.numel() * t.element_size() for t in single.values())}
+    for f in files:
+        shard = load_file(str(many / f))
+        assert set(shard) == {name for name, where in index["weight_map"].items() if where == f}
+        assert sum(t.numel() * t.element_size() for t in shard.values()) <= limit or len(shard) == 1
+        assert all(torch.equal(t, single[name]) for name, t in shard.items())
+        with safe_open(str(many / f), "pt") as fh:
+            assert fh.metadata() == {"format": "pt"}
+    assert (many / "config.json").read_text() == (tmp_path / "one" / "config.json").read_text()
+
+
 # ------------------------------------------------------------------------------ re-export, configs
 
 
