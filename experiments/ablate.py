@@ -1031,6 +1031,8 @@ def run_study(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """argparse, not ``trl.TrlParser``: the study is layered (a scale ← a study file ← these flags, and
+    ``--set`` recipe overrides), which no one dataclass's fields express."""
     parser.add_argument(
         "--scale", choices=sorted(SCALES), default=None, help="smoke (CPU, CI), local or testbed (one GPU)"
     )

@@ -24,18 +24,18 @@ that run's ``report.json`` and plots (``triage.trainers.report``).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
 import time
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from triage import CORRECTIONS
+from triage.experiments.recipes import LEVELS
 
-DEFAULTS = dict(steps=12, prompts=4, generations=4, max_completion_length=24, learning_rate=3e-3)
 DEFAULT_LEVEL = "nvfp4-row-fp8kv"
 # About the median |δ| of the default level on the tiny model (mean |δ| ≈ 0.014), so roughly half of the
 # tokens fall outside the band and get their class policy; the library default (0.05) would put ~99 % of them
@@ -44,38 +44,41 @@ DEFAULT_TAU = "0.01"
 BASELINE = "none"
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from triage.experiments.recipes import LEVELS
+def _option(default, help: str, **extra) -> Any:
+    return field(default=default, metadata={"help": help, **extra})
 
-    parser.add_argument("--output", default="./triage-demo", help="folder for the report and the plots")
-    parser.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="optimizer steps per run")
-    parser.add_argument("--prompts", type=int, default=DEFAULTS["prompts"], help="prompts per step")
-    parser.add_argument(
-        "--generations", type=int, default=DEFAULTS["generations"], help="completions per prompt"
-    )
-    parser.add_argument("--max-completion-length", type=int, default=DEFAULTS["max_completion_length"])
-    parser.add_argument("--learning-rate", type=float, default=DEFAULTS["learning_rate"])
-    parser.add_argument("--correction", choices=CORRECTIONS, default="triage", help="mismatch correction")
-    parser.add_argument(
-        "--no-baseline",
-        action="store_true",
-        help="skip the vanilla GRPO run (correction none) beside the corrected one",
-    )
-    parser.add_argument(
-        "--tau",
-        default=DEFAULT_TAU,
-        help=f"tolerance band |δ| ≤ τ in nats, or 'auto' (default {DEFAULT_TAU}: about the median |δ| of the "
+
+@dataclass
+class DemoConfig:
+    """The options of ``triage demo``: each field is a flag (``--max-completion-length 12``), and ``--config
+    demo.yaml`` reads them from a YAML mapping of these keys (flags win), both by ``trl.TrlParser``; an
+    unknown key in the file is an error naming it."""
+
+    output: str = _option("./triage-demo", "folder for the report and the plots")
+    steps: int = _option(12, "optimizer steps per run")
+    prompts: int = _option(4, "prompts per step")
+    generations: int = _option(4, "completions per prompt")
+    max_completion_length: int = _option(24, "completion tokens at most")
+    learning_rate: float = _option(3e-3, "AdamW learning rate")
+    correction: str = _option("triage", "mismatch correction", choices=CORRECTIONS)
+    no_baseline: bool = _option(False, "skip the vanilla GRPO run (correction none) beside the corrected one")
+    tau: str = _option(
+        DEFAULT_TAU,
+        f"tolerance band |δ| ≤ τ in nats, or 'auto' (default {DEFAULT_TAU}: about the median |δ| of the "
         "default level on the tiny model)",
     )
-    parser.add_argument(
-        "--level",
-        choices=LEVELS,
-        default=DEFAULT_LEVEL,
-        help=f"learner/sampler numerics (experiments/recipes/levels; default {DEFAULT_LEVEL}: fp32 learner, "
+    level: str = _option(
+        DEFAULT_LEVEL,
+        f"learner/sampler numerics (experiments/recipes/levels; default {DEFAULT_LEVEL}: fp32 learner, "
         "NVFP4 W4A4 sampler copy with per-token activation scales and an fp8 KV cache)",
+        choices=LEVELS,
     )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-plots", action="store_true", help="write the text and JSON only")
+    seed: int = _option(0, "run seed (model init, prompts, sampling)")
+    no_plots: bool = _option(False, "write the text and JSON only")
+
+
+#: ``triage.cli`` parses this command's flags into this dataclass with ``trl.TrlParser``.
+ARGUMENTS = DemoConfig
 
 
 def digit_share(completions, **_) -> list[float]:
@@ -187,7 +190,7 @@ def describe_numerics(level: dict[str, Any]) -> tuple[str, str]:
     return learner, sampler + f", {'native' if kv in (None, 'auto', 'native') else kv} KV cache"
 
 
-def build_trainer(args: argparse.Namespace, correction: str | None = None):
+def build_trainer(args: DemoConfig, correction: str | None = None):
     """The demo's trainer (tiny model, synthetic data, HF sampler with the level's numerics) for one run."""
     import torch
 
@@ -447,12 +450,12 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: DemoConfig) -> int:
     with _quiet():
         return _run(args)
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: DemoConfig) -> int:
     import torch
 
     from triage.trainers.report import training_steps, write_report

@@ -341,7 +341,9 @@ def sft_summary(record: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m triage.experiments.sft --scale local --output DIR [KEY=VALUE ...]``: the SFT of an ablation
-    scale alone, with ``SFTConfig`` fields overridden (YAML values), e.g. ``steps=3000 eval_every=250``."""
+    scale alone, with ``SFTConfig`` fields overridden (YAML values), e.g. ``steps=3000 eval_every=250``.
+    Not ``trl.TrlParser``: the defaults are the chosen scale's (a layer), and the model shape is a nested
+    ``TinyModelSpec`` whose fields are overridden by the same ``KEY=VALUE``."""
     import argparse
 
     import yaml

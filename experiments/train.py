@@ -20,6 +20,10 @@ validates every key, and the trainer runs under ``accelerate launch``::
 
 At the end the model is saved to ``output_dir`` and the main process writes ``report.json`` and the plots
 (``triage.trainers.report``) there.
+
+The flags are argparse's, not ``trl.TrlParser``'s: TrlParser reads one flat ``--config`` file into a
+dataclass's defaults, whereas a recipe is the layered ``base ← preset ← arm ← level ← file`` with sections that
+are no ``TriageGRPOConfig`` field (model, datasets, rewards, launch), which ``load_recipe`` resolves.
 """
 
 from __future__ import annotations

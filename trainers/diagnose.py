@@ -18,6 +18,8 @@ DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """argparse, not ``trl.TrlParser``: the flags pick a model source (``--model``) and/or a log, and only
+    two of them (``--train-steps``, ``--seed``) are fields of a config (``TinyDiagnoseConfig``)."""
     parser.add_argument(
         "--model", default=None, help="'tiny' (train a tiny model here) or a local model path"
     )

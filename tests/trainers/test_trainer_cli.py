@@ -39,6 +39,28 @@ def test_report_is_token_weighted_and_writes_files(tmp_path):
     assert summarize([]) == {"steps": 0}
 
 
+def test_demo_options_come_from_flags_and_a_config_file(tmp_path, capsys, monkeypatch):
+    """`triage demo` parses its flags into DemoConfig with trl.TrlParser: `--config FILE.yaml` sets fields,
+    a flag beats the file, an unknown key or a bad choice is an error naming it."""
+    from triage.experiments import demo
+
+    seen = []
+    monkeypatch.setattr(demo, "run", lambda args: seen.append(args) or 0)
+    path = tmp_path / "demo.yaml"
+    path.write_text("steps: 3\nlevel: aligned\nno_baseline: true\nlearning_rate: 1.0e-4\n")
+    assert main(["demo", "--config", str(path), "--steps", "5", "--max-completion-length", "12"]) == 0
+    assert seen[-1] == demo.DemoConfig(
+        steps=5, level="aligned", no_baseline=True, learning_rate=1e-4, max_completion_length=12
+    )
+    assert main(["demo", "--no-plots"]) == 0 and seen[-1] == demo.DemoConfig(no_plots=True)
+    path.write_text("stpes: 3\n")
+    assert main(["demo", "--config", str(path)]) == 2
+    assert "stpes" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["demo", "--level", "exact"])
+    assert "invalid choice: 'exact'" in capsys.readouterr().err
+
+
 def test_demo_shows_a_mismatch_triage_acts_on_beside_vanilla_grpo(tmp_path, capsys, monkeypatch):
     """The demo at small size, as `triage demo` runs on a CPU (the kernels' torch twins, no interpreter)."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
