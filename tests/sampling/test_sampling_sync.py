@@ -128,7 +128,7 @@ def test_in_place_refresh_equals_a_rebuild_after_each_step(tokenizer, tiny_model
         from triage.kernels import NVFP4Linear
 
         layers = [m for m in sampler.copy.modules() if isinstance(m, NVFP4Linear)]
-        assert layers and all(m.config.weight_recipe.scale == "row" for m in layers)
+        assert layers and all(m.config.weight.scale == "row" for m in layers)
 
 
 @pytest.mark.parametrize("learner_recipe", [None, TE], ids=["bf16-learner", "nvfp4-learner"])
