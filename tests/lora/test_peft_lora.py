@@ -389,6 +389,58 @@ def test_load_without_config_rebuilds_the_saved_numerics(nvfp4_model, tokenizer,
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=1e-6)
 
 
+def test_adapter_directories_with_the_old_config_keys_still_load(nvfp4_model, tokenizer, tmp_path):
+    """The base config is written as ``compute`` / ``activation``; files holding the earlier ``mode`` /
+    ``input_recipe`` keys load to the same numerics."""
+    import json
+
+    from triage.kernels.nvfp4.recipe import QuantRecipe
+    from triage.trainers.lora_io import BASE_CONFIG_FILE
+    from triage.trainers.tiny import build_model
+
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+    model, cfg = nvfp4_lora(nvfp4_model, cfg, freeze("w4a4", activation=QuantRecipe(scale="row")))
+    model = get_peft_model(model, cfg)
+    save_nvfp4_lora(model, tmp_path)
+    path = tmp_path / BASE_SUBDIR / BASE_CONFIG_FILE
+    saved = json.loads(path.read_text())
+    assert saved.keys() == {"compute", "activation", "cache_expanded"} and saved["compute"] == "w4a4"
+    old = {"mode": saved["compute"], "input_recipe": saved["activation"], "cache_expanded": False}
+    path.write_text(json.dumps(old))
+    loaded = load_nvfp4_lora(build_model(tokenizer, seed=3), tmp_path)
+    frozen = [m for m in loaded.modules() if isinstance(m, FrozenNVFP4Linear)]
+    assert frozen and all(m.config.compute == "w4a4" and m.config.activation.scale == "row" for m in frozen)
+    ids = torch.randint(3, 400, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # the saved config keeps no backends: "auto" here, the torch reference there
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=1e-6)
+    path.write_text(json.dumps({"activation": saved["activation"]}))
+    with pytest.raises(
+        ValueError, match=f"{BASE_CONFIG_FILE}: not a valid NVFP4 frozen-base config .*'compute'"
+    ):
+        load_nvfp4_lora(build_model(tokenizer, seed=3), tmp_path)
+
+
+def test_a_sampler_copy_with_other_numerics_starts_from_the_dequantized_base(nvfp4_model):
+    """``HFSampler``'s copy with a ``dtype`` (or ``prepare_model``) is built from the learner's high-precision
+    form (``unconvert``): a frozen base becomes ``nn.Linear`` holding Ŵ; a plain copy shares the bytes."""
+    from triage.trainers.sampling import HFSampler
+
+    model = _lora(nvfp4_model, mode="w4a16")
+    before = _base_bytes(model)
+    dup = HFSampler(sampler_model="copy", dtype=torch.float32)._build_copy(model)
+    assert not any(isinstance(m, FrozenNVFP4Linear) for m in dup.modules())
+    source = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer
+    dense = dup.base_model.model.model.layers[0].self_attn.q_proj.base_layer
+    assert type(dense) is torch.nn.Linear and torch.equal(dense.weight, source.dequantized_weight())
+    ids = torch.randint(3, 400, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # w4a16 on fp32 activations is the fp32 matmul with Ŵ
+        torch.testing.assert_close(dup(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
+    assert _base_bytes(model) == before
+    shared = HFSampler(sampler_model="copy")._build_copy(model)
+    copied = shared.base_model.model.model.layers[0].self_attn.q_proj.base_layer
+    assert isinstance(copied, FrozenNVFP4Linear) and copied.qweight.data_ptr() == source.qweight.data_ptr()
+
+
 def _imported_modules(path, package: str) -> set[str]:
     """Absolute names of the modules that the source file ``path`` (in ``package``) imports."""
     import ast
