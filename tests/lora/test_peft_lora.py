@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 import zlib
 from types import SimpleNamespace
@@ -166,6 +167,28 @@ def test_bad_configurations_are_refused(nvfp4_model, tokenizer):
         nvfp4_lora(build_model(tokenizer), LoraConfig(target_modules="all-linear"))
     with pytest.raises(TypeError, match="merged=False\\) needs a PeftModel"):
         save_nvfp4_lora(nvfp4_model, "/nonexistent")
+
+
+def test_without_a_config_the_nvfp4_layers_freeze_as_they_compute(nvfp4_model):
+    from triage.kernels import NVFP4Config, NVFP4Linear, NVFP4LinearConfig
+
+    ids = torch.randint(3, 400, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = nvfp4_model(ids).logits
+    mixed = copy.deepcopy(nvfp4_model)
+    model, _ = nvfp4_lora(nvfp4_model, LoraConfig(target_modules="all-linear"))
+    frozen = [m for m in model.modules() if isinstance(m, FrozenNVFP4Linear)]
+    assert len(frozen) == 14 and all(m.config == NVFP4FrozenConfig(**FAST) for m in frozen)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
+    q = mixed.model.layers[1].self_attn.q_proj
+    mixed.model.layers[1].self_attn.q_proj = NVFP4Linear.from_linear(q, NVFP4LinearConfig())
+    with pytest.raises(
+        ValueError, match=r"'model.layers.0.self_attn.q_proj' and 'model.layers.1.self_attn.q_proj'"
+    ):
+        nvfp4_lora(mixed, LoraConfig(target_modules="all-linear"))
+    with pytest.raises(ValueError, match="config.frozen is None"):
+        nvfp4_lora(mixed, LoraConfig(target_modules="all-linear"), NVFP4Config())
 
 
 def test_aqn_schedule_is_qerl_eq8_with_a_noise_free_first_stage():
