@@ -52,12 +52,16 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from triage.kernels.nvfp4.recipe import QuantRecipe
 from triage.kernels.nvfp4.tensor import NVFP4Tensor
+
+if TYPE_CHECKING:
+    from triage.kernels.linear import NVFP4LinearConfig
 
 __all__ = [
     "COMPUTE_MODES",
@@ -110,7 +114,7 @@ class NVFP4FrozenConfig:
             raise ValueError("NVFP4FrozenConfig.activation: per-expert scales belong to the MoE layer")
 
     @classmethod
-    def like(cls, config) -> NVFP4FrozenConfig:
+    def like(cls, config: NVFP4LinearConfig) -> NVFP4FrozenConfig:
         """The frozen config that computes as an :class:`~triage.kernels.NVFP4Linear` with ``config`` (an
         ``NVFP4LinearConfig``) does: ``"w4a4"`` with its activation recipe and backends."""
         return cls(
