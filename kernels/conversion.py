@@ -159,15 +159,15 @@ def _replacement(module: nn.Module, config: NVFP4Config) -> nn.Module | None:
     return None
 
 
-def unconvert(model: nn.Module) -> nn.Module:
+def unconvert(model: nn.Module, *, frozen: bool = True) -> nn.Module:
     """Inverse of :func:`convert`, in place; returns ``model``: every ``NVFP4Linear`` back to ``nn.Linear``
     and every ``NVFP4MoeExperts`` to the experts module it replaced (same parameters), every
-    ``FrozenNVFP4Linear`` to an ``nn.Linear`` holding its dequantized weight Ŵ (frozen)."""
-    targets = [
-        (name, m)
-        for name, m in model.named_modules()
-        if isinstance(m, (NVFP4Linear, NVFP4MoeExperts, FrozenNVFP4Linear))
-    ]
+    ``FrozenNVFP4Linear`` to an ``nn.Linear`` holding its dequantized weight Ŵ (frozen).
+
+    ``frozen=False`` leaves the ``FrozenNVFP4Linear`` layers as they are: their codes are the weights (there
+    is no higher-precision form to return to), as a sampler copy wants them (shared, not dequantized)."""
+    kinds = (NVFP4Linear, NVFP4MoeExperts, FrozenNVFP4Linear) if frozen else (NVFP4Linear, NVFP4MoeExperts)
+    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, kinds)]
     if targets and not targets[0][0]:
         method = "to_experts" if isinstance(model, NVFP4MoeExperts) else "to_linear"
         raise ValueError(f"unconvert: the model itself is an {type(model).__name__}; call its .{method}()")

@@ -443,25 +443,27 @@ def test_adapter_directories_with_the_old_config_keys_still_load(nvfp4_model, to
         load_nvfp4_lora(build_model(tokenizer, seed=3), tmp_path)
 
 
-def test_a_sampler_copy_with_other_numerics_starts_from_the_dequantized_base(nvfp4_model):
+def test_a_sampler_copy_with_other_numerics_keeps_the_frozen_base_bytes(nvfp4_model):
     """``HFSampler``'s copy with a ``dtype`` (or ``prepare_model``) is built from the learner's high-precision
-    form (``unconvert``): a frozen base becomes ``nn.Linear`` holding Ŵ; a plain copy shares the bytes."""
+    form (``unconvert(frozen=False)``), but a frozen base has none: it stays ``FrozenNVFP4Linear``, its codes
+    shared with the learner (not dequantized, not re-quantized), and the copy computes as the learner does.
+    ``unconvert`` itself (frozen=True) dequantizes it to an ``nn.Linear`` holding Ŵ."""
+    from triage.kernels import unconvert
     from triage.trainers.sampling import HFSampler
 
     model = _lora(nvfp4_model, mode="w4a16")
     before = _base_bytes(model)
-    dup = HFSampler(sampler_model="copy", dtype=torch.float32)._build_copy(model)
-    assert not any(isinstance(m, FrozenNVFP4Linear) for m in dup.modules())
     source = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer
-    dense = dup.base_model.model.model.layers[0].self_attn.q_proj.base_layer
-    assert type(dense) is torch.nn.Linear and torch.equal(dense.weight, source.dequantized_weight())
     ids = torch.randint(3, 400, (2, 9), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():  # w4a16 on fp32 activations is the fp32 matmul with Ŵ
-        torch.testing.assert_close(dup(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
+    for sampler in (HFSampler(sampler_model="copy", dtype=torch.float32), HFSampler(sampler_model="copy")):
+        dup = sampler._build_copy(model)
+        copied = dup.base_model.model.model.layers[0].self_attn.q_proj.base_layer
+        assert isinstance(copied, FrozenNVFP4Linear) and copied.qweight.data_ptr() == source.qweight.data_ptr()
+        with torch.no_grad():
+            torch.testing.assert_close(dup(ids).logits, model(ids).logits, rtol=0, atol=0)
     assert _base_bytes(model) == before
-    shared = HFSampler(sampler_model="copy")._build_copy(model)
-    copied = shared.base_model.model.model.layers[0].self_attn.q_proj.base_layer
-    assert isinstance(copied, FrozenNVFP4Linear) and copied.qweight.data_ptr() == source.qweight.data_ptr()
+    dense = unconvert(copy.deepcopy(model)).base_model.model.model.layers[0].self_attn.q_proj.base_layer
+    assert type(dense) is torch.nn.Linear and torch.equal(dense.weight, source.dequantized_weight())
 
 
 def _imported_modules(path, package: str) -> set[str]:

@@ -541,11 +541,11 @@ class HFSampler(SamplerSource):
                 break
         if self.dtype is not None or self.prepare_model is not None:
             # other numerics than the learner's: start from its high-precision form (an NVFP4 learner's
-            # NVFP4Linear / NVFP4MoeExperts back to nn.Linear / the original experts, same parameters; a frozen
-            # NVFP4 base to nn.Linear holding its dequantized weight)
+            # NVFP4Linear / NVFP4MoeExperts back to nn.Linear / the original experts, same parameters); a frozen
+            # NVFP4 base stays: its codes are the weights, shared with the learner
             from triage.kernels import unconvert
 
-            unconvert(dup)
+            unconvert(dup, frozen=False)
         if self.dtype is not None:
             dup = dup.to(self.dtype)
         if self.prepare_model is not None:
