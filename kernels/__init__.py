@@ -2,6 +2,10 @@
 
 Depends on torch and triton only; never on ``triage.trainers``. Importing this package is cheap: the
 names below load their modules (and triton) on first use.
+
+The layer API: ``convert(model, NVFP4Config(...))`` swaps ``nn.Linear`` layers and fused MoE experts for
+``NVFP4Linear`` / ``NVFP4MoeExperts`` (or, with ``frozen``, ``FrozenNVFP4Linear``), ``unconvert(model)`` undoes
+it; ``NVFP4Config.from_recipe(recipe)`` is the config of one ``QuantRecipe`` (``triage.kernels.conversion``).
 """
 
 from __future__ import annotations
@@ -9,20 +13,18 @@ from __future__ import annotations
 import importlib
 
 _LAZY = {
+    "NVFP4Config": "triage.kernels.conversion",
+    "convert": "triage.kernels.conversion",
+    "unconvert": "triage.kernels.conversion",
     "NVFP4Linear": "triage.kernels.linear",
     "NVFP4LinearConfig": "triage.kernels.linear",
-    "convert_to_nvfp4": "triage.kernels.linear",
-    "convert_from_nvfp4": "triage.kernels.linear",
+    "NVFP4MoeExperts": "triage.kernels.moe.experts",
+    "NVFP4MoEConfig": "triage.kernels.moe.experts",
+    "FrozenNVFP4Linear": "triage.kernels.frozen_linear",
+    "NVFP4FrozenConfig": "triage.kernels.frozen_linear",
     "grouped_gemm": "triage.kernels.moe",
     "grouped_gemm_reference": "triage.kernels.moe",
     "offsets_from_expert_ids": "triage.kernels.moe",
-    "convert_moe_experts": "triage.kernels.moe.experts",
-    "convert_moe_experts_from_nvfp4": "triage.kernels.moe.experts",
-    "NVFP4MoeExperts": "triage.kernels.moe.experts",
-    "MoEQuantConfig": "triage.kernels.moe.experts",
-    "FrozenNVFP4Linear": "triage.kernels.frozen_linear",
-    "NVFP4BaseConfig": "triage.kernels.frozen_linear",
-    "freeze_nvfp4_base": "triage.kernels.frozen_linear",
     "DEFAULT_SKIP": "triage.kernels.skip",
 }
 

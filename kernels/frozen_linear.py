@@ -15,14 +15,14 @@ buffer              dtype                   shape                       bytes / 
 so ~0.5625 byte per base parameter (the names follow the ModelOpt checkpoint layout; the packed codes are
 ``qweight`` so that nothing mistakes them for a dense ``weight``). ``weight_encode_scale`` (fp32, the
 outer ENCODE scale the quantizer used, needed by encode-scale checkpoint layouts) is kept when known.
-Optionally (``NVFP4BaseConfig.cache_expanded``) the exact expansion ``E = q·s`` (bf16 [N, Kp], 2 bytes per
+Optionally (``NVFP4FrozenConfig.cache_expanded``) the exact expansion ``E = q·s`` (bf16 [N, Kp], 2 bytes per
 parameter, not a buffer) is cached for speed: the cuBLAS large-M path and the input gradient reuse it.
 
 Forward, ``y = x·Ŵᵀ + b`` with ``Ŵ = q·s·g`` (``g`` = ``weight_scale_2``)::
 
-    mode="w4a4":   y = gemm(quantize(x, input_recipe), W_q)      # both operands NVFP4, fp32 accumulation
-    mode="w4a16":  y = gemm_w4a16(x, W_q)                        # weight-only; x stays bf16/fp16
-                                                                 # (fp32 x: fp32 matmul with Ŵ, exact)
+    compute="w4a4":   y = gemm(quantize(x, activation), W_q)      # both operands NVFP4, fp32 accumulation
+    compute="w4a16":  y = gemm_w4a16(x, W_q)                     # weight-only; x stays bf16/fp16
+                                                              # (fp32 x: fp32 matmul with Ŵ, exact)
 
 Backward: only the input gradient (the weight and bias are frozen), straight-through for the activation
 quantizer of W4A4 (∂Q(x)/∂x ≈ I, as :class:`~triage.kernels.NVFP4Linear` does)::
@@ -36,9 +36,11 @@ PEFT's merge replace the tensors, ``.to(dtype)`` / ``.half()`` move them between
 them, and ``copy.deepcopy`` SHARES them. So a sampler copy of a LoRA model (``HFSampler(sampler_model=
 "copy")``) holds no second base: only the adapters are copied.
 
-Conversion: :func:`freeze_nvfp4_base` turns every :class:`~triage.kernels.NVFP4Linear` of a model into a
-``FrozenNVFP4Linear`` holding the very bytes the NVFP4Linear computed with (so outputs are unchanged in
-``w4a4`` mode) and drops the master weight. Checkpoints: the kernels' one NVFP4 writer,
+Conversion: :func:`triage.kernels.convert` with ``NVFP4Config(frozen=...)`` turns every
+:class:`~triage.kernels.NVFP4Linear` of a model into a ``FrozenNVFP4Linear`` holding the very bytes the
+NVFP4Linear computed with (so outputs are unchanged with ``compute="w4a4"`` and the same activation recipe)
+and drops the master weight; :func:`triage.kernels.unconvert` (:meth:`FrozenNVFP4Linear.to_linear`) gives an
+``nn.Linear`` holding Ŵ. Checkpoints: the kernels' one NVFP4 writer,
 :func:`~triage.kernels.nvfp4.export.write_nvfp4_checkpoint`, stores the bytes of
 :meth:`FrozenNVFP4Linear.quantized_weight` as they are, and :func:`load_nvfp4_base` loads an NVFP4
 checkpoint (ModelOpt, compressed-tensors) back into frozen layers, bit for bit. The PEFT integration (the
@@ -50,61 +52,74 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from triage.kernels.nvfp4.recipe import QuantRecipe
 from triage.kernels.nvfp4.tensor import NVFP4Tensor
-from triage.kernels.skip import DEFAULT_SKIP, skip_patterns, skipped
+
+if TYPE_CHECKING:
+    from triage.kernels.linear import NVFP4LinearConfig
 
 __all__ = [
-    "BASE_MODES",
+    "COMPUTE_MODES",
     "FrozenNVFP4Linear",
-    "NVFP4BaseConfig",
+    "NVFP4FrozenConfig",
     "base_nbytes",
-    "freeze_nvfp4_base",
     "load_nvfp4_base",
 ]
 
-BASE_MODES = ("w4a4", "w4a16")
+COMPUTE_MODES = ("w4a4", "w4a16")
 #: Buffers holding the quantized weight: shared by deepcopy, never cast by ``.to(dtype)``.
 QUANT_BUFFERS = ("qweight", "weight_scale", "weight_scale_2", "weight_encode_scale")
 
 
 @dataclass(frozen=True)
-class NVFP4BaseConfig:
-    """How a :class:`FrozenNVFP4Linear` computes.
+class NVFP4FrozenConfig:
+    """How a :class:`FrozenNVFP4Linear` computes (the fields of :class:`~triage.kernels.NVFP4LinearConfig`
+    that apply to a frozen weight, plus ``compute`` and ``cache_expanded``).
 
     Attributes:
-        mode: ``"w4a4"`` (activations quantized with ``input_recipe`` per call, NVFP4 × NVFP4 GEMM) or
+        compute: ``"w4a4"`` (activations quantized with ``activation`` per call, NVFP4 × NVFP4 GEMM) or
             ``"w4a16"`` (weight-only: activations stay in their dtype).
-        input_recipe: activation quantizer for ``w4a4`` (1×16 blocks along K; no Hadamard).
+        activation: activation quantizer for ``w4a4`` (1×16 blocks along K; no Hadamard).
         cache_expanded: keep the exact bf16 expansion ``q·s`` of the weight (+2 bytes/param) for the
             cuBLAS large-M path and the input gradient; off by default (memory first).
         gemm_backend / quant_backend: passed to :func:`~triage.kernels.nvfp4.gemm` /
             :func:`~triage.kernels.nvfp4.gemm_w4a16` and :func:`~triage.kernels.nvfp4.quantize`.
     """
 
-    mode: str = "w4a4"
-    input_recipe: QuantRecipe = field(default_factory=QuantRecipe)
+    compute: str = "w4a4"
+    activation: QuantRecipe = field(default_factory=QuantRecipe)
     cache_expanded: bool = False
     gemm_backend: str = "auto"
     quant_backend: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.mode not in BASE_MODES:
-            raise ValueError(f"NVFP4BaseConfig.mode must be one of {BASE_MODES}, got {self.mode!r}")
-        if not isinstance(self.input_recipe, QuantRecipe):
-            raise TypeError(
-                f"NVFP4BaseConfig.input_recipe must be a QuantRecipe, got {type(self.input_recipe).__name__}"
-            )
-        if self.input_recipe.hadamard:
+        if self.compute not in COMPUTE_MODES:
             raise ValueError(
-                "NVFP4BaseConfig.input_recipe cannot use the Hadamard transform (forward operand)"
+                f"NVFP4FrozenConfig.compute must be one of {COMPUTE_MODES}, got {self.compute!r}"
             )
-        if self.input_recipe.scale == "expert":
-            raise ValueError("NVFP4BaseConfig.input_recipe: per-expert scales belong to the MoE layer")
+        if not isinstance(self.activation, QuantRecipe):
+            raise TypeError(
+                f"NVFP4FrozenConfig.activation must be a QuantRecipe, got {type(self.activation).__name__}"
+            )
+        if self.activation.hadamard:
+            raise ValueError(
+                "NVFP4FrozenConfig.activation cannot use the Hadamard transform (forward operand)"
+            )
+        if self.activation.scale == "expert":
+            raise ValueError("NVFP4FrozenConfig.activation: per-expert scales belong to the MoE layer")
+
+    @classmethod
+    def like(cls, config: NVFP4LinearConfig) -> NVFP4FrozenConfig:
+        """The frozen config that computes as an :class:`~triage.kernels.NVFP4Linear` with ``config`` (an
+        ``NVFP4LinearConfig``) does: ``"w4a4"`` with its activation recipe and backends."""
+        return cls(
+            activation=config.activation, gemm_backend=config.gemm_backend, quant_backend=config.quant_backend
+        )
 
 
 class _FrozenNVFP4Fn(torch.autograd.Function):
@@ -132,16 +147,16 @@ class FrozenNVFP4Linear(nn.Module):
         self,
         weight: NVFP4Tensor,
         bias: torch.Tensor | None = None,
-        config: NVFP4BaseConfig | None = None,
+        config: NVFP4FrozenConfig | None = None,
     ) -> None:
         super().__init__()
-        self.config = config or NVFP4BaseConfig()
+        self.config = config or NVFP4FrozenConfig()
         _check_weight(weight)
         out_features, in_features = tuple(weight.shape)
         self.in_features, self.out_features = in_features, out_features
         self.weight_recipe: QuantRecipe = weight.recipe
         self.weight_dtype: torch.dtype = weight.dtype
-        _check_mode_fits(self.config, weight.recipe, in_features)
+        _check_compute_fits(self.config, weight.recipe, in_features)
         gs = weight.global_scale
         if not isinstance(gs, torch.Tensor):
             gs = torch.tensor(float(gs), dtype=torch.float32)
@@ -166,7 +181,7 @@ class FrozenNVFP4Linear(nn.Module):
 
     @classmethod
     def from_quantized(
-        cls, weight: NVFP4Tensor, bias: torch.Tensor | None = None, config: NVFP4BaseConfig | None = None
+        cls, weight: NVFP4Tensor, bias: torch.Tensor | None = None, config: NVFP4FrozenConfig | None = None
     ) -> FrozenNVFP4Linear:
         """Wrap an already-quantized weight (its bytes are used as they are, not copied)."""
         return cls(weight, bias, config)
@@ -175,14 +190,14 @@ class FrozenNVFP4Linear(nn.Module):
     def from_linear(
         cls,
         linear: nn.Linear,
-        config: NVFP4BaseConfig | None = None,
+        config: NVFP4FrozenConfig | None = None,
         *,
         recipe: QuantRecipe | None = None,
         quant_backend: str = "auto",
     ) -> FrozenNVFP4Linear:
         """Freeze ``linear``. An ``NVFP4Linear`` gives its cached ``W_q`` (the bytes its forward used) and,
-        when ``config`` is None, ``mode="w4a4"`` with its own input recipe and backends; a plain
-        ``nn.Linear`` is quantized with ``recipe`` (default ``QuantRecipe()``: 1×16 blocks, TE formulas)."""
+        when ``config`` is None, computes as it did (:meth:`NVFP4FrozenConfig.like`); a plain ``nn.Linear`` is
+        quantized with ``recipe`` (default ``QuantRecipe()``: 1×16 blocks, TE formulas)."""
         from triage.kernels.linear import NVFP4Linear
 
         bias = None if linear.bias is None else linear.bias.detach()
@@ -190,13 +205,9 @@ class FrozenNVFP4Linear(nn.Module):
             if recipe is not None:
                 raise ValueError(
                     "FrozenNVFP4Linear.from_linear: an NVFP4Linear keeps its own weight recipe "
-                    f"({linear.config.weight_recipe}); recipe= applies to plain nn.Linear only"
+                    f"({linear.config.weight}); recipe= applies to plain nn.Linear only"
                 )
-            if config is None:
-                c = linear.config
-                config = NVFP4BaseConfig(
-                    input_recipe=c.input_recipe, gemm_backend=c.gemm_backend, quant_backend=c.quant_backend
-                )
+            config = config or NVFP4FrozenConfig.like(linear.config)
             return cls(_detached(linear.quantized_weight()), bias, config)
         if not isinstance(linear, nn.Linear):
             raise TypeError(
@@ -232,6 +243,17 @@ class FrozenNVFP4Linear(nn.Module):
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``Ŵ = q·s·g`` as a dense [N, K] tensor (exact in fp32; cast to ``dtype``, default the original)."""
         return self.quantized_weight().dequantize(dtype)
+
+    def to_linear(self) -> nn.Linear:
+        """A plain ``nn.Linear`` holding ``Ŵ`` in the original dtype and the bias, both frozen
+        (``requires_grad=False``): the high-precision form of this layer (the master weight is gone)."""
+        lin = nn.Linear.__new__(nn.Linear)
+        nn.Module.__init__(lin)
+        lin.in_features, lin.out_features = self.in_features, self.out_features
+        lin.weight = nn.Parameter(self.dequantized_weight(), requires_grad=False)
+        lin.bias = None if self.bias is None else nn.Parameter(self.bias, requires_grad=False)
+        lin.train(self.training)
+        return lin
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -296,11 +318,11 @@ class FrozenNVFP4Linear(nn.Module):
         K, N = self.in_features, self.out_features
         x2 = x.reshape(-1, K)
         w = self.quantized_weight()
-        if cfg.mode == "w4a4":
+        if cfg.compute == "w4a4":
             from triage.kernels.linear import nan_if_nonfinite
             from triage.kernels.nvfp4 import quantize
 
-            xq = nan_if_nonfinite(quantize(x2, cfg.input_recipe, backend=cfg.quant_backend), x2)
+            xq = nan_if_nonfinite(quantize(x2, cfg.activation, backend=cfg.quant_backend), x2)
             cached = self._expanded if cfg.cache_expanded else None
             if cached is None and cfg.cache_expanded and self._uses_cublas(x2.shape[0]):
                 cached = self.expansion()
@@ -430,7 +452,7 @@ class FrozenNVFP4Linear(nn.Module):
         r = self.weight_recipe
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-            f"mode={self.config.mode!r}, weight_block={r.block!r}, profile={r.profile!r}"
+            f"compute={self.config.compute!r}, weight_block={r.block!r}, profile={r.profile!r}"
         )
 
 
@@ -487,50 +509,11 @@ def _check_finite_scales(scale: torch.Tensor, global_scale: torch.Tensor) -> Non
         )
 
 
-def _check_mode_fits(config: NVFP4BaseConfig, weight_recipe: QuantRecipe, k: int) -> None:
-    if k % 16 and config.mode == "w4a4" and not (config.input_recipe.pad and weight_recipe.pad):
+def _check_compute_fits(config: NVFP4FrozenConfig, weight_recipe: QuantRecipe, k: int) -> None:
+    if k % 16 and config.compute == "w4a4" and not (config.activation.pad and weight_recipe.pad):
         raise ValueError(
             f"FrozenNVFP4Linear: in_features={k} is not a multiple of 16; w4a4 needs pad=True in both recipes"
         )
-
-
-def freeze_nvfp4_base(
-    model: nn.Module,
-    config: NVFP4BaseConfig | None = None,
-    *,
-    quantize_linear: bool = False,
-    recipe: QuantRecipe | None = None,
-    skip=DEFAULT_SKIP,
-) -> nn.Module:
-    """Replace (in place) every ``NVFP4Linear`` of ``model`` by a :class:`FrozenNVFP4Linear` holding its
-    ``W_q``, dropping the master weight; returns the model.
-
-    ``config``: the frozen layers' :class:`NVFP4BaseConfig` (None: each NVFP4Linear's own input recipe and
-    backends, ``mode="w4a4"`` — the same forward as before). ``quantize_linear=True`` also freezes the plain
-    ``nn.Linear`` layers whose qualified name matches none of ``skip`` (quantized with ``recipe``; default
-    :data:`~triage.kernels.skip.DEFAULT_SKIP`, as ``convert_to_nvfp4``). Layers already frozen are left as
-    they are. Call it before building the optimizer.
-    """
-    from triage.kernels.linear import NVFP4Linear
-
-    skip = skip_patterns(skip)
-    targets = []
-    for name, m in model.named_modules():
-        if not name:
-            continue
-        if isinstance(m, NVFP4Linear) or (
-            quantize_linear and type(m) is nn.Linear and not skipped(name, skip)
-        ):
-            targets.append((name, m))
-    for name, m in targets:
-        try:
-            frozen = FrozenNVFP4Linear.from_linear(
-                m, config, recipe=None if isinstance(m, NVFP4Linear) else recipe
-            )
-        except (ValueError, TypeError) as e:
-            raise type(e)(f"freeze_nvfp4_base: layer {name!r}: {e}") from None
-        model.set_submodule(name, frozen)
-    return model
 
 
 def base_nbytes(model: nn.Module) -> tuple[int, int]:
@@ -543,7 +526,7 @@ def base_nbytes(model: nn.Module) -> tuple[int, int]:
 
 
 def load_nvfp4_base(
-    model: nn.Module, path, config: NVFP4BaseConfig | None = None, *, device=None
+    model: nn.Module, path, config: NVFP4FrozenConfig | None = None, *, device=None
 ) -> nn.Module:
     """Load an NVFP4 checkpoint (ModelOpt or compressed-tensors) into ``model`` (in place): every quantized
     ``<module>.weight`` becomes a :class:`FrozenNVFP4Linear` holding the stored bytes; every other tensor is
@@ -578,7 +561,7 @@ def load_nvfp4_base(
                 f"load_nvfp4_base: {m!r}: the model and the checkpoint disagree on having a bias"
             )
         cfg = config if config is not None else getattr(old, "config", None)
-        cfg = cfg if isinstance(cfg, NVFP4BaseConfig) else None
+        cfg = cfg if isinstance(cfg, NVFP4FrozenConfig) else None
         if bias is not None:
             bias = bias.to(device, old.bias.dtype)
         frozen = FrozenNVFP4Linear(w, bias, cfg)

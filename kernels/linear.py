@@ -1,12 +1,13 @@
-"""``NVFP4Linear``: a drop-in ``nn.Linear`` whose forward GEMM runs in NVFP4, and model conversion.
+"""``NVFP4Linear``: a drop-in ``nn.Linear`` whose forward GEMM runs in NVFP4 (models are converted by
+:func:`triage.kernels.convert`).
 
-Forward (both modes)::
+Forward (both backward settings)::
 
-    x_q = quantize(x, input_recipe)          # 1×16 blocks along K, per call
-    W_q = quantize(W, weight_recipe)         # cached until W changes (see below)
+    x_q = quantize(x, activation)            # 1×16 blocks along K, per call
+    W_q = quantize(W, weight)                # cached until W changes (see below)
     y   = gemm(x_q, W_q) + b                 # exact products, fp32 accumulation, one rounding
 
-Backward, ``mode="bf16-backward"`` (straight-through; the fast setting)::
+Backward, ``backward="bf16-backward"`` (straight-through; the fast setting)::
 
     dx = dy · W        dW = dyᵀ · x        db = Σ dy
 
@@ -14,7 +15,7 @@ in the high-precision dtype, on the *unquantized* master weight W and input x. S
 the quantizer's derivative is taken to be the identity: ∂y/∂x ≈ W and ∂y/∂W ≈ x although the forward
 used W_q and x_q. The quantization error is invisible to the gradient.
 
-Backward, ``mode="nvfp4-backward"`` (Transformer-Engine style, also straight-through)::
+Backward, ``backward="nvfp4-backward"`` (Transformer-Engine style, also straight-through)::
 
     dx = gemm(Q_sr(dy), W_qᵀ)                          # dgrad: dy 1×16 along N, stochastic rounding
     dW = gemm(Q_sr,H(dyᵀ), Q_H(xᵀ))                    # wgrad: both operands 1×16 along the tokens M,
@@ -24,11 +25,11 @@ Backward, ``mode="nvfp4-backward"`` (Transformer-Engine style, also straight-thr
 (the wgrad operands dyᵀ, xᵀ are quantized straight from the row-major dy, x by
 :func:`~triage.kernels.nvfp4.quantize_columns.quantize_columnwise`: no transposed copy, same bytes)
 
-W_qᵀ reuses the forward quantization: with 16×16 weight blocks (``weight_recipe.block="16x16"``) the
+W_qᵀ reuses the forward quantization: with 16×16 weight blocks (``weight.block="16x16"``) the
 per-tile scale is the same for W and Wᵀ, so W_qᵀ is W_q's codes and scales transposed (no second
 quantization, bit-identical to quantizing Wᵀ). H is orthogonal and applied to both wgrad operands along
 the contraction dim, so H·Hᵀ = I cancels inside the product; it spreads outliers before quantizing.
-Stochastic rounding keeps the gradient estimator unbiased; its seed is ``grad_recipe.seed`` plus a per-
+Stochastic rounding keeps the gradient estimator unbiased; its seed is ``grad.seed`` plus a per-
 module call counter (deterministic run to run, different every step).
 
 Forward GEMM: for more than ``SMALL_M`` rows the activation quantizer also writes the exact bf16 ``q·s``
@@ -76,21 +77,18 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from triage.kernels.nvfp4.format import pack_nibbles, unpack_nibbles
 from triage.kernels.nvfp4.recipe import QuantRecipe
 from triage.kernels.nvfp4.tensor import NVFP4Tensor
-from triage.kernels.skip import DEFAULT_SKIP, skip_patterns, skipped
 
 __all__ = [
-    "MODES",
+    "BACKWARD_MODES",
     "NVFP4Linear",
     "NVFP4LinearConfig",
-    "convert_from_nvfp4",
-    "convert_to_nvfp4",
     "invalidate_weight_caches",
     "nan_if_nonfinite",
     "transpose_16x16",
     "weight_key",
 ]
 
-MODES = ("bf16-backward", "nvfp4-backward")
+BACKWARD_MODES = ("bf16-backward", "nvfp4-backward")
 
 #: The weight generation (module docstring): bumped after every optimizer step and by
 #: :func:`invalidate_weight_caches`; part of every quantized-weight cache key.
@@ -137,48 +135,50 @@ def nan_if_nonfinite(q: NVFP4Tensor, source: torch.Tensor) -> NVFP4Tensor:
 
 @dataclass(frozen=True)
 class NVFP4LinearConfig:
-    """Recipes and backward mode of :class:`NVFP4Linear` (defaults: Transformer Engine's NVFP4 recipe).
+    """How an :class:`NVFP4Linear` quantizes and differentiates (defaults: Transformer Engine's NVFP4 recipe).
 
     Attributes:
-        input_recipe: activations x (forward), 1×16 blocks along K.
-        weight_recipe: weights W; 16×16 blocks so that ``nvfp4-backward`` can reuse W_q for Wᵀ.
-        grad_recipe: output gradients dy in ``nvfp4-backward`` (1×16, stochastic rounding).
-        wgrad_recipe: both wgrad operands (dyᵀ, xᵀ) in ``nvfp4-backward``: Hadamard + 1×16 along tokens,
+        activation: activations x (forward), 1×16 blocks along K.
+        weight: weights W; 16×16 blocks so that ``nvfp4-backward`` can reuse W_q for Wᵀ.
+        grad: output gradients dy in ``nvfp4-backward`` (1×16, stochastic rounding).
+        wgrad: both wgrad operands (dyᵀ, xᵀ) in ``nvfp4-backward``: Hadamard + 1×16 along tokens,
             ``pad=True`` so any token count works (zero padding contributes nothing to dyᵀ·x).
-        mode: ``"bf16-backward"`` or ``"nvfp4-backward"`` (see the module docstring).
+        backward: ``"bf16-backward"`` or ``"nvfp4-backward"`` (see the module docstring).
         gemm_backend / quant_backend: passed to :func:`~triage.kernels.nvfp4.gemm` and
             :func:`~triage.kernels.nvfp4.quantize` (``"auto"`` picks by device).
     """
 
-    input_recipe: QuantRecipe = field(default_factory=QuantRecipe)
-    weight_recipe: QuantRecipe = field(default_factory=lambda: QuantRecipe(block="16x16"))
-    grad_recipe: QuantRecipe = field(default_factory=lambda: QuantRecipe(rounding="stochastic"))
-    wgrad_recipe: QuantRecipe = field(
+    activation: QuantRecipe = field(default_factory=QuantRecipe)
+    weight: QuantRecipe = field(default_factory=lambda: QuantRecipe(block="16x16"))
+    grad: QuantRecipe = field(default_factory=lambda: QuantRecipe(rounding="stochastic"))
+    wgrad: QuantRecipe = field(
         default_factory=lambda: QuantRecipe(rounding="stochastic", hadamard=True, pad=True)
     )
-    mode: str = "bf16-backward"
+    backward: str = "bf16-backward"
     gemm_backend: str = "auto"
     quant_backend: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"NVFP4LinearConfig.mode must be one of {MODES}, got {self.mode!r}")
-        for name in ("input_recipe", "weight_recipe", "grad_recipe", "wgrad_recipe"):
+        if self.backward not in BACKWARD_MODES:
+            raise ValueError(
+                f"NVFP4LinearConfig.backward must be one of {BACKWARD_MODES}, got {self.backward!r}"
+            )
+        for name in ("activation", "weight", "grad", "wgrad"):
             r = getattr(self, name)
             if not isinstance(r, QuantRecipe):
                 raise TypeError(f"NVFP4LinearConfig.{name} must be a QuantRecipe, got {type(r).__name__}")
             if r.scale == "expert":
                 raise ValueError(f"NVFP4LinearConfig.{name}: per-expert scales belong to the MoE layer")
-        if self.input_recipe.hadamard or self.weight_recipe.hadamard:
+        if self.activation.hadamard or self.weight.hadamard:
             raise ValueError("NVFP4LinearConfig: the forward operands cannot use the Hadamard transform")
-        if self.mode == "nvfp4-backward":
-            if self.weight_recipe.block != "16x16":
+        if self.backward == "nvfp4-backward":
+            if self.weight.block != "16x16":
                 raise ValueError(
-                    "NVFP4LinearConfig: mode='nvfp4-backward' reuses W_q for Wᵀ, which needs "
-                    f"weight_recipe.block='16x16' (got {self.weight_recipe.block!r})"
+                    "NVFP4LinearConfig: backward='nvfp4-backward' reuses W_q for Wᵀ, which needs "
+                    f"weight.block='16x16' (got {self.weight.block!r})"
                 )
-            if self.grad_recipe.hadamard:
-                raise ValueError("NVFP4LinearConfig.grad_recipe (dgrad dy) cannot use Hadamard: W_qᵀ did not")
+            if self.grad.hadamard:
+                raise ValueError("NVFP4LinearConfig.grad (dgrad dy) cannot use Hadamard: W_qᵀ did not")
 
 
 def _quantize(
@@ -238,14 +238,14 @@ class _WeightCache:
         self.misses = 0
 
     def get(self, weight: torch.Tensor, config: NVFP4LinearConfig) -> _WeightCache:
-        key = (*weight_key(weight), config.weight_recipe)
+        key = (*weight_key(weight), config.weight)
         if key == self.key:
             self.hits += 1
             return self
         self.misses += 1
         uses_expanded = _uses_expanded_weight(config, weight.device)
         with torch.no_grad():  # the exact q·s written in the same pass when the large-M GEMMs want it
-            q = _quantize(weight.detach(), config.weight_recipe, config.quant_backend, expanded=uses_expanded)
+            q = _quantize(weight.detach(), config.weight, config.quant_backend, expanded=uses_expanded)
         self.quantized = q
         self.expanded = None
         self.scale_host = None
@@ -254,7 +254,7 @@ class _WeightCache:
             from triage.kernels.nvfp4.matmul import expand
 
             self.expanded = expand(q)  # returns q.expanded (no extra pass) when the quantizer wrote it
-        if config.mode == "nvfp4-backward":
+        if config.backward == "nvfp4-backward":
             self.transposed = transpose_16x16(q)
         self.key = key
         # keeps the keyed storage alive, so its address (in the key) cannot be reused by a new weight while
@@ -300,7 +300,7 @@ class _NVFP4LinearFn(torch.autograd.Function):
         K = x.shape[-1]
         x2 = x.reshape(-1, K)
         large = _large_m(config, x2.shape[0], x.device)
-        xq = _quantize(x2, config.input_recipe, config.quant_backend, expanded=large)  # q·s in the same pass
+        xq = _quantize(x2, config.activation, config.quant_backend, expanded=large)  # q·s in the same pass
         y = gemm(
             xq,
             cache.quantized,
@@ -326,7 +326,7 @@ class _NVFP4LinearFn(torch.autograd.Function):
         dy2 = dy.reshape(-1, N)
         x2 = x.reshape(-1, K)
         dx = dw = db = None
-        if config.mode == "bf16-backward":
+        if config.backward == "bf16-backward":
             if ctx.needs_input_grad[0]:
                 dx = (dy2 @ weight.to(dy2.dtype)).to(x.dtype)
             if ctx.needs_input_grad[1]:
@@ -335,14 +335,14 @@ class _NVFP4LinearFn(torch.autograd.Function):
             from triage.kernels.nvfp4.matmul import gemm
 
             ctx.counter[0] += 1
-            seed = (config.grad_recipe.seed + 2 * ctx.counter[0]) % 2**32
+            seed = (config.grad.seed + 2 * ctx.counter[0]) % 2**32
             if ctx.needs_input_grad[0]:
-                dyq = _quantize(dy2, config.grad_recipe, config.quant_backend, seed=seed)
+                dyq = _quantize(dy2, config.grad, config.quant_backend, seed=seed)
                 dx = gemm(dyq, ctx.weight_t, out_dtype=x.dtype, backend=config.gemm_backend)
             if ctx.needs_input_grad[1]:
                 # dy2ᵀ, x2ᵀ quantized straight from the row-major dy2, x2 (no transposed copy; same bytes)
-                dyt = _quantize_t(dy2, config.wgrad_recipe, config.quant_backend, seed=(seed + 1) % 2**32)
-                xt = _quantize_t(x2, replace(config.wgrad_recipe, rounding="nearest"), config.quant_backend)
+                dyt = _quantize_t(dy2, config.wgrad, config.quant_backend, seed=(seed + 1) % 2**32)
+                xt = _quantize_t(x2, replace(config.wgrad, rounding="nearest"), config.quant_backend)
                 dw = gemm(dyt, xt, out_dtype=torch.float32, backend=config.gemm_backend).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.float().sum(0).to(ctx.bias_dtype)
@@ -421,65 +421,16 @@ class NVFP4Linear(nn.Linear):
         return _NVFP4LinearFn.apply(x, self.weight, self.bias, self.config, cache, self._grad_calls)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, mode={self.config.mode!r}"
+        return f"{super().extra_repr()}, backward={self.config.backward!r}"
 
 
 def _check_features(k: int, n: int, config: NVFP4LinearConfig, what: str) -> None:
-    if k % 16 and not (config.input_recipe.pad and config.weight_recipe.pad):
+    if k % 16 and not (config.activation.pad and config.weight.pad):
         raise ValueError(
             f"{what}: in_features={k} is not a multiple of 16; use recipes with pad=True or skip this layer"
         )
-    if config.mode == "nvfp4-backward" and (k % 16 or n % 16):
+    if config.backward == "nvfp4-backward" and (k % 16 or n % 16):
         raise ValueError(
-            f"{what}: mode='nvfp4-backward' needs in_features and out_features multiples of 16 "
+            f"{what}: backward='nvfp4-backward' needs in_features and out_features multiples of 16 "
             f"(16×16 weight tiles), got ({k}, {n})"
         )
-
-
-def convert_to_nvfp4(
-    model: nn.Module,
-    recipe: QuantRecipe | NVFP4LinearConfig | None = None,
-    *,
-    skip=DEFAULT_SKIP,
-) -> nn.Module:
-    """Replace every ``nn.Linear`` of ``model`` (in place) by an :class:`NVFP4Linear` sharing its weights.
-
-    ``recipe``: an :class:`NVFP4LinearConfig`, or a ``QuantRecipe`` used for both activations and weights
-    (other fields default), or None (TE defaults). ``skip``: fnmatch patterns on qualified module names
-    that stay high precision (a pattern string or a tuple of them; default
-    :data:`~triage.kernels.skip.DEFAULT_SKIP`, the list the checkpoint export skips: lm_head, embeddings,
-    norms, MoE routers, score/classifier heads). Tied weights stay tied (parameters are
-    shared, not copied). Returns the model. Raises ``ValueError`` naming the layer if a non-skipped layer's
-    shape does not fit the recipe.
-    """
-    if isinstance(recipe, QuantRecipe):
-        config = NVFP4LinearConfig(input_recipe=recipe, weight_recipe=recipe)
-    elif recipe is None or isinstance(recipe, NVFP4LinearConfig):
-        config = recipe or NVFP4LinearConfig()
-    else:
-        raise TypeError(
-            f"recipe must be a QuantRecipe, an NVFP4LinearConfig or None, got {type(recipe).__name__}"
-        )
-    skip = skip_patterns(skip)
-    targets = [
-        (name, m)
-        for name, m in model.named_modules()
-        if type(m) is nn.Linear and name and not skipped(name, skip)
-    ]
-    for name, m in targets:
-        try:
-            new = NVFP4Linear.from_linear(m, config)
-        except ValueError as e:
-            raise ValueError(f"convert_to_nvfp4: layer {name!r}: {e} (add it to skip=)") from None
-        model.set_submodule(name, new)
-    return model
-
-
-def convert_from_nvfp4(model: nn.Module) -> nn.Module:
-    """Inverse of :func:`convert_to_nvfp4`: every ``NVFP4Linear`` back to ``nn.Linear`` (same parameters)."""
-    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, NVFP4Linear)]
-    for name, m in targets:
-        if not name:
-            raise ValueError("convert_from_nvfp4: the model itself is an NVFP4Linear; call .to_linear()")
-        model.set_submodule(name, m.to_linear())
-    return model

@@ -1,11 +1,11 @@
 """Which modules stay in high precision: one list and one matcher for conversion and export.
 
-:func:`~triage.kernels.convert_to_nvfp4` (the learner's ``NVFP4Linear`` layers),
-:func:`~triage.kernels.freeze_nvfp4_base` (``quantize_linear=True``) and
-:func:`~triage.kernels.nvfp4.export_nvfp4_checkpoint` (the sampler's checkpoint) all skip the modules whose
-qualified name matches one of the ``skip`` fnmatch patterns, default :data:`DEFAULT_SKIP`. One list for
-both sides because a learner matches a sampler only if both quantize the same layers: an engine computes
-in NVFP4 exactly the layers its checkpoint quantizes, so the learner converts what the export quantizes.
+:func:`~triage.kernels.convert` (``NVFP4Config.skip``: the learner's NVFP4 and frozen layers, the
+experts) and :func:`~triage.kernels.nvfp4.export_nvfp4_checkpoint` (the sampler's checkpoint) both skip the
+modules whose qualified name matches one of the ``skip`` fnmatch patterns, default :data:`DEFAULT_SKIP`. One
+list for both sides because a learner matches a sampler only if both quantize the same layers: an engine
+computes in NVFP4 exactly the layers its checkpoint quantizes, so the learner converts what the export
+quantizes.
 
 :data:`DEFAULT_SKIP` is the union of what either side must keep in high precision:
 

@@ -152,10 +152,14 @@ class TriageGRPOConfig(GRPOConfig):
         icepop_high, seq_mis_low, seq_mis_high, seq_mis_level, opsm_threshold.
 
     Trainer fields:
-        learner_precision: ``"bf16"`` (the model as loaded) or ``"nvfp4"`` (Linear layers converted with
-            ``triage.kernels.convert_to_nvfp4`` and ``quant_recipe``).
-        quant_recipe: the learner's ``QuantRecipe`` fields as a mapping (JSON string on the CLI); ``None``: the
-            Transformer Engine defaults of ``NVFP4LinearConfig``. ``"nvfp4"`` only.
+        learner_precision: ``"bf16"`` (the model as loaded) or ``"nvfp4"`` (Linear layers and fused MoE experts
+            converted with ``triage.kernels.convert(model, NVFP4Config.from_recipe(quant_recipe))``).
+        quant_recipe: the learner's ``QuantRecipe`` fields as a mapping (JSON string on the CLI): the activation
+            and weight recipe of every NVFP4 layer; ``None``: the Transformer Engine defaults of
+            ``NVFP4LinearConfig`` / ``NVFP4MoEConfig``. ``"nvfp4"`` only.
+        lora_base_mode: with ``peft_config`` and ``"nvfp4"``, the frozen base's ``NVFP4FrozenConfig.compute``
+            (``"w4a4"``, activations quantized with ``quant_recipe`` too, or ``"w4a16"``):
+            ``NVFP4Config.from_recipe(quant_recipe, frozen=lora_base_mode)``.
         sampler: where completions and sampler log-probs come from when no ``rollout_func`` is passed — a
             ``triage.trainers.sampling`` source: ``"hf"``, ``"sglang"``, ``"vllm-server"``, ``"offline"``; or
             ``None``, resolved at construction by :func:`resolve_sampler`: ``"hf"`` (the built-in sampler on

@@ -132,7 +132,8 @@ def resolve_sampler_kwargs(kind: str, kwargs: dict | None) -> dict:
     * ``dtype`` by name (``"bfloat16"``) becomes a torch dtype.
     * For ``kind="hf"``, the sampler-numerics keys of the recipes (docs/experiments.md) become an
       ``HFSampler`` copy: ``precision: bf16`` (a bf16 copy) or ``precision: nvfp4`` with ``quant_recipe``
-      (``QuantRecipe`` fields; the copy is converted with ``triage.kernels.convert_to_nvfp4``);
+      (``QuantRecipe`` fields; the copy is converted with ``triage.kernels.convert`` and
+      ``NVFP4Config.from_recipe``);
       ``kv_cache_dtype`` (``auto``/``native``/``bf16``/``fp8_e4m3``) goes to ``HFSampler`` (an emulated fp8 cache,
       see ``triage.trainers.sampling.hf``).
     * TRL's patched ``forward`` on the learner never leaks into an HF sampler copy: ``HFSampler`` drops
@@ -165,8 +166,10 @@ def resolve_sampler_kwargs(kind: str, kwargs: dict | None) -> dict:
         kwargs.setdefault("dtype", torch.bfloat16)
     if precision == "nvfp4":
         # the sampler's own recipe (the HF sampler first turns an NVFP4 learner's copy back to high precision)
-        recipe = _quant_recipe(quant_recipe)
-        steps.append(lambda m: _to_nvfp4(m, recipe))
+        from triage.kernels import NVFP4Config, convert
+
+        config = NVFP4Config.from_recipe(_quant_recipe(quant_recipe))
+        steps.append(lambda m: convert(m, config))
     if user_prepare is not None:
         steps.append(user_prepare)
     if steps:
@@ -178,24 +181,6 @@ def resolve_sampler_kwargs(kind: str, kwargs: dict | None) -> dict:
 
         kwargs["prepare_model"] = prepare_model
     return kwargs
-
-
-def _to_nvfp4(model, recipe):
-    """``convert_to_nvfp4`` (Linear layers) and ``convert_moe_experts`` (fused MoE experts; weights with one
-    outer scale per expert) with one recipe, in place."""
-    import dataclasses
-
-    from triage.kernels import convert_moe_experts, convert_to_nvfp4
-    from triage.kernels.moe.experts import MoEQuantConfig
-
-    convert_to_nvfp4(model, recipe)
-    moe = (
-        MoEQuantConfig()
-        if recipe is None
-        else MoEQuantConfig(activation=recipe, weight=dataclasses.replace(recipe, scale="expert"))
-    )
-    convert_moe_experts(model, moe)
-    return model
 
 
 def _quant_recipe(value):
@@ -270,17 +255,15 @@ class TriageGRPOTrainer(GRPOTrainer):
         lora_on_nvfp4 = kwargs.get("peft_config") is not None and args.learner_precision == "nvfp4"
         if lora_on_nvfp4:
             # QeRL setting: frozen NVFP4 base (quantized bytes only) + PEFT LoRA adapters (docs/trainer.md).
-            from triage.kernels.frozen_linear import NVFP4BaseConfig
-            from triage.kernels.nvfp4.recipe import QuantRecipe
+            from triage.kernels import NVFP4Config
             from triage.trainers.peft_nvfp4 import nvfp4_lora_model
 
-            recipe = _quant_recipe(args.quant_recipe)
+            # the activation recipe of a w4a4 base is quant_recipe too (as for the NVFP4 learner)
+            config = NVFP4Config.from_recipe(_quant_recipe(args.quant_recipe), frozen=args.lora_base_mode)
             model, kwargs["peft_config"] = nvfp4_lora_model(
                 model,
                 kwargs["peft_config"],
-                quant_recipe=recipe,
-                # the activation recipe of a w4a4 base is quant_recipe too (as for convert_to_nvfp4)
-                base_config=NVFP4BaseConfig(mode=args.lora_base_mode, input_recipe=recipe or QuantRecipe()),
+                config,
                 model_init_kwargs=args.model_init_kwargs if isinstance(model, str) else None,
             )
         if args.use_vllm and not isinstance(model, str):
@@ -415,21 +398,19 @@ class TriageGRPOTrainer(GRPOTrainer):
     # --- NVFP4 learner -------------------------------------------------------------------------------------
 
     def _convert_learner_to_nvfp4(self, quant_recipe) -> None:
-        """Replace the learner's Linear layers and fused MoE experts by NVFP4 ones in place (``convert_to_nvfp4``,
-        ``convert_moe_experts``)."""
+        """Replace the learner's Linear layers and fused MoE experts by NVFP4 ones in place
+        (``triage.kernels.convert`` with ``NVFP4Config.from_recipe(quant_recipe)``; the layers share the
+        learner's parameters, which the optimizer holds)."""
         try:
-            import triage.kernels.linear  # noqa: F401  (the NVFP4 layers; a clear error if they do not import)
+            from triage.kernels.conversion import NVFP4Config, convert
         except ImportError as err:
             raise ImportError(
-                "learner_precision='nvfp4' needs triage.kernels.convert_to_nvfp4 (kernels/linear.py), which is "
+                "learner_precision='nvfp4' needs triage.kernels.convert (kernels/conversion.py), which is "
                 f"not available in this install: {err}"
             ) from err
-        model = self.accelerator.unwrap_model(self.model)
-        converted = _to_nvfp4(model, _quant_recipe(quant_recipe))  # Linear layers and fused MoE experts
-        if converted is not model:
-            raise RuntimeError(
-                "convert_to_nvfp4 must convert the learner in place (the optimizer holds its params)"
-            )
+        convert(
+            self.accelerator.unwrap_model(self.model), NVFP4Config.from_recipe(_quant_recipe(quant_recipe))
+        )
 
     # --- the loss ------------------------------------------------------------------------------------------
 

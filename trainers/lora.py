@@ -3,8 +3,8 @@
 ::
 
     model = AutoModelForCausalLM.from_pretrained(...)
-    convert_to_nvfp4(model, recipe)                      # NVFP4Linear layers (master weights)
-    model, peft_config = nvfp4_lora(model, LoraConfig(r=32, target_modules="all-linear"))
+    base = NVFP4Config.from_recipe(recipe, frozen="w4a4")  # Linear layers → frozen NVFP4 (no master weights)
+    model, peft_config = nvfp4_lora(model, LoraConfig(r=32, target_modules="all-linear"), base)
     trainer = TriageGRPOTrainer(model=model, peft_config=peft_config, args=..., callbacks=[AQNCallback(AQNConfig())])
     ...
     save_nvfp4_lora(trainer.model, "out/")               # PEFT adapter files + the base as an NVFP4 checkpoint

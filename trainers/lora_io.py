@@ -20,7 +20,7 @@ from peft.tuners.lora.layer import LoraLayer
 from peft.utils import ModulesToSaveWrapper
 from torch import nn
 
-from triage.kernels.frozen_linear import FrozenNVFP4Linear, NVFP4BaseConfig, load_nvfp4_base
+from triage.kernels.frozen_linear import FrozenNVFP4Linear, NVFP4FrozenConfig, load_nvfp4_base
 from triage.kernels.nvfp4.export import model_config, write_nvfp4_checkpoint
 from triage.kernels.nvfp4.recipe import QuantRecipe
 
@@ -31,8 +31,8 @@ __all__ = ["BASE_SUBDIR", "base_state", "load_nvfp4_lora", "merged_state_dict", 
 
 #: Where :func:`save_nvfp4_lora` writes the NVFP4 base checkpoint, inside the adapter directory.
 BASE_SUBDIR = "nvfp4_base"
-#: The frozen base's compute settings (mode, activation recipe), saved beside the base so that
-#: :func:`load_nvfp4_lora` rebuilds the same numerics without being told.
+#: The frozen base's ``NVFP4FrozenConfig`` (compute, activation recipe, cache_expanded), saved beside the base
+#: so that :func:`load_nvfp4_lora` rebuilds the same numerics without being told.
 BASE_CONFIG_FILE = "triage_base_config.json"
 
 
@@ -190,7 +190,7 @@ def save_nvfp4_lora(
         write_nvfp4_checkpoint(out / BASE_SUBDIR, quantized, tensors, layout=layout, config=config)
         frozen = next((m for m in base.modules() if isinstance(m, FrozenNVFP4Linear)), None)
         if frozen is not None:
-            _write_base_config(out / BASE_SUBDIR / BASE_CONFIG_FILE, frozen.config)
+            _write_frozen_config(out / BASE_SUBDIR / BASE_CONFIG_FILE, frozen.config)
     generation = getattr(base, "generation_config", None)
     if generation is not None and hasattr(generation, "save_pretrained"):
         generation.save_pretrained(out)
@@ -202,42 +202,55 @@ def save_nvfp4_lora(
 def load_nvfp4_lora(
     model: nn.Module,
     path,
-    base_config: NVFP4BaseConfig | None = None,
+    config: NVFP4FrozenConfig | None = None,
     *,
     is_trainable: bool = False,
     adapter_name: str = "default",
 ) -> PeftModel:
     """Inverse of :func:`save_nvfp4_lora` (unmerged): load ``path/nvfp4_base`` into ``model`` (a skeleton of
     the architecture, e.g. ``AutoModelForCausalLM.from_config``) as frozen NVFP4 layers, then the PEFT
-    adapters. Returns the ``PeftModel``. ``base_config`` defaults to the one saved with the base (mode and
-    activation recipe; Triton/torch backends stay "auto"), else ``NVFP4BaseConfig()``."""
+    adapters. Returns the ``PeftModel``. ``config`` (the frozen layers' ``NVFP4FrozenConfig``) defaults to the
+    one saved with the base (compute, activation recipe, cache_expanded; backends stay "auto"), else
+    ``NVFP4FrozenConfig()``."""
     path = Path(path)
     if not (path / BASE_SUBDIR).is_dir():
         raise FileNotFoundError(f"{path}: no {BASE_SUBDIR}/ (not written by save_nvfp4_lora(merged=False))")
     saved = path / BASE_SUBDIR / BASE_CONFIG_FILE
-    if base_config is None and saved.is_file():
-        base_config = _read_base_config(saved)
-    load_nvfp4_base(model, path / BASE_SUBDIR, base_config)
-    config = LoraConfig.from_pretrained(str(path))
-    config._register_custom_module({FrozenNVFP4Linear: NVFP4LoraLinear})
+    if config is None and saved.is_file():
+        config = _read_frozen_config(saved)
+    load_nvfp4_base(model, path / BASE_SUBDIR, config)
+    lora_config = LoraConfig.from_pretrained(str(path))
+    lora_config._register_custom_module({FrozenNVFP4Linear: NVFP4LoraLinear})
     return PeftModel.from_pretrained(
-        model, str(path), adapter_name=adapter_name, is_trainable=is_trainable, config=config
+        model, str(path), adapter_name=adapter_name, is_trainable=is_trainable, config=lora_config
     )
 
 
-def _write_base_config(path: Path, config: NVFP4BaseConfig) -> None:
-    recipe = dataclasses.asdict(config.input_recipe)
-    data = {"mode": config.mode, "input_recipe": recipe, "cache_expanded": config.cache_expanded}
+def _write_frozen_config(path: Path, config: NVFP4FrozenConfig) -> None:
+    data = {
+        "compute": config.compute,
+        "activation": dataclasses.asdict(config.activation),
+        "cache_expanded": config.cache_expanded,
+    }
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 
-def _read_base_config(path: Path) -> NVFP4BaseConfig:
+#: Keys of files written before the configs shared one vocabulary: new key → old key (read, never written).
+_OLD_KEYS = {"compute": "mode", "activation": "input_recipe"}
+
+
+def _read_frozen_config(path: Path) -> NVFP4FrozenConfig:
     data = json.loads(path.read_text())
+    fields = {}
+    for new, old in _OLD_KEYS.items():
+        if new not in data and old not in data:
+            raise ValueError(f"{path}: not a valid NVFP4 frozen-base config (no {new!r})")
+        fields[new] = data[new] if new in data else data[old]
     try:
-        return NVFP4BaseConfig(
-            mode=data["mode"],
-            input_recipe=QuantRecipe(**data["input_recipe"]),
+        return NVFP4FrozenConfig(
+            compute=fields["compute"],
+            activation=QuantRecipe(**fields["activation"]),
             cache_expanded=bool(data.get("cache_expanded", False)),
         )
-    except (KeyError, TypeError, ValueError) as err:
-        raise ValueError(f"{path}: not a valid NVFP4 base config ({err})") from None
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{path}: not a valid NVFP4 frozen-base config ({err})") from None

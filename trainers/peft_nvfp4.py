@@ -1,7 +1,8 @@
 """PEFT's LoRA layer over a frozen NVFP4 base (the QeRL setting), and the calls that set a model up for it.
 
-:func:`nvfp4_lora` freezes every ``NVFP4Linear`` into a :class:`~triage.kernels.frozen_linear.FrozenNVFP4Linear`
-(only the quantized weight is kept: ~0.56 byte per base parameter, no master copy) and registers
+:func:`nvfp4_lora` freezes the base (``triage.kernels.convert`` with ``NVFP4Config.frozen``: every linear layer
+becomes a :class:`~triage.kernels.frozen_linear.FrozenNVFP4Linear`, only the quantized weight is kept: ~0.56
+byte per base parameter, no master copy) and registers
 :class:`NVFP4LoraLinear` as PEFT's LoRA layer for it (``LoraConfig._register_custom_module``), so PEFT's
 ``get_peft_model`` — which TRL's trainer calls when given ``peft_config`` — wraps the frozen layers. The LoRA
 forward is PEFT's own: ``y = base(x) + B·A·dropout(x)·α/r``, the adapters in their own dtype (fp32 by PEFT's
@@ -28,8 +29,9 @@ from peft.tuners.tuners_utils import check_adapters_to_merge
 from peft.utils import ModulesToSaveWrapper
 from torch import nn
 
-from triage.kernels.frozen_linear import FrozenNVFP4Linear, NVFP4BaseConfig, base_nbytes, freeze_nvfp4_base
-from triage.kernels.nvfp4.recipe import QuantRecipe
+from triage.kernels.conversion import NVFP4Config, convert
+from triage.kernels.frozen_linear import FrozenNVFP4Linear, NVFP4FrozenConfig, base_nbytes
+from triage.kernels.linear import NVFP4Linear
 
 __all__ = [
     "NVFP4LoraLinear",
@@ -98,20 +100,16 @@ class NVFP4LoraLinear(PeftLoraLinear):
 
 
 def nvfp4_lora(
-    model: nn.Module,
-    lora_config: LoraConfig,
-    base_config: NVFP4BaseConfig | None = None,
-    *,
-    quantize_linear: bool = False,
-    recipe: QuantRecipe | None = None,
+    model: nn.Module, lora_config: LoraConfig, config: NVFP4Config | None = None
 ) -> tuple[nn.Module, LoraConfig]:
     """Freeze the NVFP4 base of ``model`` and make ``lora_config`` wrap it; returns ``(model, lora_config)``.
 
-    Every ``NVFP4Linear`` (from ``convert_to_nvfp4``) becomes a ``FrozenNVFP4Linear`` holding its ``W_q``
-    only (``base_config``: ``mode="w4a4"`` — the same forward — or ``"w4a16"``, see ``NVFP4BaseConfig``);
-    ``quantize_linear=True`` also quantizes plain ``nn.Linear`` layers (lm_head/embeddings skipped) with
-    ``recipe``. ``lora_config`` (modified in place and returned) gets the custom-module registration; pass
-    both to ``TriageGRPOTrainer(model=model, peft_config=lora_config)`` or ``peft.get_peft_model``.
+    ``config``: an ``NVFP4Config`` with ``frozen`` set, applied with ``triage.kernels.convert`` (e.g.
+    ``NVFP4Config.from_recipe(recipe, frozen="w4a16")``: every ``nn.Linear`` quantized with ``recipe`` and
+    frozen; lm_head/embeddings skipped). None: only the ``NVFP4Linear`` layers are frozen, each holding its
+    ``W_q`` and computing as it did (``NVFP4FrozenConfig.like`` their config, which they must share).
+    ``lora_config`` (modified in place and returned) gets the custom-module registration; pass both to
+    ``TriageGRPOTrainer(model=model, peft_config=lora_config)`` or ``peft.get_peft_model``.
     """
     if not isinstance(lora_config, LoraConfig):
         raise TypeError(f"nvfp4_lora needs a peft.LoraConfig, got {type(lora_config).__name__}")
@@ -126,17 +124,23 @@ def nvfp4_lora(
         )
     if isinstance(model, PeftModel):
         raise ValueError("nvfp4_lora: the model already has adapters; freeze the base before wrapping it")
-    freeze_nvfp4_base(model, base_config, quantize_linear=quantize_linear, recipe=recipe)
+    if config is not None and config.frozen is None:
+        raise ValueError(
+            "nvfp4_lora: config.frozen is None; LoRA trains over a frozen base (NVFP4Config(frozen=...))"
+        )
+    freeze = config if config is not None else _frozen_as_computed(model)
+    if freeze is not None:
+        convert(model, freeze)
     frozen = [n for n, m in model.named_modules() if isinstance(m, FrozenNVFP4Linear)]
     if not frozen:
         raise ValueError(
-            "nvfp4_lora: the model has no NVFP4 layer; convert it first (triage.kernels.convert_to_nvfp4) or "
-            "pass quantize_linear=True"
+            "nvfp4_lora: the model has no NVFP4 layer; convert it first (triage.kernels.convert) or pass a "
+            "config with linear and frozen set (NVFP4Config.from_recipe(recipe, frozen='w4a4'))"
         )
-    if base_config is not None:
+    if config is not None:
         for n, m in model.named_modules():
-            if isinstance(m, FrozenNVFP4Linear) and m.config != base_config:
-                raise ValueError(f"nvfp4_lora: layer {n!r} was frozen earlier with another NVFP4BaseConfig")
+            if isinstance(m, FrozenNVFP4Linear) and m.config != config.frozen:
+                raise ValueError(f"nvfp4_lora: layer {n!r} was frozen earlier with another NVFP4FrozenConfig")
     if isinstance(lora_config.target_modules, str) and lora_config.target_modules == "all-linear":
         # PEFT resolves "all-linear" to nn.Linear modules only; here it means every frozen NVFP4 layer.
         lora_config.target_modules = {n.rsplit(".", 1)[-1] for n in frozen}
@@ -144,21 +148,35 @@ def nvfp4_lora(
     return model, lora_config
 
 
+def _frozen_as_computed(model: nn.Module) -> NVFP4Config | None:
+    """The config freezing the ``NVFP4Linear`` layers of ``model`` as they compute (None: it has none)."""
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, NVFP4Linear)]
+    if not layers:
+        return None
+    first_name, first = layers[0]
+    for name, m in layers:
+        if m.config != first.config:
+            raise ValueError(
+                f"nvfp4_lora: layers {first_name!r} and {name!r} have different NVFP4LinearConfigs; pass "
+                "config=NVFP4Config(linear=None, moe=None, frozen=NVFP4FrozenConfig(...)) to say how the base "
+                "computes"
+            )
+    return NVFP4Config(linear=None, moe=None, frozen=NVFP4FrozenConfig.like(first.config))
+
+
 def nvfp4_lora_model(
     model,
     lora_config: LoraConfig,
+    config: NVFP4Config | None = None,
     *,
-    quant_recipe=None,
-    base_config: NVFP4BaseConfig | None = None,
     model_init_kwargs: dict | None = None,
 ) -> tuple[nn.Module, LoraConfig]:
     """:func:`nvfp4_lora` from a model id/path or a model: load it (``AutoModelForCausalLM.from_pretrained``
-    with ``model_init_kwargs``), convert its Linear layers with ``convert_to_nvfp4(model, quant_recipe)``
-    (a ``QuantRecipe``, an ``NVFP4LinearConfig`` or None)
-    unless it already has NVFP4 layers, then freeze the base and register the LoRA layer. The one call a
-    trainer needs for ``learner_precision="nvfp4"`` + ``peft_config`` (before ``get_peft_model``)."""
-    from triage.kernels import NVFP4Linear, convert_to_nvfp4
-
+    with ``model_init_kwargs``), then freeze its base with ``config`` (default
+    ``NVFP4Config.from_recipe(None, frozen="w4a4")``: Transformer Engine's recipe, W4A4) and register the LoRA
+    layer. A model that already has NVFP4 layers keeps its plain ``nn.Linear`` layers (``config.linear`` is
+    not applied). The one call a trainer needs for ``learner_precision="nvfp4"`` + ``peft_config`` (before
+    ``get_peft_model``)."""
     if isinstance(model, (str, Path)):
         from transformers import AutoModelForCausalLM
 
@@ -167,9 +185,11 @@ def nvfp4_lora_model(
         raise ValueError(
             "nvfp4_lora_model: model_init_kwargs only apply when the model is given by name/path"
         )
-    if not any(isinstance(m, (NVFP4Linear, FrozenNVFP4Linear)) for m in model.modules()):
-        convert_to_nvfp4(model, quant_recipe)
-    return nvfp4_lora(model, lora_config, base_config)
+    if any(isinstance(m, (NVFP4Linear, FrozenNVFP4Linear)) for m in model.modules()):
+        config = None if config is None else replace(config, linear=None)
+    else:
+        config = config or NVFP4Config.from_recipe(None, frozen="w4a4")
+    return nvfp4_lora(model, lora_config, config)
 
 
 def is_adapter_key(key: str) -> bool:

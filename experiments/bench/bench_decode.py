@@ -15,7 +15,7 @@ Shapes (random weights, std 0.02, Qwen3 architecture from :mod:`triage.trainers.
   heads, MLP 1152; the ``testbed`` scale of ``triage ablate`` now trains 4 layers of hidden 448);
 * ``qwen3-4b-width``: Qwen3-4B's layer shape (hidden 2560, MLP 9728, 32 heads of 128, 8 KV heads), 4 layers.
 
-NVFP4 is the sampler copy's W4A4 (:func:`triage.kernels.convert_to_nvfp4`, per-token activation scales,
+NVFP4 is the sampler copy's W4A4 (:func:`triage.kernels.convert`, per-token activation scales,
 compressed-tensors profile), the same conversion ``sampler_kwargs.precision: nvfp4`` applies.
 """
 
@@ -42,14 +42,14 @@ SHAPES = {
 
 
 def build(shape: str, precision: str):
-    from triage.kernels import convert_to_nvfp4
+    from triage.kernels import NVFP4Config, convert
     from triage.kernels.nvfp4.recipe import QuantRecipe
     from triage.trainers.tiny import TinyModelSpec, build_model, build_tokenizer
 
     tok = build_tokenizer()
     model = build_model(tok, TinyModelSpec(**SHAPES[shape]), seed=0).to("cuda", torch.bfloat16).eval()
     if precision == "nvfp4":
-        convert_to_nvfp4(model, QuantRecipe(scale="row", profile="compressed-tensors"))
+        convert(model, NVFP4Config.from_recipe(QuantRecipe(scale="row", profile="compressed-tensors")))
     return model, tok
 
 

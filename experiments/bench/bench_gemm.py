@@ -458,11 +458,11 @@ def linear(quick: bool) -> None:
             ("static activation scale", QuantRecipe(scale_source="static", static_amax=amax)),
             ("per-row activation scale", QuantRecipe(scale="row")),
         ):
-            alt = NVFP4Linear.from_linear(ref, NVFP4LinearConfig(input_recipe=recipe))
+            alt = NVFP4Linear.from_linear(ref, NVFP4LinearConfig(activation=recipe))
             rows.append((f"NVFP4Linear (bf16-backward), {label}", bench(lambda alt=alt: step(alt))))
         # TE-style quantized backward (dgrad on the NVFP4 GEMM, wgrad operands quantized along the tokens by
         # quantize_columnwise with the Hadamard transform and stochastic rounding)
-        te = NVFP4Linear.from_linear(ref, NVFP4LinearConfig(mode="nvfp4-backward"))
+        te = NVFP4Linear.from_linear(ref, NVFP4LinearConfig(backward="nvfp4-backward"))
         rows.append(("NVFP4Linear (nvfp4-backward)", bench(lambda: step(te))))
         with torch.no_grad():
             rows.append(("  forward only: bf16", bench(lambda: ref(x))))
@@ -489,7 +489,7 @@ def nvfp4_backward_check(M: int = 1000, N: int = 384, K: int = 512) -> str:
     dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
     grads = []
     for qb in ("triton", "torch"):
-        layer = NVFP4Linear.from_linear(ref, NVFP4LinearConfig(mode="nvfp4-backward", quant_backend=qb))
+        layer = NVFP4Linear.from_linear(ref, NVFP4LinearConfig(backward="nvfp4-backward", quant_backend=qb))
         xi = x.clone().requires_grad_(True)
         ref.weight.grad = None
         layer(xi).backward(dy)
@@ -508,7 +508,7 @@ def cache_check(quick: bool) -> bool:
 
     from triage.kernels import NVFP4Linear, NVFP4LinearConfig
     from triage.kernels.linear import invalidate_weight_caches
-    from triage.kernels.moe.experts import MoEQuantConfig, NVFP4MoeExperts
+    from triage.kernels.moe.experts import NVFP4MoEConfig, NVFP4MoeExperts
 
     emit("## Weight cache under optimizers (CUDA; output == freshly converted layer, bit for bit)")
     emit("| layer | optimizer | steps equal |")
@@ -542,10 +542,11 @@ def cache_check(quick: bool) -> bool:
             e.down_proj.copy_(m.down_proj)
         return NVFP4MoeExperts(e, m.config)
 
-    for mode in ("bf16-backward", "nvfp4-backward"):
+    for backward in ("bf16-backward", "nvfp4-backward"):
         for name, make in opts.items():
             torch.manual_seed(0)
-            layer = NVFP4Linear(1024, 512, config=NVFP4LinearConfig(mode=mode), device="cuda", dtype=torch.bfloat16)
+            config = NVFP4LinearConfig(backward=backward)
+            layer = NVFP4Linear(1024, 512, config=config, device="cuda", dtype=torch.bfloat16)
             opt = make(layer.parameters())
             x = torch.randn(300, 1024, device="cuda", dtype=torch.bfloat16)  # large-M path (cached expansion)
             xs = x[:8]  # decode path (packed weight)
@@ -558,13 +559,13 @@ def cache_check(quick: bool) -> bool:
                     ref = fresh_linear(layer)
                     equal.append(torch.equal(layer(x), ref(x)) and torch.equal(layer(xs), ref(xs)))
             ok &= all(equal)
-            emit(f"| NVFP4Linear {mode} | {name} | {equal} |")
+            emit(f"| NVFP4Linear {backward} | {name} | {equal} |")
     idx = torch.randint(0, 8, (256, 2), device="cuda")
     w = torch.rand(256, 2, device="cuda", dtype=torch.bfloat16)
     for backward in ("bf16-backward", "nvfp4-backward"):
         for name, make in opts.items():
             torch.manual_seed(0)
-            cfg = MoEQuantConfig(backward=backward, weight=QuantRecipe(scale="expert", block="16x16"))
+            cfg = NVFP4MoEConfig(backward=backward, weight=QuantRecipe(scale="expert", block="16x16"))
             experts = NVFP4MoeExperts(Experts(), cfg)
             opt = make(experts.parameters())
             x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)

@@ -27,7 +27,7 @@ import torch
 import triton
 
 from triage.kernels.moe import grouped_gemm, grouped_gemm_reference, offsets_from_expert_ids
-from triage.kernels.moe.experts import MoEQuantConfig, _WeightCache, grouped_nvfp4_linear, nvfp4_wgrad
+from triage.kernels.moe.experts import NVFP4MoEConfig, _WeightCache, grouped_nvfp4_linear, nvfp4_wgrad
 from triage.kernels.moe.grouped_gemm import (
     expand_experts,
     grouped_mm,
@@ -169,7 +169,7 @@ def main():
 
         def nvfp4_autograd(backend, backward="bf16-backward"):
             recipe = W_RECIPE if backward != "nvfp4-backward" else QuantRecipe(scale="expert", block="16x16")
-            cfg = MoEQuantConfig(backend=backend, backward=backward, weight=recipe)
+            cfg = NVFP4MoEConfig(gemm_backend=backend, backward=backward, weight=recipe)
             return lambda: grouped_nvfp4_linear(x, w, offsets, cfg, None, cache)
 
         impls = [
@@ -201,11 +201,11 @@ def main():
             x.grad = w.grad = None
             log(f"{name:<8s} {label:<26s} {t_f:8.3f} {t_fb} {flops / t_f / 1e9:12.1f}")
         # the nvfp4-backward wgrad alone: whole (layout + 2 quantizations + 1 launch), then the launch alone
-        wcfg = MoEQuantConfig(backward="nvfp4-backward", weight=W16_RECIPE)
+        wcfg = NVFP4MoEConfig(backward="nvfp4-backward", weight=W16_RECIPE)
         padded, dest, length = padded_segments(offsets, rows)
         xd = x.detach()
         for b in ("triton_expanded", "triton"):
-            bcfg = replace(wcfg, backend=b)
+            bcfg = replace(wcfg, gemm_backend=b)
             emit = torch.bfloat16 if b == "triton_expanded" else None
             t_w = triton.testing.do_bench(
                 lambda: nvfp4_wgrad(dy, xd, offsets, bcfg, 1, out_dtype=torch.bfloat16), rep=100

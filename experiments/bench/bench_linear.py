@@ -3,8 +3,8 @@
     python experiments/bench/bench_linear.py [--layers 28] [--batch 8] [--seq 1024] [--steps 10]
 
 One step = forward + backward (mean next-token loss) + AdamW step, bf16 weights. NVFP4 converts every
-decoder Linear with ``convert_to_nvfp4`` (lm_head and embeddings stay bf16), mode bf16-backward (and
-nvfp4-backward with ``--mode nvfp4-backward``). Writes ``$OUT/bench_linear.md`` when OUT is set.
+decoder Linear with ``triage.kernels.convert`` (lm_head and embeddings stay bf16), bf16-backward (and
+nvfp4-backward with ``--backward nvfp4-backward``). Writes ``$OUT/bench_linear.md`` when OUT is set.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def host_profile(model, batch: int, seq: int, steps: int = 3) -> str:
 
 
 def main() -> None:
-    from triage.kernels import NVFP4LinearConfig, convert_to_nvfp4
+    from triage.kernels import NVFP4Config, NVFP4LinearConfig, convert
 
     p = argparse.ArgumentParser()
     p.add_argument("--layers", type=int, default=28)
@@ -101,7 +101,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--mode", default="bf16-backward")
+    p.add_argument("--backward", default="bf16-backward", help="NVFP4LinearConfig.backward")
     p.add_argument("--profile", action="store_true", help="torch.profiler table of one NVFP4 step (top ops)")
     p.add_argument(
         "--cprofile",
@@ -129,9 +129,9 @@ def main() -> None:
     lines.append(f"params: {n / 1e9:.2f}B")
     bf16 = tokens_per_s(model, args.batch, args.seq, args.steps)
     lines.append(f"| BF16 | {bf16:,.0f} tok/s | 1.00 |")
-    convert_to_nvfp4(model, NVFP4LinearConfig(mode=args.mode))
+    convert(model, NVFP4Config(linear=NVFP4LinearConfig(backward=args.backward), moe=None))
     fp4 = tokens_per_s(model, args.batch, args.seq, args.steps)
-    lines.append(f"| NVFP4 ({args.mode}) | {fp4:,.0f} tok/s | {fp4 / bf16:.2f} |")
+    lines.append(f"| NVFP4 ({args.backward}) | {fp4:,.0f} tok/s | {fp4 / bf16:.2f} |")
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
@@ -152,7 +152,7 @@ def main() -> None:
             all_launchers(), False, lambda: tokens_per_s(model, args.batch, args.seq, args.steps)
         )
         lines.append(
-            f"| NVFP4 ({args.mode}), Triton's own launch path | {plain:,.0f} tok/s | {plain / bf16:.2f} |"
+            f"| NVFP4 ({args.backward}), Triton's own launch path | {plain:,.0f} tok/s | {plain / bf16:.2f} |"
         )
     if args.cprofile:
         lines += ["", host_profile(model, args.batch, args.seq)]
@@ -163,7 +163,7 @@ def main() -> None:
         sync = tokens_per_s(model, args.batch, args.seq, args.steps)
         gemm_mod.SYNC_FREE_MAX_FLOP = old
         lines.append(
-            f"| NVFP4 ({args.mode}), cuBLAS alpha + sync per GEMM | {sync:,.0f} tok/s | {sync / bf16:.2f} |"
+            f"| NVFP4 ({args.backward}), cuBLAS alpha + sync per GEMM | {sync:,.0f} tok/s | {sync / bf16:.2f} |"
         )
     print("\n".join(lines))
     if os.environ.get("OUT"):

@@ -45,8 +45,8 @@ except ImportError:  # pragma: no cover
 from peft import LoraConfig, get_peft_model  # noqa: E402
 
 from triage import token_gap  # noqa: E402
-from triage.kernels import NVFP4LinearConfig, convert_to_nvfp4  # noqa: E402
-from triage.kernels.frozen_linear import FrozenNVFP4Linear, NVFP4BaseConfig, base_nbytes  # noqa: E402
+from triage.kernels import NVFP4Config, NVFP4LinearConfig, convert  # noqa: E402
+from triage.kernels.frozen_linear import FrozenNVFP4Linear, NVFP4FrozenConfig, base_nbytes  # noqa: E402
 from triage.kernels.nvfp4 import QuantRecipe  # noqa: E402
 from triage.trainers.peft_nvfp4 import nvfp4_lora  # noqa: E402
 
@@ -80,16 +80,16 @@ def variant(name: str, model, rank: int, *, cache: bool = False, random_adapters
     lora = LoraConfig(r=rank, lora_alpha=rank, target_modules="all-linear")
     row = QuantRecipe(scale="row")
     if name.startswith("full-nvfp4"):
-        return convert_to_nvfp4(model, NVFP4LinearConfig(input_recipe=row) if name.endswith("-row") else None)
+        linear = NVFP4LinearConfig(activation=row) if name.endswith("-row") else NVFP4LinearConfig()
+        return convert(model, NVFP4Config(linear=linear, moe=None))
     if name == "bf16-lora":
         peft_model = get_peft_model(model, lora)
     else:
         mode = "w4a16" if "w4a16" in name else "w4a4"
-        base = NVFP4BaseConfig(
-            mode=mode, cache_expanded=cache, input_recipe=row if name.endswith("-row") else QuantRecipe()
+        base = NVFP4FrozenConfig(
+            compute=mode, cache_expanded=cache, activation=row if name.endswith("-row") else QuantRecipe()
         )
-        convert_to_nvfp4(model)
-        model, lora = nvfp4_lora(model, lora, base)
+        model, lora = nvfp4_lora(model, lora, NVFP4Config(moe=None, frozen=base))
         peft_model = get_peft_model(model, lora)
     if random_adapters:
         g = torch.Generator().manual_seed(1)
@@ -119,9 +119,9 @@ def section_check(lines: list[str], results: dict) -> None:
         w = torch.randn(n, k, device="cuda") * 0.02
         wq = quantize(w, QuantRecipe())
         for mode in ("w4a4", "w4a16"):
-            fast = FrozenNVFP4Linear.from_quantized(wq, None, NVFP4BaseConfig(mode=mode))
+            fast = FrozenNVFP4Linear.from_quantized(wq, None, NVFP4FrozenConfig(compute=mode))
             ref = FrozenNVFP4Linear.from_quantized(
-                wq, None, NVFP4BaseConfig(mode=mode, gemm_backend="reference", quant_backend="torch")
+                wq, None, NVFP4FrozenConfig(compute=mode, gemm_backend="reference", quant_backend="torch")
             )
             for m in (1, 16, 64, 4096):
                 x = (torch.randn(m, k, device="cuda") * 2).bfloat16().requires_grad_(True)

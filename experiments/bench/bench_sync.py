@@ -72,7 +72,8 @@ def _clock(device: torch.device) -> float:
 def build_learner(shape: dict, recipe: dict | None, device: torch.device, seed: int = 0):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from triage.trainers.grpo_trainer import _quant_recipe, _to_nvfp4
+    from triage.kernels import NVFP4Config, convert
+    from triage.trainers.grpo_trainer import _quant_recipe
 
     torch.manual_seed(seed)
     config = Qwen3Config(**shape, bos_token_id=None, eos_token_id=2, pad_token_id=0)
@@ -80,7 +81,7 @@ def build_learner(shape: dict, recipe: dict | None, device: torch.device, seed: 
         model = Qwen3ForCausalLM(config).to(torch.bfloat16)
     model.generation_config.pad_token_id = 0
     if recipe is not None:
-        _to_nvfp4(model, _quant_recipe(recipe))
+        convert(model, NVFP4Config.from_recipe(_quant_recipe(recipe)))
     return model
 
 

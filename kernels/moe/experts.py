@@ -1,9 +1,9 @@
-"""NVFP4 MoE experts for Qwen3-MoE (transformers 5.x) and the conversion that installs them.
+"""NVFP4 MoE experts for Qwen3-MoE (transformers 5.x), installed by :func:`triage.kernels.convert`.
 
 In transformers 5.x, ``Qwen3MoeSparseMoeBlock`` holds a router ``gate`` (``Qwen3MoeTopKRouter``, a plain
 [E, H] parameter) and ``experts`` (``Qwen3MoeExperts``): fused 3-D parameters ``gate_up_proj`` [E, 2I, H]
 and ``down_proj`` [E, H, I], called as ``experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])``.
-:func:`convert_moe_experts` swaps every such experts module for :class:`NVFP4MoeExperts`, which keeps the
+:func:`~triage.kernels.convert` swaps every such experts module for :class:`NVFP4MoeExperts`, which keeps the
 same parameters (same names, same tensors: optimizers and state dicts are unaffected) and computes
 
     rows sorted by expert → NVFP4 grouped GEMM (gate_up) → SiLU(gate)·up → NVFP4 grouped GEMM (down)
@@ -63,56 +63,65 @@ from .grouped_gemm import (
     padded_segments,
 )
 
-BACKWARD_MODES = ("bf16-backward", "dequantized", "nvfp4-backward")
+#: The dense layer's backward settings plus ``"dequantized"`` (module docstring).
+MOE_BACKWARD_MODES = ("bf16-backward", "dequantized", "nvfp4-backward")
 
 
 @dataclass(frozen=True)
-class MoEQuantConfig:
-    """How NVFP4 experts quantize and differentiate.
+class NVFP4MoEConfig:
+    """How :class:`NVFP4MoeExperts` quantize and differentiate (the fields of
+    :class:`~triage.kernels.NVFP4LinearConfig`, plus ``validate``).
 
     Attributes:
         activation: recipe of the expert inputs (per-tensor dynamic amax by default).
         weight: recipe of the expert weights (``scale="expert"``: one outer scale per expert).
-        backward: ``"bf16-backward"`` (master operands), ``"dequantized"`` (the forward's NVFP4 operands) or
-            ``"nvfp4-backward"`` (quantized dgrad and wgrad; needs ``weight.block="16x16"``).
         grad: recipe of ``dy`` for the nvfp4-backward dgrad (1×16, stochastic).
         wgrad: recipe of both wgrad operands (``dyᵀ``, ``xᵀ``) in nvfp4-backward: Hadamard, 1×16 along
             tokens, each expert's segment padded to 16; ``xᵀ`` always rounds to nearest (as the dense
             layer). Each operand is quantized once for all experts, so its outer scale (``scale="tensor"``:
             one amax; ``"row"``: one per row) spans every expert's tokens, not one expert's.
-        backend: grouped-GEMM backend (see :func:`~triage.kernels.moe.grouped_gemm.grouped_gemm`).
+        backward: ``"bf16-backward"`` (master operands), ``"dequantized"`` (the forward's NVFP4 operands) or
+            ``"nvfp4-backward"`` (quantized dgrad and wgrad; needs ``weight.block="16x16"``).
+        gemm_backend: grouped-GEMM backend (see :func:`~triage.kernels.moe.grouped_gemm.grouped_gemm`).
+        quant_backend: passed to :func:`~triage.kernels.nvfp4.quantize` (``"auto"``: Triton on CUDA, the
+            byte-identical torch reference elsewhere).
         validate: check expert ids (one host sync per layer call); :func:`grouped_nvfp4_linear` checks its
             ``offsets`` and ``gather`` instead.
     """
 
     activation: QuantRecipe = field(default_factory=QuantRecipe)
     weight: QuantRecipe = field(default_factory=lambda: QuantRecipe(scale="expert"))
-    backward: str = "bf16-backward"
     grad: QuantRecipe = field(default_factory=lambda: QuantRecipe(rounding="stochastic"))
     wgrad: QuantRecipe = field(
         default_factory=lambda: QuantRecipe(rounding="stochastic", hadamard=True, pad=True)
     )
-    backend: str = "auto"
+    backward: str = "bf16-backward"
+    gemm_backend: str = "auto"
+    quant_backend: str = "auto"
     validate: bool = True
 
     def __post_init__(self) -> None:
-        if self.backward not in BACKWARD_MODES:
+        if self.backward not in MOE_BACKWARD_MODES:
             raise ValueError(
-                f"MoEQuantConfig.backward must be one of {BACKWARD_MODES}, got {self.backward!r}"
+                f"NVFP4MoEConfig.backward must be one of {MOE_BACKWARD_MODES}, got {self.backward!r}"
             )
+        for name in ("activation", "weight", "grad", "wgrad"):
+            r = getattr(self, name)
+            if not isinstance(r, QuantRecipe):
+                raise TypeError(f"NVFP4MoEConfig.{name} must be a QuantRecipe, got {type(r).__name__}")
         if self.weight.scale == "row" and self.weight.block == "16x16":
-            raise ValueError("MoEQuantConfig.weight: 16x16 blocks cannot have per-row scales")
+            raise ValueError("NVFP4MoEConfig.weight: 16x16 blocks cannot have per-row scales")
         if self.backward == "nvfp4-backward":
             if self.weight.block != "16x16" or self.weight.scale not in ("expert", "tensor", "none"):
                 raise ValueError(
-                    "MoEQuantConfig: backward='nvfp4-backward' reuses each expert's W_q for W_eᵀ, which needs "
+                    "NVFP4MoEConfig: backward='nvfp4-backward' reuses each expert's W_q for W_eᵀ, which needs "
                     "weight=QuantRecipe(scale='expert', block='16x16') (got "
                     f"block={self.weight.block!r}, scale={self.weight.scale!r})"
                 )
             if self.grad.hadamard:
-                raise ValueError("MoEQuantConfig.grad (dgrad dy) cannot use Hadamard: W_qᵀ did not")
+                raise ValueError("NVFP4MoEConfig.grad (dgrad dy) cannot use Hadamard: W_qᵀ did not")
             if self.grad.scale == "expert" or self.wgrad.scale == "expert":
-                raise ValueError("MoEQuantConfig.grad/wgrad: per-expert outer scales do not apply to dy or x")
+                raise ValueError("NVFP4MoEConfig.grad/wgrad: per-expert outer scales do not apply to dy or x")
 
 
 def _gather_rows(t: NVFP4Tensor, idx: torch.Tensor | None) -> NVFP4Tensor:
@@ -159,11 +168,13 @@ class _WeightCache:
         self.source: torch.Tensor | None = None
         self.entry: _QuantizedWeight | None = None
 
-    def get(self, weight: torch.Tensor, recipe: QuantRecipe, expanded: bool) -> _QuantizedWeight:
+    def get(
+        self, weight: torch.Tensor, recipe: QuantRecipe, expanded: bool, backend: str
+    ) -> _QuantizedWeight:
         key = (*weight_key(weight), recipe, expanded)
         if key != self.key:
             w = weight.detach()
-            wq = nan_if_nonfinite(quantize(w, recipe, backend=_qbackend(weight)), w)
+            wq = nan_if_nonfinite(quantize(w, recipe, backend=backend), w)
             self.entry = _QuantizedWeight(wq, expand_experts(wq, torch.bfloat16) if expanded else None)
             self.key = key
             # keeps the keyed storage alive, so its address (in the key) cannot be reused by a new weight
@@ -178,21 +189,21 @@ class _GroupedNVFP4Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, gather, offsets, cfg, cache):
-        triton_expanded = cfg.backend == "triton_expanded" or (
-            cfg.backend == "auto" and _auto_backend(x) == "triton_expanded"
+        triton_expanded = cfg.gemm_backend == "triton_expanded" or (
+            cfg.gemm_backend == "auto" and _auto_backend(x) == "triton_expanded"
         )
         # tokens quantized once (before the top-k gather); their exact q·s written in the same pass
         xd = x.detach()
         emit = torch.bfloat16 if triton_expanded else None
-        xq = nan_if_nonfinite(quantize(xd, cfg.activation, backend=_qbackend(x), emit_expanded=emit), xd)
-        entry = cache.get(weight, cfg.weight, triton_expanded)
+        xq = nan_if_nonfinite(quantize(xd, cfg.activation, backend=cfg.quant_backend, emit_expanded=emit), xd)
+        entry = cache.get(weight, cfg.weight, triton_expanded, cfg.quant_backend)
         wq, w_exp = entry.wq, entry.expanded
         y = grouped_gemm(
             xq,
             wq,
             offsets,
             out_dtype=x.dtype,
-            backend=cfg.backend,
+            backend=cfg.gemm_backend,
             w_expanded=w_exp,
             a_rows=gather,
             validate=False,
@@ -222,8 +233,8 @@ class _GroupedNVFP4Linear(torch.autograd.Function):
         if ctx.quantized is not None:
             a, wq = ctx.quantized
             x_rows, w = (
-                dequantize(a, dtype, backend=_qbackend(dy)),
-                dequantize(wq, dtype, backend=_qbackend(dy)),
+                dequantize(a, dtype, backend=ctx.cfg.quant_backend),
+                dequantize(wq, dtype, backend=ctx.cfg.quant_backend),
             )
         else:
             x, w = saved[2], saved[3].to(dtype)
@@ -249,12 +260,11 @@ def _nvfp4_backward(ctx, dy):
     seed = (cfg.grad.seed + 1000003 * cache.backwards) % 2**32
     dtype = dy.dtype
     dy = dy.contiguous()
-    qb = _qbackend(dy)
     dx = dw = None
     if ctx.needs_input_grad[0]:
-        dyq = nan_if_nonfinite(quantize(dy, cfg.grad, backend=qb, seed=seed), dy)
+        dyq = nan_if_nonfinite(quantize(dy, cfg.grad, backend=cfg.quant_backend, seed=seed), dy)
         dx_rows = grouped_gemm(
-            dyq, ctx.weight.transposed(), offsets, out_dtype=dtype, backend=cfg.backend, validate=False
+            dyq, ctx.weight.transposed(), offsets, out_dtype=dtype, backend=cfg.gemm_backend, validate=False
         )
         dx = dx_rows if gather is None else dy.new_zeros(ctx.x_shape).index_add_(0, gather, dx_rows)
     if ctx.needs_input_grad[1]:
@@ -271,7 +281,7 @@ def nvfp4_wgrad(
     dy: torch.Tensor,
     x: torch.Tensor,
     offsets: torch.Tensor,
-    cfg: MoEQuantConfig,
+    cfg: NVFP4MoEConfig,
     seed: int,
     *,
     gather: torch.Tensor | None = None,
@@ -283,10 +293,9 @@ def nvfp4_wgrad(
     rounding (one seed for every expert)."""
     rows = dy.shape[0]
     padded, dest, length = padded_segments(offsets, rows)
-    qb = _qbackend(dy)
     # operands for the chosen backend: expansions written by the quantizer in the same pass
-    expanded = cfg.backend in ("triton_expanded", "grouped_mm") or (
-        cfg.backend == "auto" and _auto_backend(dy) in ("triton_expanded", "grouped_mm")
+    expanded = cfg.gemm_backend in ("triton_expanded", "grouped_mm") or (
+        cfg.gemm_backend == "auto" and _auto_backend(dy) in ("triton_expanded", "grouped_mm")
     )
     emit = torch.bfloat16 if expanded else None
     x_recipe = replace(cfg.wgrad, rounding="nearest")
@@ -294,7 +303,7 @@ def nvfp4_wgrad(
 
     # CUDA (or the interpreter, unless the reference GEMM was asked for): straight from the sorted rows,
     # byte-identical to the materialized path of the else branch
-    if dy.is_cuda or (interpreting() and cfg.backend != "reference"):
+    if dy.is_cuda or (interpreting() and cfg.gemm_backend != "reference"):
         from triage.kernels.nvfp4.quantize_columns import quantize_columnwise
 
         dyq = quantize_columnwise(
@@ -306,15 +315,10 @@ def nvfp4_wgrad(
     else:  # the reference path: the padded layout materialized and transposed
         dyt = pad_segments(dy, dest, length).t().contiguous()  # [N, L]
         xt = pad_segments(x, dest, length, gather).t().contiguous()  # [K, L]
-        dyq = quantize(dyt, cfg.wgrad, backend=qb, seed=seed, emit_expanded=emit)
-        xq = quantize(xt, x_recipe, backend=qb, emit_expanded=emit)
+        dyq = quantize(dyt, cfg.wgrad, backend=cfg.quant_backend, seed=seed, emit_expanded=emit)
+        xq = quantize(xt, x_recipe, backend=cfg.quant_backend, emit_expanded=emit)
     dyq, xq = nan_if_nonfinite(dyq, dy), nan_if_nonfinite(xq, x)  # NaN/Inf in dy or x: NaN dW (linear.py)
-    return grouped_wgrad(dyq, xq, padded, out_dtype=out_dtype, backend=cfg.backend, validate=False)
-
-
-def _qbackend(t: torch.Tensor) -> str:
-    """Quantizer backend: Triton on CUDA, the (byte-identical) torch reference on CPU."""
-    return "auto" if t.is_cuda else "torch"
+    return grouped_wgrad(dyq, xq, padded, out_dtype=out_dtype, backend=cfg.gemm_backend, validate=False)
 
 
 def _auto_backend(x: torch.Tensor) -> str:
@@ -325,7 +329,7 @@ def _auto_backend(x: torch.Tensor) -> str:
     return LARGE_BACKEND if triton_runs_on(x.device) else "reference"
 
 
-def grouped_nvfp4_linear(x, weight, offsets, cfg: MoEQuantConfig, gather=None, cache=None) -> torch.Tensor:
+def grouped_nvfp4_linear(x, weight, offsets, cfg: NVFP4MoEConfig, gather=None, cache=None) -> torch.Tensor:
     """Differentiable grouped NVFP4 linear: rows ``x[gather]`` (or ``x``) sorted by expert, ``weight``
     [E, N, K] (high-precision master), ``offsets`` [E+1]. Returns [rows, N] in x's dtype.
 
@@ -347,12 +351,36 @@ def _check_routing(x, weight, offsets, gather) -> None:
     check_offsets(offsets, rows, weight.shape[0])
 
 
+def is_fused_experts(module: nn.Module) -> bool:
+    """A transformers-5 fused experts module: 3-D ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I]."""
+    gu, dn = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return (
+        isinstance(gu, torch.Tensor)
+        and isinstance(dn, torch.Tensor)
+        and gu.dim() == 3
+        and dn.dim() == 3
+        and hasattr(module, "num_experts")
+        and gu.shape[0] == dn.shape[0] == module.num_experts
+    )
+
+
 class NVFP4MoeExperts(nn.Module):
     """Drop-in NVFP4 replacement of transformers' ``Qwen3MoeExperts`` (same parameters, same call)."""
 
-    def __init__(self, experts: nn.Module, config: MoEQuantConfig | None = None) -> None:
+    def __init__(self, experts: nn.Module, config: NVFP4MoEConfig | None = None) -> None:
         super().__init__()
-        self.config = config or MoEQuantConfig()
+        self.config = config or NVFP4MoEConfig()
+        if not is_fused_experts(experts):
+            raise TypeError(
+                f"NVFP4MoeExperts replaces a fused experts module (3-D gate_up_proj [E, 2I, H] and down_proj "
+                f"[E, H, I], num_experts = E), got {type(experts).__name__}"
+            )
+        for pname in ("gate_up_proj", "down_proj"):
+            kdim = getattr(experts, pname).shape[-1]
+            if kdim % 16 and not self.config.weight.pad:
+                raise ValueError(
+                    f"NVFP4MoeExperts: {pname} has K={kdim}, not a multiple of 16 (the NVFP4 block size)"
+                )
         self.num_experts = experts.num_experts
         self.hidden_dim = experts.hidden_dim
         self.intermediate_dim = experts.intermediate_dim
@@ -416,50 +444,5 @@ class NVFP4MoeExperts(nn.Module):
         c = self.config
         return (
             f"num_experts={self.num_experts}, hidden={self.hidden_dim}, intermediate={self.intermediate_dim}, "
-            f"backward={c.backward!r}, backend={c.backend!r}"
+            f"backward={c.backward!r}, gemm_backend={c.gemm_backend!r}"
         )
-
-
-def is_fused_experts(module: nn.Module) -> bool:
-    """A transformers-5 fused experts module: 3-D ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I]."""
-    gu, dn = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-    return (
-        isinstance(gu, torch.Tensor)
-        and isinstance(dn, torch.Tensor)
-        and gu.dim() == 3
-        and dn.dim() == 3
-        and hasattr(module, "num_experts")
-        and gu.shape[0] == dn.shape[0] == module.num_experts
-    )
-
-
-def convert_moe_experts(model: nn.Module, config: MoEQuantConfig | None = None) -> list[str]:
-    """Replace every fused experts module (Qwen3-MoE style) by :class:`NVFP4MoeExperts`, in place.
-
-    Returns the converted module names. Routers (``mlp.gate``) and everything else are left untouched.
-    Expert K dims (hidden size and moe_intermediate_size) must be multiples of 16.
-    """
-    config = config or MoEQuantConfig()
-    targets = [
-        (n, m) for n, m in model.named_modules() if is_fused_experts(m) and not isinstance(m, NVFP4MoeExperts)
-    ]
-    for name, module in targets:
-        for pname in ("gate_up_proj", "down_proj"):
-            kdim = getattr(module, pname).shape[-1]
-            if kdim % 16 and not config.weight.pad:
-                raise ValueError(f"{name}.{pname}: K={kdim} is not a multiple of 16 (NVFP4 block size)")
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, NVFP4MoeExperts(module, config))
-    return [n for n, _ in targets]
-
-
-def convert_moe_experts_from_nvfp4(model: nn.Module) -> list[str]:
-    """Inverse of :func:`convert_moe_experts`: every :class:`NVFP4MoeExperts` back to the module it replaced
-    (same parameters), in place. Returns the converted module names."""
-    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, NVFP4MoeExperts)]
-    for name, module in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, module.to_experts())
-    return [n for n, _ in targets]

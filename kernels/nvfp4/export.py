@@ -7,8 +7,8 @@
     model.load_state_dict(dequantized_state_dict("out/"))
 
 What gets quantized: every 2-D floating ``<module>.weight`` whose module name matches none of the ``skip``
-fnmatch patterns (default :data:`~triage.kernels.skip.DEFAULT_SKIP`, the list ``convert_to_nvfp4`` skips too:
-lm_head, embeddings, norms, MoE routers, score/classifier heads). Everything else
+fnmatch patterns (default :data:`~triage.kernels.skip.DEFAULT_SKIP`, the list ``triage.kernels.convert``
+skips too: lm_head, embeddings, norms, MoE routers, score/classifier heads). Everything else
 (norms, embeddings, biases, skipped layers) is written unchanged. Skipped 2-D weights are listed by module
 name in ``exclude_modules`` / ``ignore`` so that engines load them unquantized.
 
@@ -998,8 +998,9 @@ def dequantized_state_dict(
 ) -> dict[str, torch.Tensor]:
     """The checkpoint as a plain state dict: quantized weights dequantized (``e2m1·s·g``, exact in fp32,
     then cast to ``dtype``, default config.json's dtype), other tensors as stored; scale tensors dropped.
-    Load it with ``model.load_state_dict(...)`` (also into a ``convert_to_nvfp4`` model: ``NVFP4Linear``
-    keeps the dequantized values as its master weight and re-quantizes them with its own recipe).
+    Load it with ``model.load_state_dict(...)`` (also into a model converted by ``triage.kernels.convert``:
+    ``NVFP4Linear`` keeps the dequantized values as its master weight and re-quantizes them with its own
+    recipe).
     ``fuse_experts=True`` stacks per-expert ``experts.{e}.{gate,up,down}_proj.weight`` back into the
     transformers-5 ``experts.gate_up_proj`` / ``experts.down_proj`` parameters."""
     lay, stored, weights, modules = _load(path, dtype, device)

@@ -87,7 +87,7 @@ def test_offline_conversion_loads_the_exported_checkpoint(trained, profile):
     differ = 0
     for name, _, _ in decoder_linears(model):
         layer = offline.get_submodule(name)
-        assert isinstance(layer, FrozenNVFP4Linear) and layer.config.mode == "w4a16"
+        assert isinstance(layer, FrozenNVFP4Linear) and layer.config.compute == "w4a16"
         got = layer.quantized_weight()
         w = model.get_submodule(name).weight.to(torch.bfloat16)
         if profile == "compressed-tensors":
@@ -112,7 +112,7 @@ def test_static_activation_scales_come_from_the_checkpoint(trained, batch):
     precision = Precision("w4a4", "static", weights_from="checkpoint", checkpoint_profile="modelopt")
     engine = convert_linears(copy.deepcopy(model), precision, calibration=amax)
     for name, _, _ in decoder_linears(model):
-        recipe = engine.get_submodule(name).config.input_recipe
+        recipe = engine.get_submodule(name).config.activation
         assert recipe.scale_source == "checkpoint" and recipe.profile == "modelopt"
         static = QuantRecipe(profile="modelopt", scale_source="static", static_amax=amax[name])
         assert recipe.checkpoint_scale == float(outer_scale_from_recipe(static, "cpu").decode)

@@ -1,16 +1,27 @@
 """One skip rule (triage.kernels.skip): conversion, freezing and export keep the same modules in high
 precision, so the learner computes in NVFP4 exactly the layers the sampler's checkpoint quantizes."""
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
 
-from triage.kernels import DEFAULT_SKIP, FrozenNVFP4Linear, NVFP4Linear, NVFP4LinearConfig, convert_to_nvfp4
-from triage.kernels.frozen_linear import freeze_nvfp4_base
+from triage.kernels import (
+    DEFAULT_SKIP,
+    FrozenNVFP4Linear,
+    NVFP4Config,
+    NVFP4FrozenConfig,
+    NVFP4Linear,
+    NVFP4LinearConfig,
+    convert,
+)
 from triage.kernels.nvfp4 import QuantRecipe, export_nvfp4_checkpoint
 from triage.kernels.skip import skipped
 
 CFG = NVFP4LinearConfig(gemm_backend="reference", quant_backend="torch")
+#: plain nn.Linear layers quantized once (1×16 weight blocks) into frozen layers
+FROZEN = NVFP4Config(linear=NVFP4LinearConfig(weight=QuantRecipe()), frozen=NVFP4FrozenConfig())
 
 
 class _Block(nn.Module):
@@ -42,23 +53,25 @@ def test_conversion_freezing_and_export_quantize_the_same_layers(tmp_path):
     in_checkpoint = {name.removesuffix(".weight") for name in exported.weights}
     assert in_checkpoint == {"layers.0.mlp.up_proj"}
 
-    converted = convert_to_nvfp4(_toy(), CFG)
+    converted = convert(_toy(), NVFP4Config(linear=CFG))
     assert {n for n, m in converted.named_modules() if isinstance(m, NVFP4Linear)} == in_checkpoint
-    frozen = freeze_nvfp4_base(_toy(), quantize_linear=True, recipe=QuantRecipe())
+    frozen = convert(_toy(), FROZEN)
     assert {n for n, m in frozen.named_modules() if isinstance(m, FrozenNVFP4Linear)} == in_checkpoint
 
 
 def test_a_single_pattern_string_is_one_pattern():
     """``skip="lm_head"`` means the pattern, not its characters."""
-    model = convert_to_nvfp4(_toy(), CFG, skip="lm_head")
+    config = NVFP4Config(linear=CFG, skip="lm_head")
+    assert config.skip == ("lm_head",)
+    model = convert(_toy(), config)
     assert type(model.lm_head) is nn.Linear and type(model.score) is NVFP4Linear
-    frozen = freeze_nvfp4_base(_toy(), quantize_linear=True, skip="lm_head")
+    frozen = convert(_toy(), dataclasses.replace(FROZEN, skip="lm_head"))
     assert type(frozen.lm_head) is nn.Linear and type(frozen.score) is FrozenNVFP4Linear
 
 
 def test_bad_patterns_are_named(tmp_path):
     with pytest.raises(TypeError, match="every pattern must be a str.*3"):
-        convert_to_nvfp4(_toy(), CFG, skip=("lm_head", 3))
+        NVFP4Config(skip=("lm_head", 3))
     with pytest.raises(TypeError, match="every pattern must be a str"):
         export_nvfp4_checkpoint(_toy(), tmp_path, skip=[None])
     assert skipped("model.layers.3.mlp.gate", DEFAULT_SKIP) and not skipped(

@@ -29,8 +29,8 @@ def tokenizer():
 @pytest.fixture
 def nvfp4_model(tokenizer):
     """A tiny Qwen3 (fp32) with its Linear layers converted to NVFP4Linear (torch reference backends)."""
-    from triage.kernels import NVFP4LinearConfig, convert_to_nvfp4
+    from triage.kernels import NVFP4Config, NVFP4LinearConfig, convert
     from triage.trainers.tiny import build_model
 
     model = build_model(tokenizer, seed=0)
-    return convert_to_nvfp4(model, NVFP4LinearConfig(**FAST))
+    return convert(model, NVFP4Config(linear=NVFP4LinearConfig(**FAST)))

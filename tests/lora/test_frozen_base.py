@@ -9,8 +9,8 @@ import torch
 from lora_testkit import FAST
 from torch import nn
 
-from triage.kernels import NVFP4Linear, NVFP4LinearConfig
-from triage.kernels.frozen_linear import FrozenNVFP4Linear, NVFP4BaseConfig, base_nbytes, freeze_nvfp4_base
+from triage.kernels import NVFP4Config, NVFP4FrozenConfig, NVFP4Linear, NVFP4LinearConfig, convert
+from triage.kernels.frozen_linear import FrozenNVFP4Linear, base_nbytes
 from triage.kernels.nvfp4 import QuantRecipe, gemm_reference, gemm_w4a16_reference, quantize
 
 
@@ -21,7 +21,7 @@ def _frozen(n=40, k=48, *, bias=True, recipe=None, seed=0, scale=1.0, **config):
         lin.weight.copy_(torch.randn(n, k, generator=g) * scale)
         if bias:
             lin.bias.copy_(torch.randn(n, generator=g))
-    cfg = NVFP4BaseConfig(**{**FAST, **config})
+    cfg = NVFP4FrozenConfig(**{**FAST, **config})
     return FrozenNVFP4Linear.from_linear(lin, cfg, recipe=recipe or QuantRecipe()), lin
 
 
@@ -35,7 +35,8 @@ def test_freezing_an_nvfp4_linear_keeps_its_bytes_and_outputs_and_drops_the_mast
     wq = lin.quantized_weight()
     with torch.no_grad():
         before = nvfp4_model(ids).logits
-    freeze_nvfp4_base(nvfp4_model)
+    # w4a4 with the NVFP4Linear's own activation recipe and backends
+    convert(nvfp4_model, NVFP4Config(linear=None, moe=None, frozen=NVFP4FrozenConfig.like(lin.config)))
     frozen = nvfp4_model.model.layers[0].mlp.down_proj
     assert isinstance(frozen, FrozenNVFP4Linear)
     assert torch.equal(frozen.qweight, wq.data) and torch.equal(
@@ -45,7 +46,7 @@ def test_freezing_an_nvfp4_linear_keeps_its_bytes_and_outputs_and_drops_the_mast
     assert not any(isinstance(m, NVFP4Linear) for m in nvfp4_model.modules())
     with torch.no_grad():
         after = nvfp4_model(ids).logits
-    assert torch.equal(before, after)  # w4a4 with the NVFP4Linear's own input recipe: same computation
+    assert torch.equal(before, after)  # the same computation
 
 
 def test_memory_is_about_0_56_byte_per_base_parameter():
@@ -66,7 +67,7 @@ def test_memory_is_about_0_56_byte_per_base_parameter():
 
 
 def test_base_nbytes_of_a_frozen_model(nvfp4_model):
-    freeze_nvfp4_base(nvfp4_model)
+    convert(nvfp4_model, NVFP4Config(linear=None, moe=None, frozen=NVFP4FrozenConfig(**FAST)))
     nbytes, params = base_nbytes(nvfp4_model)
     assert params == 2 * (64 * 64 * 2 + 64 * 32 * 2 + 64 * 128 * 3)
     assert nbytes / params == pytest.approx(0.5625, abs=2e-3)
@@ -90,7 +91,7 @@ def test_w4a4_forward_and_input_grad_match_the_torch_twins(row_scale, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_w4a16_forward_matches_the_weight_only_twin(dtype):
-    layer, _ = _frozen(40, 48, mode="w4a16")
+    layer, _ = _frozen(40, 48, compute="w4a16")
     x = torch.randn(5, 48).to(dtype)
     y = layer(x)
     if dtype == torch.bfloat16:
@@ -106,9 +107,9 @@ def test_triton_paths_under_the_interpreter_match_the_reference(mode):
     """Default backends ("auto") run the Triton kernels (interpreter on CPU, the real ones on a GPU)."""
     torch.manual_seed(0)
     lin = nn.Linear(32, 24, bias=True)
-    ref_layer = FrozenNVFP4Linear.from_linear(lin, NVFP4BaseConfig(mode=mode, **FAST))
+    ref_layer = FrozenNVFP4Linear.from_linear(lin, NVFP4FrozenConfig(compute=mode, **FAST))
     auto = FrozenNVFP4Linear.from_quantized(
-        ref_layer.quantized_weight(), ref_layer.bias, NVFP4BaseConfig(mode=mode)
+        ref_layer.quantized_weight(), ref_layer.bias, NVFP4FrozenConfig(compute=mode)
     )
     device = "cuda" if torch.cuda.is_available() else "cpu"
     auto, ref_layer = auto.to(device), ref_layer.to(device)
@@ -133,7 +134,7 @@ def test_adversarial_weights_give_finite_exact_results(weight):
     lin = nn.Linear(32, 32, bias=False)
     with torch.no_grad():
         lin.weight.copy_(weight)
-    layer = FrozenNVFP4Linear.from_linear(lin, NVFP4BaseConfig(mode="w4a16", **FAST))
+    layer = FrozenNVFP4Linear.from_linear(lin, NVFP4FrozenConfig(compute="w4a16", **FAST))
     x = torch.randn(4, 32, requires_grad=True)
     y = layer(x)
     assert torch.isfinite(y).all()
@@ -150,18 +151,20 @@ def test_nan_weights_and_bad_inputs_are_refused_with_a_name():
         FrozenNVFP4Linear.from_linear(lin)
     model = nn.Sequential(nn.Linear(32, 16), lin)
     with pytest.raises(ValueError, match="layer '1'"):
-        freeze_nvfp4_base(model, quantize_linear=True)
+        convert(
+            model, NVFP4Config(linear=NVFP4LinearConfig(weight=QuantRecipe()), frozen=NVFP4FrozenConfig())
+        )
     layer, _ = _frozen(16, 32)
     with pytest.raises(ValueError, match="last dim 31"):
         layer(torch.randn(2, 31))
     with pytest.raises(TypeError, match="floating point"):
         layer(torch.ones(2, 32, dtype=torch.long))
     with pytest.raises(ValueError, match="not a multiple of 16"):
-        FrozenNVFP4Linear.from_linear(nn.Linear(24, 16), NVFP4BaseConfig(), recipe=QuantRecipe(pad=True))
-    with pytest.raises(ValueError, match="mode must be one of"):
-        NVFP4BaseConfig(mode="w8a8")
+        FrozenNVFP4Linear.from_linear(nn.Linear(24, 16), NVFP4FrozenConfig(), recipe=QuantRecipe(pad=True))
+    with pytest.raises(ValueError, match="compute must be one of"):
+        NVFP4FrozenConfig(compute="w8a8")
     with pytest.raises(ValueError, match="Hadamard"):
-        NVFP4BaseConfig(input_recipe=QuantRecipe(hadamard=True))
+        NVFP4FrozenConfig(activation=QuantRecipe(hadamard=True))
 
 
 def test_dtype_casts_move_but_never_cast_the_quantized_bytes_and_deepcopy_shares_them():
@@ -194,9 +197,9 @@ def test_load_state_dict_replaces_instead_of_writing_into_shared_bytes():
 
 
 def test_nvfp4linear_config_is_inherited_when_freezing():
-    lin = NVFP4Linear(32, 16, config=NVFP4LinearConfig(input_recipe=QuantRecipe(profile="modelopt"), **FAST))
+    lin = NVFP4Linear(32, 16, config=NVFP4LinearConfig(activation=QuantRecipe(profile="modelopt"), **FAST))
     frozen = FrozenNVFP4Linear.from_linear(lin)
-    assert frozen.config.input_recipe.profile == "modelopt" and frozen.config.mode == "w4a4"
+    assert frozen.config.activation.profile == "modelopt" and frozen.config.compute == "w4a4"
     x = torch.randn(5, 32)
     assert torch.equal(frozen(x), lin(x).detach())
     with pytest.raises(ValueError, match="keeps its own weight recipe"):
@@ -208,7 +211,7 @@ def test_k_not_a_multiple_of_16_with_padded_recipes(mode):
     pad = QuantRecipe(pad=True)
     lin = nn.Linear(40, 24, bias=False)
     layer = FrozenNVFP4Linear.from_linear(
-        lin, NVFP4BaseConfig(mode=mode, input_recipe=pad, **FAST), recipe=pad
+        lin, NVFP4FrozenConfig(compute=mode, activation=pad, **FAST), recipe=pad
     )
     assert layer.qweight.shape == (24, 24)  # Kp = 48
     x = torch.randn(2, 5, 40, requires_grad=True)

@@ -6,12 +6,12 @@ import math
 
 import pytest
 import torch
-from lora_testkit import FAST
+from lora_testkit import FAST, freeze
 from peft import LoraConfig
 from trainer_testkit import make_trainer
 
-from triage.kernels import NVFP4LinearConfig, convert_to_nvfp4
-from triage.kernels.frozen_linear import FrozenNVFP4Linear, NVFP4BaseConfig
+from triage.kernels import NVFP4Config, NVFP4FrozenConfig, NVFP4LinearConfig, convert
+from triage.kernels.frozen_linear import FrozenNVFP4Linear
 from triage.trainers.lora import AQNCallback, AQNConfig, load_nvfp4_lora, nvfp4_lora, save_nvfp4_lora
 
 
@@ -34,9 +34,9 @@ def _frozen_buffers(model) -> dict[str, torch.Tensor]:
 def test_two_grpo_steps_train_only_the_adapters(tokenizer, tmp_path, sampler_model, mode):
     from triage.trainers.tiny import build_model
 
-    model = convert_to_nvfp4(build_model(tokenizer, seed=0), NVFP4LinearConfig(**FAST))
+    model = convert(build_model(tokenizer, seed=0), NVFP4Config(linear=NVFP4LinearConfig(**FAST)))
     model, peft_config = nvfp4_lora(
-        model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"), NVFP4BaseConfig(mode=mode, **FAST)
+        model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"), freeze(mode)
     )
     aqn = AQNCallback(AQNConfig(num_stages=2, sigma_start=1e-2, sigma_end=1e-2))
     trainer = make_trainer(
@@ -75,7 +75,7 @@ def test_two_grpo_steps_train_only_the_adapters(tokenizer, tmp_path, sampler_mod
     save_nvfp4_lora(learner, tmp_path / "out")
     ids = torch.randint(3, 400, (1, 7))
     reloaded = load_nvfp4_lora(
-        build_model(tokenizer, seed=1), tmp_path / "out", NVFP4BaseConfig(mode=mode, **FAST)
+        build_model(tokenizer, seed=1), tmp_path / "out", NVFP4FrozenConfig(compute=mode, **FAST)
     )
     learner.eval()
     with torch.no_grad():
@@ -114,7 +114,7 @@ def test_trainer_wires_peft_config_on_an_nvfp4_learner(tokenizer, tmp_path):
         aqn={"num_stages": 2, "sigma_start": 1e-2, "sigma_end": 1e-2},
     )
     frozen = [m for m in trainer.model.modules() if isinstance(m, FrozenNVFP4Linear)]
-    assert frozen and all(m.config.mode == "w4a16" for m in frozen)
+    assert frozen and all(m.config.compute == "w4a16" for m in frozen)
     trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
     assert any(isinstance(cb, AQNCallback) for cb in trainer.callback_handler.callbacks)
@@ -137,7 +137,7 @@ def test_trainer_quant_recipe_sets_the_frozen_base_activation_recipe_too(tokeniz
     trainer = _wired_trainer(tokenizer, tmp_path, lora_base_mode="w4a4", quant_recipe={"scale": "row"})
     frozen = [m for m in trainer.model.modules() if isinstance(m, FrozenNVFP4Linear)]
     assert frozen and all(m.weight_recipe.scale == "row" for m in frozen)
-    assert all(m.config.mode == "w4a4" and m.config.input_recipe.scale == "row" for m in frozen)
+    assert all(m.config.compute == "w4a4" and m.config.activation.scale == "row" for m in frozen)
 
 
 def test_trainer_refuses_vllm_weight_sync_of_a_frozen_nvfp4_base(tokenizer, tmp_path):

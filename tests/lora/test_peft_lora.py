@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 import zlib
 from types import SimpleNamespace
 
 import pytest
 import torch
-from lora_testkit import FAST
+from lora_testkit import FAST, freeze
 from peft import LoraConfig, get_peft_model
 
-from triage.kernels.frozen_linear import FrozenNVFP4Linear, NVFP4BaseConfig
+from triage.kernels import NVFP4FrozenConfig
+from triage.kernels.frozen_linear import FrozenNVFP4Linear
 from triage.kernels.nvfp4 import load_nvfp4_checkpoint
 from triage.trainers.aqn import AdaptiveQuantizationNoise, AQNCallback, AQNConfig, aqn_sigma
 from triage.trainers.lora_io import BASE_SUBDIR, load_nvfp4_lora, merged_state_dict, save_nvfp4_lora
@@ -20,8 +22,7 @@ from triage.trainers.peft_nvfp4 import NVFP4LoraLinear, adapter_parameters, desc
 
 def _lora(model, mode="w4a4", **lora):
     cfg = LoraConfig(**{"r": 4, "lora_alpha": 8, "target_modules": "all-linear", **lora})
-    base = NVFP4BaseConfig(mode=mode, **FAST)
-    model, cfg = nvfp4_lora(model, cfg, base)
+    model, cfg = nvfp4_lora(model, cfg, freeze(mode))
     torch.manual_seed(0)  # lora_A's init: the same adapters whatever ran before
     peft_model = get_peft_model(model, cfg)
     with (
@@ -103,7 +104,7 @@ def test_unmerged_save_load_round_trip_is_bit_exact(nvfp4_model, tokenizer, tmp_
     noise.remove()
     with torch.no_grad():
         y = model(ids).logits
-    loaded = load_nvfp4_lora(build_model(tokenizer, seed=3), tmp_path, NVFP4BaseConfig(**FAST))
+    loaded = load_nvfp4_lora(build_model(tokenizer, seed=3), tmp_path, NVFP4FrozenConfig(**FAST))
     assert _base_bytes(loaded) == _base_bytes(model)
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, y)
@@ -145,7 +146,7 @@ def test_saved_checkpoints_name_the_architecture_and_replace_an_earlier_export(
     save_nvfp4_lora(model, tmp_path)
     assert not (tmp_path / BASE_SUBDIR / "model.safetensors.index.json").exists()
     assert _base_bytes(
-        load_nvfp4_lora(build_model(tokenizer, seed=3), tmp_path, NVFP4BaseConfig(**FAST))
+        load_nvfp4_lora(build_model(tokenizer, seed=3), tmp_path, NVFP4FrozenConfig(**FAST))
     ) == (_base_bytes(model))
     save_nvfp4_lora(model, tmp_path / "nvfp4", merged=True, layout="compressed-tensors")
     save_nvfp4_lora(model, tmp_path / "plain", merged=True, layout=None)
@@ -166,6 +167,28 @@ def test_bad_configurations_are_refused(nvfp4_model, tokenizer):
         nvfp4_lora(build_model(tokenizer), LoraConfig(target_modules="all-linear"))
     with pytest.raises(TypeError, match="merged=False\\) needs a PeftModel"):
         save_nvfp4_lora(nvfp4_model, "/nonexistent")
+
+
+def test_without_a_config_the_nvfp4_layers_freeze_as_they_compute(nvfp4_model):
+    from triage.kernels import NVFP4Config, NVFP4Linear, NVFP4LinearConfig
+
+    ids = torch.randint(3, 400, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = nvfp4_model(ids).logits
+    mixed = copy.deepcopy(nvfp4_model)
+    model, _ = nvfp4_lora(nvfp4_model, LoraConfig(target_modules="all-linear"))
+    frozen = [m for m in model.modules() if isinstance(m, FrozenNVFP4Linear)]
+    assert len(frozen) == 14 and all(m.config == NVFP4FrozenConfig(**FAST) for m in frozen)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
+    q = mixed.model.layers[1].self_attn.q_proj
+    mixed.model.layers[1].self_attn.q_proj = NVFP4Linear.from_linear(q, NVFP4LinearConfig())
+    with pytest.raises(
+        ValueError, match=r"'model.layers.0.self_attn.q_proj' and 'model.layers.1.self_attn.q_proj'"
+    ):
+        nvfp4_lora(mixed, LoraConfig(target_modules="all-linear"))
+    with pytest.raises(ValueError, match="config.frozen is None"):
+        nvfp4_lora(mixed, LoraConfig(target_modules="all-linear"), NVFP4Config())
 
 
 def test_aqn_schedule_is_qerl_eq8_with_a_noise_free_first_stage():
@@ -206,7 +229,7 @@ def test_aqn_folds_channel_noise_into_the_norms_and_restores_them_exactly(nvfp4_
 
 
 def test_nvfp4_lora_model_loads_converts_and_freezes_a_saved_model(tmp_path):
-    from triage.kernels import NVFP4LinearConfig
+    from triage.kernels import NVFP4Config, NVFP4LinearConfig
     from triage.trainers.peft_nvfp4 import nvfp4_lora_model
     from triage.trainers.tiny import save_tiny_model
 
@@ -214,14 +237,15 @@ def test_nvfp4_lora_model_loads_converts_and_freezes_a_saved_model(tmp_path):
     model, cfg = nvfp4_lora_model(
         str(path),
         LoraConfig(r=2, target_modules=["q_proj", "v_proj"]),
-        quant_recipe=NVFP4LinearConfig(**FAST),
-        base_config=NVFP4BaseConfig(mode="w4a16", **FAST),
+        NVFP4Config(
+            linear=NVFP4LinearConfig(**FAST), moe=None, frozen=NVFP4FrozenConfig(compute="w4a16", **FAST)
+        ),
     )
     peft_model = get_peft_model(model, cfg)
     wrapped = [n for n, m in peft_model.named_modules() if isinstance(m, NVFP4LoraLinear)]
     assert len(wrapped) == 4 and all(n.endswith(("q_proj", "v_proj")) for n in wrapped)
     frozen = [m for m in peft_model.modules() if isinstance(m, FrozenNVFP4Linear)]
-    assert len(frozen) == 14 and all(m.config.mode == "w4a16" for m in frozen)
+    assert len(frozen) == 14 and all(m.config.compute == "w4a16" for m in frozen)
     with pytest.raises(ValueError, match="model_init_kwargs"):
         nvfp4_lora_model(model, LoraConfig(), model_init_kwargs={"dtype": "bfloat16"})
 
@@ -277,14 +301,14 @@ def _nvfp4_tiny(tokenizer, skip=("lm_head", "*embed*"), **config):
     """A tiny Qwen3 (fp32; ``config`` overrides Qwen3Config fields) with its Linear layers in NVFP4."""
     from transformers import Qwen3ForCausalLM
 
-    from triage.kernels import NVFP4LinearConfig, convert_to_nvfp4
+    from triage.kernels import NVFP4Config, NVFP4LinearConfig, convert
     from triage.trainers.tiny import build_model
 
     cfg = build_model(tokenizer).config
     for k, v in config.items():
         setattr(cfg, k, v)
     torch.manual_seed(0)
-    return convert_to_nvfp4(Qwen3ForCausalLM(cfg), NVFP4LinearConfig(**FAST), skip=skip)
+    return convert(Qwen3ForCausalLM(cfg), NVFP4Config(linear=NVFP4LinearConfig(**FAST), skip=skip))
 
 
 def _merged_logits(model, ids) -> torch.Tensor:
@@ -361,32 +385,85 @@ def test_modules_to_save_export_the_trained_copy_merged_and_the_original_as_base
     torch.testing.assert_close(_merged_logits(model, ids), y, rtol=1e-4, atol=1e-4)
     save_nvfp4_lora(model, tmp_path)
     skeleton = build_model(tokenizer, TinyModelSpec(tie_word_embeddings=False), seed=3)
-    loaded = load_nvfp4_lora(skeleton, tmp_path, NVFP4BaseConfig(mode="w4a16", **FAST))
+    loaded = load_nvfp4_lora(skeleton, tmp_path, NVFP4FrozenConfig(compute="w4a16", **FAST))
     assert torch.equal(loaded.base_model.model.lm_head.original_module.weight, head.original_module.weight)
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, y)
 
 
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
-def test_load_without_base_config_rebuilds_the_saved_numerics(nvfp4_model, tokenizer, tmp_path, mode):
-    """The base's mode and activation recipe are saved beside it: a reload without ``base_config`` computes
+def test_load_without_config_rebuilds_the_saved_numerics(nvfp4_model, tokenizer, tmp_path, mode):
+    """The base's compute and activation recipe are saved beside it: a reload without ``config`` computes
     the same logits (a per-token activation scale here, not the default per-tensor one)."""
     from triage.kernels.nvfp4.recipe import QuantRecipe
     from triage.trainers.lora_io import BASE_CONFIG_FILE
     from triage.trainers.tiny import build_model
 
     cfg = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
-    base = NVFP4BaseConfig(mode=mode, input_recipe=QuantRecipe(scale="row"), **FAST)
-    model, cfg = nvfp4_lora(nvfp4_model, cfg, base)
+    model, cfg = nvfp4_lora(nvfp4_model, cfg, freeze(mode, activation=QuantRecipe(scale="row")))
     model = get_peft_model(model, cfg)
     save_nvfp4_lora(model, tmp_path, tokenizer=tokenizer)
     assert (tmp_path / BASE_SUBDIR / BASE_CONFIG_FILE).is_file()
     loaded = load_nvfp4_lora(build_model(tokenizer, seed=3), tmp_path)
     frozen = [m for m in loaded.modules() if type(m).__name__ == "FrozenNVFP4Linear"]
-    assert frozen and all(m.config.mode == mode and m.config.input_recipe.scale == "row" for m in frozen)
+    assert frozen and all(m.config.compute == mode and m.config.activation.scale == "row" for m in frozen)
     ids = torch.randint(3, 400, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=1e-6)
+
+
+def test_adapter_directories_with_the_old_config_keys_still_load(nvfp4_model, tokenizer, tmp_path):
+    """The base config is written as ``compute`` / ``activation``; files holding the earlier ``mode`` /
+    ``input_recipe`` keys load to the same numerics."""
+    import json
+
+    from triage.kernels.nvfp4.recipe import QuantRecipe
+    from triage.trainers.lora_io import BASE_CONFIG_FILE
+    from triage.trainers.tiny import build_model
+
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+    model, cfg = nvfp4_lora(nvfp4_model, cfg, freeze("w4a4", activation=QuantRecipe(scale="row")))
+    model = get_peft_model(model, cfg)
+    save_nvfp4_lora(model, tmp_path)
+    path = tmp_path / BASE_SUBDIR / BASE_CONFIG_FILE
+    saved = json.loads(path.read_text())
+    assert saved.keys() == {"compute", "activation", "cache_expanded"} and saved["compute"] == "w4a4"
+    old = {"mode": saved["compute"], "input_recipe": saved["activation"], "cache_expanded": False}
+    path.write_text(json.dumps(old))
+    loaded = load_nvfp4_lora(build_model(tokenizer, seed=3), tmp_path)
+    frozen = [m for m in loaded.modules() if isinstance(m, FrozenNVFP4Linear)]
+    assert frozen and all(m.config.compute == "w4a4" and m.config.activation.scale == "row" for m in frozen)
+    ids = torch.randint(3, 400, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # the saved config keeps no backends: "auto" here, the torch reference there
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=1e-6)
+    path.write_text(json.dumps({"activation": saved["activation"]}))
+    with pytest.raises(
+        ValueError, match=f"{BASE_CONFIG_FILE}: not a valid NVFP4 frozen-base config .*'compute'"
+    ):
+        load_nvfp4_lora(build_model(tokenizer, seed=3), tmp_path)
+
+
+def test_a_sampler_copy_with_other_numerics_keeps_the_frozen_base_bytes(nvfp4_model):
+    """``HFSampler``'s copy with a ``dtype`` (or ``prepare_model``) is built from the learner's high-precision
+    form (``unconvert(frozen=False)``), but a frozen base has none: it stays ``FrozenNVFP4Linear``, its codes
+    shared with the learner (not dequantized, not re-quantized), and the copy computes as the learner does.
+    ``unconvert`` itself (frozen=True) dequantizes it to an ``nn.Linear`` holding Ŵ."""
+    from triage.kernels import unconvert
+    from triage.trainers.sampling import HFSampler
+
+    model = _lora(nvfp4_model, mode="w4a16")
+    before = _base_bytes(model)
+    source = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer
+    ids = torch.randint(3, 400, (2, 9), generator=torch.Generator().manual_seed(0))
+    for sampler in (HFSampler(sampler_model="copy", dtype=torch.float32), HFSampler(sampler_model="copy")):
+        dup = sampler._build_copy(model)
+        copied = dup.base_model.model.model.layers[0].self_attn.q_proj.base_layer
+        assert isinstance(copied, FrozenNVFP4Linear) and copied.qweight.data_ptr() == source.qweight.data_ptr()
+        with torch.no_grad():
+            torch.testing.assert_close(dup(ids).logits, model(ids).logits, rtol=0, atol=0)
+    assert _base_bytes(model) == before
+    dense = unconvert(copy.deepcopy(model)).base_model.model.model.layers[0].self_attn.q_proj.base_layer
+    assert type(dense) is torch.nn.Linear and torch.equal(dense.weight, source.dequantized_weight())
 
 
 def _imported_modules(path, package: str) -> set[str]:

@@ -13,7 +13,8 @@ import torch
 from sampling_fakes import NoAccelerator, make_fake_trainer
 from trainer_testkit import tiny_moe_model
 
-from triage.trainers.grpo_trainer import _to_nvfp4, resolve_sampler_kwargs
+from triage.kernels import NVFP4Config, convert
+from triage.trainers.grpo_trainer import resolve_sampler_kwargs
 from triage.trainers.sampling import HFSampler, SamplingParams, sample_with_kv_cache
 
 TE = {"block": "1x16", "scale": "tensor", "rounding": "nearest", "profile": "te"}
@@ -40,7 +41,7 @@ def _learner(tokenizer, tiny_model, dtype, recipe, moe=False):
 
     model = (tiny_moe_model(tokenizer) if moe else copy.deepcopy(tiny_model)).to(dtype)
     if recipe is not None:
-        _to_nvfp4(model, _quant_recipe(recipe))
+        convert(model, NVFP4Config.from_recipe(_quant_recipe(recipe)))
     return model
 
 
@@ -128,7 +129,7 @@ def test_in_place_refresh_equals_a_rebuild_after_each_step(tokenizer, tiny_model
         from triage.kernels import NVFP4Linear
 
         layers = [m for m in sampler.copy.modules() if isinstance(m, NVFP4Linear)]
-        assert layers and all(m.config.weight_recipe.scale == "row" for m in layers)
+        assert layers and all(m.config.weight.scale == "row" for m in layers)
 
 
 @pytest.mark.parametrize("learner_recipe", [None, TE], ids=["bf16-learner", "nvfp4-learner"])

@@ -191,7 +191,7 @@ def test_nvfp4_learner_and_nvfp4_sampler_copy(tiny_model_dir, tmp_path, monkeypa
     copy = trainer.rollout_func.copy
     layers = [m for m in copy.modules() if isinstance(m, NVFP4Linear)]
     # the copy is converted from the learner's high-precision weights with the sampler's own recipe
-    assert layers and all(m.config.input_recipe.scale == "row" for m in layers)
+    assert layers and all(m.config.activation.scale == "row" for m in layers)
     assert "forward" not in copy.__dict__  # runs its own (NVFP4) forward, not the learner's patched one
     assert logs[0]["triage/mean_abs_delta"] > 1e-3  # two different NVFP4 recipes disagree
     # the trainer's (fused by default) optimizer step made every cached W_q stale: the next forward re-quantizes

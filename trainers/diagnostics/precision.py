@@ -20,8 +20,8 @@ A ``Precision`` names one point on every axis the seed ablates:
 Conversion (:func:`convert_linears`) replaces the decoder layers' ``nn.Linear`` modules (never ``lm_head``)
 in place by the kernels' own layers: the online W4A4 learner gets ``NVFP4Linear`` (master weight kept,
 quantized by the layer's cache, as in training); every other path an engine-side
-``FrozenNVFP4Linear`` holding fixed NVFP4 codes (``mode="w4a4"`` with the activation recipe as its
-``input_recipe``, or ``"w4a16"``). The offline route writes a real NVFP4 checkpoint with
+``FrozenNVFP4Linear`` holding fixed NVFP4 codes (``compute="w4a4"`` with the activation recipe as its
+``activation``, or ``"w4a16"``). The offline route writes a real NVFP4 checkpoint with
 ``export_nvfp4_checkpoint`` and loads it back with ``load_nvfp4_checkpoint`` (+ ``load_activation_recipes``
 for static activation scales), as an engine loads it. Backends: ``auto`` on CUDA (Triton quantizer,
 Triton/cuBLAS GEMMs); on CPU the torch reference quantizer and the fp64 reference GEMM (never the Triton
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from triage.kernels.frozen_linear import FrozenNVFP4Linear, NVFP4BaseConfig
+from triage.kernels.frozen_linear import FrozenNVFP4Linear, NVFP4FrozenConfig
 from triage.kernels.nvfp4 import (
     NVFP4Tensor,
     QuantRecipe,
@@ -289,16 +289,16 @@ def convert_linears(
     else:
         qweights, inputs = _online_weights(weights, precision, quant_backend), {}
     for name, _, module in targets:
-        input_recipe = inputs.get(name) or activation_recipe(
+        activation = inputs.get(name) or activation_recipe(
             precision, calibration.get(name) if calibration else None
         )
-        config = NVFP4BaseConfig(
-            mode="w4a4" if precision.mode == "w4a4" else "w4a16",
-            input_recipe=input_recipe or QuantRecipe(),  # unused by w4a16
+        config = NVFP4FrozenConfig(
+            compute="w4a4" if precision.mode == "w4a4" else "w4a16",
+            activation=activation or QuantRecipe(),  # unused by w4a16
             gemm_backend=gemm_backend,
             quant_backend=quant_backend,
         )
-        _replace(model, name, FrozenNVFP4Linear(qweights[name], module.bias, config))
+        model.set_submodule(name, FrozenNVFP4Linear(qweights[name], module.bias, config))
     return model
 
 
@@ -318,15 +318,10 @@ def _convert_learner(
         shared = _shared_amax({name: m.weight for name, m in masters.items()})
     for name, linear in masters.items():
         config = NVFP4LinearConfig(
-            input_recipe=activation_recipe(precision, calibration.get(name) if calibration else None),
-            weight_recipe=weight_recipe(precision, amax=shared.get(name)),
+            activation=activation_recipe(precision, calibration.get(name) if calibration else None),
+            weight=weight_recipe(precision, amax=shared.get(name)),
             gemm_backend=gemm_backend,
             quant_backend=quant_backend,
         )
-        _replace(model, name, NVFP4Linear.from_linear(linear, config))
+        model.set_submodule(name, NVFP4Linear.from_linear(linear, config))
     return model
-
-
-def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent), child, module)

@@ -147,7 +147,7 @@ def strict_alignment(model: nn.Module) -> Iterator[nn.Module]:
             name = type(module).__name__
             if type(module) is nn.Linear:
                 _patch(module, _linear_forward, undo)
-            elif isinstance(module, FrozenNVFP4Linear) and module.config.mode == "w4a16":
+            elif isinstance(module, FrozenNVFP4Linear) and module.config.compute == "w4a16":
                 _patch(module, _frozen_w4a16_forward, undo)
             elif isinstance(module, (NVFP4Linear, FrozenNVFP4Linear)):
                 old_cfg = module.config

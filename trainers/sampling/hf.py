@@ -17,7 +17,7 @@ per row; the loop keeps one float per token.
 
 ``sampler_model`` picks the weights: ``"shared"`` (default) samples with the trainer's own model (unwrapped
 like TRL does for ``generate``); ``"copy"`` keeps a separate copy (optionally cast to ``dtype`` and passed
-through ``prepare_model``, e.g. ``lambda m: triage.kernels.convert_to_nvfp4(m, recipe)``), synced from
+through ``prepare_model``, e.g. ``lambda m: triage.kernels.convert(m, config)``), synced from
 the trainer's weights whenever ``trainer.state.global_step`` changes: built once, then refreshed in place
 (:meth:`HFSampler.sync_weights`).
 
@@ -541,11 +541,11 @@ class HFSampler(SamplerSource):
                 break
         if self.dtype is not None or self.prepare_model is not None:
             # other numerics than the learner's: start from its high-precision form (an NVFP4 learner's
-            # NVFP4Linear / NVFP4MoeExperts back to nn.Linear / the original experts, same parameters)
-            from triage.kernels import convert_from_nvfp4, convert_moe_experts_from_nvfp4
+            # NVFP4Linear / NVFP4MoeExperts back to nn.Linear / the original experts, same parameters); a frozen
+            # NVFP4 base stays: its codes are the weights, shared with the learner
+            from triage.kernels import unconvert
 
-            convert_from_nvfp4(dup)
-            convert_moe_experts_from_nvfp4(dup)
+            unconvert(dup, frozen=False)
         if self.dtype is not None:
             dup = dup.to(self.dtype)
         if self.prepare_model is not None:

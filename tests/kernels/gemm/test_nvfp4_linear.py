@@ -9,14 +9,14 @@ import torch
 from _dense_operands import device, rel_err
 from torch import nn
 
-from triage.kernels import NVFP4Linear, NVFP4LinearConfig, convert_from_nvfp4, convert_to_nvfp4
+from triage.kernels import NVFP4Config, NVFP4Linear, NVFP4LinearConfig, convert, unconvert
 from triage.kernels.linear import transpose_16x16
 from triage.kernels.nvfp4 import QuantRecipe, quantize
 from triage.kernels.nvfp4.matmul import gemm_reference
 
 # the torch reference quantizer keeps the CPU tests fast; the GEMMs run in the Triton interpreter
 CFG = NVFP4LinearConfig(quant_backend="torch")
-CFG_FP4_BWD = dataclasses.replace(CFG, mode="nvfp4-backward")
+CFG_FP4_BWD = dataclasses.replace(CFG, backward="nvfp4-backward")
 
 
 def _layer(k=48, n=32, bias=True, config=CFG, seed=0):
@@ -33,8 +33,8 @@ def test_forward_is_the_nvfp4_gemm_of_the_quantized_operands():
     layer = _layer()
     x = _x(2 * 9, 48).reshape(2, 9, 48)
     y = layer(x)
-    xq = quantize(x.reshape(-1, 48), CFG.input_recipe, backend="torch")
-    wq = quantize(layer.weight.detach(), CFG.weight_recipe, backend="torch")
+    xq = quantize(x.reshape(-1, 48), CFG.activation, backend="torch")
+    wq = quantize(layer.weight.detach(), CFG.weight, backend="torch")
     ref = gemm_reference(xq, wq, out_dtype=torch.float64, bias=layer.bias.detach())
     assert y.shape == (2, 9, 32)
     assert rel_err(y.reshape(-1, 32), ref) < 2e-6
@@ -127,12 +127,12 @@ def test_nvfp4_backward_uses_the_te_operands():
     x = _x(20, 48).requires_grad_()  # 20 tokens: wgrad pads M to 32
     dy = _x(20, 32, seed=2)
     layer(x).backward(dy)
-    seed = CFG_FP4_BWD.grad_recipe.seed + 2  # first backward call of this module
-    wq = quantize(layer.weight.detach(), CFG.weight_recipe, backend="torch")
-    dyq = quantize(dy, CFG.grad_recipe, backend="torch", seed=seed)
+    seed = CFG_FP4_BWD.grad.seed + 2  # first backward call of this module
+    wq = quantize(layer.weight.detach(), CFG.weight, backend="torch")
+    dyq = quantize(dy, CFG.grad, backend="torch", seed=seed)
     dx_ref = gemm_reference(dyq, transpose_16x16(wq), out_dtype=torch.float64)
     assert rel_err(x.grad, dx_ref) < 2e-6
-    r = CFG.wgrad_recipe
+    r = CFG.wgrad
     dyt = quantize(dy.T.contiguous(), r, backend="torch", seed=seed + 1)
     xt = quantize(x.detach().T.contiguous(), dataclasses.replace(r, rounding="nearest"), backend="torch")
     assert rel_err(layer.weight.grad, gemm_reference(dyt, xt, out_dtype=torch.float64)) < 2e-6
@@ -142,13 +142,13 @@ def test_nvfp4_backward_uses_the_te_operands():
 
 
 def test_nvfp4_backward_seeds_wrap_at_2_32():
-    grad = dataclasses.replace(CFG.grad_recipe, seed=2**32 - 3)  # first backward: dy seed 2**32 - 1
-    cfg = dataclasses.replace(CFG_FP4_BWD, grad_recipe=grad)
+    grad = dataclasses.replace(CFG.grad, seed=2**32 - 3)  # first backward: dy seed 2**32 - 1
+    cfg = dataclasses.replace(CFG_FP4_BWD, grad=grad)
     layer = _layer(config=cfg)
     x = _x(20, 48).requires_grad_()
     dy = _x(20, 32, seed=2)
     layer(x).backward(dy)  # the wgrad's dyᵀ seed wraps to 0 instead of failing the seed range check
-    r = cfg.wgrad_recipe
+    r = cfg.wgrad
     dyt = quantize(dy.T.contiguous(), r, backend="torch", seed=0)
     xt = quantize(x.detach().T.contiguous(), dataclasses.replace(r, rounding="nearest"), backend="torch")
     assert rel_err(layer.weight.grad, gemm_reference(dyt, xt, out_dtype=torch.float64)) < 2e-6
@@ -160,7 +160,7 @@ def test_nvfp4_backward_is_unbiased_on_average():
     x = _x(16, 32).requires_grad_()
     dy = _x(16, 16, seed=2)
     # E[Q_sr(dy)] = dy, so E[dx] = dy·dequant(W_q): the stochastic part must average out
-    wq = quantize(layer.weight.detach(), cfg.weight_recipe, backend="torch")
+    wq = quantize(layer.weight.detach(), cfg.weight, backend="torch")
     exact_dx = dy.double() @ wq.dequantize(torch.float64)
     grads = []
     for _ in range(24):
@@ -197,7 +197,7 @@ def test_convert_qwen3_and_back():
         ref = model(ids).logits
     params = dict(model.named_parameters())
     keys = list(model.state_dict())
-    convert_to_nvfp4(model, CFG)
+    convert(model, NVFP4Config(linear=CFG))
     converted = [n for n, m in model.named_modules() if isinstance(m, NVFP4Linear)]
     assert len(converted) == 2 * 7  # q,k,v,o,gate,up,down per layer
     assert type(model.lm_head) is nn.Linear and isinstance(model.model.embed_tokens, nn.Embedding)
@@ -206,7 +206,7 @@ def test_convert_qwen3_and_back():
     with torch.no_grad():
         y = model(ids).logits
     assert not torch.equal(y, ref) and rel_err(y, ref) < 0.5
-    convert_from_nvfp4(model)
+    unconvert(model)
     assert not any(isinstance(m, NVFP4Linear) for m in model.modules())
     with torch.no_grad():
         assert torch.equal(model(ids).logits, ref)
@@ -215,7 +215,7 @@ def test_convert_qwen3_and_back():
 def test_gradient_checkpointing_gives_the_same_gradients():
     grads = []
     for checkpointing in (False, True):
-        model = convert_to_nvfp4(_qwen3(), CFG)
+        model = convert(_qwen3(), NVFP4Config(linear=CFG))
         model.train()
         if checkpointing:
             kwargs = {"use_reentrant": False}
@@ -241,16 +241,16 @@ def test_conversion_and_config_errors():
             self.proj = nn.Linear(24, 16)
 
     with pytest.raises(ValueError, match="layer 'proj'.*in_features=24"):
-        convert_to_nvfp4(Odd(), CFG)
-    assert type(convert_to_nvfp4(Odd(), CFG, skip=("proj",)).proj) is nn.Linear
+        convert(Odd(), NVFP4Config(linear=CFG))
+    assert type(convert(Odd(), NVFP4Config(linear=CFG, skip=("proj",))).proj) is nn.Linear
     with pytest.raises(ValueError, match="16x16"):
-        NVFP4LinearConfig(mode="nvfp4-backward", weight_recipe=QuantRecipe())
-    with pytest.raises(ValueError, match="mode"):
-        NVFP4LinearConfig(mode="fp8")
+        NVFP4LinearConfig(backward="nvfp4-backward", weight=QuantRecipe())
+    with pytest.raises(ValueError, match="backward must be one of"):
+        NVFP4LinearConfig(backward="fp8")
     with pytest.raises(ValueError, match="multiples of 16"):
         NVFP4Linear(32, 24, config=CFG_FP4_BWD)
-    with pytest.raises(TypeError, match="recipe"):
-        convert_to_nvfp4(Odd(), "te")
+    with pytest.raises(TypeError, match="config must be an NVFP4Config"):
+        convert(Odd(), "te")
     layer = _layer()
     with pytest.raises(ValueError, match="last dim 32, expected 48"):
         layer(_x(3, 32))

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from triage.kernels import NVFP4Linear, NVFP4LinearConfig
-from triage.kernels.moe.experts import MoEQuantConfig, NVFP4MoeExperts
+from triage.kernels.moe.experts import NVFP4MoEConfig, NVFP4MoeExperts
 from triage.kernels.nvfp4 import QuantRecipe, quantize
 from triage.kernels.nvfp4.matmul import gemm
 
@@ -36,11 +36,11 @@ def _fresh_linear(layer: NVFP4Linear) -> NVFP4Linear:
     return NVFP4Linear.from_linear(lin, layer.config)
 
 
-@pytest.mark.parametrize("mode", ["bf16-backward", "nvfp4-backward"])
+@pytest.mark.parametrize("backward", ["bf16-backward", "nvfp4-backward"])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_nvfp4_linear_follows_every_optimizer(name, mode):
+def test_nvfp4_linear_follows_every_optimizer(name, backward):
     torch.manual_seed(0)
-    layer = NVFP4Linear(32, 16, config=dataclasses.replace(CFG, mode=mode))
+    layer = NVFP4Linear(32, 16, config=dataclasses.replace(CFG, backward=backward))
     opt = OPTIMIZERS[name](layer.parameters())
     x, dy = torch.randn(8, 32), torch.randn(8, 16)
     for _ in range(3):
@@ -93,7 +93,7 @@ def _fresh_experts(m: NVFP4MoeExperts) -> NVFP4MoeExperts:
 def test_moe_experts_follow_every_optimizer(name, backward):
     torch.manual_seed(0)
     weight = QuantRecipe(scale="expert", block="16x16")
-    cfg = MoEQuantConfig(backend="reference", backward=backward, weight=weight)
+    cfg = NVFP4MoEConfig(gemm_backend="reference", backward=backward, weight=weight)
     experts = NVFP4MoeExperts(_Experts(), cfg)
     opt = OPTIMIZERS[name](experts.parameters())
     x = torch.randn(6, 32)
@@ -127,7 +127,7 @@ def test_a_nonfinite_weight_or_input_gives_nan_like_nn_linear(bad):
 
 def test_nonfinite_gradients_give_nan_in_nvfp4_backward():
     torch.manual_seed(0)
-    layer = NVFP4Linear(32, 16, config=dataclasses.replace(CFG, mode="nvfp4-backward"))
+    layer = NVFP4Linear(32, 16, config=dataclasses.replace(CFG, backward="nvfp4-backward"))
     x = torch.randn(16, 32, requires_grad=True)
     dy = torch.randn(16, 16)
     dy[3, 4] = float("nan")
@@ -137,7 +137,7 @@ def test_nonfinite_gradients_give_nan_in_nvfp4_backward():
 
 def test_nonfinite_expert_weight_or_token_gives_nan():
     torch.manual_seed(0)
-    cfg = MoEQuantConfig(backend="reference")
+    cfg = NVFP4MoEConfig(gemm_backend="reference")
     experts = NVFP4MoeExperts(_Experts(), cfg)
     x, idx, w = torch.randn(4, 32), torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0]]), torch.rand(4, 2)
     with torch.no_grad():
@@ -150,11 +150,11 @@ def test_nonfinite_expert_weight_or_token_gives_nan():
 
 
 def test_frozen_base_nan_input_gives_nan():
-    from triage.kernels.frozen_linear import FrozenNVFP4Linear, NVFP4BaseConfig
+    from triage.kernels.frozen_linear import FrozenNVFP4Linear, NVFP4FrozenConfig
 
     torch.manual_seed(0)
     frozen = FrozenNVFP4Linear.from_linear(
-        nn.Linear(32, 16), NVFP4BaseConfig(quant_backend="torch", gemm_backend="reference")
+        nn.Linear(32, 16), NVFP4FrozenConfig(quant_backend="torch", gemm_backend="reference")
     )
     x = torch.randn(4, 32)
     x[2, 7] = float("nan")

@@ -13,7 +13,7 @@ from triage.kernels.moe import (
     grouped_mm,
     offsets_from_expert_ids,
 )
-from triage.kernels.moe.experts import MoEQuantConfig, grouped_nvfp4_linear
+from triage.kernels.moe.experts import NVFP4MoEConfig, grouped_nvfp4_linear
 from triage.kernels.nvfp4.api import quantize
 from triage.kernels.nvfp4.matmul import gemm_reference
 from triage.kernels.nvfp4.recipe import QuantRecipe
@@ -164,7 +164,7 @@ def test_grouped_linear_gradients(mode):
     w = torch.randn(e, n, k, generator=gen).requires_grad_(True)
     gather = torch.tensor([0, 3, 1, 1, 5, 2, 4, 0, 2])  # routed rows, sorted by expert
     offs = _offsets([4, 0, 5])
-    cfg = MoEQuantConfig(backward=mode, backend="triton")
+    cfg = NVFP4MoEConfig(backward=mode, gemm_backend="triton")
     y = grouped_nvfp4_linear(x, w, offs, cfg, gather)
     dy = torch.randn(y.shape, generator=gen)
     y.backward(dy)
@@ -254,7 +254,7 @@ def _expert(w, e):
 
 def test_grouped_linear_validates_offsets_and_gather():
     x, w = torch.randn(6, 32), torch.randn(4, 16, 32)
-    cfg = MoEQuantConfig(backend="reference")
+    cfg = NVFP4MoEConfig(gemm_backend="reference")
     with pytest.raises(ValueError, match="does not match the token count 6"):
         grouped_nvfp4_linear(x, w, torch.tensor([0, 2, 3, 4, 4]), cfg)  # rows 4, 5 belong to no expert
     with pytest.raises(ValueError, match="expected num_experts \\+ 1 = 5"):

@@ -4,13 +4,13 @@ import pytest
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from triage.kernels import NVFP4Config, convert, unconvert
 from triage.kernels.linear import transpose_16x16
 from triage.kernels.moe import offsets_from_expert_ids
 from triage.kernels.moe.experts import (
-    MoEQuantConfig,
+    NVFP4MoEConfig,
     NVFP4MoeExperts,
     _WeightCache,
-    convert_moe_experts,
     grouped_nvfp4_linear,
 )
 from triage.kernels.nvfp4.api import dequantize, quantize
@@ -36,18 +36,29 @@ def _tiny_moe(seed=0, **kw):
     return Qwen3MoeForCausalLM(cfg)
 
 
+def convert_experts(model, config=None):
+    """``convert`` of the fused experts only (the dense layers stay ``nn.Linear``)."""
+    return convert(model, NVFP4Config(linear=None, moe=config or NVFP4MoEConfig()))
+
+
+def _experts(model) -> list[str]:
+    return [n for n, m in model.named_modules() if isinstance(m, NVFP4MoeExperts)]
+
+
 def test_conversion_keeps_parameters_keys_and_router():
     model = _tiny_moe()
     keys = list(model.state_dict())
     before = {n: p for n, p in model.named_parameters()}
     router_type = type(model.model.layers[0].mlp.gate)
-    names = convert_moe_experts(model)
-    assert names == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert convert_experts(model) is model
+    assert _experts(model) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
     assert isinstance(model.model.layers[1].mlp.experts, NVFP4MoeExperts)
     assert type(model.model.layers[0].mlp.gate) is router_type  # router stays high precision
     assert list(model.state_dict()) == keys
     assert all(p is before[n] for n, p in model.named_parameters())
-    assert convert_moe_experts(model) == []  # idempotent
+    converted = [model.get_submodule(n) for n in _experts(model)]
+    convert_experts(model)  # idempotent
+    assert [model.get_submodule(n) for n in _experts(model)] == converted
 
 
 def _reference_experts(module, hidden, idx, weights):
@@ -73,7 +84,7 @@ def _reference_experts(module, hidden, idx, weights):
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_nvfp4_experts_match_per_expert_loop(backend):
     model = _tiny_moe(seed=1)
-    convert_moe_experts(model, MoEQuantConfig(backend=backend))
+    convert_experts(model, NVFP4MoEConfig(gemm_backend=backend))
     experts = model.model.layers[0].mlp.experts
     gen = torch.Generator().manual_seed(2)
     hidden = torch.randn(11, 32, generator=gen)
@@ -86,7 +97,7 @@ def test_nvfp4_experts_match_per_expert_loop(backend):
 
 def test_bad_expert_ids_raise():
     model = _tiny_moe()
-    convert_moe_experts(model)
+    convert_experts(model)
     experts = model.model.layers[0].mlp.experts
     with pytest.raises(ValueError, match=r"expert_ids\[1, 0\] = 4 is outside \[0, 4\)"):
         experts(torch.randn(2, 32), torch.tensor([[0, 1], [4, 1]]), torch.rand(2, 2))
@@ -94,7 +105,7 @@ def test_bad_expert_ids_raise():
 
 def test_bad_shapes_raise():
     model = _tiny_moe()
-    convert_moe_experts(model)
+    convert_experts(model)
     experts = model.model.layers[0].mlp.experts
     h, idx, w = torch.randn(6, 32), torch.randint(0, 4, (6, 2)), torch.rand(6, 2)
     with pytest.raises(ValueError, match=r"hidden_states must be \[T, 32\], got \(2, 3, 32\)"):
@@ -110,9 +121,7 @@ def test_bad_shapes_raise():
 @pytest.mark.parametrize("mode", ["bf16-backward", "nvfp4-backward"])
 def test_zero_tokens_give_an_empty_output(mode):
     model = _tiny_moe()
-    convert_moe_experts(
-        model, MoEQuantConfig(backward=mode, weight=QuantRecipe(scale="expert", block="16x16"))
-    )
+    convert_experts(model, NVFP4MoEConfig(backward=mode, weight=QuantRecipe(scale="expert", block="16x16")))
     experts = model.model.layers[0].mlp.experts
     h = torch.randn(0, 32, requires_grad=True)
     w = torch.rand(0, 2, requires_grad=True)
@@ -130,9 +139,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(mode):
     from torch.utils.checkpoint import checkpoint
 
     model = _tiny_moe()
-    convert_moe_experts(
-        model, MoEQuantConfig(backward=mode, weight=QuantRecipe(scale="expert", block="16x16"))
-    )
+    convert_experts(model, NVFP4MoEConfig(backward=mode, weight=QuantRecipe(scale="expert", block="16x16")))
     experts = model.model.layers[0].mlp.experts
     gen = torch.Generator().manual_seed(0)
     h = torch.randn(12, 32, generator=gen)
@@ -152,17 +159,12 @@ def test_gradient_checkpointing_gives_the_same_gradients(mode):
 
 
 def test_convert_back_restores_the_original_experts_with_the_same_parameters():
-    from triage.kernels import convert_moe_experts_from_nvfp4
-
     model = _tiny_moe()
     original = model.model.layers[0].mlp.experts
-    convert_moe_experts(model)
+    convert_experts(model)
     converted = model.model.layers[0].mlp.experts
     assert isinstance(converted, NVFP4MoeExperts)
-    assert convert_moe_experts_from_nvfp4(model) == [
-        "model.layers.0.mlp.experts",
-        "model.layers.1.mlp.experts",
-    ]
+    assert unconvert(model) is model and _experts(model) == []
     back = model.model.layers[0].mlp.experts
     assert back is original and back.gate_up_proj is converted.gate_up_proj
 
@@ -174,13 +176,13 @@ def test_expert_weight_cache_is_not_fooled_by_a_reused_address():
     w = torch.nn.Parameter(torch.randn(4, 16, 32))
     with torch.no_grad():
         for _ in range(20):
-            cache.get(w, recipe, False)
+            cache.get(w, recipe, False, "auto")
             old_ptr = w.data_ptr()
             w.data = torch.randn_like(w)  # the old storage is freed (if unreferenced)
             new = [torch.randn_like(w) for _ in range(8)]  # the allocator tends to hand it back
             w.data = next((t for t in new if t.data_ptr() == old_ptr), new[0])
             del new
-            wq = cache.get(w, recipe, False).wq
+            wq = cache.get(w, recipe, False, "auto").wq
             assert torch.equal(wq.data, quantize(w.detach(), recipe, backend="torch").data)
 
 
@@ -191,7 +193,7 @@ def test_converted_model_trains_and_generates(mode):
     with torch.no_grad():
         ref_logits = model(ids).logits
     weight = QuantRecipe(scale="expert", block="16x16")
-    convert_moe_experts(model, MoEQuantConfig(backward=mode, backend="reference", weight=weight))  # CPU path
+    convert_experts(model, NVFP4MoEConfig(backward=mode, gemm_backend="reference", weight=weight))  # CPU path
     with torch.no_grad():
         logits = model(ids).logits
     assert ((logits - ref_logits).abs().max() / ref_logits.abs().max()) < 0.05  # NVFP4 error, not garbage
@@ -218,10 +220,10 @@ W16 = QuantRecipe(scale="expert", block="16x16")
 
 def test_nvfp4_backward_needs_16x16_expert_weights():
     with pytest.raises(ValueError, match="16x16"):
-        MoEQuantConfig(backward="nvfp4-backward")
+        NVFP4MoEConfig(backward="nvfp4-backward")
     with pytest.raises(ValueError, match="Hadamard"):
-        MoEQuantConfig(backward="nvfp4-backward", weight=W16, grad=QuantRecipe(hadamard=True))
-    MoEQuantConfig(backward="nvfp4-backward", weight=W16)
+        NVFP4MoEConfig(backward="nvfp4-backward", weight=W16, grad=QuantRecipe(hadamard=True))
+    NVFP4MoEConfig(backward="nvfp4-backward", weight=W16)
 
 
 def test_transpose_16x16_per_expert_equals_quantizing_the_transpose():
@@ -257,7 +259,7 @@ def test_nvfp4_backward_matches_reference_with_nearest_rounding(backend):
     dy = torch.randn(gather.numel(), 48, generator=gen)
     grad = QuantRecipe()  # nearest: a deterministic reference
     wgrad = QuantRecipe(hadamard=True, pad=True)
-    cfg = MoEQuantConfig(backward="nvfp4-backward", weight=W16, grad=grad, wgrad=wgrad, backend=backend)
+    cfg = NVFP4MoEConfig(backward="nvfp4-backward", weight=W16, grad=grad, wgrad=wgrad, gemm_backend=backend)
     dx, dw = _grads(cfg, x, w, gather, offsets, dy)
     # dgrad: Q(dy)[r] · Q(W)[e(r)], rows scattered back to their tokens
     dyq = dequantize(quantize(dy, grad)).double()
@@ -297,9 +299,14 @@ def test_nvfp4_backward_defaults_approximate_the_exact_gradient():
     gather, offsets = _routed(11, T=64)
     x, w = torch.randn(64, 32, generator=gen), torch.randn(4, 48, 32, generator=gen)
     dy = torch.randn(gather.numel(), 48, generator=gen)
-    exact = _grads(MoEQuantConfig(weight=W16, backend="reference"), x, w, gather, offsets, dy)
+    exact = _grads(NVFP4MoEConfig(weight=W16, gemm_backend="reference"), x, w, gather, offsets, dy)
     fp4 = _grads(
-        MoEQuantConfig(backward="nvfp4-backward", weight=W16, backend="reference"), x, w, gather, offsets, dy
+        NVFP4MoEConfig(backward="nvfp4-backward", weight=W16, gemm_backend="reference"),
+        x,
+        w,
+        gather,
+        offsets,
+        dy,
     )
     for a, b in zip(fp4, exact):
         rel = ((a - b).norm() / b.norm()).item()

@@ -182,7 +182,7 @@ def test_layer_gives_nan_where_a_rotated_wgrad_operand_overflows():
 
     from triage.kernels import NVFP4Linear, NVFP4LinearConfig
 
-    cfg = NVFP4LinearConfig(quant_backend="torch", gemm_backend="reference", mode="nvfp4-backward")
+    cfg = NVFP4LinearConfig(quant_backend="torch", gemm_backend="reference", backward="nvfp4-backward")
     torch.manual_seed(0)
     layer = NVFP4Linear(32, 16, config=cfg)
     x = torch.randn(16, 32)
@@ -193,7 +193,7 @@ def test_layer_gives_nan_where_a_rotated_wgrad_operand_overflows():
     x[:, 0] = SIGNS * 1e38
     layer(x).backward(torch.randn(16, 16))
     assert layer.weight.grad.isnan().all()
-    per_row = dataclasses.replace(cfg, wgrad_recipe=QuantRecipe(hadamard=True, pad=True, scale="row"))
+    per_row = dataclasses.replace(cfg, wgrad=QuantRecipe(hadamard=True, pad=True, scale="row"))
     layer = NVFP4Linear(32, 16, config=per_row)
     layer(x).backward(torch.randn(16, 16))
     assert layer.weight.grad.isnan().all()

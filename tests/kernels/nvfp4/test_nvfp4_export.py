@@ -182,7 +182,7 @@ def test_zero_block_scale_byte_is_the_producer_s(exported):
 
 
 def test_dequantized_state_dict_loads_into_plain_and_nvfp4_models(exported, model, tokenizer):
-    from triage.kernels.linear import NVFP4Linear, convert_to_nvfp4
+    from triage.kernels import NVFP4Config, NVFP4Linear, convert
     from triage.trainers.tiny import build_model
 
     layout, path, res = exported
@@ -192,16 +192,16 @@ def test_dequantized_state_dict_loads_into_plain_and_nvfp4_models(exported, mode
     plain.load_state_dict(sd)
     for name, t in res.weights.items():
         assert torch.equal(plain.get_parameter(name), t.dequantize())
-    conv = convert_to_nvfp4(build_model(tokenizer, seed=99), QuantRecipe(profile=PROFILE[layout]))
+    conv = convert(
+        build_model(tokenizer, seed=99), NVFP4Config.from_recipe(QuantRecipe(profile=PROFILE[layout]))
+    )
     q = conv.model.layers[0].self_attn.q_proj
     stale = q.quantized_weight()  # cache the pre-load W_q: load_state_dict must invalidate it
     conv.load_state_dict(sd)
     assert isinstance(q, NVFP4Linear)
     assert torch.equal(q.weight, res.weights["model.layers.0.self_attn.q_proj.weight"].dequantize())
     fresh = q.quantized_weight()  # NVFP4Linear re-quantizes the loaded (dequantized) master weight
-    assert fresh is not stale and torch.equal(
-        fresh.data, quantize(q.weight.detach(), q.config.weight_recipe).data
-    )
+    assert fresh is not stale and torch.equal(fresh.data, quantize(q.weight.detach(), q.config.weight).data)
 
 
 def test_activation_recipes_reproduce_the_static_input_scale(exported, input_amax):

@@ -190,7 +190,7 @@ def test_argument_errors():
 def test_moe_wgrad_new_path_equals_old_path_bitwise():
     """nvfp4_wgrad (columnwise quantizer on CUDA / under the interpreter) gives exactly the weight gradient
     of the old path (padded layout materialized, transposed, quantized), operands byte for byte."""
-    from triage.kernels.moe.experts import MoEQuantConfig, nvfp4_wgrad
+    from triage.kernels.moe.experts import NVFP4MoEConfig, nvfp4_wgrad
     from triage.kernels.moe.grouped_gemm import grouped_wgrad, pad_segments
 
     counts = [0, 7, 0, 20, 16, 0]
@@ -205,7 +205,7 @@ def test_moe_wgrad_new_path_equals_old_path_bitwise():
     gather = torch.randint(0, 11, (rows,), generator=gen).to(DEV)
     w16 = QuantRecipe(scale="expert", block="16x16")
     for backend in ("triton_expanded", "triton"):
-        cfg = MoEQuantConfig(backward="nvfp4-backward", weight=w16, backend=backend)
+        cfg = NVFP4MoEConfig(backward="nvfp4-backward", weight=w16, gemm_backend=backend)
         new = nvfp4_wgrad(dy, x, offsets, cfg, 17, gather=gather)
         emit = torch.bfloat16 if backend == "triton_expanded" else None
         dyq = quantize(
@@ -238,7 +238,7 @@ def test_dense_nvfp4_backward_wgrad_operands_columnwise():
     dy = torch.randn(3, 7, 16, generator=gen).to(DEV)
     grads = []
     for qb in ("torch", "triton"):
-        cfg = NVFP4LinearConfig(mode="nvfp4-backward", quant_backend=qb, gemm_backend="reference")
+        cfg = NVFP4LinearConfig(backward="nvfp4-backward", quant_backend=qb, gemm_backend="reference")
         torch.manual_seed(0)
         layer = NVFP4Linear(32, 16, bias=False, config=cfg).to(DEV)
         xi = x.clone().requires_grad_(True)
