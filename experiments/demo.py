@@ -77,8 +77,17 @@ class DemoConfig:
     no_plots: bool = _option(False, "write the text and JSON only")
 
 
-#: ``triage.cli`` parses this command's flags into this dataclass with ``trl.TrlParser``.
-ARGUMENTS = DemoConfig
+def parse_args(argv: list[str], prog: str = "triage demo", description: str | None = None) -> DemoConfig:
+    """``triage demo``'s flags: the :class:`DemoConfig` fields through ``trl.TrlParser`` (``--config FILE``
+    sets the fields from a YAML mapping, flags win; an unknown key in the file is a ``ValueError``)."""
+    from trl import TrlParser
+
+    from triage.cli import _DEBUG_HELP, DEBUG_FLAG
+
+    parser = TrlParser([DemoConfig], prog=prog, description=description)
+    parser.add_argument("--config", metavar="FILE.yaml", help="a YAML mapping of DemoConfig fields")
+    parser.add_argument(DEBUG_FLAG, action="store_true", help=_DEBUG_HELP)
+    return parser.parse_args_and_config(argv)[0]
 
 
 def digit_share(completions, **_) -> list[float]:

@@ -4,10 +4,12 @@
     python -m triage.experiments.testbed_summary RUN_DIR [RUN_DIR ...] [--json OUT.json] [--plot OUT.png]
     python -m triage.experiments.testbed_summary --from-json docs/results/testbed/X.json [--select LEVEL/ARM,...]
         [--plot OUT.png]                  # the table (and figure) of a committed summary
+    python -m triage.experiments.testbed_summary --from-json OLD.json RUN_DIR ... --json NEW.json
+                                          # a committed summary extended by new runs (one study)
 
 ``RUN_DIR/runs/<level>/<arm>/seed<k>.json`` are the finished runs and ``seed<k>.partial.json`` the runs a time
 budget cut short (both written by ``triage ablate``). Several RUN_DIRs (one per GPU call, or one per recipe
-override) are read as one study. A run whose learning rate or temperature differs from the testbed scale's
+override) and summary JSONs (``--from-json``, repeatable) are read as one study. A run whose learning rate or temperature differs from the testbed scale's
 (``--set learning_rate=2e-4``) is its own group: its ``variant`` (e.g. ``lr 0.0002``) is shown after the level.
 When the same run (level, variant, arm, seed) is found twice, the finished one (else the longer) is kept.
 """
@@ -58,7 +60,7 @@ def group_label(run: dict) -> str:
 
 
 def load_runs(*roots: Path) -> list[dict]:
-    found: dict[tuple, dict] = {}
+    runs = []
     for root in roots:
         for f in sorted(Path(root).glob("runs/*/*/seed*.json")):
             e = json.loads(f.read_text())
@@ -80,10 +82,18 @@ def load_runs(*roots: Path) -> list[dict]:
                 "series": {k: s.get(k) for k in ("step", *SERIES)},
                 "held_out": {k: e["held_out"][k] for k in ("step", "accuracy")},
             }
-            key = (run["level"], run["variant"], run["arm"], run["seed"])
-            old = found.get(key)
-            if old is None or (run["complete"], run["steps"]) > (old["complete"], old["steps"]):
-                found[key] = run
+            runs.append(run)
+    return merge(runs)
+
+
+def merge(runs: list[dict]) -> list[dict]:
+    """One run per (level, variant, arm, seed): the finished one, else the longer (the first of equals)."""
+    found: dict[tuple, dict] = {}
+    for run in runs:
+        key = (run["level"], run["variant"], run["arm"], run["seed"])
+        old = found.get(key)
+        if old is None or (run["complete"], run["steps"]) > (old["complete"], old["steps"]):
+            found[key] = run
     return sorted(found.values(), key=lambda r: (group_label(r), r["arm"], r["seed"]))
 
 
@@ -221,7 +231,12 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--json", default=None, help="write every run's series here (default RUN_DIR/testbed.json)"
     )
-    ap.add_argument("--from-json", default=None, help="read a summary JSON this command wrote, not a RUN_DIR")
+    ap.add_argument(
+        "--from-json",
+        action="append",
+        default=[],
+        help="also read a summary JSON this command wrote (repeatable; with RUN_DIRs, one study)",
+    )
     ap.add_argument(
         "--select",
         default=None,
@@ -242,12 +257,10 @@ def main(argv=None) -> int:
         "--early-warning", action="store_true", help="also print the early-warning replay per run"
     )
     args = ap.parse_args(argv)
-    if bool(args.run_dir) == (args.from_json is not None):
-        ap.error("give RUN_DIR(s) or --from-json, not both")
-    if args.from_json:
-        runs = json.loads(Path(args.from_json).read_text())["runs"]
-    else:
-        runs = load_runs(*map(Path, args.run_dir))
+    if not (args.run_dir or args.from_json):
+        ap.error("give RUN_DIR(s) and/or --from-json FILE")
+    earlier = [json.loads(Path(f).read_text()) for f in args.from_json]
+    runs = merge([r for e in earlier for r in e["runs"]] + load_runs(*map(Path, args.run_dir)))
     for spec in args.rename_arm:
         old, sep, new = spec.partition("=")
         if not (sep and old and new):
@@ -268,11 +281,6 @@ def main(argv=None) -> int:
     if args.early_warning:
         print()
         print(early_warning_table(runs))
-    if args.from_json:
-        if args.plot:
-            plot(runs, args.plot)
-        return 0
-    root = Path(args.run_dir[0])
     if args.plot:
         plot(runs, args.plot)
     missing = sorted(  # a log without its run's result file (seed1.log is not answered by seed10.json)
@@ -283,16 +291,18 @@ def main(argv=None) -> int:
     )
     for m in missing:
         print(f"FAILED (no result): {m}")
+    if not (args.run_dir or args.json):
+        return 0  # only summary JSONs read: nothing new to write unless --json asks for the merged study
     sft = next(
-        (Path(d) / "sft" / "sft.json" for d in args.run_dir if (Path(d) / "sft" / "sft.json").is_file()),
-        root / "sft" / "sft.json",
+        (Path(d) / "sft" / "sft.json" for d in args.run_dir if (Path(d) / "sft" / "sft.json").is_file()), None
     )
-    out = {"sft": json.loads(sft.read_text()) if sft.is_file() else None, "runs": runs}
-    if out["sft"]:
+    out = {"sft": json.loads(sft.read_text()) if sft else next((e["sft"] for e in earlier if e.get("sft")), None)}
+    out["runs"] = runs
+    if sft and out["sft"]:
         out["sft"] = {
             k: out["sft"].get(k) for k in ("config", "params", "steps_done", "stopped_by", "final", "eval")
         }
-    Path(args.json or root / "testbed.json").write_text(
+    Path(args.json or Path(args.run_dir[0]) / "testbed.json").write_text(
         json.dumps(_compact(out), separators=(",", ":")) + "\n"
     )
     return 0

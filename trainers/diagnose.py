@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _load(args, device):
     import torch
 
-    from triage.trainers.diagnostics.preset import TinyDiagnoseConfig, train_tiny_model
+    from triage.trainers.diagnostics.tiny_model import TinyDiagnoseConfig, train_tiny_model
 
     if args.model == "tiny":
         config = TinyDiagnoseConfig(seed=args.seed)
@@ -65,7 +65,7 @@ def _run_table(args) -> int:
     import torch
 
     from triage.trainers.diagnostics.gap_table import default_rows, format_table, gap_table, write_gap_table
-    from triage.trainers.diagnostics.preset import sample_batch
+    from triage.trainers.diagnostics.tiny_model import sample_batch
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     threads = (

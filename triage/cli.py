@@ -1,11 +1,11 @@
 """The ``triage`` console script.
 
-Each subcommand lives in its own module that exposes ``run(args) -> int`` and either ``ARGUMENTS``, a
-dataclass whose fields are exactly its flags (parsed by ``trl.TrlParser``, which also reads ``--config
-file.yaml`` of those fields; ``triage demo``), or ``add_arguments(parser)`` for an argparse parser where
-the flags are no dataclass's fields (``train`` and ``ablate`` layer recipes and study files, ``diagnose``
-picks a model source, ``explain`` stays in the torch-only core; docs/experiments.md, "Command-line
-parsing").
+Each subcommand lives in its own module that exposes ``run(args) -> int`` and either
+``parse_args(argv, prog, description)``, which parses its own flags (``triage demo``: its ``DemoConfig``
+fields through ``trl.TrlParser``, which also reads ``--config file.yaml``), or ``add_arguments(parser)`` for
+an argparse parser built here, where the flags are no dataclass's fields (``train`` and ``ablate`` layer
+recipes and study files, ``diagnose`` picks a model source, ``explain`` stays in the torch-only core;
+docs/experiments.md, "Command-line parsing"). Either way this module imports nothing beyond torch's layer.
 Modules are imported only when their subcommand is chosen, so ``triage --help`` and ``triage explain``
 never import TRL or Triton (the core layer stays torch-only; the CLI is the one place that dispatches
 upwards, and it does so lazily by module name).
@@ -101,22 +101,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parse(module, name: str, text: str, rest: list[str]):
-    """The command's arguments: its ``ARGUMENTS`` dataclass through ``trl.TrlParser`` (``--config FILE``
-    sets the fields, flags win; an unknown key in the file is a ``ValueError``), else the argparse
-    namespace of ``add_arguments``."""
-    fields = getattr(module, "ARGUMENTS", None)
-    if fields is None:
-        parser = argparse.ArgumentParser(prog=f"triage {name}", description=text)
-        module.add_arguments(parser)
-    else:
-        from trl import TrlParser
-
-        parser = TrlParser([fields], prog=f"triage {name}", description=text)
-        parser.add_argument("--config", metavar="FILE.yaml", help=f"a YAML mapping of {fields.__name__} fields")
+    """The command's arguments: its own ``parse_args`` (module docstring), else the argparse namespace of
+    ``add_arguments``. Both accept ``--debug``."""
+    if hasattr(module, "parse_args"):
+        return module.parse_args(rest, prog=f"triage {name}", description=text)
+    parser = argparse.ArgumentParser(prog=f"triage {name}", description=text)
+    module.add_arguments(parser)
     parser.add_argument(DEBUG_FLAG, action="store_true", help=_DEBUG_HELP)
-    if fields is None:
-        return parser.parse_args(rest)
-    return parser.parse_args_and_config(rest)[0]
+    return parser.parse_args(rest)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from triage.trainers.diagnostics.preset import TinyDiagnoseConfig, sample_batch, train_tiny_model  # noqa: E402
+from triage.trainers.diagnostics.tiny_model import TinyDiagnoseConfig, sample_batch, train_tiny_model  # noqa: E402
 
 TINY = TinyDiagnoseConfig(train_steps=60, train_batch=16, sequences=32, max_new_tokens=16)
 

@@ -66,7 +66,7 @@ def test_sample_batch_with_a_tokenizer_without_pad_token(trained):
     """Llama/Mistral-style tokenizers have no pad token: the batch pads with EOS (pads are masked)."""
     import copy
 
-    from triage.trainers.diagnostics.preset import sample_batch
+    from triage.trainers.diagnostics.tiny_model import sample_batch
 
     model, tokenizer = trained
     tokenizer = copy.deepcopy(tokenizer)

@@ -63,6 +63,29 @@ def test_several_folders_read_as_one_study(tmp_path, capsys):
     assert "no run is aligned/nope" in capsys.readouterr().err
 
 
+def test_a_committed_summary_extended_by_new_folders(tmp_path):
+    """--from-json OLD.json RUN_DIR --json NEW.json: one study; a run finished in the folder replaces its
+    cut-short copy in the old summary, the old summary's other runs (and its SFT record) are kept."""
+    old_dir, new_dir = tmp_path / "old", tmp_path / "new"
+    _write_full_run(old_dir, "aligned", "grpo-none", 0)
+    _write_full_run(old_dir, "aligned", "tis", 1, suffix=".partial.json", steps=30)
+    old = tmp_path / "old.json"
+    assert testbed_summary.main([str(old_dir), "--json", str(old)]) == 0
+    summary = json.loads(old.read_text())
+    summary["sft"] = {"params": 7}
+    old.write_text(json.dumps(summary))
+    _write_full_run(new_dir, "aligned", "tis", 1, steps=60)
+    _write_full_run(new_dir, "aligned", "tis", 2, steps=60)
+    new = tmp_path / "new.json"
+    assert testbed_summary.main(["--from-json", str(old), str(new_dir), "--json", str(new)]) == 0
+    merged = json.loads(new.read_text())
+    got = sorted((r["arm"], r["seed"], r["steps"], r["complete"]) for r in merged["runs"])
+    assert got == [("grpo-none", 0, 60, True), ("tis", 1, 60, True), ("tis", 2, 60, True)]
+    assert merged["sft"] == {"params": 7}
+    with pytest.raises(SystemExit):
+        testbed_summary.main([])
+
+
 def test_early_warning_replay_names_the_alarm_and_the_lead(tmp_path):
     _write_full_run(tmp_path, "lv", "grpo-none", 0, steps=200)
     run = testbed_summary.load_runs(tmp_path)[0]
