@@ -150,8 +150,8 @@ class StudyScale:
         learning_rate, warmup_steps: RL optimizer (AdamW as in the ``tiny`` recipe, constant after warm-up).
         eval_every: steps between held-out evaluations (plus one before the first step and one after the last).
         n_eval: held-out problems evaluated (the first ``n_eval`` of SFT's held-out set).
-        arm_seconds: a-priori seconds per run on the scale's target device (the time-budget estimate until a
-            run has finished).
+        arm_seconds: a-priori seconds per run on the scale's target device (the time-budget estimate, as
+            ``arm_seconds / steps`` per step, until a run in the folder has finished or been cut short).
         overrides: further recipe overrides (``KEY: value``, dotted keys allowed) applied to every run.
     """
 

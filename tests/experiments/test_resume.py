@@ -162,7 +162,9 @@ def test_results_name_the_resumed_runs(tmp_path):
 
 def _checkpoint_of(out: Path, key: RunKey, scale=SCALE, **changes) -> Path:
     """A checkpoint folder holding only the run state the run itself would write (``changes`` edit it)."""
-    recipe = ablate.run_recipe(scale, key, out / "sft", key.path(out), cpu=True)
+    import torch
+
+    recipe = ablate.run_recipe(scale, key, out / "sft", key.path(out), cpu=not torch.cuda.is_available())
     state = {
         "run": str(key),
         "fingerprint": scale.fingerprint(),
