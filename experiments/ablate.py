@@ -25,11 +25,14 @@ What one call does:
    number, per-step mean/min/max series), ``DIR/results.md`` (the table) and ``DIR/ablation-<level>.png``
    (:mod:`triage.experiments.plots`), rewritten after every finished run from all finished runs in ``DIR``.
 
-``--resume`` skips the runs already finished in ``DIR``. ``--time-budget S`` starts no run expected to end
-more than S seconds after the call began (the estimate: the mean seconds of the finished runs, else the
-scale's ``arm_seconds``) and stops a started run cleanly before a step that would end past it: a run cut
-short is not saved and runs again under ``--resume``. Runs of another scale (other sizes, steps or overrides) in ``DIR`` are an error,
-never mixed into the results.
+``--resume`` skips the runs already finished in ``DIR`` and continues a run cut short from its checkpoint.
+``--time-budget S`` stops a started run cleanly before a step that would end past S seconds after the call
+began: the run saves a checkpoint of that step (``DIR/runs/<level>/<arm>/seed<k>/checkpoint-<step>``, one per
+run, TRL's own) and its series so far (``seed<k>.partial.json``); under ``--resume`` it continues from there
+(:func:`run_one`), the step axis and the held-out schedule unbroken, and writes ``seed<k>.json`` once it
+reaches the scale's steps. A call starts no run expected to run fewer than ``eval_every`` steps (or its
+remaining steps, if fewer) before S. Runs of another scale (other sizes, steps or overrides) in ``DIR`` are an
+error, never mixed into the results.
 
 Scales (:data:`SCALES`): ``smoke`` runs for a few steps on CPU with a tiny model (CI); ``local`` and
 ``testbed`` (the mismatch testbed: longer completions, 300 steps) are sized for one H200. ``--mini`` shrinks a scale to smoke size, to check the whole pipeline on a CPU (its numbers mean
@@ -45,6 +48,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -90,7 +94,8 @@ RESULTS_FILE, TABLE_FILE, STUDY_FILE, RUNS_DIR, SFT_DIR = (
     "sft",
 )
 PARTIAL_SUFFIX = ".partial.json"  # a run the time budget cut short: its steps so far, never aggregated
-EXIT_CUT_SHORT = 3  # a child's exit status when the time budget stopped its run (nothing saved)
+RUN_STATE_FILE = "run_state.json"  # in a run's checkpoint: what it continues (written last: a complete save)
+EXIT_CUT_SHORT = 3  # a child's exit status when the time budget stopped its run (checkpointed, not finished)
 KILL_GRACE = 60.0  # seconds past the budget after which a child that has not stopped is killed
 
 #: results.json series name → the key the trainer logs it under (TRL's or the ``triage/...`` metrics).
@@ -145,8 +150,8 @@ class StudyScale:
         learning_rate, warmup_steps: RL optimizer (AdamW as in the ``tiny`` recipe, constant after warm-up).
         eval_every: steps between held-out evaluations (plus one before the first step and one after the last).
         n_eval: held-out problems evaluated (the first ``n_eval`` of SFT's held-out set).
-        arm_seconds: a-priori seconds per run on the scale's target device (the time-budget estimate until a
-            run has finished).
+        arm_seconds: a-priori seconds per run on the scale's target device (the time-budget estimate, as
+            ``arm_seconds / steps`` per step, until a run in the folder has finished or been cut short).
         overrides: further recipe overrides (``KEY: value``, dotted keys allowed) applied to every run.
     """
 
@@ -479,7 +484,9 @@ def run_recipe(
         "learning_rate": scale.learning_rate,
         "warmup_steps": scale.warmup_steps,
         "logging_steps": 1,
+        # no scheduled checkpoints: the time budget saves one when it stops a run, replacing the previous one
         "save_strategy": "no",
+        "save_total_limit": 1,
         "disable_tqdm": True,
         # the run seed: TRL's prompt order (RepeatSampler) and RNG, the Trainer's data_seed, the sampler's RNG
         "seed": key.seed,
@@ -622,6 +629,8 @@ def _group(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "correction": runs[0].get("correction"),
         "description": runs[0].get("description"),
         "seconds": seed_stats(r.get("seconds") for r in runs),
+        # the runs continued from a checkpoint (time budget), with the steps they were resumed after
+        "resumed": [{"seed": r["seed"], "at": r["resumed_at"]} for r in runs if r.get("resumed_at")],
         "summary": {k: seed_stats(s.get(k) for s in summaries) for k in SUMMARY_KEYS},
         "class_share": {
             c: seed_stats((s.get("class_share") or {}).get(c) for s in summaries) for c in CLASSES
@@ -715,7 +724,14 @@ def write_results(output_dir: str | Path, results: Mapping[str, Any], plots: boo
         "n = finished seeds; each cell is the mean ± sample std over seeds (min and max in results.json).",
         "",
     ]
-    (output_dir / TABLE_FILE).write_text("\n".join(header) + markdown_table(results))
+    resumed = [
+        f"{level}/{arm}/{r['seed']} after step {', '.join(map(str, r['at']))}"
+        for level, arms in (results.get("groups") or {}).items()
+        for arm, group in arms.items()
+        for r in group.get("resumed") or []
+    ]
+    footer = ["", "Resumed from a checkpoint: " + "; ".join(resumed) + ".", ""] if resumed else []
+    (output_dir / TABLE_FILE).write_text("\n".join(header) + markdown_table(results) + "\n".join(footer))
     files = [RESULTS_FILE, TABLE_FILE]
     if plots:
         from triage.experiments.plots import plot_level
@@ -730,19 +746,45 @@ def write_results(output_dir: str | Path, results: Mapping[str, Any], plots: boo
 # running one run
 
 
-def _run_callback(trainer, tokenizer, dataset, scale: StudyScale, log: Callable[[str], None], deadline):
-    """A ``TrainerCallback`` that records the learner's greedy held-out accuracy (before step 1, every
-    ``eval_every`` steps, after the last) into ``callback.record``, prints each step, and, with ``deadline``
-    (``time.time()`` seconds), stops training after a step when the next one would end past it (a step is
-    expected to take as long as the last one); then the held-out accuracy is measured once more and
-    ``callback.stopped_by`` is ``"time_budget"`` (else ``"steps"``)."""
+def _on_schedule(step: int, scale: StudyScale) -> bool:
+    """Whether the held-out accuracy is measured after ``step`` (0: before the first step)."""
+    return step % scale.eval_every == 0 or step >= scale.steps
+
+
+def _ends_past(deadline: float, began: float, now: float) -> bool:
+    """Whether a step begun at ``began`` and ended at ``now`` would, repeated, end past ``deadline``."""
+    return now + (now - began) > deadline
+
+
+def _run_callback(
+    trainer,
+    tokenizer,
+    dataset,
+    scale: StudyScale,
+    log: Callable[[str], None],
+    deadline: float | None,
+    held_out: Mapping[str, list] | None,
+    checkpointed: Callable[[Path, dict], None],
+):
+    """A ``TrainerCallback`` that records the learner's greedy held-out accuracy into ``callback.record``
+    (before step 1, every ``eval_every`` steps and after the last: :func:`_on_schedule`; a resumed run starts
+    from the checkpoint's ``held_out`` and does not measure step 0 again), prints each step, and, with
+    ``deadline`` (``time.time()`` seconds), stops training after a step when the next one would end past it (a
+    step is expected to take as long as the last one). Then ``callback.stopped_by`` is ``"time_budget"`` (else
+    ``"steps"``) and the trainer saves a checkpoint of that step (TRL's: model, optimizer, scheduler, RNG and
+    sampler states), after which ``checkpointed(folder, record)`` stores the run's own state beside it and the
+    held-out accuracy is measured once more, off schedule unless the step is on it, for the partial file only:
+    the checkpoint holds the state the uninterrupted run has after that step (the greedy decoding draws from
+    torch's global RNG, which the checkpoint saved before it)."""
     from transformers import TrainerCallback
 
     from triage.experiments.sft import greedy_accuracy
 
     class RunCallback(TrainerCallback):
         def __init__(self):
-            self.record: dict[str, list] = {"step": [], "accuracy": [], "by_difficulty": []}
+            self.record: dict[str, list] = {
+                k: list((held_out or {}).get(k, [])) for k in ("step", "accuracy", "by_difficulty")
+            }
             self.start, self.stopped_by = time.time(), "steps"
 
         def _evaluate(self, step: int) -> None:
@@ -758,18 +800,28 @@ def _run_callback(trainer, tokenizer, dataset, scale: StudyScale, log: Callable[
             self.record["by_difficulty"].append(acc["by_difficulty"])
 
         def on_train_begin(self, args, state, control, **kwargs):
-            self._evaluate(0)
+            if state.global_step == 0:  # a resumed run has its step-0 measurement from the checkpoint
+                self._evaluate(0)
 
         def on_step_begin(self, args, state, control, **kwargs):
             self.began = time.time()
 
         def on_step_end(self, args, state, control, **kwargs):
             step, now = state.global_step, time.time()
-            if deadline is not None and step < scale.steps and now + (now - self.began) > deadline:
-                control.should_training_stop = True
+            if deadline is not None and step < scale.steps and _ends_past(deadline, self.began, now):
+                control.should_training_stop = control.should_save = True
                 self.stopped_by = "time_budget"
-            if step % scale.eval_every == 0 or step >= scale.steps or control.should_training_stop:
+            if _on_schedule(step, scale):
                 self._evaluate(step)
+
+        def on_save(self, args, state, control, **kwargs):  # after the trainer's checkpoint of this step
+            from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+            step = state.global_step
+            checkpointed(Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{step}", self.record)
+            if not _on_schedule(step, scale):
+                self._evaluate(step)
+                log(f"    step {step:>3}/{scale.steps}: held-out {self.record['accuracy'][-1]:.1%} (off schedule)")
 
         def on_log(self, args, state, control, logs=None, **kwargs):  # after on_step_end of the same step
             if not logs or "reward" not in logs:
@@ -794,18 +846,79 @@ def _write_json(path: Path, entry: Mapping[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def _checkpoint(run_dir: Path) -> Path | None:
+    """The run's checkpoint: the newest ``checkpoint-<step>`` in its output folder whose save completed (its
+    :data:`RUN_STATE_FILE`, written last, is there); ``None`` if there is none."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    last = get_last_checkpoint(str(run_dir)) if run_dir.is_dir() else None
+    return Path(last) if last is not None and (Path(last) / RUN_STATE_FILE).is_file() else None
+
+
+def _drop_checkpoints(run_dir: Path) -> None:
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    for folder in run_dir.glob(f"{PREFIX_CHECKPOINT_DIR}-*") if run_dir.is_dir() else ():
+        shutil.rmtree(folder)
+
+
+def _resume_state(checkpoint: Path, scale: StudyScale, key: RunKey, recipe: Mapping[str, Any]) -> dict:
+    """The run state saved in ``checkpoint``, checked against the run that would continue it: the same run
+    (level/arm/seed), scale fingerprint and recipe (but for where the folder lies), else ``ValueError``
+    naming the checkpoint and the field."""
+    state = json.loads((checkpoint / RUN_STATE_FILE).read_text())
+    for name, value in (("run", str(key)), ("fingerprint", scale.fingerprint())):
+        if state.get(name) != value:
+            raise ValueError(
+                f"{checkpoint} is not a checkpoint of this run: its {name} is {state.get(name)!r}, this run's "
+                f"{value!r}; delete it or run without --resume"
+            )
+    changed = _recipe_changes(recipe, state.get("recipe") or {})
+    if changed:
+        raise ValueError(
+            f"{checkpoint} was trained with another recipe than {key.arm}/{key.level} gives now (differs in "
+            f"{changed}); delete it or run without --resume"
+        )
+    return state
+
+
 def run_one(
     scale: StudyScale,
     key: RunKey,
     output_dir: str | Path,
     deadline: float | None = None,
     log: Callable[[str], None] = print,
+    resume: bool = False,
 ) -> dict[str, Any] | None:
     """Train one run from the SFT checkpoint in ``output_dir/sft``; write and return its entry
-    (``DIR/runs/<level>/<arm>/seed<k>.json``). With ``deadline`` (``time.time()`` seconds), a run that would
-    end past it stops after a step: it is not finished, so nothing is returned and its entry goes to
-    ``seed<k>.partial.json`` (``"complete": false``, the steps it ran), which results never read. Both
-    files of an earlier attempt at this run are removed when it starts."""
+    (``DIR/runs/<level>/<arm>/seed<k>.json``).
+
+    With ``deadline`` (``time.time()`` seconds), a run that would end past it stops after a step and saves a
+    checkpoint of that step in its output folder ``seed<k>/checkpoint-<step>`` (the trainer's own:
+    ``Trainer._save_checkpoint``, TRL's ``GRPOTrainer`` with the triage states; ``save_total_limit: 1``
+    keeps one), with :data:`RUN_STATE_FILE` beside it (the run, fingerprint, recipe, held-out record,
+    seconds, start and resume steps). It is not finished: nothing is returned and its entry goes to
+    ``seed<k>.partial.json`` (``"complete": false``, the steps it ran), which results never read.
+
+    With ``resume`` and such a checkpoint, the run continues from it (``trainer.train(resume_from_checkpoint
+    =...)``): the checkpoint must be of this run, scale fingerprint and recipe (else ``ValueError`` naming the
+    field). The step numbers continue (the series comes from the restored ``log_history``), held-out
+    accuracy keeps its ``eval_every`` schedule, ``seconds`` adds up the calls, and ``resumed_at`` lists the
+    steps the run was resumed after. Without a checkpoint (or without ``resume``) the run starts from step 0
+    and says so; its earlier ``seed<k>.json``, partial file and checkpoints are removed first. A finished run
+    removes its checkpoint.
+
+    **What a resumed run shares with the uninterrupted one.** Restored: the model's weights, AdamW's moments
+    and step, the learning-rate schedule, the Python/NumPy/torch RNG states, the data order (TRL's
+    ``RepeatSampler`` is seeded; the trainer skips the consumed batches), the HF sampler's own
+    ``torch.Generator`` state (``sampler_state_<rank>.json``) and TRIAGE's adaptive τ. Rebuilt, from those:
+    the sampler's weight copy, its KV cache and CUDA graphs, NVFP4 weight caches. The checkpoint is taken
+    before the off-schedule held-out measurement of the cut step, whose greedy decode draws from torch's
+    global RNG. On CPU (deterministic kernels) the resumed per-step series is therefore bit-identical to the
+    uninterrupted run's (a test checks it); on a GPU, kernels that are not deterministic (atomics, CUDA-graph
+    vs eager decode) may make them differ in the last bits. Not restored: the per-module call counter that
+    seeds the stochastic rounding of an NVFP4 learner's gradients (``backward: nvfp4-backward``, no shipped
+    level) restarts, so those rounding draws differ after a resume."""
     import torch
     from transformers import AutoTokenizer
     from transformers.trainer_callback import PrinterCallback
@@ -814,21 +927,50 @@ def run_one(
     from triage.experiments.train import build_trainer
 
     output_dir = Path(output_dir)
-    # a run that starts again replaces its old result: until it finishes it has none, so a re-run that is cut
-    # short or crashes leaves no earlier seed<k>.json in the results (nor an earlier attempt's partial file)
-    for suffix in (".json", PARTIAL_SUFFIX):
-        key.path(output_dir, suffix).unlink(missing_ok=True)
     started, start = time.time(), time.perf_counter()
     cpu = not torch.cuda.is_available()
-    model_dir = output_dir / SFT_DIR
-    recipe = run_recipe(scale, key, model_dir, key.path(output_dir), cpu=cpu)
+    model_dir, run_dir = output_dir / SFT_DIR, key.path(output_dir)
+    recipe = run_recipe(scale, key, model_dir, run_dir, cpu=cpu)
+    checkpoint = _checkpoint(run_dir) if resume else None
+    state = _resume_state(checkpoint, scale, key, recipe) if checkpoint is not None else {}
+    # a run that starts again replaces its old result: until it finishes it has none, so a re-run that is cut
+    # short or crashes leaves no earlier seed<k>.json in the results (nor an earlier attempt's partial file)
+    key.path(output_dir, ".json").unlink(missing_ok=True)
+    if checkpoint is None:
+        key.path(output_dir, PARTIAL_SUFFIX).unlink(missing_ok=True)
+        _drop_checkpoints(run_dir)
+        if resume:
+            log(f"    {key}: no checkpoint in {run_dir}: starting from step 0")
+    else:
+        log(f"    {key}: resuming from {checkpoint} (step {state['step']}/{scale.steps})")
+    resumed_at = list(state.get("resumed_at", [])) + ([state["step"]] if checkpoint is not None else [])
+    started = state.get("started", started)
+
+    def seconds() -> float:
+        return state.get("seconds", 0.0) + time.perf_counter() - start
+
+    def checkpointed(folder: Path, held_out: Mapping[str, list]) -> None:
+        run_state = {
+            "run": str(key),
+            "fingerprint": scale.fingerprint(),
+            "step": _checkpoint_step(folder),
+            "started": started,
+            "seconds": seconds(),
+            "resumed_at": resumed_at,
+            "held_out": held_out,
+            "recipe": recipe,
+        }
+        _write_json(folder / RUN_STATE_FILE, run_state)
+
     trainer = build_trainer(recipe, recipe["output_dir"])
     trainer.remove_callback(PrinterCallback)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     held_out = synthetic_math(scale.n_eval, list(scale.sft.difficulty), scale.sft.seed, "eval")
-    callback = _run_callback(trainer, tokenizer, held_out, scale, log, deadline)
+    callback = _run_callback(
+        trainer, tokenizer, held_out, scale, log, deadline, state.get("held_out"), checkpointed
+    )
     trainer.add_callback(callback)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
     series = run_series(trainer.state.log_history)
     held = callback.record
     summary = run_summary(series, held)
@@ -843,12 +985,13 @@ def run_one(
         "fingerprint": scale.fingerprint(),
         "params": sft_record.get("params"),
         "mean_abs_delta_step1": summary["mean_abs_delta_step1"],
-        "seconds": time.perf_counter() - start,
+        "seconds": seconds(),
         "started": started,
         "finished": time.time(),
         "device": "cpu" if cpu else torch.cuda.get_device_name(),
         "complete": complete,
         "stopped_by": callback.stopped_by,
+        "resumed_at": resumed_at,
         "series": series,
         "held_out": held,
         "summary": summary,
@@ -860,11 +1003,13 @@ def run_one(
     if not complete:
         _write_json(key.path(output_dir, PARTIAL_SUFFIX), entry)
         log(
-            f"    {key}: stopped by the time budget after step {summary['steps']}/{scale.steps}; not finished"
+            f"    {key}: stopped by the time budget after step {summary['steps']}/{scale.steps}; not finished "
+            "(checkpoint saved: --resume continues it)"
         )
         return None
     _write_json(key.path(output_dir, ".json"), entry)
     key.path(output_dir, PARTIAL_SUFFIX).unlink(missing_ok=True)
+    _drop_checkpoints(run_dir)
     return entry
 
 
@@ -873,13 +1018,18 @@ def run_one(
 
 
 def _run_here(
-    scale: StudyScale, key: RunKey, output_dir: Path, deadline: float | None, log: Callable[[str], None]
+    scale: StudyScale,
+    key: RunKey,
+    output_dir: Path,
+    deadline: float | None,
+    log: Callable[[str], None],
+    resume: bool,
 ) -> str:
     """:func:`run_one` in this process, its lines (and a crash's traceback) also written to its log file;
     returns ``"done"``, ``"cut short"`` or ``"failed"``."""
     path = key.path(output_dir, ".log")
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as fh:
+    with path.open("a" if resume else "w", encoding="utf-8") as fh:
 
         def tee(line: str) -> None:
             log(line)
@@ -887,23 +1037,28 @@ def _run_here(
             fh.flush()
 
         try:
-            entry = run_one(scale, key, output_dir, deadline, tee)
+            entry = run_one(scale, key, output_dir, deadline, tee, resume=resume)
         except Exception:
             fh.write(traceback.format_exc())
             return "failed"
     return "done" if entry is not None else "cut short"
 
 
-def _spawn(key: RunKey, output_dir: Path, deadline: float | None, threads: int) -> subprocess.Popen:
-    """``python -m triage ablate --output DIR --run KEY`` as a child process writing to the run's log."""
+def _spawn(
+    key: RunKey, output_dir: Path, deadline: float | None, threads: int, resume: bool
+) -> subprocess.Popen:
+    """``python -m triage ablate --output DIR --run KEY [--resume]`` as a child process writing to the run's
+    log (appending under ``resume``: a resumed run's log keeps the lines of its earlier calls)."""
     path = key.path(output_dir, ".log")
     path.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "triage", "--debug", "ablate", "--output", str(output_dir), "--run", str(key)]
     if deadline is not None:
         cmd += ["--deadline", repr(deadline)]
+    if resume:
+        cmd.append("--resume")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.setdefault("OMP_NUM_THREADS", str(threads))
-    with path.open("w", encoding="utf-8") as fh:  # the child holds its own handle
+    with path.open("a" if resume else "w", encoding="utf-8") as fh:  # the child holds its own handle
         return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
 
 
@@ -911,6 +1066,14 @@ def _last_error(log_path: Path) -> str:
     """The last non-empty line of a log (a traceback's exception line)."""
     lines = [line for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
     return lines[-1].strip() if lines else "(empty log)"
+
+
+def _recipe_changes(now: Mapping[str, Any], ran: Mapping[str, Any]) -> list[str]:
+    """The top-level recipe keys in which ``ran`` (as a run's JSON holds it) differs from ``now``, but for
+    where the folder lies: the SFT checkpoint's and the run's output paths."""
+    where = ("model_name_or_path", "output_dir")
+    now = json.loads(json.dumps(now, default=str))  # as the run's JSON holds it
+    return sorted(k for k in now.keys() | ran.keys() if k not in where and now.get(k) != ran.get(k))
 
 
 def _check_recipes(study: Study, output_dir: Path, done: Mapping[RunKey, Mapping[str, Any]]) -> None:
@@ -921,19 +1084,34 @@ def _check_recipes(study: Study, output_dir: Path, done: Mapping[RunKey, Mapping
     import torch
 
     cpu = not torch.cuda.is_available()
-    where = ("model_name_or_path", "output_dir")
     for key in study.runs():
         if key not in done:
             continue
         now = run_recipe(study.scale, key, output_dir / SFT_DIR, key.path(output_dir), cpu=cpu)
-        now = json.loads(json.dumps(now, default=str))  # as the run's JSON holds it
-        ran = done[key].get("recipe") or {}
-        changed = sorted(k for k in now.keys() | ran.keys() if k not in where and now.get(k) != ran.get(k))
+        changed = _recipe_changes(now, done[key].get("recipe") or {})
         if changed:
             raise ValueError(
                 f"{key.path(output_dir, '.json')} ran another recipe than {key.arm}/{key.level} gives now "
                 f"(differs in {changed}); delete it or use another --output"
             )
+
+
+def _checkpoint_step(checkpoint: Path) -> int:
+    """The optimizer step of a ``checkpoint-<step>`` folder."""
+    return int(checkpoint.name.rsplit("-", 1)[1])
+
+
+def _seconds_per_step(output_dir: Path, scale: StudyScale) -> float:
+    """Seconds per optimizer step of the runs of ``scale`` in ``output_dir``, finished or cut short (their
+    seconds over their steps; a resumed run's seconds add up its calls), else ``arm_seconds / steps``."""
+    fingerprint = scale.fingerprint()
+    entries = list(load_runs(output_dir, fingerprint).values())
+    for path in (output_dir / RUNS_DIR).glob(f"*/*/seed*{PARTIAL_SUFFIX}"):
+        entry = json.loads(path.read_text())
+        if entry.get("fingerprint") == fingerprint:
+            entries.append(entry)
+    steps = sum(e["summary"]["steps"] for e in entries)
+    return sum(e["seconds"] for e in entries) / steps if steps else scale.arm_seconds / scale.steps
 
 
 def run_study(
@@ -944,9 +1122,15 @@ def run_study(
     log: Callable[[str], None] = print,
 ) -> tuple[dict[str, Any], dict[RunKey, str]]:
     """SFT (unless its checkpoint exists), then every run of ``study`` not finished yet (all of them without
-    ``resume``), up to ``study.parallel`` at once. Returns the ``results.json`` dict and each requested run's
-    status: ``done``, ``skipped`` (finished before, ``resume``), ``cut short``, ``not started`` (time budget),
-    ``failed`` (its log holds the traceback)."""
+    ``resume``; with it, a run cut short continues from its checkpoint), up to ``study.parallel`` at once.
+    Returns the ``results.json`` dict and each requested run's status: ``done``, ``skipped`` (finished before,
+    ``resume``), ``cut short`` (checkpointed), ``not started`` (time budget), ``failed`` (its log holds the
+    traceback).
+
+    With a time budget a run is started only if at least ``min(eval_every, its steps left)`` of its steps
+    are expected to end before the deadline: a run cut short loses no step, so it need not fit the budget.
+    The expected seconds per step are those of the runs in ``DIR`` (finished or cut short: their seconds
+    over their steps), else the scale's ``arm_seconds / steps``."""
     from triage.experiments.sft import ensure_sft_checkpoint, sft_summary
 
     start = time.time()
@@ -992,22 +1176,25 @@ def run_study(
     pending, running = list(todo), {}
     while pending or running:
         while pending and len(running) < study.parallel:
-            seconds = [e["seconds"] for e in load_runs(output_dir, fingerprint).values()]
-            per_run = _mean(seconds) or scale.arm_seconds
-            if deadline is not None and time.time() + per_run > deadline:
+            key = pending[0]
+            checkpoint = _checkpoint(key.path(output_dir)) if resume else None
+            left = scale.steps - (0 if checkpoint is None else _checkpoint_step(checkpoint))
+            need = _seconds_per_step(output_dir, scale) * min(scale.eval_every, left)
+            if deadline is not None and time.time() + need > deadline:
                 log(
-                    f"time budget: {time.time() - start:.0f} s used, a run takes ~{per_run:.0f} s, budget "
-                    f"{study.time_budget:.0f} s; {len(pending)} run(s) not started. Continue with --resume."
+                    f"time budget: {time.time() - start:.0f} s used of {study.time_budget:.0f} s, "
+                    f"{min(scale.eval_every, left)} step(s) of {key} take ~{need:.0f} s; {len(pending)} run(s) "
+                    "not started. Continue with --resume."
                 )
                 status.update({k: "not started" for k in pending})
                 pending = []
                 break
-            key = pending.pop(0)
+            pending.pop(0)
             log(f"[{len(todo) - len(pending)}/{len(todo)}] {key}")
             if study.parallel == 1:
-                finished(key, _run_here(scale, key, output_dir, deadline, log))
+                finished(key, _run_here(scale, key, output_dir, deadline, log, resume))
             else:
-                running[key] = _spawn(key, output_dir, deadline, threads)
+                running[key] = _spawn(key, output_dir, deadline, threads, resume)
         for key, proc in list(running.items()):
             code = proc.poll()
             if code is None and deadline is not None and time.time() > deadline + KILL_GRACE:
@@ -1050,7 +1237,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--parallel", type=int, default=None, help="runs at once (default 1: in this process)"
     )
-    parser.add_argument("--resume", action="store_true", help="skip the runs already finished in --output")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="skip the runs already finished in --output; continue those cut short from their checkpoints",
+    )
     parser.add_argument(
         "--steps", type=int, default=None, help="override the scale's optimizer steps per run"
     )
@@ -1118,14 +1309,15 @@ def resolve_study(args: argparse.Namespace) -> Study:
 
 
 def _run_child(args: argparse.Namespace) -> int:
-    """``--run LEVEL/ARM/SEED``: one run of the study in ``--output`` (``DIR/study.json``), in this process."""
+    """``--run LEVEL/ARM/SEED``: one run of the study in ``--output`` (``DIR/study.json``), in this process
+    (with ``--resume``: from its checkpoint, if it has one)."""
     path = Path(args.output) / STUDY_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: --run runs one run of a study that triage ablate started")
     study = json.loads(path.read_text())
     _check_scale_key(study, path)
     scale = StudyScale.from_dict(study["scale"])
-    entry = run_one(scale, RunKey.parse(args.run), args.output, args.deadline)
+    entry = run_one(scale, RunKey.parse(args.run), args.output, args.deadline, resume=args.resume)
     return 0 if entry is not None else EXIT_CUT_SHORT
 
 

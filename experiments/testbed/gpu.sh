@@ -8,6 +8,13 @@
 #     "RUN_DIR=/tmp/tb/base LEVELS='aligned pair' SEEDS='0 1 2' STEPS=300 BUDGET=480" \
 #     "RUN_DIR=/tmp/tb/lr2e-4 LEVELS=aligned SET=learning_rate=2e-4 STEPS=300 BUDGET=480"
 #
+# Runs longer than one call: give a RUN_DIR under the repository (runs/..., git-ignored, so a machine that
+# is still warm keeps it between two calls) and call again; every run the budget cut short continues from its
+# checkpoint (RUN_DIR/runs/<level>/<arm>/seed<k>/checkpoint-<step>, left out of the tarball: model + AdamW are
+# too large to bring back). On a fresh machine the checkpoints are gone and such a run starts again from step
+# 0 (its log says which). A study file instead of LEVELS/ARMS/SEEDS/STEPS/BUDGET:
+#   MPS=1 bash experiments/testbed/gpu.sh "RUN_DIR=runs/tb/long STUDY=experiments/testbed/long.yaml"
+#
 # A carried .sftcache/sft (a finished SFT checkpoint of the testbed scale) is copied into each RUN_DIR/sft,
 # so no call repeats the SFT. MPS=1: the parallel runs are many small processes on one GPU; without MPS their
 # kernels time-slice (one process at a time), with it they run concurrently. If the MPS daemon does not come

@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # Mismatch testbed (one GPU): SFT the `testbed` scale's model once, then every (level, arm, seed) run as its
 # own process (`triage ablate --parallel`), each stopping cleanly at BUDGET seconds (a run cut short is not
-# finished: its steps so far go to runs/<level>/<arm>/seed<k>.partial.json, and the next call runs it again).
+# finished: it saves a checkpoint, runs/<level>/<arm>/seed<k>/checkpoint-<step>, and its steps so far,
+# runs/<level>/<arm>/seed<k>.partial.json; the next call on the same RUN_DIR continues it from there).
 # Writes RUN_DIR/results.md (mean ± std over seeds per level and arm) and prints the testbed summary.
 #
 #   RUN_DIR=runs/testbed LEVELS="aligned pair" ARMS=grpo-none SEEDS="0 1 2" STEPS=300 BUDGET=420 \
 #     bash experiments/testbed/study.sh                                      # MINI=1: smoke sizes on a CPU
+#   RUN_DIR=runs/tb/long STUDY=experiments/testbed/long.yaml bash experiments/testbed/study.sh
 #
+# STUDY=FILE: a study file gives the levels, arms, seeds, steps, parallelism and budget (LEVELS, ARMS, SEEDS,
+# STEPS, BUDGET and PARALLEL are then ignored; SET and MINI still apply).
 # A run's seed sets `seed` (TRL's prompt order and init), `data_seed` and the sampler's generator.
 # SET="learning_rate=2e-4 temperature=1.3": recipe overrides for every run (`triage ablate --set`).
 # SFT_ONLY=1 trains (or finds) the shared checkpoint and exits (one call with all LEVELS/ARMS/SEEDS and
@@ -42,8 +46,13 @@ ensure_sft_checkpoint((mini(p) if sys.argv[1] else p).sft, sys.argv[2] + '/' + S
 " "$MINI" "$R"
   exit $?
 fi
-# shellcheck disable=SC2086
-python -m triage ablate --scale testbed $MINI --output "$R" --levels "$(join "${L[@]}")" \
-  --arms "$(join "${A[@]}")" --seeds "$(join "${S[@]}")" --steps "$STEPS" --parallel "$PARALLEL" \
-  --time-budget "$BUDGET" --resume --no-plots ${SET:+--set $SET}
+if [ -n "${STUDY:-}" ]; then
+  # shellcheck disable=SC2086
+  python -m triage ablate --study "$STUDY" $MINI --output "$R" --resume --no-plots ${SET:+--set $SET}
+else
+  # shellcheck disable=SC2086
+  python -m triage ablate --scale testbed $MINI --output "$R" --levels "$(join "${L[@]}")" \
+    --arms "$(join "${A[@]}")" --seeds "$(join "${S[@]}")" --steps "$STEPS" --parallel "$PARALLEL" \
+    --time-budget "$BUDGET" --resume --no-plots ${SET:+--set $SET}
+fi
 python -m triage.experiments.testbed_summary "$R"

@@ -226,6 +226,21 @@ def test_a_run_past_its_deadline_stops_cleanly_and_is_not_saved(smoke, capsys):
     assert partial["complete"] is False and partial["stopped_by"] == "time_budget"
     assert partial["series"]["step"] == [1] and partial["held_out"]["step"] == [0, 1]
     assert key not in load_runs(smoke)  # never aggregated
+    assert (key.path(smoke) / "checkpoint-1" / ablate.RUN_STATE_FILE).is_file()  # what --resume continues
+
+
+def test_a_child_with_resume_continues_a_run_cut_short(smoke, capsys):
+    """``--run KEY --resume`` (what --parallel starts under --resume) continues the run from the checkpoint
+    its cut left, to a finished ``seed<k>.json`` that records the resume step; the checkpoint is removed."""
+    key = RunKey("realistic", "icepop", 8)
+    cut = _args(smoke, "--run", str(key), "--deadline", repr(time.time() + 0.5), scale=None)
+    assert ablate.run(cut) == ablate.EXIT_CUT_SHORT
+    assert ablate.run(_args(smoke, "--run", str(key), "--resume", scale=None)) == 0
+    assert f"{key}: resuming from {key.path(smoke) / 'checkpoint-1'} (step 1/2)" in capsys.readouterr().out
+    run = _run(str(key), smoke)
+    assert run["complete"] is True and run["resumed_at"] == [1] and run["series"]["step"] == [1, 2]
+    assert run["held_out"]["step"] == [0, 2]  # the cut's off-schedule measurement stayed in the partial
+    assert not key.path(smoke, ".partial.json").exists() and not list(key.path(smoke).glob("checkpoint-*"))
 
 
 def test_parallel_children_resume_and_a_crashing_run(smoke, capsys):
@@ -248,9 +263,9 @@ def test_parallel_children_resume_and_a_crashing_run(smoke, capsys):
     assert one["series"]["reward"][0] != pytest.approx(two["series"]["reward"][0]) or (
         one["series"]["entropy"][0] != pytest.approx(two["series"]["entropy"][0])
     )  # other prompts, other samples
-    assert (
-        "step   2/2" in RunKey("realistic", "tis", 1).path(smoke, ".log").read_text()
-    )  # the child's own log
+    child_log = RunKey("realistic", "tis", 1).path(smoke, ".log").read_text()
+    assert "step   2/2" in child_log  # the child's own log
+    assert "no checkpoint in" in child_log and "starting from step 0" in child_log  # it got --resume
     group = json.loads((smoke / "results.json").read_text())["groups"]["realistic"]["tis"]
     runs = [_run(f"realistic/tis/{s}", smoke) for s in (0, 1, 2)]
     assert group["n"] == 3 and group["seeds"] == [0, 1, 2]

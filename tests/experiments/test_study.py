@@ -223,16 +223,21 @@ def test_resume_checks_a_moved_study_folder_by_its_recipe_not_its_path(tmp_path)
 
 
 def test_shipped_testbed_study_files_resolve(tmp_path):
-    """The study files under experiments/testbed/ name the testbed scale, known levels and arms, 300 steps."""
+    """The study files under experiments/testbed/ name the testbed scale, known levels and arms: 300 steps
+    and 3 seeds, but for the long runs (900 steps, over several calls)."""
     from pathlib import Path
 
     from triage.experiments.recipes import ALL_ARMS, LEVELS
 
     folder = Path(ablate.__file__).parent / "testbed"
     files = sorted(folder.glob("*.yaml"))
-    assert {f.name for f in files} >= {"dose-response.yaml", "corrections.yaml"}
+    assert {f.name for f in files} >= {"dose-response.yaml", "corrections.yaml", "long.yaml"}
     for f in files:
         study = ablate.resolve_study(_args("--study", str(f), "--output", str(tmp_path)))
-        assert study.scale.name == "testbed" and study.scale.steps == 300, f
+        assert study.scale.name == "testbed", f
         assert set(study.levels) <= set(LEVELS) and set(study.arms) <= set(ALL_ARMS), f
-        assert len(study.seeds) >= 3 and study.runs(), f
+        if f.name == "long.yaml":
+            assert study.levels == ("aligned", "nvfp4-coarse-fp8kv") and study.arms == ("grpo-none",)
+            assert study.seeds == (0, 1) and study.scale.steps == 900 and study.time_budget is not None
+        else:
+            assert study.scale.steps == 300 and len(study.seeds) >= 3 and study.runs(), f
