@@ -75,6 +75,7 @@ def load_runs(*roots: Path) -> list[dict]:
                 "learning_rate": recipe.get("learning_rate"),
                 "temperature": recipe.get("temperature"),
                 "complete": e.get("complete", True),
+                "resumed_at": e.get("resumed_at") or [],
                 "steps": len(s["step"]),
                 "seconds": e["seconds"],
                 "device": e.get("device"),
@@ -135,6 +136,13 @@ def table(runs: list[dict]) -> str:
             f"| {_ms([_window(x['grad_norm'], True) for x in s])} → {_ms([_window(x['grad_norm'], False) for x in s])} "
             f"| {_ms([r['seconds'] / max(r['steps'], 1) for r in rs])} |"
         )
+    resumed = [
+        f"{group_label(r)}/{r['arm']}/seed {r['seed']} at step {', '.join(map(str, r['resumed_at']))}"
+        for r in runs
+        if r.get("resumed_at")
+    ]
+    if resumed:
+        lines += ["", "Continued from a checkpoint (a later call): " + "; ".join(resumed)]
     return "\n".join(lines)
 
 
@@ -296,7 +304,9 @@ def main(argv=None) -> int:
     sft = next(
         (Path(d) / "sft" / "sft.json" for d in args.run_dir if (Path(d) / "sft" / "sft.json").is_file()), None
     )
-    out = {"sft": json.loads(sft.read_text()) if sft else next((e["sft"] for e in earlier if e.get("sft")), None)}
+    out = {
+        "sft": json.loads(sft.read_text()) if sft else next((e["sft"] for e in earlier if e.get("sft")), None)
+    }
     out["runs"] = runs
     if sft and out["sft"]:
         out["sft"] = {

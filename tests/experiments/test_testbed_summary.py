@@ -9,7 +9,9 @@ import pytest
 from triage.experiments import testbed_summary
 
 
-def _write_full_run(root, level, arm, seed, suffix=".json", steps=60, lr=5e-5, reward=0.3, delta=0.01):
+def _write_full_run(
+    root, level, arm, seed, suffix=".json", steps=60, lr=5e-5, reward=0.3, delta=0.01, resumed_at=None
+):
     series = {k: [0.0] * steps for k in testbed_summary.SERIES}
     series.update(step=list(range(1, steps + 1)), reward=[reward] * steps, mean_abs_delta=[delta] * steps)
     entry = {
@@ -23,6 +25,7 @@ def _write_full_run(root, level, arm, seed, suffix=".json", steps=60, lr=5e-5, r
         "series": series,
         "held_out": {"step": [0, steps], "accuracy": [0.5, 0.6]},
         "recipe": {"learning_rate": lr, "temperature": 1.0},
+        "resumed_at": resumed_at or [],
     }
     folder = root / "runs" / level / arm
     folder.mkdir(parents=True, exist_ok=True)
@@ -63,7 +66,7 @@ def test_several_folders_read_as_one_study(tmp_path, capsys):
     assert "no run is aligned/nope" in capsys.readouterr().err
 
 
-def test_a_committed_summary_extended_by_new_folders(tmp_path):
+def test_a_committed_summary_extended_by_new_folders(tmp_path, capsys):
     """--from-json OLD.json RUN_DIR --json NEW.json: one study; a run finished in the folder replaces its
     cut-short copy in the old summary, the old summary's other runs (and its SFT record) are kept."""
     old_dir, new_dir = tmp_path / "old", tmp_path / "new"
@@ -75,9 +78,12 @@ def test_a_committed_summary_extended_by_new_folders(tmp_path):
     summary["sft"] = {"params": 7}
     old.write_text(json.dumps(summary))
     _write_full_run(new_dir, "aligned", "tis", 1, steps=60)
-    _write_full_run(new_dir, "aligned", "tis", 2, steps=60)
+    _write_full_run(new_dir, "aligned", "tis", 2, steps=60, resumed_at=[25])
     new = tmp_path / "new.json"
     assert testbed_summary.main(["--from-json", str(old), str(new_dir), "--json", str(new)]) == 0
+    assert (
+        "Continued from a checkpoint (a later call): aligned/tis/seed 2 at step 25" in capsys.readouterr().out
+    )
     merged = json.loads(new.read_text())
     got = sorted((r["arm"], r["seed"], r["steps"], r["complete"]) for r in merged["runs"])
     assert got == [("grpo-none", 0, 60, True), ("tis", 1, 60, True), ("tis", 2, 60, True)]
