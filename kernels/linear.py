@@ -62,6 +62,11 @@ as ``nn.Linear`` would be where that value enters (a superset of its NaNs: one n
 operand's per-tensor scale meaningless). The check is one max-|x| reduction on the device per quantized
 operand (per weight update for W), no host sync.
 
+Call plans. What a call derives from its input's signature alone (rows, the large-M choice, the Triton
+quantizers' tiles and launch arguments, the checks ``quantize`` makes) is a :class:`_CallPlan`, built once
+per (shape, dtype, device) under the layer's current config; a call only allocates and launches, and reads
+nothing back to the host.
+
 Gradients are returned in the dtypes of x and W. The quantization and both backward GEMMs run with the
 backends of :mod:`triage.kernels.nvfp4` (Triton on CUDA, torch reference on CPU; ``backend=`` overrides).
 """

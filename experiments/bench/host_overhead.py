@@ -106,6 +106,21 @@ def make_case(shape, backward: str, act_scale: str, dtype):
     return fwd, fwd_bwd
 
 
+def make_peer(shape, dtype) -> dict:
+    """``nn.Linear`` on the same tensors: ``{"fwd": ..., "fwd+bwd": ...}``."""
+    M, K, N = shape
+    dense = torch.nn.Linear(K, N, bias=False, dtype=dtype)
+    x = torch.randn(M, K, dtype=dtype)
+    xg = x.clone().requires_grad_()
+    dy = torch.randn(M, N, dtype=dtype)
+
+    def fwd():
+        with torch.no_grad():
+            dense(x)
+
+    return {"fwd": fwd, "fwd+bwd": lambda: dense(xg).backward(dy)}
+
+
 def measure(fn, stubs, iters: int) -> tuple[float, dict, dict]:
     for _ in range(3):
         fn()
@@ -138,17 +153,7 @@ def main() -> None:
     print(f"{'case':48s} {'µs':>7s} {'triton':>6s} {'torch':>5s}  nn.Linear µs")
     for shape_s in args.shapes:
         shape = tuple(int(v) for v in shape_s.split("x"))
-        M, K, N = shape
-        dense = torch.nn.Linear(K, N, bias=False, dtype=dtype)
-        x = torch.randn(M, K, dtype=dtype)
-        xg = x.clone().requires_grad_()
-        dy = torch.randn(M, N, dtype=dtype)
-
-        def peer_fwd():
-            with torch.no_grad():
-                dense(x)
-
-        peer = {"fwd": peer_fwd, "fwd+bwd": lambda: dense(xg).backward(dy)}
+        peer = make_peer(shape, dtype)
         for backward in ("bf16-backward", "nvfp4-backward"):
             for act in ("tensor", "row"):
                 fwd, fwd_bwd = make_case(shape, backward, act, dtype)
