@@ -62,6 +62,11 @@ as ``nn.Linear`` would be where that value enters (a superset of its NaNs: one n
 operand's per-tensor scale meaningless). The check is one max-|x| reduction on the device per quantized
 operand (per weight update for W), no host sync.
 
+Call plans. What a call derives from its input's signature alone (rows, the large-M choice, the Triton
+quantizers' tiles and launch arguments, the checks ``quantize`` makes) is a :class:`_CallPlan`, built once
+per (shape, dtype, device) under the layer's current config; a call only allocates and launches, and reads
+nothing back to the host.
+
 Gradients are returned in the dtypes of x and W. The quantization and both backward GEMMs run with the
 backends of :mod:`triage.kernels.nvfp4` (Triton on CUDA, torch reference on CPU; ``backend=`` overrides).
 """
@@ -69,6 +74,7 @@ backends of :mod:`triage.kernels.nvfp4` (Triton on CUDA, torch reference on CPU;
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -77,6 +83,9 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from triage.kernels.nvfp4.format import pack_nibbles, unpack_nibbles
 from triage.kernels.nvfp4.recipe import QuantRecipe
 from triage.kernels.nvfp4.tensor import NVFP4Tensor
+
+if TYPE_CHECKING:
+    from triage.kernels.nvfp4.quantize_rows import RowsPlan
 
 __all__ = [
     "BACKWARD_MODES",
@@ -89,6 +98,8 @@ __all__ = [
 ]
 
 BACKWARD_MODES = ("bf16-backward", "nvfp4-backward")
+#: Input signatures (shape, dtype, device) whose call plans an NVFP4Linear keeps (oldest dropped first).
+_PLANS_KEPT = 16
 
 #: The weight generation (module docstring): bumped after every optimizer step and by
 #: :func:`invalidate_weight_caches`; part of every quantized-weight cache key.
@@ -126,11 +137,17 @@ def nan_if_nonfinite(q: NVFP4Tensor, source: torch.Tensor) -> NVFP4Tensor:
     rotation exceeds the dtype's range (docs/nvfp4.md §6): a dynamic outer scale's amax (of the rotated
     values) is then Inf, and counts like ``max|source|`` (static, checkpoint and ``scale="none"`` have no
     amax: such a block saturates). One reduction on the device, no host sync."""
-    peak = torch.linalg.vector_norm(source.detach(), float("inf"))  # max|x|; NaN/Inf iff source has one
-    zero = peak.float() * 0
+    return replace(q, global_scale=nonfinite_scale(q, source))
+
+
+def nonfinite_scale(q: NVFP4Tensor, source: torch.Tensor) -> torch.Tensor:
+    """The outer decode scale of :func:`nan_if_nonfinite`: ``g + 0·max|source|`` (+ ``0·max(amax)`` with
+    the Hadamard rule), two device ops (``add(g, peak, alpha=0)`` is ``g + 0·peak``), no host sync."""
+    peak = torch.linalg.vector_norm(source.detach(), float("inf"), dtype=torch.float32)  # NaN/Inf iff one
+    g = torch.add(q.global_scale, peak, alpha=0)
     if q.recipe.hadamard and q.recipe.scale_source == "dynamic" and q.amax is not None:
-        zero = zero + q.amax.amax() * 0
-    return replace(q, global_scale=q.global_scale + zero)
+        g = torch.add(g, q.amax.amax(), alpha=0)
+    return g
 
 
 @dataclass(frozen=True)
@@ -182,20 +199,56 @@ class NVFP4LinearConfig:
 
 
 def _quantize(
-    x: torch.Tensor, recipe: QuantRecipe, backend: str, seed: int | None = None, expanded: bool = False
+    x: torch.Tensor,
+    recipe: QuantRecipe,
+    backend: str,
+    seed: int | None = None,
+    expanded: bool = False,
+    plan: RowsPlan | None = None,
 ) -> NVFP4Tensor:
+    """``quantize(x, recipe)`` (+ the exact bf16 ``q·s`` if ``expanded``) under the non-finite rule. ``plan``:
+    the Triton quantizer's plan for x's signature (:func:`_rows_plan`), run directly when x fits it."""
+    if plan is not None and x.is_contiguous() and not (plan.pairs and x.storage_offset() % 2):
+        q = plan.run(x, seed)
+        q.global_scale = nonfinite_scale(q, x)  # q is ours alone: no copy of the dataclass
+        return q
     from triage.kernels.nvfp4 import quantize
 
     q = quantize(x, recipe, backend=backend, seed=seed, emit_expanded=torch.bfloat16 if expanded else None)
     return nan_if_nonfinite(q, x)
 
 
-def _quantize_t(x: torch.Tensor, recipe: QuantRecipe, backend: str, seed: int | None = None) -> NVFP4Tensor:
+def _rows_plan(
+    recipe: QuantRecipe, backend: str, shape: tuple, dtype: torch.dtype, device: torch.device, expanded: bool
+) -> RowsPlan | None:
+    """The Triton quantizer's :class:`~triage.kernels.nvfp4.quantize_rows.RowsPlan` for a contiguous input of
+    ``shape``/``dtype`` on ``device`` when ``quantize(..., backend=backend)`` would run Triton there, after
+    the checks ``quantize`` makes on every call (they depend on the signature alone); else None."""
+    from triage.kernels.nvfp4.api import check_quantize_options
+    from triage.kernels.nvfp4.device import available, check_runnable, interpreting
+    from triage.kernels.nvfp4.quantize_rows import rows_plan
+    from triage.kernels.nvfp4.reference import check_input
+
+    check_quantize_options("quantize", backend, None, None)
+    if not (backend == "triton" or (backend == "auto" and available(device))):
+        return None
+    meta = torch.empty(shape, dtype=dtype, device="meta")
+    check_input(meta, recipe)
+    check_runnable(torch.empty(0, device=device))
+    emit = torch.bfloat16 if expanded else None
+    return rows_plan(torch.Size(shape), dtype, recipe, emit, True, None, None, None, interpreting())
+
+
+def _quantize_t(
+    x: torch.Tensor, recipe: QuantRecipe, backend: str, seed: int | None = None, expanded: bool = False
+) -> NVFP4Tensor:
     """``quantize(x.T, recipe)`` of a 2-D ``x`` without the transposed copy (Triton backends; the torch
-    backend materializes ``x.T``): 1×16 blocks along x's rows (the tokens), byte-identical."""
+    backend materializes ``x.T``): 1×16 blocks along x's rows (the tokens), byte-identical; ``expanded``:
+    also the exact bf16 ``q·s``, written in the same pass."""
     from triage.kernels.nvfp4.quantize_columns import quantize_columnwise
 
-    return nan_if_nonfinite(quantize_columnwise(x, recipe, backend=backend, seed=seed), x)
+    emit = torch.bfloat16 if expanded else None
+    return nan_if_nonfinite(quantize_columnwise(x, recipe, backend=backend, seed=seed, emit_expanded=emit), x)
 
 
 def transpose_16x16(w: NVFP4Tensor) -> NVFP4Tensor:
@@ -290,41 +343,84 @@ def _large_m(config: NVFP4LinearConfig, rows: int, device: torch.device) -> bool
     return rows > SMALL_M and _uses_expanded_weight(config, device)
 
 
+@dataclass(frozen=True)
+class _CallPlan:
+    """The data-independent part of one ``NVFP4Linear`` call (forward and backward) for an input signature
+    (shape, dtype, device; the layer's config): built once per signature (:meth:`NVFP4Linear._plan`), so
+    that a call runs the quantizers and GEMMs without re-deriving shapes, backends and tiles.
+
+    ``large``: the forward and dgrad GEMMs (M = tokens) run on expansions, so x_q and dy_q are quantized
+    with their exact bf16 ``q·s``; ``large_wgrad`` the same for the wgrad GEMM (M = out_features).
+    ``x_plan`` / ``dy_plan``: the Triton row quantizer's plans for x and dy (None where ``quantize``
+    would not run Triton: the torch reference then runs through ``quantize``)."""
+
+    config: NVFP4LinearConfig
+    rows: int
+    in_features: int
+    out_features: int
+    lead: tuple
+    large: bool
+    large_wgrad: bool
+    x_plan: RowsPlan | None
+    dy_plan: RowsPlan | None
+    xt_recipe: QuantRecipe  # the wgrad's xᵀ: the wgrad recipe with nearest rounding
+
+
+def _call_plan(config: NVFP4LinearConfig, x: torch.Tensor, out_features: int) -> _CallPlan:
+    K = x.shape[-1]
+    rows = x.numel() // K
+    large = _large_m(config, rows, x.device)
+    nvfp4_bwd = config.backward == "nvfp4-backward"
+    backend = config.quant_backend
+    return _CallPlan(
+        config=config,
+        rows=rows,
+        in_features=K,
+        out_features=out_features,
+        lead=tuple(x.shape[:-1]),
+        large=large,
+        large_wgrad=_large_m(config, out_features, x.device),
+        x_plan=_rows_plan(config.activation, backend, (rows, K), x.dtype, x.device, large),
+        dy_plan=_rows_plan(config.grad, backend, (rows, out_features), x.dtype, x.device, large)
+        if nvfp4_bwd
+        else None,
+        xt_recipe=replace(config.wgrad, rounding="nearest"),
+    )
+
+
 class _NVFP4LinearFn(torch.autograd.Function):
     """Autograd of ``y = Q(x)·Q(W)ᵀ + b`` with straight-through gradients (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, config: NVFP4LinearConfig, cache: _WeightCache, counter: list):
+    def forward(ctx, x, weight, bias, plan: _CallPlan, cache: _WeightCache, counter: list):
         from triage.kernels.nvfp4.matmul import gemm
 
-        K = x.shape[-1]
-        x2 = x.reshape(-1, K)
-        large = _large_m(config, x2.shape[0], x.device)
-        xq = _quantize(x2, config.activation, config.quant_backend, expanded=large)  # q·s in the same pass
+        config = plan.config
+        x2 = x.reshape(plan.rows, plan.in_features)
+        xq = _quantize(x2, config.activation, config.quant_backend, expanded=plan.large, plan=plan.x_plan)
         y = gemm(
             xq,
             cache.quantized,
             out_dtype=x.dtype,
             bias=bias,
             backend=config.gemm_backend,
-            b_expanded=cache.expanded if large else None,
+            b_expanded=cache.expanded if plan.large else None,
             b_scale_host=cache.host_scale,
         )
         ctx.save_for_backward(x, weight)
-        ctx.config = config
+        ctx.plan = plan
         ctx.weight_t = cache.transposed  # the forward's W_qᵀ (nvfp4-backward), whatever the cache holds later
         ctx.counter = counter
-        ctx.has_bias = bias is not None
         ctx.bias_dtype = bias.dtype if bias is not None else None
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        return y.reshape(*plan.lead, plan.out_features)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        config: NVFP4LinearConfig = ctx.config
-        N, K = weight.shape
-        dy2 = dy.reshape(-1, N)
-        x2 = x.reshape(-1, K)
+        plan: _CallPlan = ctx.plan
+        config = plan.config
+        dy2 = dy.reshape(plan.rows, plan.out_features)
+        x2 = x.reshape(plan.rows, plan.in_features)
         dx = dw = db = None
         if config.backward == "bf16-backward":
             if ctx.needs_input_grad[0]:
@@ -336,15 +432,18 @@ class _NVFP4LinearFn(torch.autograd.Function):
 
             ctx.counter[0] += 1
             seed = (config.grad.seed + 2 * ctx.counter[0]) % 2**32
+            backend = config.quant_backend
             if ctx.needs_input_grad[0]:
-                dyq = _quantize(dy2, config.grad, config.quant_backend, seed=seed)
+                dy_plan = plan.dy_plan if dy2.dtype == x.dtype else None
+                dyq = _quantize(dy2, config.grad, backend, seed=seed, expanded=plan.large, plan=dy_plan)
                 dx = gemm(dyq, ctx.weight_t, out_dtype=x.dtype, backend=config.gemm_backend)
             if ctx.needs_input_grad[1]:
                 # dy2ᵀ, x2ᵀ quantized straight from the row-major dy2, x2 (no transposed copy; same bytes)
-                dyt = _quantize_t(dy2, config.wgrad, config.quant_backend, seed=(seed + 1) % 2**32)
-                xt = _quantize_t(x2, replace(config.wgrad, rounding="nearest"), config.quant_backend)
+                big = plan.large_wgrad
+                dyt = _quantize_t(dy2, config.wgrad, backend, seed=(seed + 1) % 2**32, expanded=big)
+                xt = _quantize_t(x2, plan.xt_recipe, backend, expanded=big)
                 dw = gemm(dyt, xt, out_dtype=torch.float32, backend=config.gemm_backend).to(weight.dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = dy2.float().sum(0).to(ctx.bias_dtype)
         if dx is not None:
             dx = dx.reshape(x.shape)
@@ -373,6 +472,7 @@ class NVFP4Linear(nn.Linear):
         _check_features(self.in_features, self.out_features, self.config, type(self).__name__)
         self._weight_cache = _WeightCache()
         self._grad_calls = [0]
+        self._plans: dict[tuple, _CallPlan] = {}
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, config: NVFP4LinearConfig | None = None) -> NVFP4Linear:
@@ -386,6 +486,7 @@ class NVFP4Linear(nn.Linear):
         _check_features(new.in_features, new.out_features, new.config, type(linear).__name__)
         new._weight_cache = _WeightCache()
         new._grad_calls = [0]
+        new._plans = {}
         new.train(linear.training)
         return new
 
@@ -418,7 +519,18 @@ class NVFP4Linear(nn.Linear):
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return nn.functional.linear(x, self.weight.to(x.dtype), bias)
         cache = self._weight_cache.get(self.weight, self.config)
-        return _NVFP4LinearFn.apply(x, self.weight, self.bias, self.config, cache, self._grad_calls)
+        return _NVFP4LinearFn.apply(x, self.weight, self.bias, self._plan(x), cache, self._grad_calls)
+
+    def _plan(self, x: torch.Tensor) -> _CallPlan:
+        """The :class:`_CallPlan` of ``x``'s signature under the current config (the most recent
+        :data:`_PLANS_KEPT` signatures are kept)."""
+        key = (x.shape, x.dtype, x.device)
+        plan = self._plans.get(key)
+        if plan is None or plan.config is not self.config:
+            if len(self._plans) >= _PLANS_KEPT:
+                self._plans.pop(next(iter(self._plans)))
+            plan = self._plans[key] = _call_plan(self.config, x, self.out_features)
+        return plan
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, backward={self.config.backward!r}"

@@ -30,6 +30,10 @@ interpreter).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -594,34 +598,144 @@ def _default_tiles(recipe: QuantRecipe, kp: int, pairs: bool = False) -> tuple[i
     return 8, min(32 if pairs else 16, next_power_of_2(kp // 16))
 
 
-def _group_amax(
-    x2: torch.Tensor, recipe: QuantRecipe, groups: int, kp: int, br: int, nb: int, pairs: bool = False
-) -> torch.Tensor:
-    """int32 ``[groups, 2]``: the bits of each group's NaN-free amax and a NaN flag (device only).
-    ``pairs``: ``x2`` qualifies for the bf16 fast path (then Hadamard amaxes use its layout)."""
-    buf = torch.zeros((groups, 2), dtype=torch.int32, device=x2.device)
-    rows, k = x2.shape
+@dataclasses.dataclass(frozen=True)
+class RowsPlan:
+    """Everything :func:`quantize_triton` derives from the input's shape and dtype, the recipe and the tile
+    options alone (tiles, grids, the outer-scale mode and its host arguments, constexprs): built once per
+    signature by :func:`rows_plan`, so that a call only allocates its outputs and launches (:meth:`run`)."""
+
+    recipe: QuantRecipe
+    shape: torch.Size
+    dtype: torch.dtype
+    emit_expanded: torch.dtype | None
+    rows: int
+    k: int
+    kp: int
+    n: int  # rows per slice (16x16 tiles never cross slices)
+    pairs: bool
+    grid: tuple[int, int]
+    groups: int  # 0: no amax pass (per-row or given outer scales)
+    amax_kind: str  # the amax pass's kernel: "pairs", "tiled" or "flat" (:func:`_group_amax_launch`)
+    amax_grid: tuple[int, int]
+    amax_args: tuple
+    amax_kwargs: dict
+    n_outer: int
+    write_amax: bool
+    outer_shape: tuple
+    scalar_args: tuple  # enc_arg, dec_arg, amax_arg, N, K, KP, rows_per_outer
+    constexprs: dict
+
+    def run(self, x: torch.Tensor, seed: int | None = None) -> NVFP4Tensor:
+        """Quantize ``x`` (contiguous, of the planned shape and dtype; for ``pairs`` an even storage offset)."""
+        x2 = x.reshape(self.rows, self.k)
+        dev = x.device
+        group_amax = None
+        if self.groups:
+            group_amax = torch.zeros((self.groups, 2), dtype=torch.int32, device=dev)
+            if self.amax_kind == "pairs":
+                _amax_pairs_kernel[self.amax_grid](x2.view(torch.int32), group_amax, *self.amax_args, **self.amax_kwargs)
+            elif self.amax_kind == "tiled":
+                _amax_tiled_kernel[self.amax_grid](bits_view(x2), group_amax, *self.amax_args, **self.amax_kwargs)
+            else:
+                _amax_flat_kernel[self.amax_grid](bits_view(x2), group_amax, *self.amax_args, **self.amax_kwargs)
+        out = QuantOutputs.empty(self.rows, self.kp, self.n_outer, self.write_amax, self.emit_expanded, dev)
+        data, expanded, enc_t = out.data, out.expanded, out.enc
+        if self.pairs:  # int32 views: bf16 pairs in, 8 code bytes (two words) and bf16/fp16 pairs out
+            xa, da = x2.view(torch.int32), data.view(torch.int32)
+            ea = da if expanded is None else expanded.view(torch.int32)
+        else:
+            xa, da, ea = bits_view(x2), data, data if expanded is None else bits_view(expanded)
+        _quantize_kernel[self.grid](
+            xa, da, out.scale, ea, enc_t, out.dec, out.amax, enc_t if group_amax is None else group_amax,
+            *self.scalar_args, seed_arg(self.recipe, seed), **self.constexprs,
+        )  # fmt: skip
+        return out.tensor(self.recipe, self.shape, self.dtype, self.outer_shape)
+
+
+@functools.lru_cache(maxsize=1024)
+def rows_plan(
+    shape: torch.Size,
+    dtype: torch.dtype,
+    recipe: QuantRecipe,
+    emit_expanded: torch.dtype | None = None,
+    pairs: bool = True,
+    block_rows: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    interpreted: bool = False,
+) -> RowsPlan:
+    """The :class:`RowsPlan` of :func:`quantize_triton` for a contiguous input of ``shape`` and ``dtype``
+    (``pairs``: the bf16 fast path is allowed, i.e. asked for and the input's storage offset is even;
+    ``interpreted``: :func:`~.device.interpreting`, which picks the tiles). Pure, cached per signature."""
+    k = shape[-1]
+    kp = (k + BLOCK - 1) // BLOCK * BLOCK
+    rows = math.prod(shape) // k
+    if recipe.block == "16x16":
+        n = shape[-2]
+        slices = rows // n
+    else:
+        n, slices = rows, 1
+    pairs = pairs and dtype == torch.bfloat16 and k == kp
+    br_default, nb_default = _default_tiles(recipe, kp, pairs)
+    br = block_rows or br_default
+    nb = block_k // 16 if block_k else nb_default
+    if recipe.block == "16x16" and br % 16:
+        raise ValueError(f"block_rows must be a multiple of 16 for 16x16 tiles, got {br}")
+    gshape = tuple(shape[:-1]) + (1,)
+    enc_arg = dec_arg = amax_arg = 1.0
+    write_amax = True
+    groups, amax_kind, amax_grid, amax_args, amax_kwargs = 0, "", (0, 0), (), {}
+    if recipe.scale == "row" and recipe.scale_source == "dynamic":
+        mode, rows_per_outer, n_outer, out_shape = OUTER_ROW, 1, rows, gshape
+    elif recipe.scale_source == "dynamic" and recipe.scale in ("tensor", "expert"):
+        groups = shape[0] if recipe.scale == "expert" else 1
+        amax_kind, amax_grid, amax_args, amax_kwargs = _group_amax_launch(
+            recipe, dtype, rows, k, groups, kp, br, nb, pairs
+        )
+        mode, rows_per_outer, n_outer = OUTER_GROUP, rows // groups, groups
+        out_shape = (groups,) + (1,) * (len(shape) - 1) if recipe.scale == "expert" else ()
+    else:
+        enc_arg, dec_arg, amax_arg, write_amax = given_outer_args(recipe)
+        mode, rows_per_outer, n_outer, out_shape = OUTER_GIVEN, rows, 1, ()
+    constexprs = dict(
+        PROFILE=PROFILE_ID[recipe.profile], OUTER=mode, TILE16=recipe.block == "16x16",
+        HADAMARD=recipe.hadamard, ROUND=ROUND_ID[dtype], STOCHASTIC=recipe.rounding == "stochastic",
+        SIGNBIT=recipe.profile in ("te", "torchao"), SIGNS=SIGN_MASK, WRITE_AMAX=write_amax,
+        EXPANDED=0 if emit_expanded is None else EXPANDED_ID[emit_expanded], BR=br, NB=nb, PAIRS=pairs,
+    )  # fmt: skip
+    if num_warps is not None:
+        constexprs["num_warps"] = num_warps
+    return RowsPlan(
+        recipe=recipe, shape=torch.Size(shape), dtype=dtype, emit_expanded=emit_expanded, rows=rows, k=k,
+        kp=kp, n=n, pairs=pairs, grid=(cdiv(n, br), slices), groups=groups, amax_kind=amax_kind, amax_grid=amax_grid,
+        amax_args=amax_args, amax_kwargs=amax_kwargs, n_outer=n_outer, write_amax=write_amax,
+        outer_shape=out_shape, scalar_args=(enc_arg, dec_arg, amax_arg, n, k, kp, rows_per_outer),
+        constexprs=constexprs,
+    )  # fmt: skip
+
+
+def _group_amax_launch(
+    recipe: QuantRecipe, dtype: torch.dtype, rows: int, k: int, groups: int, kp: int, br: int, nb: int, pairs: bool
+) -> tuple[str, tuple[int, int], tuple, dict]:
+    """(kernel, grid, scalar arguments, constexprs) of the amax pass that fills the int32 ``[groups, 2]``
+    buffer with the bits of each group's NaN-free amax and a NaN flag (device only). Kernels: ``"pairs"``
+    (:func:`_amax_pairs_kernel`) for Hadamard on an input that qualifies for the bf16 fast path (whole
+    blocks per thread, the transform in registers); ``"tiled"`` (:func:`_amax_tiled_kernel`) for other
+    Hadamard recipes (the transform needs whole 16-blocks of rows); ``"flat"`` (:func:`_amax_flat_kernel`)
+    otherwise."""
     rows_per_group = rows // groups
     nan = recipe.profile == "compressed-tensors"
-    if recipe.hadamard and pairs:  # whole blocks per thread, the transform in registers
-        _amax_pairs_kernel[(cdiv(rows_per_group, br), groups)](
-            x2.view(torch.int32), buf, rows_per_group, kp, PROPAGATE_NAN=nan, SIGNS=SIGN_MASK, BR=br, NB=nb,
-        )  # fmt: skip
-        return buf
-    if recipe.hadamard:  # the transform needs whole 16-blocks of rows
-        _amax_tiled_kernel[(cdiv(rows_per_group, br), groups)](
-            bits_view(x2), buf, rows_per_group, k, kp,
-            PROPAGATE_NAN=nan, HADAMARD=True, ROUND=ROUND_ID[x2.dtype], SIGNS=SIGN_MASK, BR=br, NB=nb,
-        )  # fmt: skip
-        return buf
+    grid = (cdiv(rows_per_group, br), groups)
+    if recipe.hadamard and pairs:
+        return "pairs", grid, (rows_per_group, kp), dict(PROPAGATE_NAN=nan, SIGNS=SIGN_MASK, BR=br, NB=nb)
+    if recipe.hadamard:
+        kwargs = dict(PROPAGATE_NAN=nan, HADAMARD=True, ROUND=ROUND_ID[dtype], SIGNS=SIGN_MASK, BR=br, NB=nb)
+        return "tiled", grid, (rows_per_group, k, kp), kwargs
     n = rows_per_group * k  # padding zeros never change an amax: sweep the real elements only
     block = 4096 if not interpreting() else 1024
     chunk = block * max(1, min(16, cdiv(n, block * 1024)))  # ~1k programs, one atomic each
-    _amax_flat_kernel[(cdiv(n, chunk), groups)](
-        bits_view(x2), buf, n, chunk, PROPAGATE_NAN=nan, ROUND=ROUND_ID[x2.dtype], BLOCK=block,
-        num_warps=8 if not interpreting() else 4,
-    )  # fmt: skip
-    return buf
+    kwargs = dict(PROPAGATE_NAN=nan, ROUND=ROUND_ID[dtype], BLOCK=block, num_warps=8 if not interpreting() else 4)
+    return "flat", (cdiv(n, chunk), groups), (n, chunk), kwargs
 
 
 def quantize_triton(
@@ -638,59 +752,14 @@ def quantize_triton(
     of 16) tune tiles. ``emit_expanded`` (bf16 or fp16): also return the exact ``q·s`` as
     ``NVFP4Tensor.expanded`` ``[..., Kp]``, written in the same pass. ``pairs``: use the bf16 fast path
     when it applies (bf16, ``K % 16 == 0``; the default); ``False`` forces the general path (for A/B
-    timing and tests). Never synchronizes with the host."""
+    timing and tests). Never synchronizes with the host. The data-independent work is cached per signature
+    (:func:`rows_plan`)."""
     check_runnable(x)
     if emit_expanded is not None and emit_expanded not in EXPANDED_ID:
         raise ValueError(f"emit_expanded must be torch.bfloat16 or torch.float16, got {emit_expanded}")
-    shape, dtype = x.shape, x.dtype
     x = x.contiguous()
-    k = shape[-1]
-    kp = (k + BLOCK - 1) // BLOCK * BLOCK
-    rows = x.numel() // k
-    if recipe.block == "16x16":
-        n = shape[-2]
-        slices = rows // n
-    else:
-        n, slices = rows, 1
-    x2 = x.reshape(rows, k)
-    pairs = pairs and dtype == torch.bfloat16 and k == kp and x2.storage_offset() % 2 == 0
-    br_default, nb_default = _default_tiles(recipe, kp, pairs)
-    br = block_rows or br_default
-    nb = block_k // 16 if block_k else nb_default
-    if recipe.block == "16x16" and br % 16:
-        raise ValueError(f"block_rows must be a multiple of 16 for 16x16 tiles, got {br}")
-    dev = x.device
-    gshape = shape[:-1] + (1,)
-    enc_arg = dec_arg = amax_arg = 1.0
-    group_amax = None
-    write_amax = True
-    if recipe.scale == "row" and recipe.scale_source == "dynamic":
-        mode, rows_per_outer, n_outer, out_shape = OUTER_ROW, 1, rows, gshape
-    elif recipe.scale_source == "dynamic" and recipe.scale in ("tensor", "expert"):
-        groups = shape[0] if recipe.scale == "expert" else 1
-        group_amax = _group_amax(x2, recipe, groups, kp, br, nb, pairs)
-        mode, rows_per_outer, n_outer = OUTER_GROUP, rows // groups, groups
-        out_shape = (groups,) + (1,) * (len(shape) - 1) if recipe.scale == "expert" else ()
-    else:
-        enc_arg, dec_arg, amax_arg, write_amax = given_outer_args(recipe)
-        mode, rows_per_outer, n_outer, out_shape = OUTER_GIVEN, rows, 1, ()
-    out = QuantOutputs.empty(rows, kp, n_outer, write_amax, emit_expanded, dev)
-    data, scale, expanded, enc_t = out.data, out.scale, out.expanded, out.enc
-    key = seed_arg(recipe, seed)
-    grid = (cdiv(n, br), slices)
-    extra = {} if num_warps is None else {"num_warps": num_warps}
-    if pairs:  # int32 views: bf16 pairs in, 8 code bytes (two words) and bf16/fp16 pairs out
-        xa, da = x2.view(torch.int32), data.view(torch.int32)
-        ea = da if expanded is None else expanded.view(torch.int32)
-    else:
-        xa, da, ea = bits_view(x2), data, data if expanded is None else bits_view(expanded)
-    _quantize_kernel[grid](
-        xa, da, scale, ea, enc_t, out.dec, out.amax,
-        enc_t if group_amax is None else group_amax, enc_arg, dec_arg, amax_arg,
-        n, k, kp, rows_per_outer, key,
-        PROFILE=PROFILE_ID[recipe.profile], OUTER=mode, TILE16=recipe.block == "16x16",
-        HADAMARD=recipe.hadamard, ROUND=ROUND_ID[dtype], STOCHASTIC=recipe.rounding == "stochastic",
-        SIGNBIT=recipe.profile in ("te", "torchao"), SIGNS=SIGN_MASK, WRITE_AMAX=write_amax,
-        EXPANDED=0 if expanded is None else EXPANDED_ID[emit_expanded], BR=br, NB=nb, PAIRS=pairs, **extra,
+    plan = rows_plan(
+        x.shape, x.dtype, recipe, emit_expanded, pairs and x.storage_offset() % 2 == 0, block_rows, block_k,
+        num_warps, interpreting(),
     )  # fmt: skip
-    return out.tensor(recipe, shape, dtype, out_shape)
+    return plan.run(x, seed)
