@@ -690,7 +690,7 @@ def rows_plan(
     elif recipe.scale_source == "dynamic" and recipe.scale in ("tensor", "expert"):
         groups = shape[0] if recipe.scale == "expert" else 1
         amax_kind, amax_grid, amax_args, amax_kwargs = _group_amax_launch(
-            recipe, dtype, rows, k, groups, kp, br, nb, pairs
+            recipe, dtype, rows, k, groups, kp, br, nb, pairs, interpreted
         )
         mode, rows_per_outer, n_outer = OUTER_GROUP, rows // groups, groups
         out_shape = (groups,) + (1,) * (len(shape) - 1) if recipe.scale == "expert" else ()
@@ -715,7 +715,16 @@ def rows_plan(
 
 
 def _group_amax_launch(
-    recipe: QuantRecipe, dtype: torch.dtype, rows: int, k: int, groups: int, kp: int, br: int, nb: int, pairs: bool
+    recipe: QuantRecipe,
+    dtype: torch.dtype,
+    rows: int,
+    k: int,
+    groups: int,
+    kp: int,
+    br: int,
+    nb: int,
+    pairs: bool,
+    interpreted: bool,
 ) -> tuple[str, tuple[int, int], tuple, dict]:
     """(kernel, grid, scalar arguments, constexprs) of the amax pass that fills the int32 ``[groups, 2]``
     buffer with the bits of each group's NaN-free amax and a NaN flag (device only). Kernels: ``"pairs"``
@@ -732,9 +741,9 @@ def _group_amax_launch(
         kwargs = dict(PROPAGATE_NAN=nan, HADAMARD=True, ROUND=ROUND_ID[dtype], SIGNS=SIGN_MASK, BR=br, NB=nb)
         return "tiled", grid, (rows_per_group, k, kp), kwargs
     n = rows_per_group * k  # padding zeros never change an amax: sweep the real elements only
-    block = 4096 if not interpreting() else 1024
+    block = 1024 if interpreted else 4096
     chunk = block * max(1, min(16, cdiv(n, block * 1024)))  # ~1k programs, one atomic each
-    kwargs = dict(PROPAGATE_NAN=nan, ROUND=ROUND_ID[dtype], BLOCK=block, num_warps=8 if not interpreting() else 4)
+    kwargs = dict(PROPAGATE_NAN=nan, ROUND=ROUND_ID[dtype], BLOCK=block, num_warps=4 if interpreted else 8)
     return "flat", (cdiv(n, chunk), groups), (n, chunk), kwargs
 
 
