@@ -73,6 +73,7 @@ FOLLOW_UP_ARMS = (
     "triage-suppress-down",
     "triage-suppress-no-guard",
     "triage-suppress-no-floor",
+    "triage-suppress-soft-only",
     "triage-no-is",
 )
 ALL_ARMS = ARMS + FOLLOW_UP_ARMS

@@ -98,12 +98,14 @@ def test_arms_differ_only_in_correction_fields():
     assert (mask["amplify_up"], mask["amplify_down"]) == ("mask", "keep")
     no_is = load_recipe("tiny/triage-no-is")
     assert (no_is["consistent"], no_is["correct_down"], no_is["amplify_down"]) == ("keep", "keep", "keep")
-    no_guard, no_floor = (
+    no_guard, no_floor, soft_only = (
         load_recipe("tiny/triage-suppress-no-guard"),
         load_recipe("tiny/triage-suppress-no-floor"),
+        load_recipe("tiny/triage-suppress-soft-only"),
     )
     assert (no_guard["guard_kappa"], no_guard["tail_floor"], no_guard["amplify_down"]) == (None, 3.0, "soft")
     assert (no_floor["guard_kappa"], no_floor["tail_floor"], no_floor["amplify_down"]) == (0.1, None, "soft")
+    assert (soft_only["guard_kappa"], soft_only["tail_floor"], soft_only["amplify_down"]) == (None, None, "soft")
 
 
 def test_presets():
