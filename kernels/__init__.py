@@ -11,6 +11,18 @@ it; ``NVFP4Config.from_recipe(recipe)`` is the config of one ``QuantRecipe`` (``
 from __future__ import annotations
 
 import importlib
+import os
+import sys
+
+if __name__ == "kernels":
+    # Found as a top-level ``kernels`` because a source checkout's root is on sys.path (``python -m ...`` run
+    # from it): that name belongs to Hugging Face's ``kernels`` package, which transformers imports. Take the
+    # checkout's root off sys.path (this package is ``triage.kernels``, reached through the install) and hand
+    # the import to the real package, or fail as if the checkout were not there.
+    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _root]
+    del sys.modules[__name__]
+    sys.modules[__name__] = importlib.import_module(__name__)
 
 _LAZY = {
     "NVFP4Config": "triage.kernels.conversion",

@@ -70,6 +70,24 @@ def test_no_top_level_kernels_package():
     assert "site-packages/kernels" not in str(triage.kernels.__file__)
 
 
+def test_checkout_root_never_shadows_huggingface_kernels():
+    """Run from a checkout's root (``python -m ...`` puts it on sys.path), ``import kernels`` — which
+    transformers does when Hugging Face's ``kernels`` is installed — must not get this repository's folder:
+    it gets the real package, or fails as it would without the checkout."""
+    code = (
+        "import sys\n"
+        "try:\n    import kernels\nexcept ImportError:\n    print('absent'); sys.exit()\n"
+        "import triage.kernels\n"
+        "print(kernels.__file__, triage.kernels.__name__, hasattr(kernels, 'NVFP4Linear'))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    ).stdout.strip()
+    if out != "absent":
+        where, name, ours = out.split()
+        assert not Path(where).resolve().is_relative_to(ROOT) and name == "triage.kernels" and ours == "False", out
+
+
 def test_import_triage_stays_light():
     code = (
         "import sys, triage, triage.cli;"
