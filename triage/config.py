@@ -156,7 +156,7 @@ class TriageConfig:
     @classmethod
     def profile(cls, name: str, **overrides: Any) -> TriageConfig:
         """The named configuration ``name`` (a key of :data:`PROFILES`), with ``overrides`` on top:
-        ``TriageConfig.profile("suppress-down")`` is the earlier default."""
+        ``TriageConfig.profile("suppress-down")`` is the alternative :data:`PROFILES` describes."""
         if name not in PROFILES:
             raise ValueError(
                 f"TriageConfig.profile: unknown profile {name!r}; expected one of {tuple(PROFILES)}"
