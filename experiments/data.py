@@ -26,7 +26,7 @@ import json
 import os
 import re
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -487,9 +487,3 @@ def load_from_spec(spec: Mapping[str, Any]):
     if spec.get("repeat") is not None:
         dataset = repeat_rows(dataset, spec["repeat"])
     return dataset
-
-
-def iter_problems(dataset) -> Iterable[tuple[str, str]]:
-    """(raw problem, ground truth) pairs of a schema dataset."""
-    for row in dataset:
-        yield row["extra_info"]["raw_problem"], row["reward_model"]["ground_truth"]

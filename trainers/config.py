@@ -142,6 +142,16 @@ def check_sampler_kwargs(kind: str | None, kwargs: Mapping | None, where: str = 
         )
 
 
+def _parse_json_field(config: Any, name: str) -> None:
+    """Parse ``config.<name>`` in place when it is a string (a mapping passed as JSON on the command line)."""
+    value = getattr(config, name)
+    if isinstance(value, str):
+        try:
+            setattr(config, name, json.loads(value))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"TriageGRPOConfig.{name} is not valid JSON: {err}") from None
+
+
 @dataclass
 class TriageGRPOConfig(GRPOConfig):
     r"""``GRPOConfig`` + TRIAGE. Field docs: ``TriageConfig`` (the math) and docs/trainer.md (the table).
@@ -299,20 +309,12 @@ class TriageGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"TriageGRPOConfig.learner_precision={self.learner_precision!r}: expected one of {LEARNER_PRECISIONS}"
             )
-        if isinstance(self.quant_recipe, str):
-            try:
-                self.quant_recipe = json.loads(self.quant_recipe)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"TriageGRPOConfig.quant_recipe is not valid JSON: {err}") from None
+        _parse_json_field(self, "quant_recipe")
         if self.lora_base_mode not in ("w4a4", "w4a16"):
             raise ValueError(
                 f"TriageGRPOConfig.lora_base_mode={self.lora_base_mode!r}: expected 'w4a4' or 'w4a16'"
             )
-        if isinstance(self.aqn, str):
-            try:
-                self.aqn = json.loads(self.aqn)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"TriageGRPOConfig.aqn is not valid JSON: {err}") from None
+        _parse_json_field(self, "aqn")
         if self.aqn is not None and not isinstance(self.aqn, dict):
             raise ValueError(f"TriageGRPOConfig.aqn must be a mapping of AQNConfig fields, got {self.aqn!r}")
         if self.learner_precision == "bf16" and self.quant_recipe is not None:
@@ -320,11 +322,7 @@ class TriageGRPOConfig(GRPOConfig):
         if self.quant_recipe is not None:
             check_quant_recipe(self.quant_recipe, "TriageGRPOConfig.quant_recipe")
         self.sampler = resolve_sampler(self.sampler, self.use_vllm, self.correction)
-        if isinstance(self.sampler_kwargs, str):
-            try:
-                self.sampler_kwargs = json.loads(self.sampler_kwargs)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"TriageGRPOConfig.sampler_kwargs is not valid JSON: {err}") from None
+        _parse_json_field(self, "sampler_kwargs")
         if self.sampler_kwargs is not None and not isinstance(self.sampler_kwargs, dict):
             raise ValueError(
                 f"TriageGRPOConfig.sampler_kwargs must be a mapping, got {self.sampler_kwargs!r}"

@@ -235,7 +235,7 @@ def _write_frozen_config(path: Path, config: NVFP4FrozenConfig) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 
-#: Keys of files written before the configs shared one vocabulary: new key → old key (read, never written).
+#: Aliases accepted when reading a saved frozen-base config (never written): key → alias.
 _OLD_KEYS = {"compute": "mode", "activation": "input_recipe"}
 
 

@@ -24,12 +24,12 @@ CLASS_POLICY_FIELDS = ("consistent", "amplify_down", "correct_up", "amplify_up",
 TAU_MAX = 1.0
 
 #: Named TRIAGE configurations (:meth:`TriageConfig.profile`), as field overrides of the defaults.
-#: ``"keep-down"`` is the default. ``"suppress-down"`` is the earlier default: it down-weighted (``soft``),
-#: floored (``tail_floor``) and guarded (``guard_kappa``) the amplify-down tail — δ < −τ with A < 0 — while
-#: keeping the correct-up tokens (δ < −τ, A > 0) at full weight. Removing the negative updates of tokens the
-#: learner under-weights, but not the positive ones, biases every step toward raising them: in the mismatch
-#: testbed it collapsed GRPO in 2 of 2 seeds while vanilla GRPO, TIS, IcePop and "keep-down" did not
-#: (docs/results.md §3, docs/triage.md "Defaults").
+#: ``"keep-down"`` is the default. ``"suppress-down"`` down-weights (``soft``), floors (``tail_floor``) and
+#: guards (``guard_kappa``) the amplify-down tail — δ < −τ with A < 0 — while keeping the correct-up tokens
+#: (δ < −τ, A > 0) at full weight. Removing the negative updates of tokens the learner under-weights, but not
+#: the positive ones, biases every step toward raising them: in the mismatch testbed it collapsed GRPO in 3 of
+#: 3 seeds while vanilla GRPO, TIS, IcePop and "keep-down" did not (docs/results.md §3, docs/triage.md
+#: "Defaults"). It is kept as a profile for comparison, not as a recommendation.
 PROFILES: dict[str, dict[str, Any]] = {
     "keep-down": {},
     "suppress-down": {"amplify_down": "soft", "tail_floor": 3.0, "guard_kappa": 0.1},
@@ -58,8 +58,8 @@ class TriageConfig:
     Defaults (the ``"keep-down"`` profile): IS-weight the consistent and correct-down tokens, keep the
     correct-up **and the amplify-down** tokens at full weight (never remove the negative updates of the
     δ < 0 majority without removing the positive ones), soft-weight only the amplify-up tail (δ > τ, A > 0:
-    raising a token the learner already over-weights); no floor, no guard. :data:`PROFILES` names the
-    earlier default (``"suppress-down"``) and why it was replaced.
+    raising a token the learner already over-weights); no floor, no guard. :data:`PROFILES` describes the
+    ``"suppress-down"`` alternative and why it is not the default.
     """
 
     correction: str = "triage"
@@ -156,7 +156,7 @@ class TriageConfig:
     @classmethod
     def profile(cls, name: str, **overrides: Any) -> TriageConfig:
         """The named configuration ``name`` (a key of :data:`PROFILES`), with ``overrides`` on top:
-        ``TriageConfig.profile("suppress-down")`` is the earlier default."""
+        ``TriageConfig.profile("suppress-down")`` is the alternative :data:`PROFILES` describes."""
         if name not in PROFILES:
             raise ValueError(
                 f"TriageConfig.profile: unknown profile {name!r}; expected one of {tuple(PROFILES)}"

@@ -1,5 +1,5 @@
 # ruff: noqa: B023  (benchmark lambdas are consumed inside the loop iteration that defines them)
-"""H200 check + benchmark of the NVFP4 dense GEMMs (issue 4). Run on a CUDA machine:
+"""H200 check + benchmark of the NVFP4 dense GEMMs. Run on a CUDA machine:
 
     python experiments/bench/bench_gemm.py [--quick] [--sections correctness,w4a4,decode,linear,cache] [--sweep]
 
@@ -239,10 +239,11 @@ DECODE_CONFIGS = [
     dict(BN=64, NB=16, num_warps=2, num_stages=st, XMODE=2, PREFETCH=False, PAIRED_SCALE=True) for st in (2, 3)
 ]  # fmt: skip
 DECODE_SPLITS = (4, 8, 16, 32)
-# (session 2's sweep: 2-warp mma.sync tiles with a 3-stage cp.async pipeline won; the loads-only probe says
-# the kernel needs more bytes in flight, hence the deeper / wider K steps here. With the split-K reduction
-# folded into the kernel a higher split costs no second launch, hence splits 4..32 and 4 warps at 64x256.)
-# PAIRED_SCALE (session 4, offline SASS): the W4A16 (bf16) unpack without the PRMT half-swaps around each
+# (Why these tiles: in a wider sweep, 2-warp mma.sync tiles with a 3-stage cp.async pipeline were fastest;
+# the loads-only probe says the kernel needs more bytes in flight, hence the deeper / wider K steps here.
+# With the split-K reduction folded into the kernel a higher split costs no second launch, hence splits
+# 4..32 and 4 warps at 64x256.)
+# PAIRED_SCALE (read in the offline SASS): the W4A16 (bf16) unpack without the PRMT half-swaps around each
 # HMUL2, 1245 -> 1037 instructions per K step per thread; compare with the same tile without it.
 
 

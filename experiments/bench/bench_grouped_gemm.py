@@ -9,8 +9,8 @@ quantized once outside the timing as in training). "tokens+gather": the NVFP4 pa
 the T un-routed tokens quantized once (with ``emit_expanded``), the top-k gather done inside the GEMM.
 fwd+bwd: autograd of each path (NVFP4 = straight-through ``bf16-backward``, the default; the
 "nvfp4-backward" row quantizes dgrad and wgrad). "wgrad ..." rows: the nvfp4-backward weight gradient alone
-(2 columnwise quantizations straight into the padded token layout + 1 grouped ragged-K launch; the old path
-that materialized and transposed the layout first, with a bitwise comparison; and the grouped launch by
+(2 columnwise quantizations straight into the padded token layout + 1 grouped ragged-K launch; the baseline
+that materializes and transposes the layout first, with a bitwise comparison; and the grouped launch by
 itself on pre-quantized operands) next to the bf16 ``torch._grouped_mm`` wgrad of bf16-backward. Times:
 ``triton.testing.do_bench`` medians in ms. Writes ``$OUT/bench_grouped_gemm.txt`` when ``$OUT`` is set.
 """

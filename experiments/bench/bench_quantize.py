@@ -227,7 +227,7 @@ def bench(quick: bool, ab: bool = False, sweep: bool = False) -> dict:
 
 def bench_columnwise(quick: bool) -> dict:
     """``--columnwise``: ``quantize_columnwise`` (1×16 blocks along the tokens, no transposed copy) against
-    the old ``quantize(<transposed / padded copy>)``: bytes identical? and both times (do_bench medians,
+    the baseline ``quantize(<transposed / padded copy>)``: bytes identical? and both times (do_bench medians,
     CUDA-graph replays where capturable). Dense: bf16 x [16384, 4096] (the NVFP4Linear wgrad operands);
     MoE: 131072 routed rows (16384 tokens, top-8, 128 experts) into the 16-aligned segment layout, C=2048,
     x gathered from the tokens (as ``nvfp4_wgrad``) and dy [131072, 1536] without gather. Also a bit-exact

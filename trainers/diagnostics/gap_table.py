@@ -1,10 +1,10 @@
-"""The gap table: the seed's ablation axes on one model, one row per (learner path, sampler path).
+"""The gap table: the learner-sampler mismatch axes on one model, one row per (learner path, sampler path).
 
 Every row scores the same sampled tokens with a learner path (full-sequence forward) and a sampler path
 (prefill + incremental decode) and reports mean |δ|, δ quantiles, TRIAGE class shares and the per-layer
 divergence. The trainer's recipe is ``W4A4, per-token activation scale, TE profile, online, independent
 fused scales`` (``BASE``); each axis changes one thing from it, except the precision axis, which
-reproduces the seed's engine pair (learner: TE online from the master weights, tensor-wide dynamic
+compares the usual NVFP4 RL engine pair (learner: TE online from the master weights, tensor-wide dynamic
 activation amax; sampler: an offline ModelOpt checkpoint of the bf16 weights with static activation
 scales, i.e. vLLM's setting) at three precisions:
 

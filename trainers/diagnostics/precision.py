@@ -1,6 +1,7 @@
 """How one engine computes a model's Linear layers: ``Precision`` and the model conversion it implies.
 
-A ``Precision`` names one point on every axis the seed ablates:
+A ``Precision`` names one point on every Linear-layer axis of the gap table
+(:mod:`~triage.trainers.diagnostics.gap_table`):
 
 * ``mode``: ``"bf16"`` (the Linear layers as they are, in the path's dtype), ``"w4a16"`` (NVFP4 weights,
   activations unquantized — Hopper vLLM's Marlin path) or ``"w4a4"`` (NVFP4 weights and activations);
