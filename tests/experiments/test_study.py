@@ -231,7 +231,7 @@ def test_shipped_testbed_study_files_resolve(tmp_path):
 
     folder = Path(ablate.__file__).parent / "testbed"
     files = sorted(folder.glob("*.yaml"))
-    assert {f.name for f in files} >= {"dose-response.yaml", "corrections.yaml", "long.yaml"}
+    assert {f.name for f in files} >= {"dose-response.yaml", "corrections.yaml", "isolation.yaml", "long.yaml"}
     for f in files:
         study = ablate.resolve_study(_args("--study", str(f), "--output", str(tmp_path)))
         assert study.scale.name == "testbed", f
