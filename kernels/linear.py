@@ -85,6 +85,7 @@ from triage.kernels.nvfp4.recipe import QuantRecipe
 from triage.kernels.nvfp4.tensor import NVFP4Tensor
 
 if TYPE_CHECKING:
+    from triage.kernels.nvfp4.quantize_columns import ColumnsPlan
     from triage.kernels.nvfp4.quantize_rows import RowsPlan
 
 __all__ = [
@@ -240,15 +241,46 @@ def _rows_plan(
 
 
 def _quantize_t(
-    x: torch.Tensor, recipe: QuantRecipe, backend: str, seed: int | None = None, expanded: bool = False
+    x: torch.Tensor,
+    recipe: QuantRecipe,
+    backend: str,
+    seed: int | None = None,
+    expanded: bool = False,
+    plan: ColumnsPlan | None = None,
 ) -> NVFP4Tensor:
     """``quantize(x.T, recipe)`` of a 2-D ``x`` without the transposed copy (Triton backends; the torch
     backend materializes ``x.T``): 1×16 blocks along x's rows (the tokens), byte-identical; ``expanded``:
-    also the exact bf16 ``q·s``, written in the same pass."""
+    also the exact bf16 ``q·s``, written in the same pass. ``plan``: the columnwise quantizer's plan for
+    x's signature (:func:`_columns_plan`), run directly when x takes that path."""
+    if plan is not None and x.dtype == plan.dtype and not x.t().is_contiguous():
+        q = plan.run(x, seed, None)
+        q.global_scale = nonfinite_scale(q, x)  # q is ours alone: no copy of the dataclass
+        return q
     from triage.kernels.nvfp4.quantize_columns import quantize_columnwise
 
     emit = torch.bfloat16 if expanded else None
     return nan_if_nonfinite(quantize_columnwise(x, recipe, backend=backend, seed=seed, emit_expanded=emit), x)
+
+
+def _columns_plan(
+    recipe: QuantRecipe, backend: str, shape: tuple, dtype: torch.dtype, device: torch.device, expanded: bool
+) -> ColumnsPlan | None:
+    """The Triton columnwise quantizer's :class:`~triage.kernels.nvfp4.quantize_columns.ColumnsPlan` for
+    ``quantize_columnwise(x, recipe, backend=backend)`` of a 2-D x of ``shape``/``dtype`` on ``device`` when
+    that call would run the columnwise kernel (a plain transpose, not the row-major path of a contiguous
+    ``xᵀ``), after the checks it makes; else None."""
+    from triage.kernels.nvfp4.api import check_quantize_options
+    from triage.kernels.nvfp4.device import available, check_runnable, interpreting
+    from triage.kernels.nvfp4.quantize_columns import columns_plan
+
+    check_quantize_options("quantize_columnwise", backend, None, None)
+    rows, C = shape
+    use_triton = backend == "triton" or (backend == "auto" and available(device))
+    if not use_triton or recipe.block != "1x16" or rows == 1 or C == 1:  # xᵀ contiguous: the row-major path
+        return None
+    check_runnable(torch.empty(0, device=device))
+    emit = torch.bfloat16 if expanded else None
+    return columns_plan(C, rows, dtype, recipe, False, emit, None, None, None, interpreting())
 
 
 def transpose_16x16(w: NVFP4Tensor) -> NVFP4Tensor:
@@ -352,7 +384,12 @@ class _CallPlan:
     ``large``: the forward and dgrad GEMMs (M = tokens) run on expansions, so x_q and dy_q are quantized
     with their exact bf16 ``q·s``; ``large_wgrad`` the same for the wgrad GEMM (M = out_features).
     ``x_plan`` / ``dy_plan``: the Triton row quantizer's plans for x and dy (None where ``quantize``
-    would not run Triton: the torch reference then runs through ``quantize``)."""
+    would not run Triton: the torch reference then runs through ``quantize``); ``xt_plan`` / ``dyt_plan``
+    the columnwise quantizer's for the wgrad's xᵀ and dyᵀ (nvfp4-backward). ``gemms``: the
+    :class:`~triage.kernels.nvfp4.matmul.GemmPlan` of each GEMM of the call (``"fwd"``, and ``"dgrad"`` /
+    ``"wgrad"`` per dtype of dy), built by :func:`~triage.kernels.nvfp4.matmul.gemm_plan` on its first
+    operands: the operands' signatures follow from this plan's (the quantizers' plans, the cached weight
+    of this config, the layer's shape)."""
 
     config: NVFP4LinearConfig
     rows: int
@@ -364,6 +401,21 @@ class _CallPlan:
     x_plan: RowsPlan | None
     dy_plan: RowsPlan | None
     xt_recipe: QuantRecipe  # the wgrad's xᵀ: the wgrad recipe with nearest rounding
+    xt_plan: ColumnsPlan | None
+    dyt_plan: ColumnsPlan | None
+    gemms: dict = field(default_factory=dict, compare=False)
+
+    def gemm(self, name, a, b, *, out_dtype, bias=None, b_expanded=None, b_scale_host=None) -> torch.Tensor:
+        """``gemm(a, b, ...)`` through this call's plan for GEMM ``name`` (built on first use)."""
+        plan = self.gemms.get(name)
+        if plan is None:
+            from triage.kernels.nvfp4.matmul import gemm_plan
+
+            plan = self.gemms[name] = gemm_plan(
+                a, b, out_dtype=out_dtype, bias=bias, backend=self.config.gemm_backend, b_expanded=b_expanded,
+                b_scale_host=b_scale_host,
+            )  # fmt: skip
+        return plan.run(a, b, bias=bias, b_expanded=b_expanded, b_scale_host=b_scale_host)
 
 
 def _call_plan(config: NVFP4LinearConfig, x: torch.Tensor, out_features: int) -> _CallPlan:
@@ -372,6 +424,8 @@ def _call_plan(config: NVFP4LinearConfig, x: torch.Tensor, out_features: int) ->
     large = _large_m(config, rows, x.device)
     nvfp4_bwd = config.backward == "nvfp4-backward"
     backend = config.quant_backend
+    xt_recipe = replace(config.wgrad, rounding="nearest")
+    large_wgrad = _large_m(config, out_features, x.device)
     return _CallPlan(
         config=config,
         rows=rows,
@@ -379,12 +433,16 @@ def _call_plan(config: NVFP4LinearConfig, x: torch.Tensor, out_features: int) ->
         out_features=out_features,
         lead=tuple(x.shape[:-1]),
         large=large,
-        large_wgrad=_large_m(config, out_features, x.device),
+        large_wgrad=large_wgrad,
         x_plan=_rows_plan(config.activation, backend, (rows, K), x.dtype, x.device, large),
         dy_plan=_rows_plan(config.grad, backend, (rows, out_features), x.dtype, x.device, large)
         if nvfp4_bwd
         else None,
-        xt_recipe=replace(config.wgrad, rounding="nearest"),
+        xt_recipe=xt_recipe,
+        xt_plan=_columns_plan(xt_recipe, backend, (rows, K), x.dtype, x.device, large_wgrad) if nvfp4_bwd else None,
+        dyt_plan=_columns_plan(config.wgrad, backend, (rows, out_features), x.dtype, x.device, large_wgrad)
+        if nvfp4_bwd
+        else None,
     )
 
 
@@ -393,17 +451,15 @@ class _NVFP4LinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, plan: _CallPlan, cache: _WeightCache, counter: list):
-        from triage.kernels.nvfp4.matmul import gemm
-
         config = plan.config
         x2 = x.reshape(plan.rows, plan.in_features)
         xq = _quantize(x2, config.activation, config.quant_backend, expanded=plan.large, plan=plan.x_plan)
-        y = gemm(
+        y = plan.gemm(
+            "fwd",
             xq,
             cache.quantized,
             out_dtype=x.dtype,
             bias=bias,
-            backend=config.gemm_backend,
             b_expanded=cache.expanded if plan.large else None,
             b_scale_host=cache.host_scale,
         )
@@ -428,21 +484,21 @@ class _NVFP4LinearFn(torch.autograd.Function):
             if ctx.needs_input_grad[1]:
                 dw = (dy2.T @ x2.to(dy2.dtype)).to(weight.dtype)
         else:
-            from triage.kernels.nvfp4.matmul import gemm
-
             ctx.counter[0] += 1
             seed = (config.grad.seed + 2 * ctx.counter[0]) % 2**32
             backend = config.quant_backend
             if ctx.needs_input_grad[0]:
                 dy_plan = plan.dy_plan if dy2.dtype == x.dtype else None
                 dyq = _quantize(dy2, config.grad, backend, seed=seed, expanded=plan.large, plan=dy_plan)
-                dx = gemm(dyq, ctx.weight_t, out_dtype=x.dtype, backend=config.gemm_backend)
+                dx = plan.gemm(("dgrad", dy2.dtype), dyq, ctx.weight_t, out_dtype=x.dtype)
             if ctx.needs_input_grad[1]:
                 # dy2ᵀ, x2ᵀ quantized straight from the row-major dy2, x2 (no transposed copy; same bytes)
                 big = plan.large_wgrad
-                dyt = _quantize_t(dy2, config.wgrad, backend, seed=(seed + 1) % 2**32, expanded=big)
-                xt = _quantize_t(x2, plan.xt_recipe, backend, expanded=big)
-                dw = gemm(dyt, xt, out_dtype=torch.float32, backend=config.gemm_backend).to(weight.dtype)
+                dyt = _quantize_t(
+                    dy2, config.wgrad, backend, seed=(seed + 1) % 2**32, expanded=big, plan=plan.dyt_plan
+                )
+                xt = _quantize_t(x2, plan.xt_recipe, backend, expanded=big, plan=plan.xt_plan)
+                dw = plan.gemm(("wgrad", dy2.dtype), dyt, xt, out_dtype=torch.float32).to(weight.dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = dy2.float().sum(0).to(ctx.bias_dtype)
         if dx is not None:
