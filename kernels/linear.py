@@ -73,6 +73,8 @@ backends of :mod:`triage.kernels.nvfp4` (Triton on CUDA, torch reference on CPU;
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -446,64 +448,213 @@ def _call_plan(config: NVFP4LinearConfig, x: torch.Tensor, out_features: int) ->
     )
 
 
+def _linear_forward(x: torch.Tensor, bias: torch.Tensor | None, plan: _CallPlan, cache: _WeightCache) -> torch.Tensor:
+    """``y = Q(x)·Q(W)ᵀ + b`` for ``x`` of ``plan``'s signature and ``W_q`` from ``cache`` (module docstring)."""
+    config = plan.config
+    x2 = x.reshape(plan.rows, plan.in_features)
+    xq = _quantize(x2, config.activation, config.quant_backend, expanded=plan.large, plan=plan.x_plan)
+    y = plan.gemm(
+        "fwd",
+        xq,
+        cache.quantized,
+        out_dtype=x.dtype,
+        bias=bias,
+        b_expanded=cache.expanded if plan.large else None,
+        b_scale_host=cache.host_scale,
+    )
+    return y.reshape(*plan.lead, plan.out_features)
+
+
+def _linear_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    plan: _CallPlan,
+    weight_t: NVFP4Tensor | None,
+    counter: list,
+    bias_dtype: torch.dtype | None,
+    needs: tuple[bool, bool, bool],
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``(dx, dW, db)`` of ``y = Q(x)·Q(W)ᵀ + b`` under the straight-through rule of ``plan.config.backward``
+    (module docstring), each None unless ``needs`` asks for it (db also None without a bias).
+    ``weight_t``: the forward's W_qᵀ (nvfp4-backward); ``counter``: the layer's stochastic-rounding call
+    counter, advanced once per nvfp4-backward call."""
+    config = plan.config
+    dy2 = dy.reshape(plan.rows, plan.out_features)
+    x2 = x.reshape(plan.rows, plan.in_features)
+    dx = dw = db = None
+    if config.backward == "bf16-backward":
+        if needs[0]:
+            dx = (dy2 @ weight.to(dy2.dtype)).to(x.dtype)
+        if needs[1]:
+            dw = (dy2.T @ x2.to(dy2.dtype)).to(weight.dtype)
+    else:
+        counter[0] += 1
+        seed = (config.grad.seed + 2 * counter[0]) % 2**32
+        backend = config.quant_backend
+        if needs[0]:
+            dy_plan = plan.dy_plan if dy2.dtype == x.dtype else None
+            dyq = _quantize(dy2, config.grad, backend, seed=seed, expanded=plan.large, plan=dy_plan)
+            dx = plan.gemm(("dgrad", dy2.dtype), dyq, weight_t, out_dtype=x.dtype)
+        if needs[1]:
+            # dy2ᵀ, x2ᵀ quantized straight from the row-major dy2, x2 (no transposed copy; same bytes)
+            big = plan.large_wgrad
+            dyt = _quantize_t(dy2, config.wgrad, backend, seed=(seed + 1) % 2**32, expanded=big, plan=plan.dyt_plan)
+            xt = _quantize_t(x2, plan.xt_recipe, backend, expanded=big, plan=plan.xt_plan)
+            dw = plan.gemm(("wgrad", dy2.dtype), dyt, xt, out_dtype=torch.float32).to(weight.dtype)
+    if bias_dtype is not None and needs[2]:
+        db = dy2.float().sum(0).to(bias_dtype)
+    if dx is not None:
+        dx = dx.reshape(x.shape)
+    return dx, dw, db
+
+
 class _NVFP4LinearFn(torch.autograd.Function):
-    """Autograd of ``y = Q(x)·Q(W)ᵀ + b`` with straight-through gradients (see the module docstring)."""
+    """Autograd of ``y = Q(x)·Q(W)ᵀ + b`` with straight-through gradients (see the module docstring): the
+    eager path."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, plan: _CallPlan, cache: _WeightCache, counter: list):
-        config = plan.config
-        x2 = x.reshape(plan.rows, plan.in_features)
-        xq = _quantize(x2, config.activation, config.quant_backend, expanded=plan.large, plan=plan.x_plan)
-        y = plan.gemm(
-            "fwd",
-            xq,
-            cache.quantized,
-            out_dtype=x.dtype,
-            bias=bias,
-            b_expanded=cache.expanded if plan.large else None,
-            b_scale_host=cache.host_scale,
-        )
+        y = _linear_forward(x, bias, plan, cache)
         ctx.save_for_backward(x, weight)
         ctx.plan = plan
         ctx.weight_t = cache.transposed  # the forward's W_qᵀ (nvfp4-backward), whatever the cache holds later
         ctx.counter = counter
         ctx.bias_dtype = bias.dtype if bias is not None else None
-        return y.reshape(*plan.lead, plan.out_features)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        plan: _CallPlan = ctx.plan
-        config = plan.config
-        dy2 = dy.reshape(plan.rows, plan.out_features)
-        x2 = x.reshape(plan.rows, plan.in_features)
-        dx = dw = db = None
-        if config.backward == "bf16-backward":
-            if ctx.needs_input_grad[0]:
-                dx = (dy2 @ weight.to(dy2.dtype)).to(x.dtype)
-            if ctx.needs_input_grad[1]:
-                dw = (dy2.T @ x2.to(dy2.dtype)).to(weight.dtype)
-        else:
-            ctx.counter[0] += 1
-            seed = (config.grad.seed + 2 * ctx.counter[0]) % 2**32
-            backend = config.quant_backend
-            if ctx.needs_input_grad[0]:
-                dy_plan = plan.dy_plan if dy2.dtype == x.dtype else None
-                dyq = _quantize(dy2, config.grad, backend, seed=seed, expanded=plan.large, plan=dy_plan)
-                dx = plan.gemm(("dgrad", dy2.dtype), dyq, ctx.weight_t, out_dtype=x.dtype)
-            if ctx.needs_input_grad[1]:
-                # dy2ᵀ, x2ᵀ quantized straight from the row-major dy2, x2 (no transposed copy; same bytes)
-                big = plan.large_wgrad
-                dyt = _quantize_t(
-                    dy2, config.wgrad, backend, seed=(seed + 1) % 2**32, expanded=big, plan=plan.dyt_plan
-                )
-                xt = _quantize_t(x2, plan.xt_recipe, backend, expanded=big, plan=plan.xt_plan)
-                dw = plan.gemm(("wgrad", dy2.dtype), dyt, xt, out_dtype=torch.float32).to(weight.dtype)
-        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-            db = dy2.float().sum(0).to(ctx.bias_dtype)
-        if dx is not None:
-            dx = dx.reshape(x.shape)
+        needs = tuple(ctx.needs_input_grad[:3])
+        dx, dw, db = _linear_backward(dy, x, weight, ctx.plan, ctx.weight_t, ctx.counter, ctx.bias_dtype, needs)
         return dx, dw, db, None, None, None
+
+
+# ---------------------------------------------------------------------------------------------------
+# torch.library custom ops: the same forward and backward as one opaque op each, for torch.compile
+# ---------------------------------------------------------------------------------------------------
+
+#: Live layers by their op id (``NVFP4Linear._op_id``, a graph constant under torch.compile): the ops find
+#: the layer's config, call plans, weight cache and stochastic-rounding counter here.
+_LAYERS: weakref.WeakValueDictionary[int, NVFP4Linear] = weakref.WeakValueDictionary()
+_layer_ids = itertools.count()
+
+
+def _register(layer: NVFP4Linear) -> None:
+    layer._op_id = next(_layer_ids)
+    _LAYERS[layer._op_id] = layer
+
+
+def _layer_of(op_id: int) -> NVFP4Linear:
+    layer = _LAYERS.get(op_id)
+    if layer is None:
+        raise RuntimeError(f"triage::nvfp4_linear: no live NVFP4Linear has op id {op_id}")
+    return layer
+
+
+def _empty(device: torch.device, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    return torch.empty(0, dtype=dtype, device=device)
+
+
+@torch.library.custom_op("triage::nvfp4_linear", mutates_args=())
+def nvfp4_linear_op(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward of NVFP4Linear ``layer`` (its op id) as one op: ``(y, W_qᵀ codes, W_qᵀ scales, W_qᵀ outer
+    scale)``, the last three the forward's transposed weight for nvfp4-backward (empty otherwise). Same
+    code, cache and plans as the eager forward, so the same bits."""
+    mod = _layer_of(layer)
+    cache = mod._weight_cache.get(weight, mod.config)
+    y = _linear_forward(x, bias, mod._plan(x), cache)
+    wt = cache.transposed
+    if wt is None:
+        return y, _empty(x.device), _empty(x.device, torch.float8_e4m3fn), _empty(x.device, torch.float32)
+    # detached aliases: the cache keeps its own tensors, the graph gets new ones (nothing copied)
+    return y, wt.data.detach(), wt.scale.detach(), wt.global_scale.detach()
+
+
+@nvfp4_linear_op.register_fake
+def _(x, weight, bias, layer):
+    mod = _layer_of(layer)
+    n, k = weight.shape
+    y = x.new_empty((*x.shape[:-1], n))
+    if mod.config.backward != "nvfp4-backward":
+        return y, x.new_empty(0, dtype=torch.uint8), x.new_empty(0, dtype=torch.float8_e4m3fn), x.new_empty(
+            0, dtype=torch.float32
+        )
+    return (
+        y,
+        x.new_empty((k, n // 2), dtype=torch.uint8),
+        x.new_empty((k, n // 16), dtype=torch.float8_e4m3fn),
+        x.new_empty((), dtype=torch.float32),
+    )
+
+
+@torch.library.custom_op("triage::nvfp4_linear_backward", mutates_args=())
+def nvfp4_linear_backward_op(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    wt_data: torch.Tensor,
+    wt_scale: torch.Tensor,
+    wt_global: torch.Tensor,
+    layer: int,
+    needs_dx: bool,
+    needs_dw: bool,
+    needs_db: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward of :func:`nvfp4_linear_op`: ``(dx, dW, db)`` (an empty tensor where not needed) by the
+    eager backward's code, W_qᵀ rebuilt from the forward's outputs."""
+    mod = _layer_of(layer)
+    config = mod.config
+    weight_t = None
+    if config.backward == "nvfp4-backward":
+        n, k = weight.shape
+        weight_t = NVFP4Tensor(
+            data=wt_data, scale=wt_scale, global_scale=wt_global, recipe=config.weight,
+            shape=torch.Size((k, n)), dtype=weight.dtype,
+        )  # fmt: skip
+    bias_dtype = None if bias is None else bias.dtype
+    dx, dw, db = _linear_backward(
+        dy, x, weight, mod._plan(x), weight_t, mod._grad_calls, bias_dtype, (needs_dx, needs_dw, needs_db)
+    )
+    return (
+        dx if dx is not None else _empty(x.device, x.dtype),
+        dw if dw is not None else _empty(x.device, weight.dtype),
+        db if db is not None else _empty(x.device, x.dtype if bias is None else bias.dtype),
+    )
+
+
+@nvfp4_linear_backward_op.register_fake
+def _(dy, x, weight, bias, wt_data, wt_scale, wt_global, layer, needs_dx, needs_dw, needs_db):
+    return (
+        x.new_empty(x.shape) if needs_dx else x.new_empty(0),
+        weight.new_empty(weight.shape) if needs_dw else weight.new_empty(0),
+        bias.new_empty(bias.shape) if needs_db and bias is not None else x.new_empty(0, dtype=x.dtype if bias is None else bias.dtype),
+    )
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, weight, bias, layer = inputs
+    _, wt_data, wt_scale, wt_global = output
+    ctx.save_for_backward(x, weight, bias, wt_data, wt_scale, wt_global)
+    ctx.layer = layer
+    ctx.mark_non_differentiable(wt_data, wt_scale, wt_global)
+
+
+def _backward(ctx, dy, *_):
+    x, weight, bias, wt_data, wt_scale, wt_global = ctx.saved_tensors
+    needs_dx, needs_dw, needs_db = ctx.needs_input_grad[:3]
+    needs_db = needs_db and bias is not None
+    dx, dw, db = nvfp4_linear_backward_op(
+        dy, x, weight, bias, wt_data, wt_scale, wt_global, ctx.layer, needs_dx, needs_dw, needs_db
+    )
+    return dx if needs_dx else None, dw if needs_dw else None, db if needs_db else None, None
+
+
+nvfp4_linear_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 class NVFP4Linear(nn.Linear):
@@ -529,6 +680,7 @@ class NVFP4Linear(nn.Linear):
         self._weight_cache = _WeightCache()
         self._grad_calls = [0]
         self._plans: dict[tuple, _CallPlan] = {}
+        _register(self)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, config: NVFP4LinearConfig | None = None) -> NVFP4Linear:
@@ -543,8 +695,13 @@ class NVFP4Linear(nn.Linear):
         new._weight_cache = _WeightCache()
         new._grad_calls = [0]
         new._plans = {}
+        _register(new)
         new.train(linear.training)
         return new
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        _register(self)  # a copy (deepcopy, pickle) is a layer of its own for the custom ops
 
     def to_linear(self) -> nn.Linear:
         """A plain ``nn.Linear`` sharing this module's parameters."""
@@ -574,6 +731,8 @@ class NVFP4Linear(nn.Linear):
             # so that backward gives them zero gradients
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return nn.functional.linear(x, self.weight.to(x.dtype), bias)
+        if torch.compiler.is_compiling():  # one opaque op (fullgraph-safe): the same code, cache and plans
+            return nvfp4_linear_op(x, self.weight, self.bias, self._op_id)[0]
         cache = self._weight_cache.get(self.weight, self.config)
         return _NVFP4LinearFn.apply(x, self.weight, self.bias, self._plan(x), cache, self._grad_calls)
 
