@@ -63,9 +63,14 @@ operand's per-tensor scale meaningless). The check is one max-|x| reduction on t
 operand (per weight update for W), no host sync.
 
 Call plans. What a call derives from its input's signature alone (rows, the large-M choice, the Triton
-quantizers' tiles and launch arguments, the checks ``quantize`` makes) is a :class:`_CallPlan`, built once
-per (shape, dtype, device) under the layer's current config; a call only allocates and launches, and reads
-nothing back to the host.
+quantizers' tiles and launch arguments, the checks ``quantize`` makes, the GEMMs' plans) is a
+:class:`_CallPlan`, built once per (shape, dtype, device) under the layer's current config; a call only
+allocates and launches, and reads nothing back to the host.
+
+torch.compile. Under compilation the layer is the ``torch.library`` custom op ``triage::nvfp4_linear``
+(:func:`nvfp4_linear_op`, backward :func:`nvfp4_linear_backward_op`): the same forward and backward code,
+weight cache and plans as the eager path, as one opaque op each, so ``fullgraph=True`` works and the bits
+are the eager ones.
 
 Gradients are returned in the dtypes of x and W. The quantization and both backward GEMMs run with the
 backends of :mod:`triage.kernels.nvfp4` (Triton on CUDA, torch reference on CPU; ``backend=`` overrides).
@@ -96,6 +101,8 @@ __all__ = [
     "NVFP4LinearConfig",
     "invalidate_weight_caches",
     "nan_if_nonfinite",
+    "nvfp4_linear_backward_op",
+    "nvfp4_linear_op",
     "transpose_16x16",
     "weight_key",
 ]
