@@ -4,7 +4,7 @@ GPU beside ``nn.Linear`` and under ``torch.compile`` (``--gpu``).
     python experiments/bench/host_overhead.py [--dtype bf16] [--shapes 16x256x256 128x256x256 ...]
                                               [--iters 200] [--profile CASE] [--verbose]
     python experiments/bench/host_overhead.py --gpu [--gpu-shapes 1x2560x9728 ...] [--iters 200]
-                                              [--fwd-bwd] [--compile-backend inductor]
+                                              [--fwd-bwd] [--compile-backend inductor] [--device cpu]
 
 ``--gpu`` (CUDA, bf16, default config): for each MxKxN (default M = 1, 256, 2048 at the K, N of Qwen3-4B's
 MLP, 2560→9728 and 9728→2560) it first checks that the custom op and the compiled layer give the eager
@@ -12,7 +12,8 @@ layer's bits, then prints, side by side, µs per call of ``nn.Linear``, ``NVFP4L
 Function), the ``triage::nvfp4_linear`` custom op called eagerly, and ``NVFP4Linear`` under
 ``torch.compile(fullgraph=True)`` (and ``nn.Linear`` compiled the same way): "host" = the Python call alone
 (calls queued without a sync, the GPU running behind), "wall" = the same calls until the GPU is done.
-``--fwd-bwd`` adds forward + backward rows.
+``--fwd-bwd`` adds forward + backward rows. ``--device cpu`` runs the same steps on CPU (the torch reference
+backends; a dry run of the script, e.g. ``--gpu --device cpu --gpu-shapes 1x64x96 32x64x96 --iters 5``).
 
 Stub mode (the default, below):
 
@@ -156,26 +157,27 @@ def measure(fn, stubs, iters: int) -> tuple[float, dict, dict]:
     return best * 1e6, launches, counter.ops
 
 
-def _time(fn, iters: int) -> tuple[float, float]:
-    """(host µs, wall µs) per call of ``fn`` on the GPU: best of 3 rounds of ``iters`` calls; host = until
-    the last call returns, wall = until the GPU has finished them."""
+def _time(fn, iters: int, sync) -> tuple[float, float]:
+    """(host µs, wall µs) per call of ``fn``: best of 3 rounds of ``iters`` calls; host = until the last
+    call returns, wall = until the device has finished them (``sync``)."""
     host = wall = float("inf")
     for _ in range(3):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         for _ in range(iters):
             fn()
         t1 = time.perf_counter()
-        torch.cuda.synchronize()
+        sync()
         t2 = time.perf_counter()
         host, wall = min(host, (t1 - t0) / iters), min(wall, (t2 - t0) / iters)
     return host * 1e6, wall * 1e6
 
 
 def gpu_main(args) -> None:
-    if not torch.cuda.is_available():
-        raise SystemExit("--gpu needs a CUDA device")
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, default NVFP4LinearConfig; µs per call")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--gpu needs a CUDA device (--device cpu: a dry run on the torch reference backends)")
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU dry run (reference backends)"
+    print(f"{name}, torch {torch.__version__}, bf16, default NVFP4LinearConfig; µs per call")
     print(f"{'case':28s} {'variant':22s} {'host µs':>8s} {'wall µs':>8s} {'host / nn.Linear':>16s}")
     for shape_s in args.gpu_shapes:
         _gpu_shape(shape_s, args)
@@ -185,7 +187,8 @@ def _gpu_shape(shape_s: str, args) -> None:
     """The --gpu rows of one MxKxN."""
     from triage.kernels import NVFP4Linear
 
-    dev, dtype = torch.device("cuda"), torch.bfloat16
+    dev, dtype = torch.device(args.device), torch.bfloat16
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     M, K, N = (int(v) for v in shape_s.split("x"))
     torch.manual_seed(0)
     dense = torch.nn.Linear(K, N, bias=False, device=dev, dtype=dtype)
@@ -224,7 +227,7 @@ def _gpu_shape(shape_s: str, args) -> None:
             fn = wrap(f)
             for _ in range(3):  # warm-up: compiles, plans, the weight cache
                 fn()
-            host, wall = _time(fn, args.iters if M <= 256 else max(10, args.iters // 4))
+            host, wall = _time(fn, args.iters if M <= 256 else max(10, args.iters // 4), sync)
             peer = host if peer is None else peer
             print(f"{what + ' ' + shape_s:28s} {name:22s} {host:8.1f} {wall:8.1f} {host / peer:15.2f}x")
 
@@ -239,6 +242,9 @@ def main() -> None:
                    help="--gpu: MxKxN (default M = 1/256/2048 at Qwen3-4B's MLP K, N)")  # fmt: skip
     p.add_argument("--fwd-bwd", action="store_true", help="--gpu: also time forward + backward")
     p.add_argument("--compile-backend", default="inductor", help="--gpu: torch.compile backend")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                   help="--gpu: cpu = a dry run of the same steps on the torch reference backends (small "
+                   "--gpu-shapes; its figures say nothing about a GPU)")  # fmt: skip
     p.add_argument("--dtype", default="fp32", choices=("bf16", "fp16", "fp32"))
     p.add_argument("--shapes", nargs="+", default=["16x64x64", "128x64x64"],
                    help="MxKxN: M <= 64 takes the decode GEMM, larger M the GEMM on expansions")  # fmt: skip
