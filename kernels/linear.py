@@ -564,7 +564,19 @@ def _empty(device: torch.device, dtype: torch.dtype = torch.uint8) -> torch.Tens
     return torch.empty(0, dtype=dtype, device=device)
 
 
-@torch.library.custom_op("triage::nvfp4_linear", mutates_args=())
+def _tags(*names: str) -> tuple:
+    """The torch.Tag values of ``names`` this torch has."""
+    return tuple(getattr(torch.Tag, n) for n in names if hasattr(torch.Tag, n))
+
+
+#: Both ops keep state outside the graph (the weight cache, quantized anew after a weight update; the
+#: stochastic-rounding counter): a CUDA graph replay would skip it, so torch.compile's CUDA graphs
+#: ("reduce-overhead") must leave them out; the backward's seeds change per call, so two calls are never one.
+_OP_TAGS = _tags("cudagraph_unsafe")
+_BACKWARD_TAGS = _tags("cudagraph_unsafe", "nondeterministic_seeded")
+
+
+@torch.library.custom_op("triage::nvfp4_linear", mutates_args=(), tags=_OP_TAGS)
 def nvfp4_linear_op(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -598,7 +610,7 @@ def _(x, weight, bias, layer):
     )
 
 
-@torch.library.custom_op("triage::nvfp4_linear_backward", mutates_args=())
+@torch.library.custom_op("triage::nvfp4_linear_backward", mutates_args=(), tags=_BACKWARD_TAGS)
 def nvfp4_linear_backward_op(
     dy: torch.Tensor,
     x: torch.Tensor,

@@ -85,3 +85,11 @@ def test_op_checks():
         torch.ops.triage.nvfp4_linear.default, (x, layer.weight, layer.bias, layer._op_id),
         test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
     )  # fmt: skip
+
+
+@pytest.mark.skipif(not hasattr(torch.Tag, "cudagraph_unsafe"), reason="this torch has no cudagraph_unsafe tag")
+def test_cuda_graphs_leave_the_ops_out():
+    """The ops keep the weight cache and the rounding counter outside any graph: a CUDA graph replay would
+    skip them, so they are tagged ``cudagraph_unsafe`` (torch.compile's "reduce-overhead" leaves them out)."""
+    for op in (torch.ops.triage.nvfp4_linear.default, torch.ops.triage.nvfp4_linear_backward.default):
+        assert torch.Tag.cudagraph_unsafe in op.tags
