@@ -476,7 +476,7 @@ class GemmPlan:
     out_dtype: torch.dtype
     device: torch.device
     route: str
-    tiles: dict | None  # the Triton kernel's tile config (decode, dense, fused)
+    launch: object  # the Triton kernel's launch plan (decode: DecodeLaunch; dense, fused: DenseLaunch) or None
     ga_len: int  # 1 (per tensor) or M (per row)
     gb_len: int  # 1 or N
     a_cached: torch.dtype | None  # the dtype of a.expanded where it has the expansion's shape, else None
@@ -495,22 +495,22 @@ class GemmPlan:
             out.copy_(gemm_reference(a, b, out_dtype=self.out_dtype, bias=bias).reshape(M, N))
             return out.reshape(*self.lead, N)
         g_a, g_b = _scale_vector(a, self.ga_len), _scale_vector(b, self.gb_len)
-        from triage.kernels.nvfp4 import gemm_decode, gemm_dense
-
         if route == "decode":  # stream the packed weight
             xa = self._a_expanded(a, torch.float16)
-            gemm_decode.launch_decode(xa, b.data, b.scale, K, out, g_a, g_b, bias, config=self.tiles)
+            self.launch.run(xa, b.data, b.scale, out, g_a, g_b, bias)
         elif route in ("dot_scaled", "fused"):
             a_data, a_scale = a.data.reshape(M, K // 2), a.scale.reshape(M, K // 16)
             if route == "dot_scaled":
+                from triage.kernels.nvfp4 import gemm_dense
+
                 gemm_dense.launch_dot_scaled(a_data, a_scale, b.data, b.scale, K, out, g_a, g_b, bias)
             else:
-                gemm_dense.launch_gemm(a_data, a_scale, b.data, b.scale, K, out, g_a, g_b, bias, config=self.tiles)
+                self.launch.run(a_data, a_scale, b.data, b.scale, out, g_a, g_b, bias)
         else:
             xa = self._a_expanded(a, torch.bfloat16)
             wb = b_expanded if b_expanded is not None else expand(b)
             if route == "dense":
-                gemm_dense.launch_gemm(xa, None, wb, None, K, out, g_a, g_b, bias, config=self.tiles)
+                self.launch.run(xa, None, wb, None, out, g_a, g_b, bias)
             elif route == "alpha":  # cuBLAS, scales folded into alpha
                 ha = self.a_host if self.a_host is not None else float(a.global_scale.reshape(-1)[0])
                 hb = self.b_host if self.b_host is not None else _host_scale(b, b_scale_host)
@@ -544,11 +544,11 @@ def _build_gemm_plan(a, b, out_dtype, bias, backend, b_expanded, b_scale_host) -
     ga, gb = _outer_scale(a, "a"), _outer_scale(b, "b")  # checks their shapes
     which = _pick(backend, M, device)
     per_tensor = ga.numel() == 1 and gb.numel() == 1
-    route, tiles = which, None
+    route, launch = which, None
     if which == "triton" and M <= SMALL_M:
-        from triage.kernels.nvfp4.gemm_decode import decode_config
+        from triage.kernels.nvfp4.gemm_decode import decode_launch
 
-        route, tiles = "decode", decode_config(M, N, K)
+        route, launch = "decode", decode_launch(M, N, K, K // 16, torch.float16, out_dtype)
     elif which in ("triton", "cublas"):
         if which == "cublas" and backend == "auto" and device.type == "cuda":
             # cuBLAS takes the outer scales as a host alpha: a dynamic per-tensor activation scale costs a
@@ -559,9 +559,13 @@ def _build_gemm_plan(a, b, out_dtype, bias, backend, b_expanded, b_scale_host) -
                 which = "triton"
         route = "dense" if which == "triton" else ("alpha" if per_tensor else "scaled")
     if route in ("dense", "fused"):
-        from triage.kernels.nvfp4.gemm_dense import _tile_config
+        from triage.kernels.nvfp4.gemm_dense import dense_launch
 
-        tiles = _tile_config(M, N, K, None)
+        if route == "fused":
+            launch = dense_launch(M, N, K, torch.uint8, True, torch.uint8, True, out_dtype)
+        else:
+            b_dtype = torch.bfloat16 if b_expanded is None else b_expanded.dtype
+            launch = dense_launch(M, N, K, torch.bfloat16, False, b_dtype, False, out_dtype)
     a_exp = getattr(a, "expanded", None)
     a_cached = a_exp.dtype if a_exp is not None and tuple(a_exp.shape) == (*tuple(a.shape)[:-1], K) else None
     a_host = b_host = None
@@ -570,7 +574,7 @@ def _build_gemm_plan(a, b, out_dtype, bias, backend, b_expanded, b_scale_host) -
         b_host = host_decode_scale(b) if b_scale_host is None and _host_known(b) else None
     return GemmPlan(
         M=M, N=N, K=K, lead=tuple(a.shape)[:-1], out_dtype=out_dtype, device=device, route=route,
-        tiles=tiles, ga_len=ga.numel(), gb_len=gb.numel(),
+        launch=launch, ga_len=ga.numel(), gb_len=gb.numel(),
         a_cached=a_cached,
         a_host=a_host, b_host=b_host, nan_a=_host_known(a),
         nan_b=_host_known(b) and b_scale_host is None,
