@@ -63,9 +63,14 @@ operand's per-tensor scale meaningless). The check is one max-|x| reduction on t
 operand (per weight update for W), no host sync.
 
 Call plans. What a call derives from its input's signature alone (rows, the large-M choice, the Triton
-quantizers' tiles and launch arguments, the checks ``quantize`` makes) is a :class:`_CallPlan`, built once
-per (shape, dtype, device) under the layer's current config; a call only allocates and launches, and reads
-nothing back to the host.
+quantizers' tiles and launch arguments, the checks ``quantize`` makes, the GEMMs' plans) is a
+:class:`_CallPlan`, built once per (shape, dtype, device) under the layer's current config; a call only
+allocates and launches, and reads nothing back to the host.
+
+torch.compile. Under compilation the layer is the ``torch.library`` custom op ``triage::nvfp4_linear``
+(:func:`nvfp4_linear_op`, backward :func:`nvfp4_linear_backward_op`): the same forward and backward code,
+weight cache and plans as the eager path, as one opaque op each, so ``fullgraph=True`` works and the bits
+are the eager ones.
 
 Gradients are returned in the dtypes of x and W. The quantization and both backward GEMMs run with the
 backends of :mod:`triage.kernels.nvfp4` (Triton on CUDA, torch reference on CPU; ``backend=`` overrides).
@@ -73,6 +78,8 @@ backends of :mod:`triage.kernels.nvfp4` (Triton on CUDA, torch reference on CPU;
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -85,6 +92,7 @@ from triage.kernels.nvfp4.recipe import QuantRecipe
 from triage.kernels.nvfp4.tensor import NVFP4Tensor
 
 if TYPE_CHECKING:
+    from triage.kernels.nvfp4.quantize_columns import ColumnsPlan
     from triage.kernels.nvfp4.quantize_rows import RowsPlan
 
 __all__ = [
@@ -93,6 +101,8 @@ __all__ = [
     "NVFP4LinearConfig",
     "invalidate_weight_caches",
     "nan_if_nonfinite",
+    "nvfp4_linear_backward_op",
+    "nvfp4_linear_op",
     "transpose_16x16",
     "weight_key",
 ]
@@ -240,15 +250,46 @@ def _rows_plan(
 
 
 def _quantize_t(
-    x: torch.Tensor, recipe: QuantRecipe, backend: str, seed: int | None = None, expanded: bool = False
+    x: torch.Tensor,
+    recipe: QuantRecipe,
+    backend: str,
+    seed: int | None = None,
+    expanded: bool = False,
+    plan: ColumnsPlan | None = None,
 ) -> NVFP4Tensor:
     """``quantize(x.T, recipe)`` of a 2-D ``x`` without the transposed copy (Triton backends; the torch
     backend materializes ``x.T``): 1×16 blocks along x's rows (the tokens), byte-identical; ``expanded``:
-    also the exact bf16 ``q·s``, written in the same pass."""
+    also the exact bf16 ``q·s``, written in the same pass. ``plan``: the columnwise quantizer's plan for
+    x's signature (:func:`_columns_plan`), run directly when x takes that path."""
+    if plan is not None and x.dtype == plan.dtype and not x.t().is_contiguous():
+        q = plan.run(x, seed, None)
+        q.global_scale = nonfinite_scale(q, x)  # q is ours alone: no copy of the dataclass
+        return q
     from triage.kernels.nvfp4.quantize_columns import quantize_columnwise
 
     emit = torch.bfloat16 if expanded else None
     return nan_if_nonfinite(quantize_columnwise(x, recipe, backend=backend, seed=seed, emit_expanded=emit), x)
+
+
+def _columns_plan(
+    recipe: QuantRecipe, backend: str, shape: tuple, dtype: torch.dtype, device: torch.device, expanded: bool
+) -> ColumnsPlan | None:
+    """The Triton columnwise quantizer's :class:`~triage.kernels.nvfp4.quantize_columns.ColumnsPlan` for
+    ``quantize_columnwise(x, recipe, backend=backend)`` of a 2-D x of ``shape``/``dtype`` on ``device`` when
+    that call would run the columnwise kernel (a plain transpose, not the row-major path of a contiguous
+    ``xᵀ``), after the checks it makes; else None."""
+    from triage.kernels.nvfp4.api import check_quantize_options
+    from triage.kernels.nvfp4.device import available, check_runnable, interpreting
+    from triage.kernels.nvfp4.quantize_columns import columns_plan
+
+    check_quantize_options("quantize_columnwise", backend, None, None)
+    rows, C = shape
+    use_triton = backend == "triton" or (backend == "auto" and available(device))
+    if not use_triton or recipe.block != "1x16" or rows == 1 or C == 1:  # xᵀ contiguous: the row-major path
+        return None
+    check_runnable(torch.empty(0, device=device))
+    emit = torch.bfloat16 if expanded else None
+    return columns_plan(C, rows, dtype, recipe, False, emit, None, None, None, interpreting())
 
 
 def transpose_16x16(w: NVFP4Tensor) -> NVFP4Tensor:
@@ -352,7 +393,12 @@ class _CallPlan:
     ``large``: the forward and dgrad GEMMs (M = tokens) run on expansions, so x_q and dy_q are quantized
     with their exact bf16 ``q·s``; ``large_wgrad`` the same for the wgrad GEMM (M = out_features).
     ``x_plan`` / ``dy_plan``: the Triton row quantizer's plans for x and dy (None where ``quantize``
-    would not run Triton: the torch reference then runs through ``quantize``)."""
+    would not run Triton: the torch reference then runs through ``quantize``); ``xt_plan`` / ``dyt_plan``
+    the columnwise quantizer's for the wgrad's xᵀ and dyᵀ (nvfp4-backward). ``gemms``: the
+    :class:`~triage.kernels.nvfp4.matmul.GemmPlan` of each GEMM of the call (``"fwd"``, and ``"dgrad"`` /
+    ``"wgrad"`` per dtype of dy), built by :func:`~triage.kernels.nvfp4.matmul.gemm_plan` on its first
+    operands: the operands' signatures follow from this plan's (the quantizers' plans, the cached weight
+    of this config, the layer's shape)."""
 
     config: NVFP4LinearConfig
     rows: int
@@ -364,6 +410,21 @@ class _CallPlan:
     x_plan: RowsPlan | None
     dy_plan: RowsPlan | None
     xt_recipe: QuantRecipe  # the wgrad's xᵀ: the wgrad recipe with nearest rounding
+    xt_plan: ColumnsPlan | None
+    dyt_plan: ColumnsPlan | None
+    gemms: dict = field(default_factory=dict, compare=False)
+
+    def gemm(self, name, a, b, *, out_dtype, bias=None, b_expanded=None, b_scale_host=None) -> torch.Tensor:
+        """``gemm(a, b, ...)`` through this call's plan for GEMM ``name`` (built on first use)."""
+        plan = self.gemms.get(name)
+        if plan is None:
+            from triage.kernels.nvfp4.matmul import gemm_plan
+
+            plan = self.gemms[name] = gemm_plan(
+                a, b, out_dtype=out_dtype, bias=bias, backend=self.config.gemm_backend, b_expanded=b_expanded,
+                b_scale_host=b_scale_host,
+            )  # fmt: skip
+        return plan.run(a, b, bias=bias, b_expanded=b_expanded, b_scale_host=b_scale_host)
 
 
 def _call_plan(config: NVFP4LinearConfig, x: torch.Tensor, out_features: int) -> _CallPlan:
@@ -372,6 +433,8 @@ def _call_plan(config: NVFP4LinearConfig, x: torch.Tensor, out_features: int) ->
     large = _large_m(config, rows, x.device)
     nvfp4_bwd = config.backward == "nvfp4-backward"
     backend = config.quant_backend
+    xt_recipe = replace(config.wgrad, rounding="nearest")
+    large_wgrad = _large_m(config, out_features, x.device)
     return _CallPlan(
         config=config,
         rows=rows,
@@ -379,75 +442,238 @@ def _call_plan(config: NVFP4LinearConfig, x: torch.Tensor, out_features: int) ->
         out_features=out_features,
         lead=tuple(x.shape[:-1]),
         large=large,
-        large_wgrad=_large_m(config, out_features, x.device),
+        large_wgrad=large_wgrad,
         x_plan=_rows_plan(config.activation, backend, (rows, K), x.dtype, x.device, large),
         dy_plan=_rows_plan(config.grad, backend, (rows, out_features), x.dtype, x.device, large)
         if nvfp4_bwd
         else None,
-        xt_recipe=replace(config.wgrad, rounding="nearest"),
+        xt_recipe=xt_recipe,
+        xt_plan=_columns_plan(xt_recipe, backend, (rows, K), x.dtype, x.device, large_wgrad) if nvfp4_bwd else None,
+        dyt_plan=_columns_plan(config.wgrad, backend, (rows, out_features), x.dtype, x.device, large_wgrad)
+        if nvfp4_bwd
+        else None,
     )
 
 
+def _linear_forward(x: torch.Tensor, bias: torch.Tensor | None, plan: _CallPlan, cache: _WeightCache) -> torch.Tensor:
+    """``y = Q(x)·Q(W)ᵀ + b`` for ``x`` of ``plan``'s signature and ``W_q`` from ``cache`` (module docstring)."""
+    config = plan.config
+    x2 = x.reshape(plan.rows, plan.in_features)
+    xq = _quantize(x2, config.activation, config.quant_backend, expanded=plan.large, plan=plan.x_plan)
+    y = plan.gemm(
+        "fwd",
+        xq,
+        cache.quantized,
+        out_dtype=x.dtype,
+        bias=bias,
+        b_expanded=cache.expanded if plan.large else None,
+        b_scale_host=cache.host_scale,
+    )
+    return y.reshape(*plan.lead, plan.out_features)
+
+
+def _linear_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    plan: _CallPlan,
+    weight_t: NVFP4Tensor | None,
+    counter: list,
+    bias_dtype: torch.dtype | None,
+    needs: tuple[bool, bool, bool],
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``(dx, dW, db)`` of ``y = Q(x)·Q(W)ᵀ + b`` under the straight-through rule of ``plan.config.backward``
+    (module docstring), each None unless ``needs`` asks for it (db also None without a bias).
+    ``weight_t``: the forward's W_qᵀ (nvfp4-backward); ``counter``: the layer's stochastic-rounding call
+    counter, advanced once per nvfp4-backward call."""
+    config = plan.config
+    dy2 = dy.reshape(plan.rows, plan.out_features)
+    x2 = x.reshape(plan.rows, plan.in_features)
+    dx = dw = db = None
+    if config.backward == "bf16-backward":
+        if needs[0]:
+            dx = (dy2 @ weight.to(dy2.dtype)).to(x.dtype)
+        if needs[1]:
+            dw = (dy2.T @ x2.to(dy2.dtype)).to(weight.dtype)
+    else:
+        counter[0] += 1
+        seed = (config.grad.seed + 2 * counter[0]) % 2**32
+        backend = config.quant_backend
+        if needs[0]:
+            dy_plan = plan.dy_plan if dy2.dtype == x.dtype else None
+            dyq = _quantize(dy2, config.grad, backend, seed=seed, expanded=plan.large, plan=dy_plan)
+            dx = plan.gemm(("dgrad", dy2.dtype), dyq, weight_t, out_dtype=x.dtype)
+        if needs[1]:
+            # dy2ᵀ, x2ᵀ quantized straight from the row-major dy2, x2 (no transposed copy; same bytes)
+            big = plan.large_wgrad
+            dyt = _quantize_t(dy2, config.wgrad, backend, seed=(seed + 1) % 2**32, expanded=big, plan=plan.dyt_plan)
+            xt = _quantize_t(x2, plan.xt_recipe, backend, expanded=big, plan=plan.xt_plan)
+            dw = plan.gemm(("wgrad", dy2.dtype), dyt, xt, out_dtype=torch.float32).to(weight.dtype)
+    if bias_dtype is not None and needs[2]:
+        db = dy2.float().sum(0).to(bias_dtype)
+    if dx is not None:
+        dx = dx.reshape(x.shape)
+    return dx, dw, db
+
+
 class _NVFP4LinearFn(torch.autograd.Function):
-    """Autograd of ``y = Q(x)·Q(W)ᵀ + b`` with straight-through gradients (see the module docstring)."""
+    """Autograd of ``y = Q(x)·Q(W)ᵀ + b`` with straight-through gradients (see the module docstring): the
+    eager path."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, plan: _CallPlan, cache: _WeightCache, counter: list):
-        from triage.kernels.nvfp4.matmul import gemm
-
-        config = plan.config
-        x2 = x.reshape(plan.rows, plan.in_features)
-        xq = _quantize(x2, config.activation, config.quant_backend, expanded=plan.large, plan=plan.x_plan)
-        y = gemm(
-            xq,
-            cache.quantized,
-            out_dtype=x.dtype,
-            bias=bias,
-            backend=config.gemm_backend,
-            b_expanded=cache.expanded if plan.large else None,
-            b_scale_host=cache.host_scale,
-        )
+        y = _linear_forward(x, bias, plan, cache)
         ctx.save_for_backward(x, weight)
         ctx.plan = plan
         ctx.weight_t = cache.transposed  # the forward's W_qᵀ (nvfp4-backward), whatever the cache holds later
         ctx.counter = counter
         ctx.bias_dtype = bias.dtype if bias is not None else None
-        return y.reshape(*plan.lead, plan.out_features)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        plan: _CallPlan = ctx.plan
-        config = plan.config
-        dy2 = dy.reshape(plan.rows, plan.out_features)
-        x2 = x.reshape(plan.rows, plan.in_features)
-        dx = dw = db = None
-        if config.backward == "bf16-backward":
-            if ctx.needs_input_grad[0]:
-                dx = (dy2 @ weight.to(dy2.dtype)).to(x.dtype)
-            if ctx.needs_input_grad[1]:
-                dw = (dy2.T @ x2.to(dy2.dtype)).to(weight.dtype)
-        else:
-            from triage.kernels.nvfp4.matmul import gemm
-
-            ctx.counter[0] += 1
-            seed = (config.grad.seed + 2 * ctx.counter[0]) % 2**32
-            backend = config.quant_backend
-            if ctx.needs_input_grad[0]:
-                dy_plan = plan.dy_plan if dy2.dtype == x.dtype else None
-                dyq = _quantize(dy2, config.grad, backend, seed=seed, expanded=plan.large, plan=dy_plan)
-                dx = gemm(dyq, ctx.weight_t, out_dtype=x.dtype, backend=config.gemm_backend)
-            if ctx.needs_input_grad[1]:
-                # dy2ᵀ, x2ᵀ quantized straight from the row-major dy2, x2 (no transposed copy; same bytes)
-                big = plan.large_wgrad
-                dyt = _quantize_t(dy2, config.wgrad, backend, seed=(seed + 1) % 2**32, expanded=big)
-                xt = _quantize_t(x2, plan.xt_recipe, backend, expanded=big)
-                dw = gemm(dyt, xt, out_dtype=torch.float32, backend=config.gemm_backend).to(weight.dtype)
-        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-            db = dy2.float().sum(0).to(ctx.bias_dtype)
-        if dx is not None:
-            dx = dx.reshape(x.shape)
+        needs = tuple(ctx.needs_input_grad[:3])
+        dx, dw, db = _linear_backward(dy, x, weight, ctx.plan, ctx.weight_t, ctx.counter, ctx.bias_dtype, needs)
         return dx, dw, db, None, None, None
+
+
+# ---------------------------------------------------------------------------------------------------
+# torch.library custom ops: the same forward and backward as one opaque op each, for torch.compile
+# ---------------------------------------------------------------------------------------------------
+
+#: Live layers by their op id (``NVFP4Linear._op_id``, a graph constant under torch.compile): the ops find
+#: the layer's config, call plans, weight cache and stochastic-rounding counter here.
+_LAYERS: weakref.WeakValueDictionary[int, NVFP4Linear] = weakref.WeakValueDictionary()
+_layer_ids = itertools.count()
+
+
+def _register(layer: NVFP4Linear) -> None:
+    layer._op_id = next(_layer_ids)
+    _LAYERS[layer._op_id] = layer
+
+
+def _layer_of(op_id: int) -> NVFP4Linear:
+    layer = _LAYERS.get(op_id)
+    if layer is None:
+        raise RuntimeError(f"triage::nvfp4_linear: no live NVFP4Linear has op id {op_id}")
+    return layer
+
+
+def _empty(device: torch.device, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    return torch.empty(0, dtype=dtype, device=device)
+
+
+def _tags(*names: str) -> tuple:
+    """The torch.Tag values of ``names`` this torch has."""
+    return tuple(getattr(torch.Tag, n) for n in names if hasattr(torch.Tag, n))
+
+
+#: Both ops keep state outside the graph (the weight cache, quantized anew after a weight update; the
+#: stochastic-rounding counter): a CUDA graph replay would skip it, so torch.compile's CUDA graphs
+#: ("reduce-overhead") must leave them out; the backward's seeds change per call, so two calls are never one.
+_OP_TAGS = _tags("cudagraph_unsafe")
+_BACKWARD_TAGS = _tags("cudagraph_unsafe", "nondeterministic_seeded")
+
+
+@torch.library.custom_op("triage::nvfp4_linear", mutates_args=(), tags=_OP_TAGS)
+def nvfp4_linear_op(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward of NVFP4Linear ``layer`` (its op id) as one op: ``(y, W_qᵀ codes, W_qᵀ scales, W_qᵀ outer
+    scale)``, the last three the forward's transposed weight for nvfp4-backward (empty otherwise). Same
+    code, cache and plans as the eager forward, so the same bits."""
+    mod = _layer_of(layer)
+    cache = mod._weight_cache.get(weight, mod.config)
+    y = _linear_forward(x, bias, mod._plan(x), cache)
+    wt = cache.transposed
+    if wt is None:
+        return y, _empty(x.device), _empty(x.device, torch.float8_e4m3fn), _empty(x.device, torch.float32)
+    # detached aliases: the cache keeps its own tensors, the graph gets new ones (nothing copied)
+    return y, wt.data.detach(), wt.scale.detach(), wt.global_scale.detach()
+
+
+@nvfp4_linear_op.register_fake
+def _(x, weight, bias, layer):
+    mod = _layer_of(layer)
+    n, k = weight.shape
+    y = x.new_empty((*x.shape[:-1], n))
+    if mod.config.backward != "nvfp4-backward":
+        return y, x.new_empty(0, dtype=torch.uint8), x.new_empty(0, dtype=torch.float8_e4m3fn), x.new_empty(
+            0, dtype=torch.float32
+        )
+    return (
+        y,
+        x.new_empty((k, n // 2), dtype=torch.uint8),
+        x.new_empty((k, n // 16), dtype=torch.float8_e4m3fn),
+        x.new_empty((), dtype=torch.float32),
+    )
+
+
+@torch.library.custom_op("triage::nvfp4_linear_backward", mutates_args=(), tags=_BACKWARD_TAGS)
+def nvfp4_linear_backward_op(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    wt_data: torch.Tensor,
+    wt_scale: torch.Tensor,
+    wt_global: torch.Tensor,
+    layer: int,
+    needs_dx: bool,
+    needs_dw: bool,
+    needs_db: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward of :func:`nvfp4_linear_op`: ``(dx, dW, db)`` (an empty tensor where not needed) by the
+    eager backward's code, W_qᵀ rebuilt from the forward's outputs."""
+    mod = _layer_of(layer)
+    config = mod.config
+    weight_t = None
+    if config.backward == "nvfp4-backward":
+        n, k = weight.shape
+        weight_t = NVFP4Tensor(
+            data=wt_data, scale=wt_scale, global_scale=wt_global, recipe=config.weight,
+            shape=torch.Size((k, n)), dtype=weight.dtype,
+        )  # fmt: skip
+    bias_dtype = None if bias is None else bias.dtype
+    dx, dw, db = _linear_backward(
+        dy, x, weight, mod._plan(x), weight_t, mod._grad_calls, bias_dtype, (needs_dx, needs_dw, needs_db)
+    )
+    return (
+        dx if dx is not None else _empty(x.device, x.dtype),
+        dw if dw is not None else _empty(x.device, weight.dtype),
+        db if db is not None else _empty(x.device, x.dtype if bias is None else bias.dtype),
+    )
+
+
+@nvfp4_linear_backward_op.register_fake
+def _(dy, x, weight, bias, wt_data, wt_scale, wt_global, layer, needs_dx, needs_dw, needs_db):
+    return (
+        x.new_empty(x.shape) if needs_dx else x.new_empty(0),
+        weight.new_empty(weight.shape) if needs_dw else weight.new_empty(0),
+        bias.new_empty(bias.shape) if needs_db and bias is not None else x.new_empty(0, dtype=x.dtype if bias is None else bias.dtype),
+    )
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, weight, bias, layer = inputs
+    _, wt_data, wt_scale, wt_global = output
+    ctx.save_for_backward(x, weight, bias, wt_data, wt_scale, wt_global)
+    ctx.layer = layer
+    ctx.mark_non_differentiable(wt_data, wt_scale, wt_global)
+
+
+def _backward(ctx, dy, *_):
+    x, weight, bias, wt_data, wt_scale, wt_global = ctx.saved_tensors
+    needs_dx, needs_dw, needs_db = ctx.needs_input_grad[:3]
+    needs_db = needs_db and bias is not None
+    dx, dw, db = nvfp4_linear_backward_op(
+        dy, x, weight, bias, wt_data, wt_scale, wt_global, ctx.layer, needs_dx, needs_dw, needs_db
+    )
+    return dx if needs_dx else None, dw if needs_dw else None, db if needs_db else None, None
+
+
+nvfp4_linear_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 class NVFP4Linear(nn.Linear):
@@ -473,6 +699,7 @@ class NVFP4Linear(nn.Linear):
         self._weight_cache = _WeightCache()
         self._grad_calls = [0]
         self._plans: dict[tuple, _CallPlan] = {}
+        _register(self)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, config: NVFP4LinearConfig | None = None) -> NVFP4Linear:
@@ -487,8 +714,13 @@ class NVFP4Linear(nn.Linear):
         new._weight_cache = _WeightCache()
         new._grad_calls = [0]
         new._plans = {}
+        _register(new)
         new.train(linear.training)
         return new
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        _register(self)  # a copy (deepcopy, pickle) is a layer of its own for the custom ops
 
     def to_linear(self) -> nn.Linear:
         """A plain ``nn.Linear`` sharing this module's parameters."""
@@ -518,6 +750,8 @@ class NVFP4Linear(nn.Linear):
             # so that backward gives them zero gradients
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return nn.functional.linear(x, self.weight.to(x.dtype), bias)
+        if torch.compiler.is_compiling():  # one opaque op (fullgraph-safe): the same code, cache and plans
+            return nvfp4_linear_op(x, self.weight, self.bias, self._op_id)[0]
         cache = self._weight_cache.get(self.weight, self.config)
         return _NVFP4LinearFn.apply(x, self.weight, self.bias, self._plan(x), cache, self._grad_calls)
 

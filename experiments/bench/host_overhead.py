@@ -1,7 +1,21 @@
-"""Host (Python) time of ``NVFP4Linear`` calls with every Triton launch stubbed out — runs without a GPU.
+"""Host (Python) time of ``NVFP4Linear`` calls: with every Triton launch stubbed out (no GPU needed), or on a
+GPU beside ``nn.Linear`` and under ``torch.compile`` (``--gpu``).
 
     python experiments/bench/host_overhead.py [--dtype bf16] [--shapes 16x256x256 128x256x256 ...]
                                               [--iters 200] [--profile CASE] [--verbose]
+    python experiments/bench/host_overhead.py --gpu [--gpu-shapes 1x2560x9728 ...] [--iters 200]
+                                              [--fwd-bwd] [--compile-backend inductor] [--device cpu]
+
+``--gpu`` (CUDA, bf16, default config): for each MxKxN (default M = 1, 256, 2048 at the K, N of Qwen3-4B's
+MLP, 2560→9728 and 9728→2560) it first checks that the custom op and the compiled layer give the eager
+layer's bits, then prints, side by side, µs per call of ``nn.Linear``, ``NVFP4Linear`` eager (autograd
+Function), the ``triage::nvfp4_linear`` custom op called eagerly, and ``NVFP4Linear`` under
+``torch.compile(fullgraph=True)`` (and ``nn.Linear`` compiled the same way): "host" = the Python call alone
+(calls queued without a sync, the GPU running behind), "wall" = the same calls until the GPU is done.
+``--fwd-bwd`` adds forward + backward rows. ``--device cpu`` runs the same steps on CPU (the torch reference
+backends; a dry run of the script, e.g. ``--gpu --device cpu --gpu-shapes 1x64x96 32x64x96 --iters 5``).
+
+Stub mode (the default, below):
 
 The learner step of a small model is host-bound (docs/benchmarks.md, "NVFP4Linear host time"): each
 NVFP4Linear call spends host time in our Python (recipe checks, shape logic, buffers, tile configs), in
@@ -24,7 +38,8 @@ import os
 import sys
 import time
 
-os.environ["TRITON_INTERPRET"] = "1"  # the Triton code path without a GPU (set before importing triton)
+if "--gpu" not in sys.argv:  # stub mode: the Triton code path without a GPU (set before importing triton)
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
@@ -103,7 +118,11 @@ def make_case(shape, backward: str, act_scale: str, dtype):
     def fwd_bwd():
         layer(xg).backward(dy)
 
-    return fwd, fwd_bwd
+    def op_fwd():
+        with torch.no_grad():
+            torch.ops.triage.nvfp4_linear(x, layer.weight, layer.bias, layer._op_id)
+
+    return fwd, fwd_bwd, op_fwd
 
 
 def make_peer(shape, dtype) -> dict:
@@ -138,8 +157,94 @@ def measure(fn, stubs, iters: int) -> tuple[float, dict, dict]:
     return best * 1e6, launches, counter.ops
 
 
+def _time(fn, iters: int, sync) -> tuple[float, float]:
+    """(host µs, wall µs) per call of ``fn``: best of 3 rounds of ``iters`` calls; host = until the last
+    call returns, wall = until the device has finished them (``sync``)."""
+    host = wall = float("inf")
+    for _ in range(3):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        t1 = time.perf_counter()
+        sync()
+        t2 = time.perf_counter()
+        host, wall = min(host, (t1 - t0) / iters), min(wall, (t2 - t0) / iters)
+    return host * 1e6, wall * 1e6
+
+
+def gpu_main(args) -> None:
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--gpu needs a CUDA device (--device cpu: a dry run on the torch reference backends)")
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU dry run (reference backends)"
+    print(f"{name}, torch {torch.__version__}, bf16, default NVFP4LinearConfig; µs per call")
+    print(f"{'case':28s} {'variant':22s} {'host µs':>8s} {'wall µs':>8s} {'host / nn.Linear':>16s}")
+    for shape_s in args.gpu_shapes:
+        _gpu_shape(shape_s, args)
+
+
+def _gpu_shape(shape_s: str, args) -> None:
+    """The --gpu rows of one MxKxN."""
+    from triage.kernels import NVFP4Linear
+
+    dev, dtype = torch.device(args.device), torch.bfloat16
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    M, K, N = (int(v) for v in shape_s.split("x"))
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(K, N, bias=False, device=dev, dtype=dtype)
+    layer = NVFP4Linear.from_linear(torch.nn.Linear(K, N, bias=False, device=dev, dtype=dtype))
+    x = torch.randn(M, K, device=dev, dtype=dtype)
+    op = torch.ops.triage.nvfp4_linear
+    compiled = torch.compile(layer, backend=args.compile_backend, fullgraph=True)
+    dense_c = torch.compile(dense, backend=args.compile_backend, fullgraph=True)
+    with torch.no_grad():  # correctness first: the op and the compiled layer give the eager bits
+        y = layer(x)
+        assert torch.equal(op(x, layer.weight, layer.bias, layer._op_id)[0], y), shape_s
+        assert torch.equal(compiled(x), y), shape_s
+    xg = x.clone().requires_grad_()
+    dy = torch.randn(M, N, device=dev, dtype=dtype)
+
+    def no_grad(f):
+        def run():
+            with torch.no_grad():
+                f(x)
+
+        return run
+
+    def fwd_bwd(f):
+        return lambda: f(xg).backward(dy)
+
+    variants = [
+        ("nn.Linear", dense),
+        ("nn.Linear compiled", dense_c),
+        ("NVFP4Linear eager", layer),
+        ("custom op, eager", lambda t: op(t, layer.weight, layer.bias, layer._op_id)[0]),
+        ("NVFP4Linear compiled", compiled),
+    ]
+    for what, wrap in [("fwd", no_grad)] + ([("fwd+bwd", fwd_bwd)] if args.fwd_bwd else []):
+        peer = None
+        for name, f in variants:
+            fn = wrap(f)
+            for _ in range(3):  # warm-up: compiles, plans, the weight cache
+                fn()
+            host, wall = _time(fn, args.iters if M <= 256 else max(10, args.iters // 4), sync)
+            peer = host if peer is None else peer
+            print(f"{what + ' ' + shape_s:28s} {name:22s} {host:8.1f} {wall:8.1f} {host / peer:15.2f}x")
+
+
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(
+        description="Host time per NVFP4Linear call: stubbed Triton launches on CPU (default) or --gpu."
+    )
+    p.add_argument("--gpu", action="store_true", help="measure on a CUDA GPU beside nn.Linear and torch.compile")
+    p.add_argument("--gpu-shapes", nargs="+", default=[f"{m}x{k}x{n}" for k, n in ((2560, 9728), (9728, 2560))
+                                                       for m in (1, 256, 2048)],
+                   help="--gpu: MxKxN (default M = 1/256/2048 at Qwen3-4B's MLP K, N)")  # fmt: skip
+    p.add_argument("--fwd-bwd", action="store_true", help="--gpu: also time forward + backward")
+    p.add_argument("--compile-backend", default="inductor", help="--gpu: torch.compile backend")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                   help="--gpu: cpu = a dry run of the same steps on the torch reference backends (small "
+                   "--gpu-shapes; its figures say nothing about a GPU)")  # fmt: skip
     p.add_argument("--dtype", default="fp32", choices=("bf16", "fp16", "fp32"))
     p.add_argument("--shapes", nargs="+", default=["16x64x64", "128x64x64"],
                    help="MxKxN: M <= 64 takes the decode GEMM, larger M the GEMM on expansions")  # fmt: skip
@@ -147,24 +252,28 @@ def main() -> None:
     p.add_argument("--profile", default=None, help="cProfile one case, e.g. fwd/bf16-backward/tensor/256x1024x3072")
     p.add_argument("--verbose", action="store_true", help="name the launches and torch ops of each case")
     args = p.parse_args()
+    if args.gpu:
+        return gpu_main(args)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     stubs = stub_kernels()
     print(f"CPU, {args.dtype}, Triton launches stubbed; host µs per call (the Python part only)")
-    print(f"{'case':48s} {'µs':>7s} {'triton':>6s} {'torch':>5s}  nn.Linear µs")
+    print("op µs: the forward as the triage::nvfp4_linear custom op (what torch.compile runs), called eagerly")
+    print(f"{'case':48s} {'µs':>7s} {'triton':>6s} {'torch':>5s}  {'op µs':>6s}  nn.Linear µs")
     for shape_s in args.shapes:
         shape = tuple(int(v) for v in shape_s.split("x"))
         peer = make_peer(shape, dtype)
         for backward in ("bf16-backward", "nvfp4-backward"):
             for act in ("tensor", "row"):
-                fwd, fwd_bwd = make_case(shape, backward, act, dtype)
+                fwd, fwd_bwd, op_fwd = make_case(shape, backward, act, dtype)
                 for what, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
                     if what == "fwd" and backward == "nvfp4-backward":
                         continue  # the forward does not depend on the backward mode
                     name = f"{what}/{backward}/{act}/{shape_s}"
                     us, launches, ops = measure(fn, stubs, args.iters)
                     peer_us = measure(peer[what], [], args.iters)[0]
+                    op_us = f"{measure(op_fwd, [], args.iters)[0]:6.0f}" if what == "fwd" else f"{'':6s}"
                     n_launch, n_ops = sum(launches.values()), sum(ops.values())
-                    print(f"{name:48s} {us:7.0f} {n_launch:6d} {n_ops:5d}  {peer_us:7.0f}")
+                    print(f"{name:48s} {us:7.0f} {n_launch:6d} {n_ops:5d}  {op_us}  {peer_us:7.0f}")
                     if args.verbose:
                         print(f"    triton: {launches}\n    torch: {ops}")
                     if args.profile == name:

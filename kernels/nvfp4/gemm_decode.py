@@ -12,6 +12,8 @@ folded into the kernel (:func:`_splitk_last_reduces`, the default) or the dense 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -25,7 +27,7 @@ from triage.kernels.nvfp4.device import (
     interpreting,
     scale_mode,
 )
-from triage.kernels.nvfp4.gemm_dense import bf16_by_hand, dot_config, num_sms, splitk_reduce
+from triage.kernels.nvfp4.gemm_dense import dot_dtypes, num_sms, splitk_reduce
 
 #: Element order of one unpacked word (:func:`_unpack_words`): position p holds element ``WORD_ORDER[p]``.
 #: Each adjacent pair is one 32-bit register of the bit trick, so no repacking; the activation is loaded in
@@ -367,56 +369,100 @@ def launch_decode(
     path (left zeroed after every launch); default the device's cached buffer (:func:`splitk_counters`).
     """
     M, N = out.shape
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    if w.stride(-1) != 1 or w_scale.stride(-1) != 1:
-        w, w_scale = w.contiguous(), w_scale.contiguous()
     if M > 64:
         raise ValueError(f"launch_decode handles M <= 64, got M={M}")
-    try:  # the codes stream as int32 words (rows are 8-byte multiples: K % 16 == 0)
-        w32 = w.view(torch.int32)
-    except RuntimeError:  # storage offset or row stride not 4-byte aligned
-        w32 = w.contiguous().view(torch.int32)
-    dot_dtype, precision = dot_config(x, False, w, True, "decode")
+    launch = decode_launch(
+        M, N, K, w_scale.shape[-1], x.dtype, out.dtype, split_k=split_k, config=config, fused_reduce=fused_reduce
+    )
+    return launch.run(x, w, w_scale, out, g_a, g_b, bias, counters)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeLaunch:
+    """What :func:`launch_decode` derives from M, N, K, the scale blocks, x's and the output's dtypes and the
+    tiles alone (grid, split-K, the reduction, the unpack trick, constexprs): built by :func:`decode_launch`,
+    kept by a caller's plan (``matmul.GemmPlan``); :meth:`run` views the weight as int32 words, takes the
+    ticket counters and launches."""
+
+    M: int
+    N: int
+    K: int
+    kb: int
+    grid: tuple[int, int]
+    split: int
+    tiles: int  # N tiles: the counters a fused split-K reduction needs
+    fused: bool
+    out_mult: float
+    kwargs: dict  # constexprs, num_warps, num_stages
+
+    def run(self, x, w, w_scale, out, g_a, g_b, bias, counters=None) -> torch.Tensor:
+        """:func:`launch_decode` for operands of the planned shapes and dtypes."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        if w.stride(-1) != 1 or w_scale.stride(-1) != 1:
+            w, w_scale = w.contiguous(), w_scale.contiguous()
+        try:  # the codes stream as int32 words (rows are 8-byte multiples: K % 16 == 0)
+            w32 = w.view(torch.int32)
+        except RuntimeError:  # storage offset or row stride not 4-byte aligned
+            w32 = w.contiguous().view(torch.int32)
+        split, dummy = self.split, out
+        part = torch.empty((split, self.M, self.N), device=out.device, dtype=torch.float32) if split > 1 else dummy
+        cnt = None
+        if split > 1 and self.fused:
+            if counters is not None:
+                if (
+                    counters.dtype != torch.int32
+                    or counters.numel() < self.tiles
+                    or counters.device != out.device
+                    or not counters.is_contiguous()
+                ):
+                    raise ValueError(
+                        f"counters must be a contiguous, zeroed int32 tensor with >= {self.tiles} elements on "
+                        f"{out.device}"
+                    )
+                cnt = counters
+            else:
+                cnt = splitk_counters(out.device, self.tiles)
+        _decode_kernel[self.grid](
+            x, w32, w_scale.view(torch.float8_e4m3fn), out, part, cnt if cnt is not None else dummy,
+            g_a if g_a is not None else dummy, g_b if g_b is not None else dummy, bias if bias is not None else dummy,
+            self.M, self.N, self.K, self.kb, x.stride(0), w32.stride(0), w_scale.stride(0), out.stride(0),
+            out.stride(1), self.out_mult, GA_MODE=scale_mode(g_a), GB_MODE=scale_mode(g_b), HAS_BIAS=bias is not None,
+            FUSED_REDUCE=cnt is not None, **self.kwargs,
+        )  # fmt: skip
+        if split > 1 and cnt is None:
+            splitk_reduce(part, out, g_a, g_b, bias, self.out_mult, split)
+        return out
+
+
+def decode_launch(
+    M: int,
+    N: int,
+    K: int,
+    kb: int,
+    x_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    *,
+    split_k: int | None = None,
+    config: dict | None = None,
+    fused_reduce: bool | None = None,
+) -> DecodeLaunch:
+    """The :class:`DecodeLaunch` of :func:`launch_decode` (``kb``: the weight's scale blocks per row;
+    ``config``: tiles, default :func:`decode_config`)."""
+    dot_dtype, precision = dot_dtypes(x_dtype, False, torch.uint8, True, "decode")
     cfg = dict(config) if config else decode_config(M, N, K, split_k)
-    num_warps, num_stages = cfg.pop("num_warps"), cfg.pop("num_stages")
     fused = cfg.pop("FUSED_REDUCE", True)
     fused = fused if fused_reduce is None else fused_reduce
-    split = cfg["SPLIT_K"]
-    dummy = out
-    part = torch.empty((split, M, N), device=out.device, dtype=torch.float32) if split > 1 else dummy
-    tiles = cdiv(N, cfg["BN"])
-    cnt = None
-    if split > 1 and fused:
-        if counters is not None:
-            if (
-                counters.dtype != torch.int32
-                or counters.numel() < tiles
-                or counters.device != out.device
-                or not counters.is_contiguous()
-            ):
-                raise ValueError(
-                    f"counters must be a contiguous, zeroed int32 tensor with >= {tiles} elements on {out.device}"
-                )
-            cnt = counters
-        else:
-            cnt = splitk_counters(out.device, tiles)
-    by_hand = bf16_by_hand(out)
-    kb = w_scale.shape[-1]
     # bf16 bit trick on the GPU (its code-1 value is a bf16 subnormal, which the interpreter flushes): the
     # interpreter runs the fp16 trick and an fp32 dot instead, exact as well
-    bf16 = x.dtype == torch.bfloat16 and not interpreting()
-    out_mult = 2.0**7 if bf16 else UNPACK_FACTOR  # undoes the unpack bias (see _unpack_words)
-    even_n = N % cfg["BN"] == 0
-    even_k = kb % cfg["NB"] == 0 and K == 16 * kb
-    _decode_kernel[(tiles, split)](
-        x, w32, w_scale.view(torch.float8_e4m3fn), out, part, cnt if cnt is not None else dummy,
-        g_a if g_a is not None else dummy, g_b if g_b is not None else dummy, bias if bias is not None else dummy,
-        M, N, K, kb, x.stride(0), w32.stride(0), w_scale.stride(0), out.stride(0), out.stride(1), out_mult,
-        GA_MODE=scale_mode(g_a), GB_MODE=scale_mode(g_b), HAS_BIAS=bias is not None, BF16_BY_HAND=by_hand,
-        DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision, EVEN_N=even_n, EVEN_K=even_k, BF16=bf16,
-        FUSED_REDUCE=cnt is not None, num_warps=num_warps, num_stages=num_stages, **cfg,
+    bf16 = x_dtype == torch.bfloat16 and not interpreting()
+    kwargs = dict(
+        BF16_BY_HAND=interpreting() and out_dtype == torch.bfloat16, DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision,
+        EVEN_N=N % cfg["BN"] == 0, EVEN_K=kb % cfg["NB"] == 0 and K == 16 * kb, BF16=bf16, **cfg,
     )  # fmt: skip
-    if split > 1 and cnt is None:
-        splitk_reduce(part, out, g_a, g_b, bias, out_mult, split)
-    return out
+    tiles = cdiv(N, cfg["BN"])
+    return DecodeLaunch(
+        M=M, N=N, K=K, kb=kb, grid=(tiles, cfg["SPLIT_K"]), split=cfg["SPLIT_K"], tiles=tiles, fused=fused,
+        out_mult=2.0**7 if bf16 else UNPACK_FACTOR,  # undoes the unpack bias (see _unpack_words)
+        kwargs=kwargs,
+    )  # fmt: skip

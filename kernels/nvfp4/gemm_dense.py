@@ -23,19 +23,21 @@ bf16 operands are upcast to fp32 there (``input_precision="ieee"``): :func:`dot_
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
 
 from triage.kernels._launch import cdiv, fast_launch
 from triage.kernels.nvfp4.device import (
+    UNPACK_FACTOR,
     epilogue,
     interpreting,
     load_tile,
     operand_strides,
     scale_mode,
     swizzled_tile,
-    unpack_mult,
 )
 
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -47,7 +49,12 @@ def dot_config(a: torch.Tensor, a_packed: bool, b: torch.Tensor, b_packed: bool,
     for fp32, "tf32" otherwise (which 16-bit dots ignore). Under the interpreter a bf16 dot becomes an
     fp32 "ieee" one (its bf16 ``tl.dot`` is wrong; fp32 holds ``q·s`` exactly). ``what`` names the GEMM
     in the error."""
-    dense = [t.dtype for t, p in ((a, a_packed), (b, b_packed)) if not p]
+    return dot_dtypes(a.dtype, a_packed, b.dtype, b_packed, what)
+
+
+def dot_dtypes(a_dtype: torch.dtype, a_packed: bool, b_dtype: torch.dtype, b_packed: bool, what: str) -> tuple:
+    """:func:`dot_config` from the operands' dtypes."""
+    dense = [d for d, p in ((a_dtype, a_packed), (b_dtype, b_packed)) if not p]
     if dense and any(d != dense[0] for d in dense):
         raise TypeError(f"dense {what} operands must share a dtype, got {dense}")
     dot_dtype = dense[0] if dense else torch.float16
@@ -315,49 +322,68 @@ def launch_gemm(
     ``g_a``: None, 1 element or [M] fp32; ``g_b``: None, 1 element or [N] fp32; ``bias``: [N] or None.
     """
     M, N = out.shape
-    a_packed, b_packed = a_scale is not None, b_scale is not None
-    dot_dtype, input_precision = dot_config(a, a_packed, b, b_packed, "GEMM")
-    cfg = dict(config) if config else _tile_config(M, N, K, split_k)
-    num_warps, num_stages = cfg.pop("num_warps"), cfg.pop("num_stages")
-    split = cfg["SPLIT_K"]
-    dummy = out  # never dereferenced when the matching constexpr switch is off
-    ws = torch.empty((split, M, N), device=out.device, dtype=torch.float32) if split > 1 else dummy
-    out_mult = unpack_mult(a_scale, b_scale)
-    by_hand = bf16_by_hand(out)
-    grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]), split)
-    _gemm_kernel[grid](
-        a,
-        a_scale if a_packed else dummy,
-        b,
-        b_scale if b_packed else dummy,
-        out,
-        ws,
-        g_a if g_a is not None else dummy,
-        g_b if g_b is not None else dummy,
-        bias if bias is not None else dummy,
-        M,
-        N,
-        K,
-        *operand_strides(a, a_scale),
-        *operand_strides(b, b_scale),
-        out.stride(0),
-        out.stride(1),
-        out_mult,
-        A_PACKED=a_packed,
-        B_PACKED=b_packed,
-        GA_MODE=scale_mode(g_a),
-        GB_MODE=scale_mode(g_b),
-        HAS_BIAS=bias is not None,
-        BF16_BY_HAND=by_hand,
-        DOT_DTYPE=dot_dtype,
-        INPUT_PRECISION=input_precision,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        **cfg,
+    launch = dense_launch(
+        M, N, K, a.dtype, a_scale is not None, b.dtype, b_scale is not None, out.dtype, split_k=split_k, config=config
     )
-    if split > 1:
-        splitk_reduce(ws, out, g_a, g_b, bias, out_mult, split)
-    return out
+    return launch.run(a, a_scale, b, b_scale, out, g_a, g_b, bias)
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseLaunch:
+    """What :func:`launch_gemm` derives from M, N, K, the operands' dtypes and packing, the output dtype and
+    the tiles alone (grid, split-K, dot dtype, epilogue multiplier, constexprs): built by
+    :func:`dense_launch`, kept by a caller's plan (``matmul.GemmPlan``); :meth:`run` allocates the split-K
+    workspace and launches."""
+
+    M: int
+    N: int
+    K: int
+    grid: tuple[int, int]
+    split: int
+    out_mult: float
+    kwargs: dict  # constexprs, num_warps, num_stages
+
+    def run(self, a, a_scale, b, b_scale, out, g_a, g_b, bias) -> torch.Tensor:
+        """:func:`launch_gemm` for operands of the planned shapes, dtypes and packing."""
+        dummy = out  # never dereferenced when the matching constexpr switch is off
+        split = self.split
+        ws = torch.empty((split, self.M, self.N), device=out.device, dtype=torch.float32) if split > 1 else dummy
+        _gemm_kernel[self.grid](
+            a, a_scale if a_scale is not None else dummy, b, b_scale if b_scale is not None else dummy, out, ws,
+            g_a if g_a is not None else dummy, g_b if g_b is not None else dummy,
+            bias if bias is not None else dummy, self.M, self.N, self.K,
+            *operand_strides(a, a_scale), *operand_strides(b, b_scale), out.stride(0), out.stride(1),
+            self.out_mult, GA_MODE=scale_mode(g_a), GB_MODE=scale_mode(g_b), HAS_BIAS=bias is not None,
+            **self.kwargs,
+        )  # fmt: skip
+        if split > 1:
+            splitk_reduce(ws, out, g_a, g_b, bias, self.out_mult, split)
+        return out
+
+
+def dense_launch(
+    M: int,
+    N: int,
+    K: int,
+    a_dtype: torch.dtype,
+    a_packed: bool,
+    b_dtype: torch.dtype,
+    b_packed: bool,
+    out_dtype: torch.dtype,
+    *,
+    split_k: int | None = None,
+    config: dict | None = None,
+) -> DenseLaunch:
+    """The :class:`DenseLaunch` of :func:`launch_gemm` (``config``: tiles, default :func:`_tile_config`)."""
+    dot_dtype, input_precision = dot_dtypes(a_dtype, a_packed, b_dtype, b_packed, "GEMM")
+    cfg = dict(config) if config else _tile_config(M, N, K, split_k)
+    grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]), cfg["SPLIT_K"])
+    kwargs = dict(
+        A_PACKED=a_packed, B_PACKED=b_packed, BF16_BY_HAND=interpreting() and out_dtype == torch.bfloat16,
+        DOT_DTYPE=dot_dtype, INPUT_PRECISION=input_precision, **cfg,
+    )  # fmt: skip
+    out_mult = UNPACK_FACTOR ** (int(a_packed) + int(b_packed))  # device.unpack_mult: 2¹⁴ per packed operand
+    return DenseLaunch(M=M, N=N, K=K, grid=grid, split=cfg["SPLIT_K"], out_mult=out_mult, kwargs=kwargs)
 
 
 def splitk_reduce(ws, out, g_a, g_b, bias, out_mult, split) -> None:

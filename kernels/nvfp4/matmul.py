@@ -53,7 +53,9 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .format import e2m1_decode
@@ -61,8 +63,10 @@ from .format import e2m1_decode
 __all__ = [
     "LARGE_M_BACKEND",
     "SMALL_M",
+    "GemmPlan",
     "expand",
     "gemm",
+    "gemm_plan",
     "gemm_reference",
     "gemm_w4a16",
     "gemm_w4a16_reference",
@@ -261,17 +265,20 @@ def expand(t, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     cached = getattr(t, "expanded", None)
     if cached is not None and cached.dtype == dtype and tuple(cached.shape) == tuple(t.shape)[:-1] + (K,):
         return cached
-    data = t.data.reshape(-1, K // 2)
-    scale = t.scale.reshape(-1, K // 16)
+    out = _expand(t.data.reshape(-1, K // 2), t.scale.reshape(-1, K // 16), K, dtype)
+    return out.reshape(*tuple(t.shape)[:-1], K)
+
+
+def _expand(data: torch.Tensor, scale: torch.Tensor, K: int, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`expand` of checked 2-D codes ``data`` [rows, K/2] and block scales ``scale`` [rows, K/16] (K
+    padded to 16) → [rows, K] of ``dtype``."""
     if _gpu_ready(data.device):
         from triage.kernels.nvfp4.dequantize_rows import expand_triton
 
-        out = expand_triton(data, scale, K, dtype)
-    else:
-        codes = torch.stack([data & 0xF, data >> 4], dim=-1).reshape(-1, K).long()
-        q = e2m1_decode(codes)
-        out = (q * scale.float().repeat_interleave(16, dim=1)).to(dtype)
-    return out.reshape(*tuple(t.shape)[:-1], K)
+        return expand_triton(data, scale, K, dtype)
+    codes = torch.stack([data & 0xF, data >> 4], dim=-1).reshape(-1, K).long()
+    q = e2m1_decode(codes)
+    return (q * scale.float().repeat_interleave(16, dim=1)).to(dtype)
 
 
 #: Largest GEMM (2·M·N·K) for which ``backend="auto"`` prefers the sync-free Triton GEMM over cuBLAS when
@@ -380,30 +387,169 @@ def gemm(
     backends (``a.expanded``, if the quantizer wrote it, is used the same way). ``b_scale_host``: b's
     per-tensor decode scale as a Python float (saves the ``cublas`` path a device read). ``out``:
     optional [M, N] buffer (M = rows of a) of ``out_dtype`` to write into.
-    """
-    M, N, K = _check_pair(a, b, bias, out_dtype)
-    K = padded_k(K)  # both operands carry the same zero padding
-    lead = tuple(a.shape)[:-1]
-    device = a.data.device
-    which = _pick(backend, M, device)
-    out = _out_buffer(out, M, N, out_dtype, device)
-    if which == "reference":
-        out.copy_(gemm_reference(a, b, out_dtype=out_dtype, bias=bias).reshape(M, N))
-        return out.reshape(*lead, N)
-    g_a, g_b = _outer_scale(a, "a"), _outer_scale(b, "b")
-    from triage.kernels.nvfp4 import gemm_decode, gemm_dense
 
-    a_data, a_scale = a.data.reshape(M, K // 2), a.scale.reshape(M, K // 16)
-    if which == "dot_scaled":
-        gemm_dense.launch_dot_scaled(a_data, a_scale, b.data, b.scale, K, out, g_a, g_b, bias)
-    elif which == "fused":
-        gemm_dense.launch_gemm(a_data, a_scale, b.data, b.scale, K, out, g_a, g_b, bias)
-    elif which == "triton" and M <= SMALL_M:  # decode: stream the packed weight
-        gemm_decode.launch_decode(expand(a, torch.float16).reshape(M, K), b.data, b.scale, K, out, g_a, g_b, bias)
-    else:
-        xa = expand(a).reshape(M, K)
-        wb = b_expanded if b_expanded is not None else expand(b)
-        per_tensor = g_a.numel() == 1 and g_b.numel() == 1
+    Checks, backend choice and tiles are a :class:`GemmPlan`, built once per operand signature
+    (:func:`gemm_plan`); a call looks it up and runs it.
+    """
+    plan = gemm_plan(
+        a, b, out_dtype=out_dtype, bias=bias, backend=backend, b_expanded=b_expanded, b_scale_host=b_scale_host
+    )
+    return plan.run(a, b, bias=bias, b_expanded=b_expanded, b_scale_host=b_scale_host, out=out)
+
+
+#: Operand signatures (:func:`_gemm_key`) whose :class:`GemmPlan` is kept (oldest dropped first).
+GEMM_PLANS_KEPT = 256
+_GEMM_PLANS: dict[tuple, GemmPlan] = {}
+
+
+def _operand_key(t) -> tuple:
+    """Everything :func:`operand_k` / :func:`_outer_scale` / :func:`expand` look at in an operand."""
+    g, e = t.global_scale, getattr(t, "expanded", None)
+    return (
+        type(t), tuple(t.shape), getattr(t, "recipe", None),
+        t.data.shape, t.data.dtype, t.data.device, t.scale.shape, t.scale.dtype, t.scale.device,
+        (g.shape, g.dtype, g.device) if isinstance(g, torch.Tensor) else type(g),
+        None if e is None else (e.shape, e.dtype),
+    )  # fmt: skip
+
+
+def _gemm_key(a, b, out_dtype, bias, backend, b_expanded, b_scale_host) -> tuple:
+    """The signature a :class:`GemmPlan` serves: both operands' :func:`_operand_key`, the bias's shape,
+    dtype and device, ``out_dtype``, ``backend``, ``b_expanded``'s shape and dtype, whether ``b_scale_host``
+    is given, and :func:`~.device.interpreting` (it picks the tiles)."""
+    from triage.kernels.nvfp4.device import interpreting
+
+    return (
+        _operand_key(a), _operand_key(b), out_dtype, backend,
+        None if bias is None else (bias.shape, bias.dtype, bias.device),
+        None if b_expanded is None else (b_expanded.shape, b_expanded.dtype),
+        b_scale_host is None, interpreting(),
+    )  # fmt: skip
+
+
+def gemm_plan(
+    a,
+    b,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+    bias: torch.Tensor | None = None,
+    backend: str = "auto",
+    b_expanded: torch.Tensor | None = None,
+    b_scale_host: float | Callable[[], float] | None = None,
+) -> GemmPlan:
+    """The :class:`GemmPlan` of ``gemm(a, b, ...)`` for these operands' signature (:func:`_gemm_key`):
+    looked up, or built (after every check :func:`gemm` makes, so bad input raises here, naming the
+    operand) and kept for the last :data:`GEMM_PLANS_KEPT` signatures."""
+    try:
+        key = _gemm_key(a, b, out_dtype, bias, backend, b_expanded, b_scale_host)
+        plan = _GEMM_PLANS.get(key)
+    except (AttributeError, TypeError):  # not NVFP4 operands (the checks below say which) or unhashable
+        key = plan = None
+    if plan is None:
+        plan = _build_gemm_plan(a, b, out_dtype, bias, backend, b_expanded, b_scale_host)
+        if key is not None:
+            if len(_GEMM_PLANS) >= GEMM_PLANS_KEPT:
+                _GEMM_PLANS.pop(next(iter(_GEMM_PLANS)))
+            _GEMM_PLANS[key] = plan
+    return plan
+
+
+def _fp32_product(x: float, y: float) -> float:
+    """``RN_fp32(RN_fp32(x)·RN_fp32(y))`` as a Python float (cuBLAS's alpha ``RN(g_a·g_b)``)."""
+    return float(np.float32(x) * np.float32(y))
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    """What :func:`gemm` derives from its operands' signature alone: the checks, M/N/K, the backend route
+    and the kernel tiles, the recipe-given (host-known) outer scales. Built by :func:`gemm_plan`; a call
+    (:meth:`run`) then only reshapes, allocates and launches.
+
+    ``route``: ``"reference"``, ``"dot_scaled"``, ``"fused"``, ``"decode"`` (the decode kernel on the
+    packed weight), ``"dense"`` (Triton GEMM on the expansions), ``"alpha"`` (cuBLAS, per-tensor scales
+    as ``alpha``) or ``"scaled"`` (cuBLAS fp32 output, outer scales in a torch epilogue)."""
+
+    M: int
+    N: int
+    K: int  # padded to 16: both operands carry the same zero padding
+    lead: tuple
+    out_dtype: torch.dtype
+    device: torch.device
+    route: str
+    launch: object  # the Triton kernel's launch plan (decode: DecodeLaunch; dense, fused: DenseLaunch) or None
+    ga_len: int  # 1 (per tensor) or M (per row)
+    gb_len: int  # 1 or N
+    a_cached: torch.dtype | None  # the dtype of a.expanded where it has the expansion's shape, else None
+    a_host: float | None  # a's outer scale from its recipe (alpha route), else read per call
+    b_host: float | None  # b's, when b_scale_host is not given
+    nan_a: bool  # alpha from the recipe: a device NaN (non-finite rule) rides on the bias
+    nan_b: bool
+
+    def run(self, a, b, *, bias=None, b_expanded=None, b_scale_host=None, out=None) -> torch.Tensor:
+        """``gemm(a, b, ...)`` for operands of the planned signature (unchecked: use :func:`gemm` for
+        anything else)."""
+        M, N, K = self.M, self.N, self.K
+        out = _out_buffer(out, M, N, self.out_dtype, self.device)
+        route = self.route
+        if route == "reference":
+            out.copy_(gemm_reference(a, b, out_dtype=self.out_dtype, bias=bias).reshape(M, N))
+            return out.reshape(*self.lead, N)
+        g_a, g_b = _scale_vector(a, self.ga_len), _scale_vector(b, self.gb_len)
+        if route == "decode":  # stream the packed weight
+            xa = self._a_expanded(a, torch.float16)
+            self.launch.run(xa, b.data, b.scale, out, g_a, g_b, bias)
+        elif route in ("dot_scaled", "fused"):
+            a_data, a_scale = a.data.reshape(M, K // 2), a.scale.reshape(M, K // 16)
+            if route == "dot_scaled":
+                from triage.kernels.nvfp4 import gemm_dense
+
+                gemm_dense.launch_dot_scaled(a_data, a_scale, b.data, b.scale, K, out, g_a, g_b, bias)
+            else:
+                self.launch.run(a_data, a_scale, b.data, b.scale, out, g_a, g_b, bias)
+        else:
+            xa = self._a_expanded(a, torch.bfloat16)
+            wb = b_expanded if b_expanded is not None else expand(b)
+            if route == "dense":
+                self.launch.run(xa, None, wb, None, out, g_a, g_b, bias)
+            elif route == "alpha":  # cuBLAS, scales folded into alpha
+                ha = self.a_host if self.a_host is not None else float(a.global_scale.reshape(-1)[0])
+                hb = self.b_host if self.b_host is not None else _host_scale(b, b_scale_host)
+                fixed = ([g_a] if self.nan_a else []) + ([g_b] if self.nan_b else [])
+                _alpha_mm(xa, wb, _fp32_product(ha, hb), _with_device_nan(bias, fixed, N, self.out_dtype), out)
+            else:
+                with _fp32_reduction():
+                    out.copy_(_scaled_epilogue(_mm_fp32(xa, wb), g_a, g_b, bias, self.out_dtype))
+        return out.reshape(*self.lead, N)
+
+    def _a_expanded(self, a, dtype: torch.dtype) -> torch.Tensor:
+        """:func:`expand` of ``a`` as [M, K]: ``a.expanded`` when it is in ``dtype``."""
+        M, K = self.M, self.K
+        if self.a_cached == dtype:
+            return a.expanded.reshape(M, K)
+        return _expand(a.data.reshape(M, K // 2), a.scale.reshape(M, K // 16), K, dtype)
+
+
+def _scale_vector(t, n: int) -> torch.Tensor:
+    """:func:`_outer_scale` of an operand whose signature was checked: fp32 [1] or [n]."""
+    g = t.global_scale
+    if not isinstance(g, torch.Tensor):
+        return torch.tensor(float(g), dtype=torch.float32, device=t.data.device).reshape(1)
+    return g.reshape(n).float()
+
+
+def _build_gemm_plan(a, b, out_dtype, bias, backend, b_expanded, b_scale_host) -> GemmPlan:
+    M, N, K = _check_pair(a, b, bias, out_dtype)
+    K = padded_k(K)
+    device = a.data.device
+    ga, gb = _outer_scale(a, "a"), _outer_scale(b, "b")  # checks their shapes
+    which = _pick(backend, M, device)
+    per_tensor = ga.numel() == 1 and gb.numel() == 1
+    route, launch = which, None
+    if which == "triton" and M <= SMALL_M:
+        from triage.kernels.nvfp4.gemm_decode import decode_launch
+
+        route, launch = "decode", decode_launch(M, N, K, K // 16, torch.float16, out_dtype)
+    elif which in ("triton", "cublas"):
         if which == "cublas" and backend == "auto" and device.type == "cuda":
             # cuBLAS takes the outer scales as a host alpha: a dynamic per-tensor activation scale costs a
             # device->host read (a sync that stalls the launch queue). Below SYNC_FREE_MAX_FLOP the Triton
@@ -411,18 +557,28 @@ def gemm(
             needs_sync = per_tensor and not _host_known(a)
             if not per_tensor or (needs_sync and 2.0 * M * N * K < SYNC_FREE_MAX_FLOP):
                 which = "triton"
-        if which == "triton":
-            gemm_dense.launch_gemm(xa, None, wb, None, K, out, g_a, g_b, bias)
-        elif per_tensor:  # cuBLAS, scales folded into alpha
-            gb = _host_scale(b, b_scale_host)
-            alpha = float(torch.tensor(host_decode_scale(a)) * torch.tensor(gb))  # RN(g_a·g_b) in fp32
-            fixed = [g_a] if _host_known(a) else []  # alpha from the recipe: a device NaN rides on the bias
-            fixed += [g_b] if _host_known(b) and b_scale_host is None else []
-            _alpha_mm(xa, wb, alpha, _with_device_nan(bias, fixed, N, out_dtype), out)
+        route = "dense" if which == "triton" else ("alpha" if per_tensor else "scaled")
+    if route in ("dense", "fused"):
+        from triage.kernels.nvfp4.gemm_dense import dense_launch
+
+        if route == "fused":
+            launch = dense_launch(M, N, K, torch.uint8, True, torch.uint8, True, out_dtype)
         else:
-            with _fp32_reduction():
-                out.copy_(_scaled_epilogue(_mm_fp32(xa, wb), g_a, g_b, bias, out_dtype))
-    return out.reshape(*lead, N)
+            b_dtype = torch.bfloat16 if b_expanded is None else b_expanded.dtype
+            launch = dense_launch(M, N, K, torch.bfloat16, False, b_dtype, False, out_dtype)
+    a_exp = getattr(a, "expanded", None)
+    a_cached = a_exp.dtype if a_exp is not None and tuple(a_exp.shape) == (*tuple(a.shape)[:-1], K) else None
+    a_host = b_host = None
+    if route == "alpha":
+        a_host = host_decode_scale(a) if _host_known(a) else None
+        b_host = host_decode_scale(b) if b_scale_host is None and _host_known(b) else None
+    return GemmPlan(
+        M=M, N=N, K=K, lead=tuple(a.shape)[:-1], out_dtype=out_dtype, device=device, route=route,
+        launch=launch, ga_len=ga.numel(), gb_len=gb.numel(),
+        a_cached=a_cached,
+        a_host=a_host, b_host=b_host, nan_a=_host_known(a),
+        nan_b=_host_known(b) and b_scale_host is None,
+    )  # fmt: skip
 
 
 def _out_buffer(out, M: int, N: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

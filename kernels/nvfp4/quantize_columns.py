@@ -38,6 +38,9 @@ reference path (materialize ``Y``, then :func:`~triage.kernels.nvfp4.api.quantiz
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -78,7 +81,7 @@ from .recipe import QuantRecipe
 from .reference import check_input
 from .tensor import NVFP4Tensor
 
-__all__ = ["columnwise_matrix", "columnwise_source", "quantize_columnwise"]
+__all__ = ["ColumnsPlan", "columns_plan", "columnwise_matrix", "columnwise_source", "quantize_columnwise"]
 
 
 @triton.jit
@@ -480,36 +483,99 @@ def quantize_columnwise(
         if length is None:
             raise ValueError("quantize_columnwise: dest needs length (the column count of Y)")
         L = int(length)
-    check_input(torch.empty((C, L), dtype=x.dtype, device="meta"), recipe, name="Y (the columnwise matrix)")
     use_triton = backend == "triton" or (backend == "auto" and available(x.device))
     if not use_triton or recipe.block != "1x16":
+        check_input(torch.empty((C, L), dtype=x.dtype, device="meta"), recipe, name="Y (the columnwise matrix)")
         y = columnwise_matrix(x, gather=gather, dest=dest, length=L)
         return quantize(y, recipe, backend=backend, seed=seed, emit_expanded=emit_expanded)
     check_runnable(x)
     if gather is None and dest is None and x.t().is_contiguous():
+        check_input(torch.empty((C, L), dtype=x.dtype, device="meta"), recipe, name="Y (the columnwise matrix)")
         return quantize_triton(  # xᵀ is already a contiguous [C, T]: the row-major path
-x.t(), recipe, seed=seed, emit_expanded=emit_expanded)
-    return _columnwise_triton(x, recipe, seed, gather, dest, L, emit_expanded, block_c, block_t, num_warps)
+            x.t(), recipe, seed=seed, emit_expanded=emit_expanded
+        )
+    has_src = gather is not None or dest is not None
+    plan = columns_plan(C, L, x.dtype, recipe, has_src, emit_expanded, block_c, block_t, num_warps, interpreting())
+    src = columnwise_source(T if gather is None else gather.numel(), gather=gather, dest=dest, length=L)
+    return plan.run(x, seed, src)
 
 
-def _columnwise_triton(x, recipe, seed, gather, dest, L, emit_expanded, block_c, block_t, num_warps):
-    T, C = x.shape
-    dev = x.device
+@dataclasses.dataclass(frozen=True)
+class ColumnsPlan:
+    """Everything the Triton path of :func:`quantize_columnwise` derives from Y's shape ``[C, L]``, x's dtype,
+    the recipe and the tile options alone (the checks on Y, tiles, grids, the outer-scale mode and its host
+    arguments, constexprs): built once per signature by :func:`columns_plan`, so that a call only allocates
+    its outputs and launches (:meth:`run`)."""
+
+    recipe: QuantRecipe
+    C: int
+    L: int
+    lp: int
+    dtype: torch.dtype
+    has_src: bool
+    emit_expanded: torch.dtype | None
+    n_outer: int
+    out_shape: tuple
+    write_amax: bool
+    mode: int
+    amax_grid: tuple[int, int] | None  # None: no amax pass (recipe-given outer scales)
+    amax_args: tuple  # TILES
+    amax_constexprs: dict
+    grid: tuple[int, int]
+    scalar_args: tuple  # enc_arg, dec_arg, amax_arg, C, L, LP
+    constexprs: dict
+
+    def run(self, x: torch.Tensor, seed: int | None, src: torch.Tensor | None) -> NVFP4Tensor:
+        """Quantize Y of ``x`` [T, C] (any strides, the planned dtype and C); ``src`` the int32 column →
+        row map of :func:`columnwise_source` (None, as planned, for a plain transpose)."""
+        dev = x.device
+        xa = bits_view(x)
+        sx0, sx1 = x.stride()
+        src_arg = src if self.has_src else xa  # never read without HAS_SRC
+        group_amax = None
+        if self.amax_grid is not None:
+            group_amax = torch.zeros((self.n_outer, 2), dtype=torch.int32, device=dev)
+            _amax_colwise_kernel[self.amax_grid](
+                xa, src_arg, group_amax, self.C, self.L, sx0, sx1, *self.amax_args, **self.amax_constexprs
+            )
+        out = QuantOutputs.empty(self.C, self.lp, self.n_outer, self.write_amax, self.emit_expanded, dev)
+        data32, expanded, enc_t = out.data.view(torch.int32), out.expanded, out.enc
+        enc_arg, dec_arg, amax_arg, C, L, lp = self.scalar_args
+        _quantize_colwise_kernel[self.grid](
+            xa, src_arg, data32, out.scale, data32 if expanded is None else expanded.view(torch.int32),
+            enc_t, out.dec, out.amax, enc_t if group_amax is None else group_amax, enc_arg, dec_arg, amax_arg,
+            C, L, lp, sx0, sx1, seed_arg(self.recipe, seed), **self.constexprs,
+        )  # fmt: skip
+        return out.tensor(self.recipe, torch.Size((C, L)), self.dtype, self.out_shape)
+
+
+@functools.lru_cache(maxsize=1024)
+def columns_plan(
+    C: int,
+    L: int,
+    dtype: torch.dtype,
+    recipe: QuantRecipe,
+    has_src: bool,
+    emit_expanded: torch.dtype | None = None,
+    block_c: int | None = None,
+    block_t: int | None = None,
+    num_warps: int | None = None,
+    interpreted: bool = False,
+) -> ColumnsPlan:
+    """The :class:`ColumnsPlan` of the Triton columnwise quantizer for a ``[C, L]`` matrix Y of x's ``dtype``
+    (``has_src``: Y's columns come through a gather / dest map; ``interpreted``:
+    :func:`~.device.interpreting`, which picks the tiles). Checks Y as ``quantize`` would (an error names
+    it); pure, cached per signature."""
+    check_input(torch.empty((C, L), dtype=dtype, device="meta"), recipe, name="Y (the columnwise matrix)")
     lp = (L + BLOCK - 1) // BLOCK * BLOCK
     nblk = lp // BLOCK
-    src = columnwise_source(T if gather is None else gather.numel(), gather=gather, dest=dest, length=L)
-    has_src = src is not None
     bc, nb, warps = _default_tiles(C, nblk)
     bc = block_c or bc
     nb = block_t // 16 if block_t else nb
     warps = num_warps or warps
-    xa = bits_view(x)
-    sx0, sx1 = x.stride()
-    src_arg = src if has_src else xa  # never read without HAS_SRC
-    round_id = ROUND_ID[x.dtype]
+    round_id = ROUND_ID[dtype]
     enc_arg = dec_arg = amax_arg = 1.0
     write_amax = True
-    group_amax = None
     dynamic = recipe.scale_source == "dynamic"
     if dynamic and recipe.scale in ("row", "expert"):  # on a 2-D Y, one expert = one row
         mode, n_outer, out_shape = OUTER_ROW, C, (C, 1)
@@ -519,25 +585,24 @@ def _columnwise_triton(x, recipe, seed, gather, dest, L, emit_expanded, block_c,
         enc_arg, dec_arg, amax_arg, write_amax = given_outer_args(recipe)
         mode, n_outer, out_shape = OUTER_GIVEN, 1, ()
     n_t, n_c = cdiv(nblk, nb), cdiv(C, bc)
+    amax_grid, amax_args, amax_constexprs = None, (), {}
     if mode != OUTER_GIVEN:
-        group_amax = torch.zeros((n_outer, 2), dtype=torch.int32, device=dev)
         tiles = _amax_tiles(n_t, n_c)
-        _amax_colwise_kernel[(cdiv(n_t, tiles), n_c)](
-            xa, src_arg, group_amax, C, L, sx0, sx1, tiles,
+        amax_grid, amax_args = (cdiv(n_t, tiles), n_c), (tiles,)
+        amax_constexprs = dict(
             PER_ROW=mode == OUTER_ROW, PROPAGATE_NAN=recipe.profile == "compressed-tensors",
             HADAMARD=recipe.hadamard, ROUND=round_id, SIGNS=SIGN_MASK, HAS_SRC=has_src, BC=bc, NB=nb,
             num_warps=warps,
         )  # fmt: skip
-    out = QuantOutputs.empty(C, lp, n_outer, write_amax, emit_expanded, dev)
-    data32, expanded, enc_t = out.data.view(torch.int32), out.expanded, out.enc
-    key = seed_arg(recipe, seed)
-    _quantize_colwise_kernel[(n_t, n_c)](
-        xa, src_arg, data32, out.scale, data32 if expanded is None else expanded.view(torch.int32),
-        enc_t, out.dec, out.amax, enc_t if group_amax is None else group_amax, enc_arg, dec_arg, amax_arg,
-        C, L, lp, sx0, sx1, key,
+    constexprs = dict(
         PROFILE=PROFILE_ID[recipe.profile], OUTER=mode, HADAMARD=recipe.hadamard, ROUND=round_id,
         STOCHASTIC=recipe.rounding == "stochastic", SIGNBIT=recipe.profile in ("te", "torchao"),
-        SIGNS=SIGN_MASK, WRITE_AMAX=write_amax, EXPANDED=0 if expanded is None else EXPANDED_ID[emit_expanded],
+        SIGNS=SIGN_MASK, WRITE_AMAX=write_amax, EXPANDED=0 if emit_expanded is None else EXPANDED_ID[emit_expanded],
         HAS_SRC=has_src, BC=bc, NB=nb, num_warps=warps,
     )  # fmt: skip
-    return out.tensor(recipe, torch.Size((C, L)), x.dtype, out_shape)
+    return ColumnsPlan(
+        recipe=recipe, C=C, L=L, lp=lp, dtype=dtype, has_src=has_src, emit_expanded=emit_expanded,
+        n_outer=n_outer, out_shape=out_shape, write_amax=write_amax, mode=mode, amax_grid=amax_grid,
+        amax_args=amax_args, amax_constexprs=amax_constexprs, grid=(n_t, n_c),
+        scalar_args=(enc_arg, dec_arg, amax_arg, C, L, lp), constexprs=constexprs,
+    )  # fmt: skip

@@ -246,3 +246,41 @@ def test_dense_nvfp4_backward_wgrad_operands_columnwise():
         grads.append((xi.grad, layer.weight.grad))
     assert torch.equal(grads[0][1], grads[1][1]) and grads[0][1].abs().sum() > 0
     assert torch.equal(grads[0][0], grads[1][0])
+
+
+def test_a_columns_plan_never_serves_another_signature():
+    """Consecutive calls whose signatures differ in one thing each (dtype, outer scale, static scale,
+    expansion, a gather map, length) each give the reference bytes: no plan
+    (:func:`~triage.kernels.nvfp4.quantize_columns.columns_plan`) serves another signature."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(40, 24, generator=g).to(DEV)
+    pad = QuantRecipe(pad=True)
+    gather = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2], device=DEV)
+    for xi, recipe, kw in [
+        (x, pad, {}),
+        (x.bfloat16(), pad, {}),
+        (x, replace(pad, scale="row"), {}),
+        (x, replace(pad, scale_source="static", static_amax=3.0), {}),
+        (x, pad, {"emit": torch.bfloat16}),
+        (x, pad, {"gather": gather}),
+        (x[:, :16], pad, {}),
+    ]:
+        check(xi, recipe, **kw)
+
+
+@pytest.mark.skipif(DEV != "cpu" or not qt.interpreting(), reason="meta tensors take Triton under the interpreter")
+@pytest.mark.parametrize("scale", ["tensor", "row", "static"])
+def test_a_columnwise_call_never_reads_device_data_on_the_host(monkeypatch, scale):
+    """On a meta x (any host read raises) with the launches stubbed, twice (plan built, then run)."""
+
+    class NoLaunch:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    monkeypatch.setattr(qt, "_amax_colwise_kernel", NoLaunch())
+    monkeypatch.setattr(qt, "_quantize_colwise_kernel", NoLaunch())
+    recipe = QuantRecipe(scale_source="static", static_amax=2.0) if scale == "static" else QuantRecipe(scale=scale)
+    x = torch.empty(48, 32, device="meta", dtype=torch.bfloat16)
+    for _ in range(2):
+        q = quantize_columnwise(x, recipe, backend="triton", emit_expanded=torch.bfloat16)
+        assert q.data.shape == (32, 24) and q.expanded.shape == (32, 48)

@@ -1,0 +1,95 @@
+"""NVFP4Linear under ``torch.compile(fullgraph=True)``: the layer compiles to its ``torch.library`` custom ops
+(``triage::nvfp4_linear`` and its backward) and gives the eager bits, outputs and gradients, step after
+step of fused AdamW (which writes the weights without bumping their version: the weight cache follows)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from triage.kernels import NVFP4Linear, NVFP4LinearConfig
+
+
+def _model(backward: str) -> nn.Module:
+    torch.manual_seed(0)
+    cfg = NVFP4LinearConfig(backward=backward)
+    return nn.Sequential(NVFP4Linear(32, 48, config=cfg), nn.GELU(), NVFP4Linear(48, 16, config=cfg))
+
+
+def _step(model, opt, x, dy):
+    x = x.clone().requires_grad_()
+    y = model(x)
+    y.backward(dy)
+    grads = [x.grad] + [p.grad.clone() for p in model.parameters()]
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return y.detach(), grads
+
+
+@pytest.mark.parametrize(
+    "backward, backend", [("bf16-backward", "eager"), ("nvfp4-backward", "aot_eager")]
+)  # aot_eager traces the backward op through its fake too (slower to compile: once here)
+def test_compiled_model_matches_eager_bit_for_bit(backward, backend):
+    eager = _model(backward)
+    compiled_model = copy.deepcopy(eager)  # a copy is a layer of its own (own op id, cache, counters)
+    assert compiled_model[0]._op_id != eager[0]._op_id
+    compiled = torch.compile(compiled_model, backend=backend, fullgraph=True)
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2, fused=True)
+    opt_c = torch.optim.AdamW(compiled_model.parameters(), lr=1e-2, fused=True)
+    g = torch.Generator().manual_seed(1)
+    for step in range(3):
+        x, dy = torch.randn(2, 8, 32, generator=g), torch.randn(2, 8, 16, generator=g)
+        # a model converted afresh from the current weights: the compiled one must not serve a stale W_q
+        fresh = copy.deepcopy(compiled_model)
+        for m in fresh:
+            if isinstance(m, NVFP4Linear):
+                m.invalidate_cache()
+        with torch.no_grad():
+            y_fresh = fresh(x)
+        y_e, grads_e = _step(eager, opt_e, x, dy)
+        y_c, grads_c = _step(compiled, opt_c, x, dy)
+        assert torch.equal(y_e, y_c) and torch.equal(y_c, y_fresh), step
+        for a, b in zip(grads_e, grads_c):
+            assert torch.equal(a, b), step
+    cache = compiled_model[0]._weight_cache
+    x = x.requires_grad_()  # the compiled graph's signature: no recompile
+    compiled(x)
+    hits = cache.hits
+    compiled(x)
+    assert cache.hits == hits + 1  # no weight update since the last call: W_q served from the cache
+
+
+def test_the_custom_op_is_what_compiles():
+    """The compiled graph holds the layer as the custom op (no graph break, no inlined kernels)."""
+    model = _model("bf16-backward")
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compile(model, backend=backend, fullgraph=True)(torch.randn(4, 32))
+    targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.triage.nvfp4_linear.default) == 2
+
+
+def test_op_checks():
+    """The ops pass torch.library's own consistency checks (schema, fake vs real, autograd)."""
+    layer = NVFP4Linear(32, 48, config=dataclasses.replace(NVFP4LinearConfig(), backward="nvfp4-backward"))
+    x = torch.randn(4, 32, requires_grad=True)
+    torch.library.opcheck(
+        torch.ops.triage.nvfp4_linear.default, (x, layer.weight, layer.bias, layer._op_id),
+        test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
+    )  # fmt: skip
+
+
+@pytest.mark.skipif(not hasattr(torch.Tag, "cudagraph_unsafe"), reason="this torch has no cudagraph_unsafe tag")
+def test_cuda_graphs_leave_the_ops_out():
+    """The ops keep the weight cache and the rounding counter outside any graph: a CUDA graph replay would
+    skip them, so they are tagged ``cudagraph_unsafe`` (torch.compile's "reduce-overhead" leaves them out)."""
+    for op in (torch.ops.triage.nvfp4_linear.default, torch.ops.triage.nvfp4_linear_backward.default):
+        assert torch.Tag.cudagraph_unsafe in op.tags
