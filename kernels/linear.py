@@ -81,14 +81,14 @@ from __future__ import annotations
 import itertools
 import weakref
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from triage.kernels.nvfp4.format import pack_nibbles, unpack_nibbles
-from triage.kernels.nvfp4.recipe import QuantRecipe
+from triage.kernels.nvfp4.recipe import LayerConfig, QuantRecipe
 from triage.kernels.nvfp4.tensor import NVFP4Tensor
 
 if TYPE_CHECKING:
@@ -161,7 +161,7 @@ def nonfinite_scale(q: NVFP4Tensor, source: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class NVFP4LinearConfig:
+class NVFP4LinearConfig(LayerConfig):
     """How an :class:`NVFP4Linear` quantizes and differentiates (defaults: Transformer Engine's NVFP4 recipe).
 
     Attributes:
@@ -175,26 +175,14 @@ class NVFP4LinearConfig:
             :func:`~triage.kernels.nvfp4.quantize` (``"auto"`` picks by device).
     """
 
-    activation: QuantRecipe = field(default_factory=QuantRecipe)
+    backward_modes: ClassVar[tuple[str, ...]] = BACKWARD_MODES
+
     weight: QuantRecipe = field(default_factory=lambda: QuantRecipe(block="16x16"))
-    grad: QuantRecipe = field(default_factory=lambda: QuantRecipe(rounding="stochastic"))
-    wgrad: QuantRecipe = field(
-        default_factory=lambda: QuantRecipe(rounding="stochastic", hadamard=True, pad=True)
-    )
-    backward: str = "bf16-backward"
-    gemm_backend: str = "auto"
-    quant_backend: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.backward not in BACKWARD_MODES:
-            raise ValueError(
-                f"NVFP4LinearConfig.backward must be one of {BACKWARD_MODES}, got {self.backward!r}"
-            )
+        super().__post_init__()
         for name in ("activation", "weight", "grad", "wgrad"):
-            r = getattr(self, name)
-            if not isinstance(r, QuantRecipe):
-                raise TypeError(f"NVFP4LinearConfig.{name} must be a QuantRecipe, got {type(r).__name__}")
-            if r.scale == "expert":
+            if getattr(self, name).scale == "expert":
                 raise ValueError(f"NVFP4LinearConfig.{name}: per-expert scales belong to the MoE layer")
         if self.activation.hadamard or self.weight.hadamard:
             raise ValueError("NVFP4LinearConfig: the forward operands cannot use the Hadamard transform")

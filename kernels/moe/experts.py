@@ -43,13 +43,14 @@ A constant number of launches per backward, no host sync per expert.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
 import torch
 from torch import nn
 
 from triage.kernels.linear import nan_if_nonfinite, transpose_16x16, weight_key
 from triage.kernels.nvfp4.api import dequantize, quantize
-from triage.kernels.nvfp4.recipe import QuantRecipe
+from triage.kernels.nvfp4.recipe import LayerConfig, QuantRecipe
 from triage.kernels.nvfp4.tensor import NVFP4Tensor
 
 from .grouped_gemm import (
@@ -68,7 +69,7 @@ MOE_BACKWARD_MODES = ("bf16-backward", "dequantized", "nvfp4-backward")
 
 
 @dataclass(frozen=True)
-class NVFP4MoEConfig:
+class NVFP4MoEConfig(LayerConfig):
     """How :class:`NVFP4MoeExperts` quantize and differentiate (the fields of
     :class:`~triage.kernels.NVFP4LinearConfig`, plus ``validate``).
 
@@ -89,26 +90,13 @@ class NVFP4MoEConfig:
             ``offsets`` and ``gather`` instead.
     """
 
-    activation: QuantRecipe = field(default_factory=QuantRecipe)
+    backward_modes: ClassVar[tuple[str, ...]] = MOE_BACKWARD_MODES
+
     weight: QuantRecipe = field(default_factory=lambda: QuantRecipe(scale="expert"))
-    grad: QuantRecipe = field(default_factory=lambda: QuantRecipe(rounding="stochastic"))
-    wgrad: QuantRecipe = field(
-        default_factory=lambda: QuantRecipe(rounding="stochastic", hadamard=True, pad=True)
-    )
-    backward: str = "bf16-backward"
-    gemm_backend: str = "auto"
-    quant_backend: str = "auto"
     validate: bool = True
 
     def __post_init__(self) -> None:
-        if self.backward not in MOE_BACKWARD_MODES:
-            raise ValueError(
-                f"NVFP4MoEConfig.backward must be one of {MOE_BACKWARD_MODES}, got {self.backward!r}"
-            )
-        for name in ("activation", "weight", "grad", "wgrad"):
-            r = getattr(self, name)
-            if not isinstance(r, QuantRecipe):
-                raise TypeError(f"NVFP4MoEConfig.{name} must be a QuantRecipe, got {type(r).__name__}")
+        super().__post_init__()
         if self.weight.scale == "row" and self.weight.block == "16x16":
             raise ValueError("NVFP4MoEConfig.weight: 16x16 blocks cannot have per-row scales")
         if self.backward == "nvfp4-backward":

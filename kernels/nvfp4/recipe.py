@@ -1,4 +1,5 @@
-"""``QuantRecipe``: every choice that changes NVFP4 bytes, as one frozen dataclass.
+"""``QuantRecipe``: every choice that changes NVFP4 bytes, as one frozen dataclass; ``LayerConfig``: the
+recipes of a trainable NVFP4 layer's operands (the fields the dense and the MoE layer configs share).
 
 Field names are a public contract (the GEMM, diagnostics and export build on them). See docs/nvfp4.md for
 the formulas each ``profile`` implements.
@@ -8,7 +9,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -92,6 +94,37 @@ class QuantRecipe:
         if self.scale_source != "checkpoint" and self.checkpoint_scale is not None:
             raise ValueError("QuantRecipe: checkpoint_scale is only used with scale_source='checkpoint'")
         check_seed(self.seed, "QuantRecipe.seed")
+
+
+@dataclass(frozen=True)
+class LayerConfig:
+    """What :class:`~triage.kernels.NVFP4LinearConfig` and :class:`~triage.kernels.NVFP4MoEConfig` share: the
+    recipes of the forward operands (``activation``, ``weight``: a subclass sets the weight's default) and of
+    the ``nvfp4-backward`` ones (``grad``: dy, ``wgrad``: dyᵀ and xᵀ), the ``backward`` mode (one of the
+    subclass's ``backward_modes``) and the GEMM and quantizer backends. ``__post_init__`` checks the mode and
+    the recipes' types, naming the subclass; a subclass adds its rules after ``super().__post_init__()``.
+    """
+
+    backward_modes: ClassVar[tuple[str, ...]] = ("bf16-backward", "nvfp4-backward")
+
+    activation: QuantRecipe = field(default_factory=QuantRecipe)
+    weight: QuantRecipe = field(default_factory=QuantRecipe)
+    grad: QuantRecipe = field(default_factory=lambda: QuantRecipe(rounding="stochastic"))
+    wgrad: QuantRecipe = field(
+        default_factory=lambda: QuantRecipe(rounding="stochastic", hadamard=True, pad=True)
+    )
+    backward: str = "bf16-backward"
+    gemm_backend: str = "auto"
+    quant_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        if self.backward not in self.backward_modes:
+            raise ValueError(f"{name}.backward must be one of {self.backward_modes}, got {self.backward!r}")
+        for operand in ("activation", "weight", "grad", "wgrad"):
+            r = getattr(self, operand)
+            if not isinstance(r, QuantRecipe):
+                raise TypeError(f"{name}.{operand} must be a QuantRecipe, got {type(r).__name__}")
 
 
 def check_seed(seed, name: str) -> None:
