@@ -16,13 +16,18 @@ import sys
 
 if __name__ == "kernels":
     # Found as a top-level ``kernels`` because a source checkout's root is on sys.path (``python -m ...`` run
-    # from it): that name belongs to Hugging Face's ``kernels`` package, which transformers imports. Take the
-    # checkout's root off sys.path (this package is ``triage.kernels``, reached through the install) and hand
-    # the import to the real package, or fail as if the checkout were not there.
+    # from it): that name belongs to Hugging Face's ``kernels`` package, which transformers imports when it is
+    # installed. Then take the checkout's root off sys.path (this package is ``triage.kernels``, reached through
+    # the install) and hand the import to the real package. Without it, stay: transformers finds no
+    # distribution named ``kernels`` and goes on without one, as it would without the checkout.
+    import importlib.machinery
+
     _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _root]
-    del sys.modules[__name__]
-    sys.modules[__name__] = importlib.import_module(__name__)
+    _path = [p for p in sys.path if os.path.abspath(p or os.curdir) != _root]
+    if importlib.machinery.PathFinder.find_spec(__name__, _path) is not None:
+        sys.path[:] = _path
+        del sys.modules[__name__]
+        sys.modules[__name__] = importlib.import_module(__name__)
 
 _LAZY = {
     "NVFP4Config": "triage.kernels.conversion",
