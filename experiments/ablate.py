@@ -113,6 +113,8 @@ SERIES_KEYS = {
     # the per-response mean δ that OPSM thresholds (calibrate opsm_threshold on it)
     "seq_mean_delta_p1": "triage/seq_mean_delta_p1",
     "seq_mean_delta_p50": "triage/seq_mean_delta_p50",
+    # mean |p_learner − p_sampler|: the scale of a probability-space τ (tau_space="prob")
+    "mean_abs_dprob": "triage/mean_abs_dprob",
     **{f"share/{c}": f"triage/{c}/share" for c in CLASSES},
 }
 #: the run-summary numbers aggregated over seeds (:func:`run_summary`), besides the class shares.

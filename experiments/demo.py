@@ -155,15 +155,22 @@ def _trainer_class():
 
     class DemoTrainer(TriageGRPOTrainer):
         """``TriageGRPOTrainer`` that keeps the tensors its loss used on the first training batch: per-token
-        δ, advantages, completion mask, correction weights and τ (``first_batch``, on the CPU)."""
+        δ, advantages, completion mask, correction weights, sampler log-probs and τ (``first_batch``, on the
+        CPU)."""
 
         first_batch: dict[str, Any] | None = None
 
-        def _observe(self, delta, advantages, mask, weights, tau: float) -> None:
+        def _observe(self, delta, advantages, mask, weights, tau: float, sampler_logps) -> None:
             if self.first_batch is None and self.model.training:
-                tensors = {"delta": delta, "advantages": advantages, "mask": mask, "weights": weights}
+                tensors = {
+                    "delta": delta,
+                    "advantages": advantages,
+                    "mask": mask,
+                    "weights": weights,
+                    "sampler_logps": sampler_logps,
+                }
                 self.first_batch = {k: v.detach().float().cpu() for k, v in tensors.items()} | {"tau": tau}
-            super()._observe(delta, advantages, mask, weights, tau)
+            super()._observe(delta, advantages, mask, weights, tau, sampler_logps)
 
     return DemoTrainer
 
@@ -270,10 +277,13 @@ def step1_analysis(batch: dict[str, Any], triage_config) -> dict[str, Any]:
     from triage.trainers.report import CLASSES
 
     delta, adv, mask, weights, tau = (batch[k] for k in ("delta", "advantages", "mask", "weights", "tau"))
-    with_w = mismatch_metrics(delta, adv, mask, weights, triage_config, tau=tau)
-    without_w = mismatch_metrics(delta, adv, mask, torch.ones_like(weights), triage_config, tau=tau)
+    sampler = {"sampler_logps": batch.get("sampler_logps")}  # the probability-space band needs them
+    with_w = mismatch_metrics(delta, adv, mask, weights, triage_config, tau=tau, **sampler)
+    without_w = mismatch_metrics(
+        delta, adv, mask, torch.ones_like(weights), triage_config, tau=tau, **sampler
+    )
     valid = mask.bool()
-    classes = classify_tokens(delta, adv, mask, triage_config, tau=tau)[valid]
+    classes = classify_tokens(delta, adv, mask, triage_config, tau=tau, **sampler)[valid]
     w = weights[valid]
     labels = [TokenClass(int(c)).label for c in classes]
     d = delta[valid]

@@ -34,7 +34,7 @@ from typing import Any
 from trl import GRPOConfig
 
 from triage import CORRECTIONS, POLICIES, TriageConfig
-from triage.config import SEQ_MIS_LEVELS
+from triage.config import SEQ_MIS_LEVELS, TAU_SPACES
 
 LEARNER_PRECISIONS = ("bf16", "nvfp4")
 SAMPLER_KINDS = ("hf", "sglang", "vllm-server", "offline")
@@ -157,7 +157,7 @@ class TriageGRPOConfig(GRPOConfig):
     r"""``GRPOConfig`` + TRIAGE. Field docs: ``TriageConfig`` (the math) and docs/trainer.md (the table).
 
     TRIAGE fields (same names and defaults as ``triage.TriageConfig``):
-        correction, tau, consistent, amplify_down, correct_up, amplify_up, correct_down, is_cap, soft_rate,
+        correction, tau, tau_space, consistent, amplify_down, correct_up, amplify_up, correct_down, is_cap, soft_rate,
         tail_floor, guard_kappa, tau_init, tau_multiplier, tau_floor, tau_ema, veto_floor, icepop_low,
         icepop_high, seq_mis_low, seq_mis_high, seq_mis_level, opsm_threshold.
 
@@ -188,6 +188,13 @@ class TriageGRPOConfig(GRPOConfig):
     tau: str = field(
         default=_D.tau,
         metadata=_help("tolerance band |δ| ≤ τ in nats, or 'auto' (adaptive, from the running median |δ|)"),
+    )
+    tau_space: str = field(
+        default=_D.tau_space,
+        metadata=_help(
+            "where the band is measured: 'log' (|δ| ≤ τ, nats) or 'prob' (|p_learner − p_sampler| ≤ τ)",
+            TAU_SPACES,
+        ),
     )
     consistent: str = field(default=_D.consistent, metadata=_help("policy for |δ| ≤ τ", POLICIES))
     amplify_down: str = field(default=_D.amplify_down, metadata=_help("policy for δ < −τ, A < 0", POLICIES))

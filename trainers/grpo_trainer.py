@@ -4,7 +4,7 @@ Swap ``GRPOTrainer`` → ``TriageGRPOTrainer`` and ``GRPOConfig`` → ``TriageGR
 Per training micro-batch, inside TRL's own ``_compute_loss``:
 
     δ_t   = log π_learner(y_t) − log π_sampler(y_t)           (``triage.token_gap``)
-    w_t   = token_weights(δ, A, mask, config, τ)               (detached, 0 at padding)
+    w_t   = token_weights(δ, A, mask, config, τ, sampler_logps=log π_sampler)   (detached, 0 at padding)
     ℓ_t  ←  w_t · ℓ_t                                          (ℓ_t: TRL's per-token loss, any loss_type)
 
 then TRL aggregates ℓ with its normaliser for the loss type (weighted-down tokens stay in the normaliser) and
@@ -64,7 +64,15 @@ from accelerate.utils import gather
 from trl import GRPOTrainer
 from trl.trainer.utils import is_async_callable
 
-from triage import AdaptiveTau, delta_quantiles, metrics_from_sums, mismatch_sums, token_gap, token_weights
+from triage import (
+    AdaptiveTau,
+    TriageConfig,
+    delta_quantiles,
+    metrics_from_sums,
+    mismatch_sums,
+    token_gap,
+    token_weights,
+)
 
 from .config import TriageGRPOConfig
 from .sampling.base import SamplerSource, trainer_vocab_size
@@ -454,16 +462,20 @@ class TriageGRPOTrainer(GRPOTrainer):
             learner = per_token_logps.detach() if old is None else old
             if advantages.dim() == 2 and advantages.size(1) == 1:
                 advantages = advantages[:, 0]
-            delta = token_gap(learner, inputs["sampling_per_token_logps"], mask)
+            sampler = inputs["sampling_per_token_logps"]
+            delta = token_gap(learner, sampler, mask)
             tau = self.adaptive_tau.value
-            weights = token_weights(delta, advantages, mask, self.triage_config, tau=tau)
-            self._observe(delta, advantages, mask, weights, tau)
+            weights = token_weights(
+                delta, advantages, mask, self.triage_config, tau=tau, sampler_logps=sampler
+            )
+            self._observe(delta, advantages, mask, weights, tau, sampler)
         if self.triage_config.correction == "none":
             return keep  # metrics only: the loss is GRPOTrainer's, bit for bit
         return keep * weights.to(per_token_logps.dtype)
 
-    def _observe(self, delta, advantages, mask, weights, tau: float) -> None:
-        """Log the all-reduced ``triage/...`` metrics; feed the adaptive τ the gathered δ of the window."""
+    def _observe(self, delta, advantages, mask, weights, tau: float, sampler_logps) -> None:
+        """Log the all-reduced ``triage/...`` metrics; feed the adaptive τ the gathered δ of the window.
+        ``sampler_logps``: the sampler's log-probs δ came from (probability-space classes, ``mean_abs_dprob``)."""
         mode = "train" if self.model.training else "eval"
         track_tau = mode == "train" and self.triage_config.adaptive
         if not (self.args.log_mismatch_metrics or track_tau):
@@ -473,7 +485,9 @@ class TriageGRPOTrainer(GRPOTrainer):
             self.accelerator.pad_across_processes(mask, dim=1, pad_index=0)
         ).bool()
         if self.args.log_mismatch_metrics:
-            sums = mismatch_sums(delta, advantages, mask, weights, self.triage_config, tau=tau)
+            sums = mismatch_sums(
+                delta, advantages, mask, weights, self.triage_config, tau=tau, sampler_logps=sampler_logps
+            )
             keys = sorted(sums)
             totals = self.accelerator.reduce(torch.stack([sums[k] for k in keys]), reduction="sum")
             metrics = metrics_from_sums(dict(zip(keys, totals.cpu().tolist())))
@@ -557,6 +571,8 @@ class TriageGRPOTrainer(GRPOTrainer):
     def _compare_triage_config(self, saved: dict[str, Any], checkpoint: str) -> None:
         """Warn when the checkpoint was trained with another TRIAGE config (a deliberate change is allowed)."""
         now = self.triage_config.to_dict()
+        if saved:  # a field added to TriageConfig after the checkpoint was saved: it ran with the default
+            saved = {**{k: v for k, v in TriageConfig().to_dict().items() if k not in saved}, **saved}
         changed = [
             f"{k}: {saved.get(k, '(not saved)')!r} → {v!r}" for k, v in now.items() if saved.get(k) != v
         ]

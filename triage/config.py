@@ -15,6 +15,8 @@ from typing import Any
 CORRECTIONS = ("none", "tis", "icepop", "seq-mis", "opsm", "veto", "triage")
 POLICIES = ("keep", "is", "soft", "mask")
 SEQ_MIS_LEVELS = ("product", "geometric")
+# Where the tolerance band is measured: "log" |δ| ≤ τ (nats), "prob" |p_learner − p_sampler| ≤ τ.
+TAU_SPACES = ("log", "prob")
 
 # The per-class policy fields, in TokenClass order (consistent first, then the four tails).
 CLASS_POLICY_FIELDS = ("consistent", "amplify_down", "correct_up", "amplify_up", "correct_down")
@@ -22,6 +24,8 @@ CLASS_POLICY_FIELDS = ("consistent", "amplify_down", "correct_up", "amplify_up",
 # already calls a probability ratio of e ≈ 2.7 either way "consistent", wider than the default IS cap (2).
 # A wider band switches the correction off for the gaps it exists for (use ``correction="none"`` for that).
 TAU_MAX = 1.0
+# In probability space (``tau_space="prob"``) the same bound is a probability difference: |Δp| ≤ 1 for every
+# token, so τ = 1 already calls every token consistent.
 
 #: Named TRIAGE configurations (:meth:`TriageConfig.profile`), as field overrides of the defaults.
 #: ``"keep-down"`` is the default. ``"suppress-down"`` down-weights (``soft``), floors (``tail_floor``) and
@@ -50,6 +54,17 @@ class TriageConfig:
     * ``soft``: w = exp(−soft_rate · (|δ| − τ)) for |δ| > τ (1 at the band's edge, ≤ 1 beyond it)
     * ``mask``: w = 0
 
+    ``tau_space`` says where the band is measured. ``"log"`` (the default): |δ| ≤ τ, τ in nats, as above.
+    ``"prob"``: |p_l − p_s| ≤ τ with p_s = exp(log π_sampler(y_t)), p_l = exp(log π_learner(y_t)), so
+    Δp = p_l − p_s = p_s · (e^δ − 1) and τ ∈ [0, 1] is a probability difference; the class still follows
+    sign(δ) (= sign(Δp)), so amplify-down is Δp < −τ with A < 0, and so on. A token whose sampler probability
+    is at most τ can never fall below the band (Δp > −p_s ≥ −τ), however large its |δ|. The weight policies
+    stay functions of δ; ``soft`` measures the excess from the token's own band edge δ_τ, the gap at which
+    |Δp| = τ: w = exp(−soft_rate · (|δ| − |δ_τ|)), δ_τ = log(1 + sign(δ) · τ / p_s) (= ±τ in log space).
+    The functions that classify then need the sampler's log-probs (``sampler_logps=``). ``tau="auto"`` is
+    refused in probability space: the adaptive τ tracks a scale of |δ| in nats, which says nothing about
+    probability differences.
+
     With ``tail_floor`` set, amplify-down tokens additionally get w = 0 when δ < −``tail_floor`` (a hard
     floor of the negative tail). With ``guard_kappa`` set, the sequence guard scales a whole response with
     A < 0 by κ / m when its negative-tail mass m = Σ_{amplify-down} |δ_t| / (valid tokens of the response)
@@ -65,6 +80,8 @@ class TriageConfig:
     correction: str = "triage"
     # Tolerance band |δ| ≤ τ in nats, or "auto" (τ = max(tau_floor, tau_multiplier · EMA(median |δ|))).
     tau: float | str = 0.05
+    # Where the band is measured: "log" (|δ| ≤ τ, nats) or "prob" (|p_learner − p_sampler| ≤ τ).
+    tau_space: str = "log"
     # TRIAGE per-class policies (the "keep-down" profile; see the class docstring and PROFILES).
     consistent: str = "is"
     amplify_down: str = "keep"
@@ -99,8 +116,16 @@ class TriageConfig:
                 raise ValueError(
                     f"TriageConfig.tau={self.tau!r}: expected a float in [0, {TAU_MAX}] (nats) or 'auto'"
                 ) from None
+        if self.tau_space not in TAU_SPACES:
+            raise ValueError(f"TriageConfig.tau_space={self.tau_space!r}: expected one of {TAU_SPACES}")
+        if self.tau_space == "prob" and self.adaptive:
+            raise ValueError(
+                "TriageConfig.tau='auto' with tau_space='prob': the adaptive τ tracks a scale of |δ| in nats, "
+                "not a probability difference; set a fixed tau in [0, 1] (e.g. 0.2, prime-rl's default)"
+            )
         if not isinstance(self.tau, str):
-            _check_number("tau", self.tau, minimum=0.0, maximum=TAU_MAX)
+            unit = "nats; see TAU_MAX" if self.tau_space == "log" else "a probability difference"
+            _check_number("tau", self.tau, minimum=0.0, maximum=TAU_MAX, unit=unit)
         for name in CLASS_POLICY_FIELDS:
             value = getattr(self, name)
             if value not in POLICIES:
@@ -176,7 +201,13 @@ class TriageConfig:
 
 
 def _check_number(
-    name: str, value: Any, *, minimum: float, strict: bool = False, maximum: float | None = None
+    name: str,
+    value: Any,
+    *,
+    minimum: float,
+    strict: bool = False,
+    maximum: float | None = None,
+    unit: str = "nats; see TAU_MAX",
 ) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"TriageConfig.{name}={value!r}: expected a finite number")
@@ -184,4 +215,4 @@ def _check_number(
         relation = ">" if strict else "≥"
         raise ValueError(f"TriageConfig.{name}={value!r}: expected {relation} {minimum}")
     if maximum is not None and value > maximum:
-        raise ValueError(f"TriageConfig.{name}={value!r}: expected ≤ {maximum} (nats; see TAU_MAX)")
+        raise ValueError(f"TriageConfig.{name}={value!r}: expected ≤ {maximum} ({unit})")

@@ -19,12 +19,18 @@ Two steps so a multi-process trainer can aggregate exactly:
                                    sampler's own samples (verl's ``k3_kl``)
 * ``triage/kl_learner_sampler``  = mean(e^δ·δ − e^δ + 1): the importance-weighted estimate of
                                    KL(π_learner ‖ π_sampler)
+* ``triage/mean_abs_dprob``      = Σ |Δp| / N, Δp = p_learner − p_sampler = p_s · (e^δ − 1): only when the
+                                   sampler's log-probs are given (``sampler_logps``), the scale on which to
+                                   pick a probability-space τ (``tau_space="prob"``)
 * ``triage/suppressed_frac``     = share of valid tokens the correction cut by more than 1 % (w < 0.99)
 * ``triage/guarded_frac``        = share of responses scaled down by the TRIAGE sequence guard
 * ``triage/delta_p0.1`` … ``triage/delta_p99.9``: quantiles 0.1 %, 1 %, 50 %, 99 %, 99.9 % of δ
 * ``triage/seq_mean_delta_p0.1`` … ``_p99.9``: the same quantiles of the per-response mean δ
                                    (Σ_t δ / valid tokens of the response; responses with none left out):
                                    the statistic OPSM thresholds, to calibrate ``opsm_threshold`` on
+
+With ``tau_space="prob"`` the classes use the probability band |Δp| ≤ τ (``triage.classes``) and the
+sampler's log-probs are required (``sampler_logps=``).
 
 With no valid token every metric is 0.0 (never NaN).
 """
@@ -33,7 +39,7 @@ from __future__ import annotations
 
 import torch
 
-from triage.classes import TokenClass, checked_inputs, classes_of, resolve_tau
+from triage.classes import TokenClass, band_gap, checked_inputs, classes_of, resolve_tau
 from triage.config import TriageConfig
 from triage.mismatch import as_mask, weights_checks
 from triage.weights import guarded_of
@@ -52,23 +58,33 @@ def mismatch_sums(
     weights: torch.Tensor,
     config: TriageConfig | None = None,
     tau: float | None = None,
+    *,
+    sampler_logps: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Raw sums and counts (0-d float64 tensors on δ's device) — all-reduce them with SUM.
 
-    δ and the advantages are validated as in ``classify_tokens``, the weights as loss weights (finite, ≥ 0 at
-    valid positions); one host sync."""
+    δ, the advantages and ``sampler_logps`` are validated as in ``classify_tokens``, the weights as loss
+    weights (finite, ≥ 0 at valid positions); one host sync. ``sampler_logps`` is required when
+    ``config.tau_space == "prob"``; when given (in either space) the sums include ``sum_abs_dprob``."""
     config = config or TriageConfig()
     if tuple(weights.shape) != tuple(delta.shape):
         raise ValueError(f"weights has shape {tuple(weights.shape)}, delta has {tuple(delta.shape)}")
     t = resolve_tau(config, tau)
-    valid, adv = checked_inputs(delta, advantages, mask, *weights_checks(weights, as_mask(mask, delta.shape)))
+    valid, adv = checked_inputs(
+        delta,
+        advantages,
+        mask,
+        *weights_checks(weights, as_mask(mask, delta.shape)),
+        config=config,
+        sampler_logps=sampler_logps,
+    )
     adv = adv.double()
     d = torch.where(valid, delta.detach().double(), torch.zeros((), dtype=torch.float64, device=delta.device))
     w = torch.where(
         valid, weights.detach().double(), torch.zeros((), dtype=torch.float64, device=delta.device)
     )
     v = valid.double()
-    classes = classes_of(d, adv, valid, t)
+    classes = classes_of(band_gap(d, valid, config, sampler_logps), adv, valid, t)
     ratio = torch.exp(d.clamp(max=80.0))
     mass = (w * adv).abs()
 
@@ -80,9 +96,15 @@ def mismatch_sums(
         "sum_k3": ((ratio - 1.0 - d) * v).sum(),
         "sum_kl_learner_sampler": ((ratio * d - ratio + 1.0) * v).sum(),
         "suppressed": ((w < SUPPRESSED_BELOW) & valid).double().sum(),
-        "guarded": guarded_of(d, adv, valid, config, t).double().sum(),
+        "guarded": guarded_of(d, adv, valid, config, t, sampler_logps).double().sum(),
         "mass": mass.sum(),
     }
+    if sampler_logps is not None:
+        p_sampler = torch.exp(sampler_logps.detach().double())
+        dprob = torch.where(
+            valid, p_sampler * torch.expm1(d), torch.zeros((), dtype=torch.float64, device=d.device)
+        )
+        sums["sum_abs_dprob"] = dprob.abs().sum()
     for cls in STAT_CLASSES:
         in_class = (classes == int(cls)).double()
         sums[f"{cls.label}/tokens"] = in_class.sum()
@@ -110,6 +132,8 @@ def metrics_from_sums(sums: dict[str, torch.Tensor | float]) -> dict[str, float]
         "triage/guarded_seqs": s["guarded"],
         "triage/guarded_frac": _ratio(s["guarded"], s["sequences"]),
     }
+    if "sum_abs_dprob" in s:
+        out["triage/mean_abs_dprob"] = _ratio(s["sum_abs_dprob"], n)
     for cls in STAT_CLASSES:
         c = s[f"{cls.label}/tokens"]
         out[f"triage/{cls.label}/share"] = _ratio(c, n)
@@ -158,10 +182,15 @@ def mismatch_metrics(
     weights: torch.Tensor,
     config: TriageConfig | None = None,
     tau: float | None = None,
+    *,
+    sampler_logps: torch.Tensor | None = None,
 ) -> dict[str, float]:
-    """All ``triage/...`` metrics for one process: ratios of ``mismatch_sums`` plus δ quantiles and τ."""
+    """All ``triage/...`` metrics for one process: ratios of ``mismatch_sums`` plus δ quantiles and τ.
+    ``sampler_logps``: as in ``mismatch_sums`` (required when ``config.tau_space == "prob"``)."""
     config = config or TriageConfig()
-    out = metrics_from_sums(mismatch_sums(delta, advantages, mask, weights, config, tau=tau))
+    out = metrics_from_sums(
+        mismatch_sums(delta, advantages, mask, weights, config, tau=tau, sampler_logps=sampler_logps)
+    )
     out.update(delta_quantiles(delta, mask))
     out["triage/tau"] = resolve_tau(config, tau)
     return out

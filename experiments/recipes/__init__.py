@@ -66,8 +66,9 @@ RECIPE_DIR = Path(__file__).resolve().parent
 ACCELERATE_DIR = RECIPE_DIR.parent / "accelerate"
 CPU_LAYER = RECIPE_DIR / "cpu.yaml"  # the CPU overrides (load_recipe(..., cpu=True), `triage train --cpu`)
 ARMS = ("grpo-none", "tis", "icepop", "opsm", "triage", "triage-mask")
-# Not run by default (`--arms` selects them): TRL's default sequence IS through the same switch, and the
-# follow-ups of the testbed (docs/results.md §3).
+# Not run by default (`--arms` selects them): TRL's default sequence IS through the same switch, the
+# follow-ups of the testbed (docs/results.md §3), and prime-rl's probability-space mask with its two controls
+# (docs/triage.md, "Probability-space tolerance").
 FOLLOW_UP_ARMS = (
     "seq-mis-trl",
     "triage-suppress-down",
@@ -75,6 +76,9 @@ FOLLOW_UP_ARMS = (
     "triage-suppress-no-floor",
     "triage-suppress-soft-only",
     "triage-no-is",
+    "prime-rl-mask",
+    "triage-prob-mask-down",
+    "triage-prob-mask-both",
 )
 ALL_ARMS = ARMS + FOLLOW_UP_ARMS
 PRESETS = ("qwen3-4b", "qwen3-30b-a3b", "tiny")

@@ -47,6 +47,34 @@ def test_explain_flags_and_yaml(tmp_path, capsys):
     assert "correction" in capsys.readouterr().out
 
 
+def test_explain_probability_space(capsys):
+    """τ as a probability, classes by the band at p_s = 0.5, and the band's edges in δ."""
+    args = [
+        "explain",
+        "--tau_space",
+        "prob",
+        "--tau",
+        "0.2",
+        "--amplify_down",
+        "mask",
+        "--consistent",
+        "keep",
+    ]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "τ = 0.2 (probability" in out and "nats" not in out.splitlines()[1]
+    line = next(line for line in out.splitlines() if line.startswith("amplify_down"))
+    assert "Δp < −τ, A < 0" in line
+    # at p_s = 0.5 the band ends at δ = log(0.6) ≈ −0.511: δ = −0.5 is consistent, δ = −1 is masked
+    cells = line.split()[-7:]
+    assert cells[:3] == ["0.0000", "0.0000", "·"]
+    consistent = next(line for line in out.splitlines() if line.startswith("consistent")).split()[-7:]
+    assert consistent[2:5] == ["1.0000", "1.0000", "1.0000"]
+    assert "p_s = 0.1   below the band: never (p_s ≤ τ)" in out and "δ < -0.511" in out
+    assert main(["explain", "--tau_space", "prob", "--tau", "auto"]) == 2
+    assert "tau_space='prob'" in capsys.readouterr().out
+
+
 def test_explain_refuses_a_layered_recipe_it_would_misread(tmp_path, capsys):
     """preset/arm layers hold the TRIAGE fields: reading the file flat would explain the wrong correction."""
     recipe = tmp_path / "r.yaml"

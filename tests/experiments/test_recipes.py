@@ -53,7 +53,13 @@ def test_every_preset_arm_validates_and_builds(name):
     # NVFP4 learner
     assert config.learner_precision == "nvfp4" and recipe["quant_recipe"]["scale"] == "tensor"
     arm = name.split("/")[1]
-    expected = {"grpo-none": "none", "tis": "tis", "icepop": "icepop", "opsm": "opsm", "seq-mis-trl": "seq-mis"}
+    expected = {
+        "grpo-none": "none",
+        "tis": "tis",
+        "icepop": "icepop",
+        "opsm": "opsm",
+        "seq-mis-trl": "seq-mis",
+    }
     expected = expected.get(arm, "triage")
     assert config.triage_config().correction == expected
     assert [f.__name__ for f in recipes_reward_funcs(recipe)] == ["dapo_accuracy", "soft_overlong_penalty"]
@@ -92,7 +98,12 @@ def test_arms_differ_only_in_correction_fields():
     assert triage_fields_of("triage") == TriageConfig()
     assert triage_fields_of("triage-suppress-down") == TriageConfig.profile("suppress-down")
     trl = triage_fields_of("seq-mis-trl")  # TRL's sequence_mask default (C_max 3, no C_min), applied once
-    assert (trl.correction, trl.seq_mis_level, trl.seq_mis_low, trl.seq_mis_high) == ("seq-mis", "product", 0.0, 3.0)
+    assert (trl.correction, trl.seq_mis_level, trl.seq_mis_low, trl.seq_mis_high) == (
+        "seq-mis",
+        "product",
+        0.0,
+        3.0,
+    )
     assert load_recipe("tiny/seq-mis-trl")["vllm_importance_sampling_correction"] is False
     mask = load_recipe("tiny/triage-mask")
     assert (mask["amplify_up"], mask["amplify_down"]) == ("mask", "keep")
@@ -105,7 +116,39 @@ def test_arms_differ_only_in_correction_fields():
     )
     assert (no_guard["guard_kappa"], no_guard["tail_floor"], no_guard["amplify_down"]) == (None, 3.0, "soft")
     assert (no_floor["guard_kappa"], no_floor["tail_floor"], no_floor["amplify_down"]) == (0.1, None, "soft")
-    assert (soft_only["guard_kappa"], soft_only["tail_floor"], soft_only["amplify_down"]) == (None, None, "soft")
+    assert (soft_only["guard_kappa"], soft_only["tail_floor"], soft_only["amplify_down"]) == (
+        None,
+        None,
+        "soft",
+    )
+
+
+def test_probability_space_arms():
+    """`prime-rl-mask` is prime-rl's default mask (τ 0.2 in probability, amplify-down and amplify-up masked,
+    all else kept); `triage-prob-mask-both` differs from it in correct-up only, `triage-prob-mask-down` in
+    amplify-up only; every other arm stays in log space."""
+    from triage import TriageConfig
+
+    def config_of(arm):
+        recipe = load_recipe(f"tiny/{arm}")
+        return TriageConfig(**{k: recipe[k] for k in TriageConfig.field_names() if k in recipe})
+
+    prime = config_of("prime-rl-mask")
+    policies = ("consistent", "amplify_down", "correct_up", "amplify_up", "correct_down")
+    assert (prime.correction, prime.tau_space, prime.tau) == ("triage", "prob", 0.2)
+    assert [getattr(prime, p) for p in policies] == ["keep", "mask", "keep", "mask", "keep"]
+    assert (prime.tail_floor, prime.guard_kappa) == (None, None)
+    assert config_of("triage-prob-mask-both") == TriageConfig(**{**prime.to_dict(), "correct_up": "mask"})
+    assert config_of("triage-prob-mask-down") == TriageConfig(**{**prime.to_dict(), "amplify_up": "keep"})
+    prob_arms = {"prime-rl-mask", "triage-prob-mask-both", "triage-prob-mask-down"}
+    assert prob_arms <= set(FOLLOW_UP_ARMS)
+    for arm in ALL_ARMS:
+        recipe = load_recipe(f"tiny/{arm}")
+        assert recipe.get("tau_space", "log") == ("prob" if arm in prob_arms else "log"), arm
+        if arm in prob_arms:
+            assert recipe["vllm_importance_sampling_correction"] is False
+            config = build_config(recipe, output_dir="unused", use_cpu=True, bf16=False)
+            assert config.triage_config() == config_of(arm)
 
 
 def test_presets():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from trainer_testkit import PerturbedRollout, make_args, make_trainer
@@ -147,6 +149,55 @@ def test_metrics_equal_core_metrics_on_the_batch(tiny_model_dir, tmp_path):
     for key, value in want.items():
         assert logged[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
     assert logged["triage/tokens"] == mask.sum().item()
+
+
+def test_probability_space_weights_and_metrics_use_the_sampler_logps(tiny_model_dir, tmp_path):
+    """tau_space='prob': the trainer hands the sampler's log-probs to token_weights and mismatch_sums, so its
+    loss and metrics are the core's with ``sampler_logps=inputs["sampling_per_token_logps"]``."""
+    masks_both_tails = dict(consistent="is", correct_up="keep", correct_down="keep", amplify_up="mask")
+    trainer = make_trainer(
+        tiny_model_dir, tmp_path, tau_space="prob", tau=5e-4, amplify_down="mask", **masks_both_tails
+    )
+    inputs = _batch(trainer)
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    with torch.no_grad():
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, ids, attn, inputs["completion_ids"].size(1)
+        )
+    mask, adv, sampler = inputs["completion_mask"], inputs["advantages"], inputs["sampling_per_token_logps"]
+    config = trainer.triage_config
+    delta = token_gap(logps, sampler, mask)
+    with pytest.raises(ValueError, match="sampler_logps is required"):
+        token_weights(delta, adv, mask, config)
+    weights = token_weights(delta, adv, mask, config, sampler_logps=sampler)
+    pushed = mask.bool() & (adv != 0)[:, None]
+    assert (weights[pushed] == 0).any() and (weights[pushed] == 1).any(), "the batch must cross the band"
+    assert ((weights[pushed] != 0) & (weights[pushed] != 1)).any(), "and have tokens inside it (is weights)"
+    log_space = token_weights(delta, adv, mask, dataclasses.replace(config, tau_space="log"))
+    assert not torch.equal(weights, log_space), "the probability band must classify differently here"
+    trainer._metrics["train"].clear()
+    for loss_type in ("dapo", "grpo"):
+        trainer.loss_type = loss_type
+        with torch.no_grad():
+            got = trainer.compute_loss(trainer.model, inputs)
+        want = policy_loss(
+            logps,
+            logps,
+            adv,
+            mask,
+            weights,
+            loss_type=loss_type,
+            epsilon_low=trainer.epsilon_low,
+            epsilon_high=trainer.epsilon_high,
+            num_items_in_batch=inputs["num_items_in_batch"],
+            max_completion_length=trainer.max_completion_length,
+        )
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=loss_type)
+    metrics = mismatch_metrics(delta, adv, mask, weights, config, sampler_logps=sampler)
+    logged = {k: v[-1] for k, v in trainer._metrics["train"].items() if k.startswith("triage/")}
+    for key in ("triage/consistent/share", "triage/amplify_up/share", "triage/mean_abs_dprob"):
+        assert logged[key] == pytest.approx(metrics[key], rel=1e-6, abs=1e-12), key
 
 
 def test_delta_uses_trl_old_logps_when_present(tiny_model_dir, tmp_path):

@@ -5,10 +5,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
+from types import SimpleNamespace
 
 import pytest
 from trainer_testkit import make_trainer
 
+from triage import TriageConfig
+from triage.trainers import TriageGRPOTrainer
 from triage.trainers.grpo_trainer import GENERATION_STATE_FILE, SAMPLER_STATE_FILE, TRIAGE_STATE_FILE
 
 
@@ -120,6 +124,19 @@ def test_resuming_with_another_triage_config_warns(windowed_run, tiny_model_dir,
     again = make_trainer(tiny_model_dir, tmp_path, **{**WINDOW, "max_steps": 3}, **knobs, is_cap=3.0)
     with pytest.warns(UserWarning, match="is_cap: 2.0 → 3.0"):
         again.train(resume_from_checkpoint=str(run_dir / "checkpoint-2"))
+
+
+def test_a_field_missing_from_an_older_checkpoint_counts_as_its_default():
+    """A checkpoint saved before a TriageConfig field existed ran with that field's default: no warning for
+    it, but a warning when the resumed run sets it otherwise."""
+    saved = TriageConfig().to_dict()
+    del saved["tau_space"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        TriageGRPOTrainer._compare_triage_config(SimpleNamespace(triage_config=TriageConfig()), saved, "ckpt")
+    prob = SimpleNamespace(triage_config=TriageConfig(tau_space="prob", tau=0.05))
+    with pytest.warns(UserWarning, match="tau_space: 'log' → 'prob'"):
+        TriageGRPOTrainer._compare_triage_config(prob, saved, "ckpt")
 
 
 def test_a_corrupt_adaptive_tau_state_is_refused(windowed_run, tiny_model_dir, tmp_path):
