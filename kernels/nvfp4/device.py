@@ -16,7 +16,7 @@ Contents, by section:
 * number formats: E2M1 / E4M3 codes and values, bf16 round-to-nearest-even by integer arithmetic, exact
   widening of loaded tiles;
 * quantizer steps shared by :mod:`.quantize_rows` and :mod:`.quantize_columns` (Hadamard first step and
-  butterfly, block scales, outer scales; the formulas of ``reference.py``);
+  butterfly, block scales, outer scales; the formulas of ``reference.py``; the amax pass, at the end);
 * GEMM pieces shared by :mod:`.gemm_dense`, :mod:`.gemm_decode` and ``triage.kernels.moe.grouped_triton``
   (operand tile loader, epilogue, tile order; on the host the operand strides and the unpack
   multiplier).
@@ -542,3 +542,20 @@ def swizzled_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP
     pid_m = first_m + ((pid % group) % group_m)
     pid_n = (pid % group) // group_m
     return pid_m, pid_n
+
+
+# ---------------------------------------------------------------------------------------------------
+# Outer scales of the quantizers: the amax pass
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def publish_amax(ptr, m, has_nan, PROPAGATE_NAN: tl.constexpr):
+    """One program's share of the amax pass: ``ptr[0] = max(ptr[0], bits(max m))`` for the NaN-free
+    ``m >= 0`` (2-D fp32: the fp32 bits of non-negative floats order as the floats, so an integer
+    ``atomic_max`` is the float max), and with ``PROPAGATE_NAN`` ``ptr[1] = max(ptr[1], max has_nan)``
+    (2-D, nonzero where a NaN was seen). ``ptr`` is zeroed by the host."""
+    out = tl.max(tl.max(m, axis=1), axis=0)
+    tl.atomic_max(ptr, out.to(tl.int32, bitcast=True))
+    if PROPAGATE_NAN:
+        tl.atomic_max(ptr + 1, tl.max(tl.max(has_nan, axis=1), axis=0).to(tl.int32))

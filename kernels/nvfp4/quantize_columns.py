@@ -70,6 +70,7 @@ from .device import (
     interpreting,
     max_nan,
     outer_from_row_amax,
+    publish_amax,
     quarter,
     round_to,
     seed_arg,
@@ -278,9 +279,7 @@ def _amax_colwise_kernel(
         if PROPAGATE_NAN:
             tl.atomic_max(buf_ptr + 2 * c + 1, tl.max(has_nan, axis=0), mask=cmask)
     else:
-        tl.atomic_max(buf_ptr, tl.max(tl.max(m, axis=1), axis=0).to(tl.int32, bitcast=True))
-        if PROPAGATE_NAN:
-            tl.atomic_max(buf_ptr + 1, tl.max(tl.max(has_nan, axis=1), axis=0))
+        publish_amax(buf_ptr, m, has_nan, PROPAGATE_NAN)
 
 
 @fast_launch

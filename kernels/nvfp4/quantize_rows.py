@@ -64,6 +64,7 @@ from .device import (
     interpreting,
     max_nan,
     outer_from_row_amax,
+    publish_amax,
     quarter,
     round_to,
     seed_arg,
@@ -200,10 +201,7 @@ def _amax_tiled_kernel(
         nan = a != a
         m = tl.maximum(m, tl.max(tl.where(nan, 0.0, a), axis=2))
         has_nan = has_nan | tl.max(nan.to(tl.int32), axis=2)
-    out = tl.max(tl.max(m, axis=1), axis=0)
-    tl.atomic_max(amax_ptr + 2 * g, out.to(tl.int32, bitcast=True))
-    if PROPAGATE_NAN:
-        tl.atomic_max(amax_ptr + 2 * g + 1, tl.max(tl.max(has_nan, axis=1), axis=0))
+    publish_amax(amax_ptr + 2 * g, m, has_nan, PROPAGATE_NAN)
 
 
 @fast_launch
@@ -232,10 +230,7 @@ def _amax_pairs_kernel(
         if PROPAGATE_NAN:  # the NaN-propagating block max: NaN iff the block holds one
             n = _amax4(a0, b0, a1, b1, False)
             has_nan = tl.maximum(has_nan, tl.where(n != n, 1.0, 0.0))
-    out = tl.max(tl.max(m, axis=1), axis=0)
-    tl.atomic_max(amax_ptr + 2 * g, out.to(tl.int32, bitcast=True))
-    if PROPAGATE_NAN:
-        tl.atomic_max(amax_ptr + 2 * g + 1, tl.max(tl.max(has_nan, axis=1), axis=0).to(tl.int32))
+    publish_amax(amax_ptr + 2 * g, m, has_nan, PROPAGATE_NAN)
 
 
 @triton.jit
