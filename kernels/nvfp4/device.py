@@ -545,7 +545,7 @@ def swizzled_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP
 
 
 # ---------------------------------------------------------------------------------------------------
-# Outer scales of the quantizers: the amax pass
+# Outer scales of the quantizers: the amax pass's buffer, the scales written out
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -554,8 +554,29 @@ def publish_amax(ptr, m, has_nan, PROPAGATE_NAN: tl.constexpr):
     """One program's share of the amax pass: ``ptr[0] = max(ptr[0], bits(max m))`` for the NaN-free
     ``m >= 0`` (2-D fp32: the fp32 bits of non-negative floats order as the floats, so an integer
     ``atomic_max`` is the float max), and with ``PROPAGATE_NAN`` ``ptr[1] = max(ptr[1], max has_nan)``
-    (2-D, nonzero where a NaN was seen). ``ptr`` is zeroed by the host."""
+    (2-D, nonzero where a NaN was seen). ``ptr`` is zeroed by the host; :func:`reduced_amax` reads it."""
     out = tl.max(tl.max(m, axis=1), axis=0)
     tl.atomic_max(ptr, out.to(tl.int32, bitcast=True))
     if PROPAGATE_NAN:
         tl.atomic_max(ptr + 1, tl.max(tl.max(has_nan, axis=1), axis=0).to(tl.int32))
+
+
+@triton.jit
+def reduced_amax(buf_ptr, idx, mask, PROFILE: tl.constexpr):
+    """The amax of group ``idx`` after the amax pass (:func:`publish_amax`): the fp32 whose bits are
+    ``buf[2·idx]``, NaN where ``buf[2·idx + 1] > 0`` for compressed-tensors (``PROFILE == 3``, whose
+    outer scale propagates a NaN amax; the other profiles ignore NaN)."""
+    amax = tl.load(buf_ptr + 2 * idx, mask=mask, other=0).to(tl.float32, bitcast=True)
+    if PROFILE == 3:
+        flag = tl.load(buf_ptr + 2 * idx + 1, mask=mask, other=0)
+        amax = tl.where(flag > 0, float("nan"), amax)
+    return amax
+
+
+@triton.jit
+def store_outer(enc_ptr, dec_ptr, idx, enc, dec, mask, B: tl.constexpr):
+    """Write the outer scales ``enc`` / ``dec`` (``[B, 1]`` per row or ``[1, B]`` per channel; ``dec =
+    RN(1/enc)`` or ``enc = RN(1/dec)``, :func:`outer_from_row_amax`) to ``enc_ptr[idx]`` / ``dec_ptr[idx]``
+    (``idx`` [B]) where ``mask``."""
+    tl.store(enc_ptr + idx, tl.reshape(enc, (B,)), mask=mask)
+    tl.store(dec_ptr + idx, tl.reshape(dec, (B,)), mask=mask)

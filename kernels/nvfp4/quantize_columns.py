@@ -72,8 +72,10 @@ from .device import (
     outer_from_row_amax,
     publish_amax,
     quarter,
+    reduced_amax,
     round_to,
     seed_arg,
+    store_outer,
     widen,
 )
 from .format import BLOCK
@@ -304,15 +306,11 @@ def _quantize_colwise_kernel(
     l0 = blk * 16
     one = tl.full((1, BC), 1.0, tl.float32)
     if OUTER == 2:  # per channel (Y row), from the amax pass
-        amax = tl.load(group_amax_ptr + 2 * c, mask=cmask, other=0).to(tl.float32, bitcast=True)
-        if PROFILE == 3:
-            flag = tl.load(group_amax_ptr + 2 * c + 1, mask=cmask, other=0)
-            amax = tl.where(flag > 0, float("nan"), amax)
+        amax = reduced_amax(group_amax_ptr, c, cmask, PROFILE)
         enc, dec = outer_from_row_amax(amax[None, :], PROFILE)
         first = cmask & (c * 0 + pid_t == 0)
         tl.store(amax_ptr + c, amax, mask=first)
-        tl.store(enc_ptr + c, tl.reshape(enc, (BC,)), mask=first)
-        tl.store(dec_ptr + c, tl.reshape(dec, (BC,)), mask=first)
+        store_outer(enc_ptr, dec_ptr, c, enc, dec, first, BC)
     elif OUTER == 1:  # one for the whole tensor
         amax = tl.load(group_amax_ptr + c * 0).to(tl.float32, bitcast=True)
         if PROFILE == 3:
@@ -321,14 +319,12 @@ def _quantize_colwise_kernel(
         enc, dec = outer_from_row_amax(amax[None, :], PROFILE)
         first = c + pid_t == 0  # program (0, 0), channel 0
         tl.store(amax_ptr + c * 0, amax, mask=first)
-        tl.store(enc_ptr + c * 0, tl.reshape(enc, (BC,)), mask=first)
-        tl.store(dec_ptr + c * 0, tl.reshape(dec, (BC,)), mask=first)
+        store_outer(enc_ptr, dec_ptr, c * 0, enc, dec, first, BC)
     else:  # given as arguments (static / checkpoint / none)
         enc = one * enc_arg
         dec = one * dec_arg
         first = c + pid_t == 0  # program (0, 0), channel 0
-        tl.store(enc_ptr + c * 0, tl.reshape(enc, (BC,)), mask=first)
-        tl.store(dec_ptr + c * 0, tl.reshape(dec, (BC,)), mask=first)
+        store_outer(enc_ptr, dec_ptr, c * 0, enc, dec, first, BC)
         if WRITE_AMAX:
             tl.store(amax_ptr + c * 0, tl.zeros((BC,), tl.float32) + amax_arg, mask=first)
     r6 = tl.math.div_rn(one, one * 6.0)  # RN(1/6)

@@ -66,8 +66,10 @@ from .device import (
     outer_from_row_amax,
     publish_amax,
     quarter,
+    reduced_amax,
     round_to,
     seed_arg,
+    store_outer,
     times_quarter,
     widen,
 )
@@ -485,25 +487,19 @@ def _quantize_kernel(
         amax = tl.reduce(m, 1, max_nan)
         enc, dec = outer_from_row_amax(amax[:, None], PROFILE)
         tl.store(amax_ptr + grow, amax, mask=rmask)
-        tl.store(enc_ptr + grow, tl.reshape(enc, (BR,)), mask=rmask)
-        tl.store(dec_ptr + grow, tl.reshape(dec, (BR,)), mask=rmask)
+        store_outer(enc_ptr, dec_ptr, grow, enc, dec, rmask, BR)
     elif OUTER == 1:  # per group (tensor or expert) from the reduced amax bits
         e = grow // rows_per_outer
-        amax = tl.load(group_amax_ptr + 2 * e, mask=rmask, other=0).to(tl.float32, bitcast=True)
-        if PROFILE == 3:
-            flag = tl.load(group_amax_ptr + 2 * e + 1, mask=rmask, other=0)
-            amax = tl.where(flag > 0, float("nan"), amax)
+        amax = reduced_amax(group_amax_ptr, e, rmask, PROFILE)
         enc, dec = outer_from_row_amax(amax[:, None], PROFILE)
         first = rmask & (grow % rows_per_outer == 0)  # the group's first row reports its scales
         tl.store(amax_ptr + e, amax, mask=first)
-        tl.store(enc_ptr + e, tl.reshape(enc, (BR,)), mask=first)
-        tl.store(dec_ptr + e, tl.reshape(dec, (BR,)), mask=first)
+        store_outer(enc_ptr, dec_ptr, e, enc, dec, first, BR)
     else:  # given as arguments (static / checkpoint / none)
         enc = one * enc_arg
         dec = one * dec_arg
         first = rmask & (grow == 0)
-        tl.store(enc_ptr + rows * 0, tl.reshape(enc, (BR,)), mask=first)
-        tl.store(dec_ptr + rows * 0, tl.reshape(dec, (BR,)), mask=first)
+        store_outer(enc_ptr, dec_ptr, rows * 0, enc, dec, first, BR)
         if WRITE_AMAX:
             tl.store(amax_ptr + rows * 0, tl.zeros((BR,), tl.float32) + amax_arg, mask=first)
     r6 = tl.math.div_rn(one, one * 6.0)  # RN(1/6)
