@@ -61,6 +61,22 @@ def _grpo_twin(model_dir, tmp_path, triage_trainer):
     )
 
 
+
+def _core_loss(trainer, inputs, logps, advantages, mask, weights):
+    """``policy_loss`` of the core with the trainer's loss settings (old log-probs = current: ratio 1)."""
+    return policy_loss(
+        logps,
+        logps,
+        advantages,
+        mask,
+        weights,
+        loss_type=trainer.loss_type,
+        epsilon_low=trainer.epsilon_low,
+        epsilon_high=trainer.epsilon_high,
+        num_items_in_batch=inputs["num_items_in_batch"],
+        max_completion_length=trainer.max_completion_length,
+    )
+
 def test_none_is_grpotrainer_bit_for_bit(tiny_model_dir, tmp_path):
     """correction='none' (metrics on) gives GRPOTrainer's loss and gradients exactly, for each loss type."""
     ours = make_trainer(tiny_model_dir, tmp_path / "ours", correction="none")
@@ -114,18 +130,7 @@ def test_weighted_loss_matches_core_policy_loss(tiny_model_dir, tmp_path, correc
         trainer.loss_type = loss_type
         with torch.no_grad():
             got = trainer.compute_loss(trainer.model, inputs)
-        want = policy_loss(
-            logps,
-            logps,
-            inputs["advantages"],
-            mask,
-            weights,
-            loss_type=loss_type,
-            epsilon_low=trainer.epsilon_low,
-            epsilon_high=trainer.epsilon_high,
-            num_items_in_batch=inputs["num_items_in_batch"],
-            max_completion_length=trainer.max_completion_length,
-        )
+        want = _core_loss(trainer, inputs, logps, inputs["advantages"], mask, weights)
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=loss_type)
 
 
@@ -181,18 +186,7 @@ def test_probability_space_weights_and_metrics_use_the_sampler_logps(tiny_model_
         trainer.loss_type = loss_type
         with torch.no_grad():
             got = trainer.compute_loss(trainer.model, inputs)
-        want = policy_loss(
-            logps,
-            logps,
-            adv,
-            mask,
-            weights,
-            loss_type=loss_type,
-            epsilon_low=trainer.epsilon_low,
-            epsilon_high=trainer.epsilon_high,
-            num_items_in_batch=inputs["num_items_in_batch"],
-            max_completion_length=trainer.max_completion_length,
-        )
+        want = _core_loss(trainer, inputs, logps, adv, mask, weights)
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=loss_type)
     metrics = mismatch_metrics(delta, adv, mask, weights, config, sampler_logps=sampler)
     logged = {k: v[-1] for k, v in trainer._metrics["train"].items() if k.startswith("triage/")}
