@@ -61,6 +61,16 @@ def _grpo_twin(model_dir, tmp_path, triage_trainer):
     )
 
 
+def _learner_logps(trainer, inputs):
+    """The trainer's own per-token log-probs of the batch's completions (no grad)."""
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    with torch.no_grad():
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, ids, attn, inputs["completion_ids"].size(1)
+        )
+    return logps
+
 
 def _core_loss(trainer, inputs, logps, advantages, mask, weights):
     """``policy_loss`` of the core with the trainer's loss settings (old log-probs = current: ratio 1)."""
@@ -76,6 +86,7 @@ def _core_loss(trainer, inputs, logps, advantages, mask, weights):
         num_items_in_batch=inputs["num_items_in_batch"],
         max_completion_length=trainer.max_completion_length,
     )
+
 
 def test_none_is_grpotrainer_bit_for_bit(tiny_model_dir, tmp_path):
     """correction='none' (metrics on) gives GRPOTrainer's loss and gradients exactly, for each loss type."""
@@ -116,12 +127,7 @@ def test_weighted_loss_matches_core_policy_loss(tiny_model_dir, tmp_path, correc
     """The trainer's loss = triage.policy_loss(..., token_weights(δ)) for grpo, dapo, dr_grpo, bnpo."""
     trainer = make_trainer(tiny_model_dir, tmp_path, correction=correction, tau=0.05)
     inputs = _batch(trainer)
-    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
-    attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
-    with torch.no_grad():
-        logps, _, _ = trainer._get_per_token_logps_and_entropies(
-            trainer.model, ids, attn, inputs["completion_ids"].size(1)
-        )
+    logps = _learner_logps(trainer, inputs)
     mask = inputs["completion_mask"]
     delta = token_gap(logps, inputs["sampling_per_token_logps"], mask)
     weights = token_weights(delta, inputs["advantages"], mask, trainer.triage_config)
@@ -164,12 +170,7 @@ def test_probability_space_weights_and_metrics_use_the_sampler_logps(tiny_model_
         tiny_model_dir, tmp_path, tau_space="prob", tau=5e-4, amplify_down="mask", **masks_both_tails
     )
     inputs = _batch(trainer)
-    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
-    attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
-    with torch.no_grad():
-        logps, _, _ = trainer._get_per_token_logps_and_entropies(
-            trainer.model, ids, attn, inputs["completion_ids"].size(1)
-        )
+    logps = _learner_logps(trainer, inputs)
     mask, adv, sampler = inputs["completion_mask"], inputs["advantages"], inputs["sampling_per_token_logps"]
     config = trainer.triage_config
     delta = token_gap(logps, sampler, mask)
