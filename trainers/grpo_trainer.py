@@ -465,9 +465,9 @@ class TriageGRPOTrainer(GRPOTrainer):
             sampler = inputs["sampling_per_token_logps"]
             delta = token_gap(learner, sampler, mask)
             tau = self.adaptive_tau.value
-            weights = token_weights(
-                delta, advantages, mask, self.triage_config, tau=tau, sampler_logps=sampler
-            )
+            # the band needs the sampler's log-probs only in probability space (token_gap validated them)
+            band_logps = sampler if self.triage_config.tau_space == "prob" else None
+            weights = token_weights(delta, advantages, mask, self.triage_config, tau=tau, sampler_logps=band_logps)
             self._observe(delta, advantages, mask, weights, tau, sampler)
         if self.triage_config.correction == "none":
             return keep  # metrics only: the loss is GRPOTrainer's, bit for bit
