@@ -467,7 +467,9 @@ class TriageGRPOTrainer(GRPOTrainer):
             tau = self.adaptive_tau.value
             # the band needs the sampler's log-probs only in probability space (token_gap validated them)
             band_logps = sampler if self.triage_config.tau_space == "prob" else None
-            weights = token_weights(delta, advantages, mask, self.triage_config, tau=tau, sampler_logps=band_logps)
+            weights = token_weights(
+                delta, advantages, mask, self.triage_config, tau=tau, sampler_logps=band_logps
+            )
             self._observe(delta, advantages, mask, weights, tau, sampler)
         if self.triage_config.correction == "none":
             return keep  # metrics only: the loss is GRPOTrainer's, bit for bit
