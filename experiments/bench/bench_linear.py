@@ -41,14 +41,18 @@ def build(layers: int, hidden: int = 1024, intermediate: int = 3072, heads: int 
     return Qwen3ForCausalLM(cfg).to("cuda", torch.bfloat16)
 
 
-def tokens_per_s(model, batch: int, seq: int, steps: int) -> float:
+def tokens_per_s(model, batch: int, seq: int, steps: int, compile: bool = False) -> float:
+    """Tokens/s of ``steps`` training steps after 2 warm-up steps (which also compile, with ``compile``)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda")
+    if compile:
+        torch._dynamo.reset()
+    fwd = torch.compile(model) if compile else model
     for i in range(steps + 2):
         if i == 2:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-        model(ids, labels=ids).loss.backward()
+        fwd(ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
@@ -109,6 +113,11 @@ def main() -> None:
         help="cProfile (host time) of 3 NVFP4 steps: top functions by own time",
     )
     p.add_argument(
+        "--compile",
+        action="store_true",
+        help="also time both models under torch.compile (NVFP4Linear runs as the triage::nvfp4_linear op)",
+    )
+    p.add_argument(
         "--compare-launch",
         action="store_true",
         help="also time NVFP4 with Triton's own launch path (no fast launch)",
@@ -129,9 +138,18 @@ def main() -> None:
     lines.append(f"params: {n / 1e9:.2f}B")
     bf16 = tokens_per_s(model, args.batch, args.seq, args.steps)
     lines.append(f"| BF16 | {bf16:,.0f} tok/s | 1.00 |")
+    if args.compile:
+        bf16_c = tokens_per_s(model, args.batch, args.seq, args.steps, compile=True)
+        lines.append(f"| BF16, torch.compile | {bf16_c:,.0f} tok/s | {bf16_c / bf16:.2f} |")
     convert(model, NVFP4Config(linear=NVFP4LinearConfig(backward=args.backward), moe=None))
     fp4 = tokens_per_s(model, args.batch, args.seq, args.steps)
     lines.append(f"| NVFP4 ({args.backward}) | {fp4:,.0f} tok/s | {fp4 / bf16:.2f} |")
+    if args.compile:
+        fp4_c = tokens_per_s(model, args.batch, args.seq, args.steps, compile=True)
+        lines.append(
+            f"| NVFP4 ({args.backward}), torch.compile | {fp4_c:,.0f} tok/s | {fp4_c / bf16:.2f} "
+            f"(/ compiled BF16: {fp4_c / bf16_c:.2f}) |"
+        )
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
