@@ -259,7 +259,7 @@ def main(argv=None) -> int:
         action="append",
         default=[],
         metavar="OLD=NEW",
-        help="report runs of arm OLD as NEW (an arm renamed since the runs; the run keeps arm_as_run=OLD)",
+        help="report runs of arm OLD as NEW (an arm renamed since the runs; the run keeps arm_as_run, the name it ran under)",
     )
     ap.add_argument(
         "--early-warning", action="store_true", help="also print the early-warning replay per run"
@@ -274,8 +274,8 @@ def main(argv=None) -> int:
         if not (sep and old and new):
             ap.error(f"--rename-arm {spec!r}: expected OLD=NEW")
         renamed = [r for r in runs if r["arm"] == old]
-        for r in renamed:
-            r["arm_as_run"], r["arm"] = old, new
+        for r in renamed:  # a run renamed before keeps the name it ran under
+            r["arm_as_run"], r["arm"] = r.get("arm_as_run") or old, new
     if args.select:
         keep = [tuple(k.rsplit("/", 1)) for k in args.select.split(",")]
         known = {(group_label(r), r["arm"]) for r in runs}

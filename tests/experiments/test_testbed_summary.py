@@ -61,6 +61,15 @@ def test_several_folders_read_as_one_study(tmp_path, capsys):
     assert set(by) == {("aligned", "grpo-none"), ("aligned (lr 0.0002)", "new-name")}
     assert by["aligned", "grpo-none"]["complete"] and by["aligned", "grpo-none"]["steps"] == 60
     assert by["aligned (lr 0.0002)", "new-name"]["arm_as_run"] == "old-name"
+    again = tmp_path / "again.json"  # renamed twice: still the name it ran under
+    assert (
+        testbed_summary.main(
+            ["--from-json", str(out), "--json", str(again), "--rename-arm", "new-name=newer"]
+        )
+        == 0
+    )
+    (twice,) = [r for r in json.loads(again.read_text())["runs"] if r["arm"] == "newer"]
+    assert twice["arm_as_run"] == "old-name"
     with pytest.raises(SystemExit):
         testbed_summary.main([str(b), "--select", "aligned/nope"])
     assert "no run is aligned/nope" in capsys.readouterr().err
