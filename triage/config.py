@@ -28,15 +28,27 @@ TAU_MAX = 1.0
 # token, so τ = 1 already calls every token consistent.
 
 #: Named TRIAGE configurations (:meth:`TriageConfig.profile`), as field overrides of the defaults.
-#: ``"keep-down"`` is the default. ``"suppress-down"`` down-weights (``soft``), floors (``tail_floor``) and
-#: guards (``guard_kappa``) the amplify-down tail — δ < −τ with A < 0 — while keeping the correct-up tokens
-#: (δ < −τ, A > 0) at full weight. Removing the negative updates of tokens the learner under-weights, but not
-#: the positive ones, biases every step toward raising them: in the mismatch testbed it collapsed GRPO in 3 of
-#: 3 seeds while vanilla GRPO, TIS, IcePop and "keep-down" did not (docs/results.md §3, docs/triage.md
-#: "Defaults"). It is kept as a profile for comparison, not as a recommendation.
+#: ``"symmetric-is"`` is the default: every class weighted by its truncated ratio min(e^δ, C), whatever the
+#: advantage's sign — token-level TIS, with TRIAGE's classes kept for the per-class statistics. In the mismatch
+#: testbed at sampling temperature 1.3 vanilla GRPO collapsed in 4 of 5 seeds from mismatch alone, and so did
+#: the earlier default ``"keep-down"`` (2 of 3 collapsed, the third falling), while TIS and IcePop — which scale
+#: the δ < 0 tokens of both advantage signs — stayed stable in 3 of 3 (docs/results.md §3.9, docs/triage.md
+#: "Defaults"). ``"keep-down"`` keeps the δ < −τ tokens at full weight (correct-up and amplify-down ``keep``)
+#: and soft-weights the amplify-up tail. ``"suppress-down"`` down-weights (``soft``), floors (``tail_floor``)
+#: and guards (``guard_kappa``) the amplify-down tail — δ < −τ with A < 0 — while keeping the correct-up tokens
+#: (δ < −τ, A > 0) at full weight: removing the negative updates of tokens the learner under-weights, but not
+#: the positive ones, biases every step toward raising them, and it collapsed GRPO in 10 of 10 runs (§3.3,
+#: §3.4). Both are kept for comparison, not as recommendations.
 PROFILES: dict[str, dict[str, Any]] = {
-    "keep-down": {},
-    "suppress-down": {"amplify_down": "soft", "tail_floor": 3.0, "guard_kappa": 0.1},
+    "symmetric-is": {},
+    "keep-down": {"amplify_down": "keep", "correct_up": "keep", "amplify_up": "soft"},
+    "suppress-down": {
+        "amplify_down": "soft",
+        "correct_up": "keep",
+        "amplify_up": "soft",
+        "tail_floor": 3.0,
+        "guard_kappa": 0.1,
+    },
 }
 
 
@@ -70,11 +82,12 @@ class TriageConfig:
     A < 0 by κ / m when its negative-tail mass m = Σ_{amplify-down} |δ_t| / (valid tokens of the response)
     exceeds κ.
 
-    Defaults (the ``"keep-down"`` profile): IS-weight the consistent and correct-down tokens, keep the
-    correct-up **and the amplify-down** tokens at full weight (never remove the negative updates of the
-    δ < 0 majority without removing the positive ones), soft-weight only the amplify-up tail (δ > τ, A > 0:
-    raising a token the learner already over-weights); no floor, no guard. :data:`PROFILES` describes the
-    ``"suppress-down"`` alternative and why it is not the default.
+    Defaults (the ``"symmetric-is"`` profile): every class ``is``, so w = min(e^δ, is_cap) on every token
+    whatever the advantage's sign — the weights of token-level TIS — with no floor and no guard. The rule
+    behind it: scale the δ < 0 tokens (the majority under sampling from the sampler) the same way for both
+    advantage signs; keeping them at full weight did not stop a mismatch-driven collapse, and down-weighting
+    only the A < 0 side caused one. :data:`PROFILES` describes ``"keep-down"`` and ``"suppress-down"`` and
+    the evidence.
     """
 
     correction: str = "triage"
@@ -82,11 +95,11 @@ class TriageConfig:
     tau: float | str = 0.05
     # Where the band is measured: "log" (|δ| ≤ τ, nats) or "prob" (|p_learner − p_sampler| ≤ τ).
     tau_space: str = "log"
-    # TRIAGE per-class policies (the "keep-down" profile; see the class docstring and PROFILES).
+    # TRIAGE per-class policies (the "symmetric-is" profile; see the class docstring and PROFILES).
     consistent: str = "is"
-    amplify_down: str = "keep"
-    correct_up: str = "keep"
-    amplify_up: str = "soft"
+    amplify_down: str = "is"
+    correct_up: str = "is"
+    amplify_up: str = "is"
     correct_down: str = "is"
     is_cap: float = 2.0
     soft_rate: float = 1.0

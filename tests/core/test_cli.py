@@ -26,9 +26,13 @@ def test_help_lists_commands(capsys):
 def test_explain_default_table(capsys):
     assert main(["explain"]) == 0
     out = capsys.readouterr().out
-    line = next(line for line in out.splitlines() if line.startswith("amplify_down"))
-    assert "keep" in line and "0 if δ" not in line  # the default keeps the negative tail whole
-    assert "soft" in next(line for line in out.splitlines() if line.startswith("amplify_up"))
+    rows = {line.split()[0]: line for line in out.splitlines() if line.split()}
+    # the default weighs the δ < −τ tokens of both advantage signs alike (symmetric IS), no floor
+    assert rows["amplify_down"].split()[-7:] == rows["correct_up"].split()[-7:]
+    assert "0.3679" in rows["amplify_down"] and "0 if δ" not in rows["amplify_down"]
+    assert all(
+        " is " in rows[c] for c in ("consistent", "amplify_down", "correct_up", "amplify_up", "correct_down")
+    )
     assert "sequence guard: off" in out and "normaliser" in out
 
 

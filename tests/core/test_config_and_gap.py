@@ -6,30 +6,45 @@ import math
 import pytest
 import torch
 
-from triage import TriageConfig, token_gap
+from triage import TriageConfig, token_gap, token_weights
 
 
-def test_defaults_are_the_keep_down_profile():
+def test_defaults_are_the_symmetric_is_profile():
     c = TriageConfig()
     assert c.correction == "triage"
-    assert (c.consistent, c.correct_up, c.correct_down, c.amplify_up, c.amplify_down) == (
-        "is",
-        "keep",
-        "is",
-        "soft",
-        "keep",
-    )
+    assert (c.consistent, c.correct_up, c.correct_down, c.amplify_up, c.amplify_down) == ("is",) * 5
     assert c.tail_floor is None and c.guard_kappa is None  # nothing removes the δ < 0, A < 0 updates
     assert c.is_cap == 2.0 and c.veto_floor == 1e-4 and (c.icepop_low, c.icepop_high) == (0.5, 5.0)
-    assert TriageConfig.profile("keep-down") == c
+    assert TriageConfig.profile("symmetric-is") == c
 
 
-def test_earlier_default_by_name():
+def test_default_weights_are_token_tis_for_both_advantage_signs():
+    """The default weighs every token as TIS does, min(e^δ, C), whatever its class: the δ < 0 tokens of
+    both advantage signs are scaled alike (docs/triage.md, "Defaults")."""
+    g = torch.Generator().manual_seed(0)
+    delta = torch.randn(8, 40, generator=g) * 2.0  # far past τ and past log C both ways
+    adv = torch.randn(8, 1, generator=g).sign().expand(8, 40).clone()
+    adv[0] = 0.0  # an inert response: TIS still weights it, TRIAGE gives 1; A = 0 carries no gradient
+    mask = torch.ones(8, 40)
+    mask[3, 30:] = 0
+    tis = token_weights(delta, adv, mask, TriageConfig(correction="tis"))
+    ours = token_weights(delta, adv, mask, TriageConfig())
+    assert torch.equal(ours[1:], tis[1:])
+    assert torch.equal(ours[0], torch.ones(40))
+    below = (delta < -0.05) & (mask > 0)
+    up, down = below & (adv > 0), below & (adv < 0)
+    assert up.any() and down.any() and (ours[up] < 1).all() and (ours[down] < 1).all()
+
+
+def test_earlier_defaults_by_name():
+    keep = TriageConfig.profile("keep-down")
+    assert (keep.amplify_down, keep.correct_up, keep.amplify_up) == ("keep", "keep", "soft")
+    assert (keep.consistent, keep.correct_down, keep.tail_floor, keep.guard_kappa) == ("is", "is", None, None)
     old = TriageConfig.profile("suppress-down")
     assert (old.amplify_down, old.tail_floor, old.guard_kappa) == ("soft", 3.0, 0.1)
-    assert dataclasses.replace(old, amplify_down="keep", tail_floor=None, guard_kappa=None) == TriageConfig()
+    assert dataclasses.replace(old, amplify_down="keep", tail_floor=None, guard_kappa=None) == keep
     assert TriageConfig.profile("suppress-down", tau=0.1).tau == 0.1  # overrides on top
-    with pytest.raises(ValueError, match="unknown profile 'v0'.*keep-down"):
+    with pytest.raises(ValueError, match="unknown profile 'v0'.*symmetric-is"):
         TriageConfig.profile("v0")
 
 

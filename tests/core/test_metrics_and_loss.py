@@ -274,7 +274,9 @@ def test_adaptive_tau_refuses_a_non_finite_median(median):
 
 
 def test_adaptive_tau_tracks_median_and_round_trips():
-    cfg = TriageConfig(tau="auto", tau_init=0.05, tau_multiplier=2.0, tau_ema=0.5, tau_floor=1e-3)
+    cfg = TriageConfig.profile(
+        "keep-down", tau="auto", tau_init=0.05, tau_multiplier=2.0, tau_ema=0.5, tau_floor=1e-3
+    )
     tracker = AdaptiveTau(cfg)
     assert tracker.value == pytest.approx(0.05)
     delta = torch.tensor([[0.1, -0.1, 0.1, 5.0]])  # the tail (5.0) does not move the median

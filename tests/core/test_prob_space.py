@@ -208,7 +208,9 @@ def test_prime_rl_mask_reproduced():
 def test_soft_in_probability_space_is_one_at_the_band_edge_and_decays_in_nats():
     """``soft`` measures |δ| beyond the token's own edge δ_τ = log(1 + sign(δ)·τ/p_s)."""
     tau, p, rate = 0.2, 0.5, 1.5
-    config = TriageConfig(tau=tau, tau_space="prob", amplify_down="soft", amplify_up="soft", soft_rate=rate)
+    config = TriageConfig(
+        tau=tau, tau_space="prob", amplify_down="soft", amplify_up="soft", correct_up="keep", soft_rate=rate
+    )
     s = torch.tensor([[math.log(p)]])
 
     def weight(delta: float, adv: float) -> float:
@@ -220,7 +222,7 @@ def test_soft_in_probability_space_is_one_at_the_band_edge_and_decays_in_nats():
     assert weight(high_edge + 1e-4, 1.0) == pytest.approx(1.0, abs=1e-3)
     assert weight(low_edge - 1.0, -1.0) == pytest.approx(math.exp(-rate * 1.0), rel=1e-5)
     assert weight(high_edge + 0.5, 1.0) == pytest.approx(math.exp(-rate * 0.5), rel=1e-5)
-    # the correct-up token at the same gap keeps its full weight (default policy keep)
+    # the correct-up token at the same gap keeps its full weight (policy keep)
     assert weight(low_edge - 1.0, 1.0) == 1.0
 
 

@@ -118,9 +118,9 @@ def test_is_and_mask_policies(d, a, cap):
 
 
 def test_tail_floor_zeroes_deep_negative_tail_only_when_pushed_down():
-    cfg = no_guard(tail_floor=2.0)
+    cfg = no_guard(tail_floor=2.0, correct_up="keep")
     assert one(-2.5, -1.0, cfg) == 0.0
-    assert one(-2.5, 1.0, cfg) == 1.0  # correct-up keeps
+    assert one(-2.5, 1.0, cfg) == 1.0  # correct-up keeps: the floor is for A < 0 only
     assert one(-1.5, -1.0, cfg) > 0.0
 
 

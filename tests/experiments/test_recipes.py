@@ -94,8 +94,9 @@ def test_arms_differ_only_in_correction_fields():
         recipe = load_recipe(f"tiny/{arm}")
         return TriageConfig(**{k: recipe[k] for k in TriageConfig.field_names() if k in recipe})
 
-    # the `triage` arm is exactly the library default, `triage-suppress-down` the earlier default by name
+    # the `triage` arm is exactly the library default, the earlier defaults by name
     assert triage_fields_of("triage") == TriageConfig()
+    assert triage_fields_of("triage-keep-down") == TriageConfig.profile("keep-down")
     assert triage_fields_of("triage-suppress-down") == TriageConfig.profile("suppress-down")
     trl = triage_fields_of("seq-mis-trl")  # TRL's sequence_mask default (C_max 3, no C_min), applied once
     assert (trl.correction, trl.seq_mis_level, trl.seq_mis_low, trl.seq_mis_high) == (

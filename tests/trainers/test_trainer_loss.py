@@ -110,6 +110,7 @@ def test_triage_with_unit_weights_is_grpotrainer_bit_for_bit(tiny_model_dir, tmp
         tmp_path / "ours",
         consistent="keep",
         amplify_down="keep",
+        correct_up="keep",
         amplify_up="keep",
         correct_down="keep",
         tail_floor=None,
