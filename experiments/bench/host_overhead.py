@@ -97,6 +97,25 @@ class TorchKernels(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _linear_calls(module, shape, dtype):
+    """``(x, fwd, fwd_bwd)`` for ``module`` (K -> N) at ``shape`` = (M, K, N): a random [M, K] input ``x``,
+    the forward on it under ``no_grad``, and forward + backward of a random [M, N] gradient (on a copy of
+    ``x`` that requires grad)."""
+    M, K, N = shape
+    x = torch.randn(M, K, dtype=dtype)
+    xg = x.clone().requires_grad_()
+    dy = torch.randn(M, N, dtype=dtype)
+
+    def fwd():
+        with torch.no_grad():
+            module(x)
+
+    def fwd_bwd():
+        module(xg).backward(dy)
+
+    return x, fwd, fwd_bwd
+
+
 def make_case(shape, backward: str, act_scale: str, dtype):
     from triage.kernels import NVFP4Linear, NVFP4LinearConfig
     from triage.kernels.nvfp4 import QuantRecipe
@@ -107,16 +126,7 @@ def make_case(shape, backward: str, act_scale: str, dtype):
     )
     torch.manual_seed(0)
     layer = NVFP4Linear(K, N, bias=False, dtype=dtype, config=config)
-    x = torch.randn(M, K, dtype=dtype)
-    xg = x.clone().requires_grad_()
-    dy = torch.randn(M, N, dtype=dtype)
-
-    def fwd():
-        with torch.no_grad():
-            layer(x)
-
-    def fwd_bwd():
-        layer(xg).backward(dy)
+    x, fwd, fwd_bwd = _linear_calls(layer, shape, dtype)
 
     def op_fwd():
         with torch.no_grad():
@@ -127,17 +137,9 @@ def make_case(shape, backward: str, act_scale: str, dtype):
 
 def make_peer(shape, dtype) -> dict:
     """``nn.Linear`` on the same tensors: ``{"fwd": ..., "fwd+bwd": ...}``."""
-    M, K, N = shape
-    dense = torch.nn.Linear(K, N, bias=False, dtype=dtype)
-    x = torch.randn(M, K, dtype=dtype)
-    xg = x.clone().requires_grad_()
-    dy = torch.randn(M, N, dtype=dtype)
-
-    def fwd():
-        with torch.no_grad():
-            dense(x)
-
-    return {"fwd": fwd, "fwd+bwd": lambda: dense(xg).backward(dy)}
+    _, K, N = shape
+    _, fwd, fwd_bwd = _linear_calls(torch.nn.Linear(K, N, bias=False, dtype=dtype), shape, dtype)
+    return {"fwd": fwd, "fwd+bwd": fwd_bwd}
 
 
 def measure(fn, stubs, iters: int) -> tuple[float, dict, dict]:

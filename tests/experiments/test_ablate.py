@@ -61,26 +61,11 @@ def _run(key: str, out):
 
 
 @pytest.fixture(scope="module")
-def smoke(tmp_path_factory):
-    """The smoke scale run once through the CLI entry point (kernels' torch twins, no interpreter; child
-    processes inherit the environment).
-
-    One intra-op thread: the matrices are tiny, and on a shared 2-core machine two spinning threads per op
-    made the run several times slower."""
-    import torch
-
-    mp = pytest.MonkeyPatch()
-    mp.setenv("TRITON_INTERPRET", "0")
-    mp.setenv("OMP_NUM_THREADS", "1")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def smoke(tmp_path_factory, torch_twins):
+    """The smoke scale run once through the CLI entry point (kernels' torch twins, one thread: ``torch_twins``)."""
     out = tmp_path_factory.mktemp("ablate") / "smoke"
-    try:
-        assert ablate.run(_args(out)) == 0
-        yield out
-    finally:
-        torch.set_num_threads(threads)
-        mp.undo()
+    assert ablate.run(_args(out)) == 0
+    return out
 
 
 def test_smoke_scale_writes_results_figure_and_table_for_every_arm(smoke):

@@ -21,24 +21,13 @@ KEY = RunKey("realistic", "grpo-none", 0)
 
 
 @pytest.fixture(scope="module")
-def sft(tmp_path_factory):
-    """The smoke SFT checkpoint, trained once (torch twins of the kernels, one thread: see test_ablate)."""
-    import torch
-
+def sft(tmp_path_factory, torch_twins):
+    """The smoke SFT checkpoint, trained once (torch twins of the kernels, one thread: ``torch_twins``)."""
     from triage.experiments.sft import ensure_sft_checkpoint
 
-    mp = pytest.MonkeyPatch()
-    mp.setenv("TRITON_INTERPRET", "0")
-    mp.setenv("OMP_NUM_THREADS", "1")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     folder = tmp_path_factory.mktemp("sft") / "sft"
-    try:
-        ensure_sft_checkpoint(SCALE.sft, folder, log=lambda *_: None)
-        yield folder
-    finally:
-        torch.set_num_threads(threads)
-        mp.undo()
+    ensure_sft_checkpoint(SCALE.sft, folder, log=lambda *_: None)
+    return folder
 
 
 def _study_dir(sft: Path, path: Path) -> Path:

@@ -77,37 +77,20 @@ def test_split_k_decode_path_is_exact_and_writes_everything(split_k):
     a = random_nvfp4((M, K), gen=gen, scale="row")
     b = random_nvfp4((N, K), gen=gen)
     bias = torch.randn(N, generator=gen).to(device())
-    out = _poisoned(M, N, torch.float32)
-    gemm_dense.launch_gemm(
-        a.data,
-        a.scale,
-        b.data,
-        b.scale,
-        K,
-        out,
-        a.global_scale.reshape(-1),
-        b.global_scale.reshape(1),
-        bias,
-        split_k=split_k,
-    )
+
+    def launch(out):
+        gemm_dense.launch_gemm(
+            a.data, a.scale, b.data, b.scale, K, out, a.global_scale.reshape(-1), b.global_scale.reshape(1), bias,
+            split_k=split_k,
+        )  # fmt: skip
+        return out
+
+    out = launch(_poisoned(M, N, torch.float32))
     assert not torch.isnan(out).any()
     ref = gemm_reference(a, b, out_dtype=torch.float64, bias=bias)
     assert rel_err(out, ref) < FP32_TOL
     # deterministic: same bits twice
-    again = torch.empty_like(out)
-    gemm_dense.launch_gemm(
-        a.data,
-        a.scale,
-        b.data,
-        b.scale,
-        K,
-        again,
-        a.global_scale.reshape(-1),
-        b.global_scale.reshape(1),
-        bias,
-        split_k=split_k,
-    )
-    assert torch.equal(out, again)
+    assert torch.equal(out, launch(torch.empty_like(out)))
 
 
 def test_adversarial_scales_huge_subnormal_zero():
