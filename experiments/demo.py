@@ -440,7 +440,7 @@ def format_report(report: dict[str, Any]) -> str:
             lines.append("  " + " and ".join(parts).capitalize() + ".")
         else:
             lines.append(
-                "  No hard floor and no sequence guard (the defaults): amplify-down tokens keep weight 1\n"
+                "  No hard floor and no sequence guard (the defaults): nothing zeroes a token or a response\n"
                 "  (docs/triage.md, \"Defaults: the rule and the evidence\")."
             )
     arms = list(runs)
