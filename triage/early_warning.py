@@ -4,14 +4,16 @@ NVFP4 runs can collapse late: the learner–sampler gap grows, entropy goes wron
 logged signals see the first part, each watched by a one-sided CUSUM:
 
 * **mean |δ|** (``triage/mean_abs_delta``): the per-token gap. In the mismatch testbed (docs/results.md §3)
-  this is the signal that came first: it alarmed 12 and 87 steps before the reward fall in the two runs
-  that collapsed through a mismatch feedback (the earlier TRIAGE default), and 3 steps after it in a run
-  that collapsed from a too-high learning rate (and, rightly, never in the same collapse with no mismatch);
-  one false alarm (at step 290 of 300) in 15 stable runs.
+  this is the signal that came first: it alarmed before the reward fell in all 4 collapses of vanilla GRPO
+  caused by the mismatch alone (6–59 steps ahead, §3.6), in the 2 collapses of TRIAGE's ``keep-down``
+  profile there (9 and 14 ahead) and in the 10 collapses a suppressing correction caused through a mismatch
+  feedback (6–87 ahead, §3.3–§3.4); 3 steps after the fall in a run that collapsed from a too-high learning
+  rate (and, rightly, never in the same collapse with no mismatch); 5 false alarms in 41 stable runs.
 * the **amplify-down share** (``triage/amplify_down/share``: tokens with δ < −τ pushed down by A < 0) and
 * the **negative-tail mass** (Σ over amplify-down tokens of |δ| / N = share · |mean δ of the class|, or a
-  logged ``triage/negative_tail_mass``). In the testbed the share alarmed only after the reward had fallen
-  (19 and 40 steps late) and not at all in the learning-rate collapses; no false alarm in 15 stable runs.
+  logged ``triage/negative_tail_mass``). In the testbed the share alarmed later than mean |δ| wherever both
+  alarmed (§3.3, §3.6), in two collapses only after the reward had fallen, and not at all in the
+  learning-rate collapses.
 
 The detector, per signal:
 
