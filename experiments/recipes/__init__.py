@@ -72,6 +72,7 @@ ARMS = ("grpo-none", "tis", "icepop", "opsm", "triage", "triage-mask")
 FOLLOW_UP_ARMS = (
     "seq-mis-trl",
     "triage-keep-down",
+    "triage-soft-up",
     "triage-suppress-down",
     "triage-suppress-no-guard",
     "triage-suppress-no-floor",
