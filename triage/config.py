@@ -37,7 +37,7 @@ TAU_MAX = 1.0
 #: and soft-weights the amplify-up tail. ``"suppress-down"`` down-weights (``soft``), floors (``tail_floor``)
 #: and guards (``guard_kappa``) the amplify-down tail — δ < −τ with A < 0 — while keeping the correct-up tokens
 #: (δ < −τ, A > 0) at full weight: removing the negative updates of tokens the learner under-weights, but not
-#: the positive ones, biases every step toward raising them, and it collapsed GRPO in 10 of 10 runs (§3.3,
+#: the positive ones, biases every step toward raising them; it and its variants collapsed GRPO in 10 of 10 runs (§3.3,
 #: §3.4). Both are kept for comparison, not as recommendations.
 PROFILES: dict[str, dict[str, Any]] = {
     "symmetric-is": {},

@@ -7,13 +7,14 @@ logged signals see the first part, each watched by a one-sided CUSUM:
   this is the signal that came first: it alarmed before the reward fell in all 4 collapses of vanilla GRPO
   caused by the mismatch alone (6–59 steps ahead, §3.6), in the 2 collapses of TRIAGE's ``keep-down``
   profile there (9 and 14 ahead) and in the 10 collapses a suppressing correction caused through a mismatch
-  feedback (6–87 ahead, §3.3–§3.4); 3 steps after the fall in a run that collapsed from a too-high learning
-  rate (and, rightly, never in the same collapse with no mismatch); 5 false alarms in 41 stable runs.
+  feedback (6–87 ahead, §3.3–§3.4); in the learning-rate collapses 3 steps after the fall in one and 10
+  before it in another (and, rightly, never in the same collapses with no mismatch); 7 false alarms in 44
+  runs that did not degrade.
 * the **amplify-down share** (``triage/amplify_down/share``: tokens with δ < −τ pushed down by A < 0) and
 * the **negative-tail mass** (Σ over amplify-down tokens of |δ| / N = share · |mean δ of the class|, or a
   logged ``triage/negative_tail_mass``). In the testbed the share alarmed later than mean |δ| wherever both
-  alarmed (§3.3, §3.6), in two collapses only after the reward had fallen, and not at all in the
-  learning-rate collapses.
+  alarmed, in three collapses only after the reward had fallen, and not at all in the learning-rate
+  collapses.
 
 The detector, per signal:
 
