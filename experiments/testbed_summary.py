@@ -105,6 +105,10 @@ def _window(values, first: bool, n: int = 10):
     return sum(vals) / len(vals) if vals else None
 
 
+def _percent(value):
+    return None if value is None else 100.0 * value
+
+
 def _ms(values) -> str:
     vals = [v for v in values if v is not None]
     if not vals:
@@ -117,8 +121,8 @@ def _ms(values) -> str:
 def table(runs: list[dict]) -> str:
     lines = [
         "| level | arm | seeds | steps | \\|δ\\| step 1 | \\|δ\\| run | reward first 10 → last 10 | held-out first → last "
-        "| entropy last 10 | grad norm first 10 → last 10 | s/step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| entropy last 10 | grad norm first 10 → last 10 | suppressed % first 10 → last 10 | s/step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     groups: dict[tuple, list] = {}
     for r in runs:
@@ -134,6 +138,8 @@ def table(runs: list[dict]) -> str:
             f"| {_ms([h[0] for h in held])} → {_ms([h[-1] for h in held])} "
             f"| {_ms([_window(x['entropy'], False) for x in s])} "
             f"| {_ms([_window(x['grad_norm'], True) for x in s])} → {_ms([_window(x['grad_norm'], False) for x in s])} "
+            f"| {_ms([_percent(_window(x.get('suppressed_frac'), True)) for x in s])} → "
+            f"{_ms([_percent(_window(x.get('suppressed_frac'), False)) for x in s])} "
             f"| {_ms([r['seconds'] / max(r['steps'], 1) for r in rs])} |"
         )
     resumed = [
@@ -148,13 +154,15 @@ def table(runs: list[dict]) -> str:
 
 def early_warning_table(runs: list[dict]) -> str:
     """``triage.early_warning`` replayed over each run's logged series (mean |δ|, amplify-down share, reward):
-    the step of each signal's first alarm, of the reward fall, and the lead (reward fall − first alarm). A run
-    "degraded" when its last held-out accuracy is more than 10 points below its first."""
+    the run's steps and held-out accuracy (first → last), the step of each signal's first alarm, of the reward
+    fall, and the lead (reward fall − first alarm). A run "degraded" when its last held-out accuracy is more
+    than 10 points below its first."""
     from triage.early_warning import scan_log
 
     lines = [
-        "| level | arm | seed | degraded | reward fall | mean \\|δ\\| alarm | amplify-down share alarm | lead (steps) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| level | arm | seed | steps | held-out first → last | degraded | reward fall | mean \\|δ\\| alarm "
+        "| amplify-down share alarm | lead (steps) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         s = r["series"]
@@ -169,7 +177,8 @@ def early_warning_table(runs: list[dict]) -> str:
         fall = report.reward_fall.step if report.reward_fall else "–"
         lead = report.lead_steps if report.lead_steps is not None else "–"
         lines.append(
-            f"| {group_label(r)} | {r['arm']} | {r['seed']} | {'yes' if degraded else 'no'} | {fall} "
+            f"| {group_label(r)} | {r['arm']} | {r['seed']} | {r['steps']} | {held[0]:.3f} → {held[-1]:.3f} "
+            f"| {'yes' if degraded else 'no'} | {fall} "
             f"| {alarm.get('mean_abs_delta', '–')} | {alarm.get('amplify_down_share', '–')} | {lead} |"
         )
     return "\n".join(lines)

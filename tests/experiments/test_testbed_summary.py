@@ -110,6 +110,6 @@ def test_early_warning_replay_names_the_alarm_and_the_lead(tmp_path):
     run["held_out"]["accuracy"] = [0.5, 0.1]
     row = testbed_summary.early_warning_table([run]).splitlines()[-1]
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[:4] == ["lv", "grpo-none", "0", "yes"]
-    fall, alarm, lead = int(cells[4]), int(cells[5]), int(cells[7])
-    assert 100 <= alarm < 110 and 150 <= fall < 160 and lead == fall - alarm and cells[6] == "–"
+    assert cells[:6] == ["lv", "grpo-none", "0", str(run["steps"]), "0.500 → 0.100", "yes"]
+    fall, alarm, lead = int(cells[6]), int(cells[7]), int(cells[9])
+    assert 100 <= alarm < 110 and 150 <= fall < 160 and lead == fall - alarm and cells[8] == "–"
