@@ -116,6 +116,8 @@ SERIES_KEYS = {
     # mean |p_learner − p_sampler|: the scale of a probability-space τ (tau_space="prob")
     "mean_abs_dprob": "triage/mean_abs_dprob",
     **{f"share/{c}": f"triage/{c}/share" for c in CLASSES},
+    # each class's share of the policy gradient's size, Σ|w·A|·(1 − p_learner) (triage.metrics)
+    **{f"grad_share/{c}": f"triage/{c}/grad_share" for c in CLASSES},
 }
 #: the run-summary numbers aggregated over seeds (:func:`run_summary`), besides the class shares.
 SUMMARY_KEYS = (

@@ -40,6 +40,12 @@ SERIES = (
     "share/inert",
     "seq_mean_delta_p1",
     "seq_mean_delta_p50",
+    "mean_abs_dprob",
+    "grad_share/consistent",
+    "grad_share/amplify_down",
+    "grad_share/correct_up",
+    "grad_share/amplify_up",
+    "grad_share/correct_down",
 )  # the early-warning signal (amplify-down share) included
 
 
@@ -105,6 +111,15 @@ def _window(values, first: bool, n: int = 10):
     return sum(vals) / len(vals) if vals else None
 
 
+def _below_band_grad(series: dict):
+    """Per step, the share of the policy gradient's size (``triage/<class>/grad_share``) held by the tokens
+    below the band, δ < −τ (amplify-down + correct-up); None for runs that did not log it."""
+    down, up = series.get("grad_share/amplify_down"), series.get("grad_share/correct_up")
+    if down is None or up is None:
+        return None
+    return [None if a is None or b is None else a + b for a, b in zip(down, up)]
+
+
 def _percent(value):
     return None if value is None else 100.0 * value
 
@@ -121,8 +136,9 @@ def _ms(values) -> str:
 def table(runs: list[dict]) -> str:
     lines = [
         "| level | arm | seeds | steps | \\|δ\\| step 1 | \\|δ\\| run | reward first 10 → last 10 | held-out first → last "
-        "| entropy last 10 | grad norm first 10 → last 10 | suppressed % first 10 → last 10 | s/step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| entropy last 10 | grad norm first 10 → last 10 | suppressed % first 10 → last 10 "
+        "| δ < −τ grad share % first 10 → last 10 | s/step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     groups: dict[tuple, list] = {}
     for r in runs:
@@ -140,6 +156,8 @@ def table(runs: list[dict]) -> str:
             f"| {_ms([_window(x['grad_norm'], True) for x in s])} → {_ms([_window(x['grad_norm'], False) for x in s])} "
             f"| {_ms([_percent(_window(x.get('suppressed_frac'), True)) for x in s])} → "
             f"{_ms([_percent(_window(x.get('suppressed_frac'), False)) for x in s])} "
+            f"| {_ms([_percent(_window(_below_band_grad(x), True)) for x in s])} → "
+            f"{_ms([_percent(_window(_below_band_grad(x), False)) for x in s])} "
             f"| {_ms([r['seconds'] / max(r['steps'], 1) for r in rs])} |"
         )
     resumed = [

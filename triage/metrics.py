@@ -22,6 +22,11 @@ Two steps so a multi-process trainer can aggregate exactly:
 * ``triage/mean_abs_dprob``      = Σ |Δp| / N, Δp = p_learner − p_sampler = p_s · (e^δ − 1): only when the
                                    sampler's log-probs are given (``sampler_logps``), the scale on which to
                                    pick a probability-space τ (``tau_space="prob"``)
+* ``triage/<class>/grad_share``  = Σ_class |w·A|·(1 − p_l) / Σ |w·A|·(1 − p_l), p_l = p_s · e^δ the learner's
+                                   probability of the token: the class's share of the policy gradient's
+                                   size at the logits (a softmax's ‖∇_z log p_y‖ lies between 1 − p_y and
+                                   √2·(1 − p_y), so a token the learner finds unlikely pulls harder); only
+                                   with ``sampler_logps``
 * ``triage/suppressed_frac``     = share of valid tokens the correction cut by more than 1 % (w < 0.99)
 * ``triage/guarded_frac``        = share of responses scaled down by the TRIAGE sequence guard
 * ``triage/delta_p0.1`` … ``triage/delta_p99.9``: quantiles 0.1 %, 1 %, 50 %, 99 %, 99.9 % of δ
@@ -105,12 +110,20 @@ def mismatch_sums(
             valid, p_sampler * torch.expm1(d), torch.zeros((), dtype=torch.float64, device=d.device)
         )
         sums["sum_abs_dprob"] = dprob.abs().sum()
+        # 1 − p_l with p_l = p_s·e^δ (≤ 1 up to rounding: clamped); padding may hold anything: 0 there
+        p_learner = (p_sampler * ratio).clamp(max=1.0)
+        grad = torch.where(
+            valid, mass * (1.0 - p_learner), torch.zeros((), dtype=torch.float64, device=d.device)
+        )
+        sums["grad_mass"] = grad.sum()
     for cls in STAT_CLASSES:
         in_class = (classes == int(cls)).double()
         sums[f"{cls.label}/tokens"] = in_class.sum()
         sums[f"{cls.label}/sum_delta"] = (d * in_class).sum()
         sums[f"{cls.label}/sum_weight"] = (w * in_class).sum()
         sums[f"{cls.label}/mass"] = (mass * in_class).sum()
+        if sampler_logps is not None:
+            sums[f"{cls.label}/grad_mass"] = (grad * in_class).sum()
     return sums
 
 
@@ -140,6 +153,8 @@ def metrics_from_sums(sums: dict[str, torch.Tensor | float]) -> dict[str, float]
         out[f"triage/{cls.label}/mean_delta"] = _ratio(s[f"{cls.label}/sum_delta"], c)
         out[f"triage/{cls.label}/mean_weight"] = _ratio(s[f"{cls.label}/sum_weight"], c)
         out[f"triage/{cls.label}/mass_share"] = _ratio(s[f"{cls.label}/mass"], s["mass"])
+        if "grad_mass" in s:
+            out[f"triage/{cls.label}/grad_share"] = _ratio(s[f"{cls.label}/grad_mass"], s["grad_mass"])
     return out
 
 

@@ -82,7 +82,9 @@ def test_log_space_ignores_sampler_logps_bit_for_bit(config):
             mismatch_metrics(delta, adv, mask, w, config),
             mismatch_metrics(delta, adv, mask, w, config, **kw),
         )
-        assert set(with_sampler) - set(plain) == {"triage/mean_abs_dprob"}
+        assert set(with_sampler) - set(plain) == {"triage/mean_abs_dprob"} | {
+            f"triage/{c.label}/grad_share" for c in TokenClass if c != TokenClass.PAD
+        }
         assert all(plain[k] == with_sampler[k] for k in plain)
 
 
@@ -329,3 +331,47 @@ def test_probability_space_accepts_its_whole_range_and_refuses_an_explicit_tau_a
     with pytest.raises(ValueError, match="tau=1.5 with tau_space='prob'"):
         token_weights(delta, adv, mask, config, tau=1.5, sampler_logps=sampler)
     assert dataclasses.replace(config, tau_space="log").tau_space == "log"
+
+
+def test_grad_share_weighs_each_class_by_how_unlikely_the_learner_finds_its_tokens():
+    """grad_share = Σ_class |w·A|·(1 − p_l) / Σ |w·A|·(1 − p_l), p_l = p_s·e^δ: by hand; a token the learner
+    is sure of adds nothing; shares sum to 1; NaN at padding (sampler and δ) never leaks; sums all-reduce."""
+    delta = torch.tensor([[-0.5, 0.0, 0.3, 9.0], [0.2, -0.1, 0.0, 0.0]])
+    sampler = torch.log(torch.tensor([[0.2, 1.0, 0.5, 0.3], [0.4, 0.9, 0.6, 0.5]]))
+    adv = torch.tensor([-1.0, 2.0])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    sampler[0, 3] = float("nan")  # padding may hold anything
+    delta = torch.where(mask.bool(), delta, torch.full_like(delta, float("nan")))
+    config = TriageConfig()
+    w = token_weights(delta, adv, mask, config)
+    m = mismatch_metrics(delta, adv, mask, w, config, sampler_logps=sampler)
+    classes = classify_tokens(delta, adv, mask, config)
+    valid = mask.bool()
+    p_l = torch.exp(sampler.double() + torch.where(valid, delta, torch.zeros_like(delta)).double()).clamp(
+        max=1
+    )
+    grad = torch.where(
+        valid, (w.double() * adv[:, None].double()).abs() * (1 - p_l), torch.zeros(()).double()
+    )
+    total = grad.sum()
+    for c in (c for c in TokenClass if c != TokenClass.PAD):
+        expected = float(grad[classes == int(c)].sum() / total)
+        assert m[f"triage/{c.label}/grad_share"] == pytest.approx(expected, rel=1e-12), c.label
+    assert sum(m[f"triage/{c.label}/grad_share"] for c in TokenClass if c != TokenClass.PAD) == pytest.approx(
+        1.0
+    )
+    assert grad[0, 1] == 0.0  # p_s = 1, δ = 0: the learner is sure, no gradient to speak of
+    parts = [
+        mismatch_sums(
+            delta[i : i + 1],
+            adv[i : i + 1],
+            mask[i : i + 1],
+            w[i : i + 1],
+            config,
+            sampler_logps=sampler[i : i + 1],
+        )
+        for i in (0, 1)
+    ]
+    whole = mismatch_sums(delta, adv, mask, w, config, sampler_logps=sampler)
+    for key in ("grad_mass", "amplify_down/grad_mass", "correct_down/grad_mass"):
+        assert float(parts[0][key] + parts[1][key]) == pytest.approx(float(whole[key]), rel=1e-12), key
