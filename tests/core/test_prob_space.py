@@ -360,7 +360,15 @@ def test_grad_share_weighs_each_class_by_how_unlikely_the_learner_finds_its_toke
     assert sum(m[f"triage/{c.label}/grad_share"] for c in TokenClass if c != TokenClass.PAD) == pytest.approx(
         1.0
     )
-    assert grad[0, 1] == 0.0  # p_s = 1, δ = 0: the learner is sure, no gradient to speak of
+    sure = mismatch_sums(  # p_s = 1, δ = 0: the learner is sure of the token, no gradient to speak of
+        torch.zeros(1, 1),
+        torch.tensor([2.0]),
+        torch.ones(1, 1),
+        torch.ones(1, 1),
+        config,
+        sampler_logps=torch.zeros(1, 1),
+    )
+    assert float(sure["grad_mass"]) == 0.0 and float(sure["mass"]) == 2.0
     parts = [
         mismatch_sums(
             delta[i : i + 1],

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from triage import TokenClass, TriageConfig, classify_tokens, token_weights
+from triage.config import PROFILES
 from triage.weights import guarded_sequences
 
 settings.register_profile("triage", derandomize=True, max_examples=60, deadline=None)
@@ -93,10 +94,18 @@ def test_amplify_down_weight_never_increases_as_delta_falls(d1, d2, policy, floo
     assert one(lo, -1.0, cfg) <= one(hi, -1.0, cfg) + 1e-7
 
 
+@pytest.mark.parametrize("profile", sorted(PROFILES))
 @given(mag=st.floats(0.0, 12.0), a=st.floats(0.01, 5.0))
-def test_correct_up_never_weighs_less_than_amplify_down_at_equal_gap(mag, a):
-    cfg = no_guard()
-    assert one(-mag, a, cfg) >= one(-mag, -a, cfg)
+def test_correct_up_never_weighs_less_than_amplify_down_at_equal_gap(profile, mag, a):
+    """Equal where both classes share a policy (symmetric-is: e^δ; keep-down: 1); strictly more past the band
+    where only amplify-down is cut (suppress-down)."""
+    cfg = TriageConfig.profile(profile)
+    up, down = one(-mag, a, cfg), one(-mag, -a, cfg)
+    assert up >= down
+    if profile in ("symmetric-is", "keep-down"):
+        assert up == down
+    elif mag > 1.0:  # well past τ = 0.05
+        assert up > down
 
 
 @given(d=deltas, a=nonzero_adv, cap=st.floats(1.0, 10.0))

@@ -107,7 +107,10 @@ def test_arms_differ_only_in_correction_fields():
     )
     assert load_recipe("tiny/seq-mis-trl")["vllm_importance_sampling_correction"] is False
     mask = load_recipe("tiny/triage-mask")
-    assert (mask["amplify_up"], mask["amplify_down"]) == ("mask", "keep")
+    assert (mask["amplify_up"], mask["amplify_down"]) == ("mask", "is")
+    assert {k for k in TriageConfig.field_names() if mask.get(k) != load_recipe("tiny/triage").get(k)} == {
+        "amplify_up"
+    }  # one field apart from the default
     no_is = load_recipe("tiny/triage-no-is")
     assert (no_is["consistent"], no_is["correct_down"], no_is["amplify_down"]) == ("keep", "keep", "keep")
     no_guard, no_floor, soft_only = (

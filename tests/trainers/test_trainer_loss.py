@@ -155,9 +155,16 @@ def test_metrics_equal_core_metrics_on_the_batch(tiny_model_dir, tmp_path):
     mask = inputs["completion_mask"]
     delta = token_gap(logps, inputs["sampling_per_token_logps"], mask)
     weights = token_weights(delta, inputs["advantages"], mask, trainer.triage_config)
-    want = mismatch_metrics(delta, inputs["advantages"], mask, weights, trainer.triage_config)
+    want = mismatch_metrics(
+        delta,
+        inputs["advantages"],
+        mask,
+        weights,
+        trainer.triage_config,
+        sampler_logps=inputs["sampling_per_token_logps"],
+    )
     logged = {k: v[-1] for k, v in trainer._metrics["train"].items() if k.startswith("triage/")}
-    assert set(want) <= set(logged)
+    assert {"triage/mean_abs_dprob", "triage/amplify_down/grad_share"} <= set(want) <= set(logged)
     for key, value in want.items():
         assert logged[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
     assert logged["triage/tokens"] == mask.sum().item()
