@@ -137,7 +137,7 @@ def table(runs: list[dict]) -> str:
     lines = [
         "| level | arm | seeds | steps | \\|δ\\| step 1 | \\|δ\\| run | reward first 10 → last 10 | held-out first → last "
         "| entropy last 10 | grad norm first 10 → last 10 | suppressed % first 10 → last 10 "
-        "| δ < −τ grad share % first 10 → last 10 | s/step |",
+        "| below-band grad share % first 10 → last 10 | s/step |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     groups: dict[tuple, list] = {}
