@@ -1,6 +1,6 @@
 """Learner step tokens/s on a Qwen3-architecture model (random init, ~0.6B): NVFP4 vs BF16. CUDA only.
 
-    python experiments/bench/bench_linear.py [--layers 28] [--batch 8] [--seq 1024] [--steps 10] [--compile]
+    python experiments/bench/bench_linear.py [--layers 28] [--batch 8] [--seq 1024] [--steps 10] [--compile [MODE]]
 
 One step = forward + backward (mean next-token loss) + AdamW step, bf16 weights. NVFP4 converts every
 decoder Linear with ``triage.kernels.convert`` (lm_head and embeddings stay bf16), bf16-backward (and
@@ -41,19 +41,23 @@ def build(layers: int, hidden: int = 1024, intermediate: int = 3072, heads: int 
     return Qwen3ForCausalLM(cfg).to("cuda", torch.bfloat16)
 
 
-def tokens_per_s(model, batch: int, seq: int, steps: int, compile: bool = False) -> float:
-    """Tokens/s of ``steps`` training steps after 2 warm-up steps (4 with ``compile``: compilation, and a
-    recompile for the second call's state, stay out of the timed window); no KV cache is built."""
+def tokens_per_s(model, batch: int, seq: int, steps: int, compile: str | None = None) -> float:
+    """Tokens/s of ``steps`` training steps after 2 warm-up steps (4 under ``torch.compile(mode=compile)``:
+    compilation, and a recompile for the second call's state, stay out of the timed window); no KV cache is
+    built. ``"reduce-overhead"`` replays CUDA graphs of the compiled regions (the NVFP4 ops, tagged
+    cudagraph-unsafe, run eagerly between them); each step is marked as a new graph-tree iteration."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda")
     if compile:
         torch._dynamo.reset()
-    fwd = torch.compile(model) if compile else model
+    fwd = torch.compile(model, mode=compile) if compile else model
     warmup = 4 if compile else 2
     for i in range(steps + warmup):
         if i == warmup:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
+        if compile == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
         fwd(ids, labels=ids, use_cache=False).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -116,8 +120,12 @@ def main() -> None:
     )
     p.add_argument(
         "--compile",
-        action="store_true",
-        help="also time both models under torch.compile (NVFP4Linear runs as the triage::nvfp4_linear op)",
+        nargs="?",
+        const="default",
+        default=None,
+        choices=("default", "reduce-overhead", "max-autotune-no-cudagraphs"),
+        help="also time both models under torch.compile(mode=...) (NVFP4Linear runs as the "
+        "triage::nvfp4_linear op); the flag alone: mode 'default'",
     )
     p.add_argument(
         "--compare-launch",
@@ -141,15 +149,15 @@ def main() -> None:
     bf16 = tokens_per_s(model, args.batch, args.seq, args.steps)
     lines.append(f"| BF16 | {bf16:,.0f} tok/s | 1.00 |")
     if args.compile:
-        bf16_c = tokens_per_s(model, args.batch, args.seq, args.steps, compile=True)
-        lines.append(f"| BF16, torch.compile | {bf16_c:,.0f} tok/s | {bf16_c / bf16:.2f} |")
+        bf16_c = tokens_per_s(model, args.batch, args.seq, args.steps, compile=args.compile)
+        lines.append(f"| BF16, torch.compile ({args.compile}) | {bf16_c:,.0f} tok/s | {bf16_c / bf16:.2f} |")
     convert(model, NVFP4Config(linear=NVFP4LinearConfig(backward=args.backward), moe=None))
     fp4 = tokens_per_s(model, args.batch, args.seq, args.steps)
     lines.append(f"| NVFP4 ({args.backward}) | {fp4:,.0f} tok/s | {fp4 / bf16:.2f} |")
     if args.compile:
-        fp4_c = tokens_per_s(model, args.batch, args.seq, args.steps, compile=True)
+        fp4_c = tokens_per_s(model, args.batch, args.seq, args.steps, compile=args.compile)
         lines.append(
-            f"| NVFP4 ({args.backward}), torch.compile | {fp4_c:,.0f} tok/s | {fp4_c / bf16:.2f} "
+            f"| NVFP4 ({args.backward}), torch.compile ({args.compile}) | {fp4_c:,.0f} tok/s | {fp4_c / bf16:.2f} "
             f"(/ compiled BF16: {fp4_c / bf16_c:.2f}) |"
         )
     if args.profile:
