@@ -39,16 +39,12 @@ TAU_MAX = 1.0
 #: (δ < −τ, A > 0) at full weight: removing the negative updates of tokens the learner under-weights, but not
 #: the positive ones, biases every step toward raising them; it and its variants collapsed GRPO in 10 of 10 runs (§3.3,
 #: §3.4). Both are kept for comparison, not as recommendations.
+_KEEP_DOWN: dict[str, Any] = {"amplify_down": "keep", "correct_up": "keep", "amplify_up": "soft"}
 PROFILES: dict[str, dict[str, Any]] = {
     "symmetric-is": {},
-    "keep-down": {"amplify_down": "keep", "correct_up": "keep", "amplify_up": "soft"},
-    "suppress-down": {
-        "amplify_down": "soft",
-        "correct_up": "keep",
-        "amplify_up": "soft",
-        "tail_floor": 3.0,
-        "guard_kappa": 0.1,
-    },
+    "keep-down": _KEEP_DOWN,
+    # keep-down with the amplify-down tail cut: soft-weighted, floored and guarded
+    "suppress-down": {**_KEEP_DOWN, "amplify_down": "soft", "tail_floor": 3.0, "guard_kappa": 0.1},
 }
 
 
