@@ -174,7 +174,8 @@ def early_warning_table(runs: list[dict]) -> str:
     """``triage.early_warning`` replayed over each run's logged series (mean |δ|, amplify-down share, reward):
     the run's steps and held-out accuracy (first → last), the step of each signal's first alarm, of the reward
     fall, and the lead (reward fall − first alarm). A run "degraded" when its last held-out accuracy is more
-    than 10 points below its first."""
+    than 10 points below its first. The last line counts them: degraded runs, those whose reward fell and
+    how many of them an alarm preceded (lead range), and false alarms (runs that did not degrade but alarmed)."""
     from triage.early_warning import scan_log
 
     lines = [
@@ -182,6 +183,7 @@ def early_warning_table(runs: list[dict]) -> str:
         "| amplify-down share alarm | lead (steps) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    leads, falls, degraded_n, false_alarms, stable_n = [], 0, 0, 0, 0
     for r in runs:
         s = r["series"]
         records = [
@@ -194,11 +196,22 @@ def early_warning_table(runs: list[dict]) -> str:
         alarm = {name: a.step for name, a in report.alarms.items()}
         fall = report.reward_fall.step if report.reward_fall else "–"
         lead = report.lead_steps if report.lead_steps is not None else "–"
+        degraded_n += degraded
+        stable_n += not degraded
+        false_alarms += bool(not degraded and alarm)
+        falls += bool(degraded and report.reward_fall)
+        if degraded and report.lead_steps is not None and report.lead_steps > 0:
+            leads.append(report.lead_steps)
         lines.append(
             f"| {group_label(r)} | {r['arm']} | {r['seed']} | {r['steps']} | {held[0]:.3f} → {held[-1]:.3f} "
             f"| {'yes' if degraded else 'no'} | {fall} "
             f"| {alarm.get('mean_abs_delta', '–')} | {alarm.get('amplify_down_share', '–')} | {lead} |"
         )
+    ahead = f" ({min(leads)}–{max(leads)} steps ahead)" if leads else ""
+    lines.append(
+        f"\ndegraded: {degraded_n} run(s), the reward fell in {falls}, an alarm came first in {len(leads)}{ahead}; "
+        f"false alarms: {false_alarms} of {stable_n} run(s) that did not degrade"
+    )
     return "\n".join(lines)
 
 
@@ -260,6 +273,14 @@ def _compact(value):
     return value
 
 
+def _checkpoint(sft: dict) -> dict:
+    """The SFT record a summary keeps (config, size, how it stopped, its evaluations), floats compacted: two
+    sources with different records trained on different checkpoints."""
+    return _compact(
+        {k: sft.get(k) for k in ("config", "params", "steps_done", "stopped_by", "final", "eval")}
+    )
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("run_dir", nargs="*", help="one or more study folders, read as one study")
@@ -295,6 +316,15 @@ def main(argv=None) -> int:
     if not (args.run_dir or args.from_json):
         ap.error("give RUN_DIR(s) and/or --from-json FILE")
     earlier = [json.loads(Path(f).read_text()) for f in args.from_json]
+    sources = {f: e.get("sft") for f, e in zip(args.from_json, earlier)}
+    for d in args.run_dir:
+        if (Path(d) / "sft" / "sft.json").is_file():
+            sources[d] = json.loads((Path(d) / "sft" / "sft.json").read_text())
+    checkpoints = {json.dumps(_checkpoint(v), sort_keys=True): name for name, v in sources.items() if v}
+    if len(checkpoints) > 1:  # a run's (level, arm, seed) means another run on another checkpoint
+        ap.error(
+            f"{', '.join(checkpoints.values())} come from different SFT checkpoints: summarize each on its own"
+        )
     runs = merge([r for e in earlier for r in e["runs"]] + load_runs(*map(Path, args.run_dir)))
     for spec in args.rename_arm:
         old, sep, new = spec.partition("=")
@@ -336,9 +366,7 @@ def main(argv=None) -> int:
     }
     out["runs"] = runs
     if sft and out["sft"]:
-        out["sft"] = {
-            k: out["sft"].get(k) for k in ("config", "params", "steps_done", "stopped_by", "final", "eval")
-        }
+        out["sft"] = _checkpoint(out["sft"])
     Path(args.json or Path(args.run_dir[0]) / "testbed.json").write_text(
         json.dumps(_compact(out), separators=(",", ":")) + "\n"
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -108,8 +109,29 @@ def test_early_warning_replay_names_the_alarm_and_the_lead(tmp_path):
     s["mean_abs_delta"] = [0.01 + (0.002 * (t - 100) if t >= 100 else 0.0) for t in s["step"]]
     s["reward"] = [0.3 - (0.02 * (t - 150) if t >= 150 else 0.0) for t in s["step"]]
     run["held_out"]["accuracy"] = [0.5, 0.1]
-    row = testbed_summary.early_warning_table([run]).splitlines()[-1]
-    cells = [c.strip() for c in row.strip("|").split("|")]
+    stable = copy.deepcopy(run)  # did not degrade, but its |δ| alarmed: a false alarm
+    stable["seed"], stable["held_out"]["accuracy"] = 1, [0.5, 0.55]
+    quiet = copy.deepcopy(stable)  # did not degrade, no alarm
+    quiet["seed"], quiet["series"]["mean_abs_delta"] = 2, [0.01] * len(s["step"])
+    lines = testbed_summary.early_warning_table([run, stable, quiet]).splitlines()
+    cells = [c.strip() for c in lines[2].strip("|").split("|")]
     assert cells[:6] == ["lv", "grpo-none", "0", str(run["steps"]), "0.500 → 0.100", "yes"]
     fall, alarm, lead = int(cells[6]), int(cells[7]), int(cells[9])
     assert 100 <= alarm < 110 and 150 <= fall < 160 and lead == fall - alarm and cells[8] == "–"
+    assert lines[-1] == (
+        f"degraded: 1 run(s), the reward fell in 1, an alarm came first in 1 ({lead}–{lead} steps ahead); "
+        "false alarms: 1 of 2 run(s) that did not degrade"
+    )
+
+
+def test_summaries_of_different_sft_checkpoints_are_not_one_study(tmp_path, capsys):
+    a, b, c = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
+    a.write_text(json.dumps({"sft": {"params": 7, "final": {"accuracy": 0.51953125}}, "runs": []}))
+    b.write_text(json.dumps({"sft": {"params": 7, "final": {"accuracy": 0.54296875}}, "runs": []}))
+    c.write_text(
+        json.dumps({"sft": {"params": 7, "final": {"accuracy": 0.519531}}, "runs": []})
+    )  # a compacted a
+    with pytest.raises(SystemExit):
+        testbed_summary.main(["--from-json", str(a), "--from-json", str(b)])
+    assert "different SFT checkpoints" in capsys.readouterr().err
+    assert testbed_summary.main(["--from-json", str(a), "--from-json", str(c)]) == 0
