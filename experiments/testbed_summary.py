@@ -224,15 +224,23 @@ PANELS = (
 )
 
 
+#: Drawn when a run logged the per-class gradient shares (``triage/<class>/grad_share``).
+GRAD_SHARE_PANEL = ("below_band_grad_share", "gradient share below the band (δ < −τ)")
+
+
 def _steps_and_values(run: dict, name: str) -> tuple[list, list]:
     if name == "held_out":
         return run["held_out"]["step"], run["held_out"]["accuracy"]
-    return run["series"]["step"], run["series"][name]
+    steps = run["series"]["step"]
+    if name == GRAD_SHARE_PANEL[0]:
+        return steps, _below_band_grad(run["series"]) or [None] * len(steps)
+    return steps, run["series"][name]
 
 
 def plot(runs: list[dict], path: str | Path) -> None:
-    """Reward, held-out accuracy, mean |δ|, entropy and gradient norm vs step: one colour per (level, arm), the mean over
-    seeds as a line and the min–max over seeds as a band (steps where every seed has a value)."""
+    """Reward, held-out accuracy, mean |δ|, entropy and gradient norm vs step (and, when a run logged the
+    per-class gradient shares, the share below the band): one colour per (level, arm), the mean over seeds
+    as a line and the min–max over seeds as a band (steps where every seed has a value)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -241,8 +249,9 @@ def plot(runs: list[dict], path: str | Path) -> None:
     groups: dict[str, list] = {}
     for r in runs:
         groups.setdefault(f"{group_label(r)} / {r['arm']}", []).append(r)
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 3.8))
-    for ax, (name, title) in zip(axes, PANELS):
+    panels = PANELS + ((GRAD_SHARE_PANEL,) if any(_below_band_grad(r["series"]) for r in runs) else ())
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8))
+    for ax, (name, title) in zip(axes, panels):
         for i, (label, rs) in enumerate(groups.items()):
             per_seed = [dict(zip(*_steps_and_values(r, name))) for r in rs]
             steps = sorted(

@@ -135,3 +135,20 @@ def test_summaries_of_different_sft_checkpoints_are_not_one_study(tmp_path, caps
         testbed_summary.main(["--from-json", str(a), "--from-json", str(b)])
     assert "different SFT checkpoints" in capsys.readouterr().err
     assert testbed_summary.main(["--from-json", str(a), "--from-json", str(c)]) == 0
+
+
+def test_plot_adds_the_gradient_share_panel_only_for_runs_that_logged_it(tmp_path):
+    pytest.importorskip("matplotlib")
+    _write_full_run(tmp_path, "lv", "grpo-none", 0)
+    run = testbed_summary.load_runs(tmp_path)[0]
+    old = copy.deepcopy(run)  # a run from before the per-class gradient shares
+    for key in ("grad_share/amplify_down", "grad_share/correct_up"):
+        old["series"][key] = None
+
+    def width(runs):
+        path = tmp_path / "fig.png"
+        testbed_summary.plot(runs, path)
+        return int.from_bytes(path.read_bytes()[16:20], "big")  # the PNG header's width
+
+    assert width([run]) == width([old]) * 6 // 5  # six panels of equal width instead of five
+    assert width([old, run]) == width([run])
