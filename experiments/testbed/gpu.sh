@@ -17,7 +17,9 @@
 #
 # A carried .sftcache/sft (a finished SFT checkpoint of the testbed scale) is copied into each RUN_DIR/sft,
 # so no call repeats the SFT. MPS=1: the parallel runs are many small processes on one GPU; without MPS their
-# kernels time-slice (one process at a time), with it they run concurrently. If the MPS daemon does not come
+# kernels time-slice (one process at a time), with it they run concurrently. Each testbed run holds up to ~4.7 GB of
+# GPU memory: 18 at once did not fit an 80 GB H100 (two failed with CUDA out of memory at start); keep a
+# call to 16 runs (~75 GB) or fewer. If the MPS daemon does not come
 # up (or a CUDA client cannot attach within 60 s) the call goes on without it and says so.
 set -u
 export PYTHONUNBUFFERED=1
