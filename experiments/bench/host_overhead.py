@@ -194,6 +194,9 @@ def _gpu_shape(shape_s: str, args) -> None:
     """The --gpu rows of one MxKxN."""
     from triage.kernels import NVFP4Linear
 
+    # compiled code of one shape only: all shapes' layers share NVFP4Linear.forward's (and nn.Linear.forward's)
+    # recompile limit, and each shape compiles it twice (no_grad for "fwd", grad mode for "fwd+bwd")
+    torch._dynamo.reset()
     dev, dtype = torch.device(args.device), torch.bfloat16
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     M, K, N = (int(v) for v in shape_s.split("x"))
