@@ -530,21 +530,25 @@ class _NVFP4LinearFn(torch.autograd.Function):
 # torch.library custom ops: the same forward and backward as one opaque op each, for torch.compile
 # ---------------------------------------------------------------------------------------------------
 
-#: Live layers by their op id (``NVFP4Linear._op_id``, a graph constant under torch.compile): the ops find
-#: the layer's config, call plans, weight cache and stochastic-rounding counter here.
+#: Live layers by their op id: the ops find the layer's config, call plans, weight cache and stochastic-
+#: rounding counter here. A layer passes its id as ``NVFP4Linear._op_id``, a 0-d int64 CPU tensor (a plain
+#: attribute: no buffer, so ``.to()`` leaves it on the CPU and the state_dict does not hold it). A tensor is
+#: an input of the compiled graph, guarded by its dtype, device and shape only, so every NVFP4Linear of one
+#: signature shares one graph; an int attribute would be a graph constant, one recompile per layer.
 _LAYERS: weakref.WeakValueDictionary[int, NVFP4Linear] = weakref.WeakValueDictionary()
 _layer_ids = itertools.count()
 
 
 def _register(layer: NVFP4Linear) -> None:
-    layer._op_id = next(_layer_ids)
-    _LAYERS[layer._op_id] = layer
+    op_id = next(_layer_ids)
+    layer._op_id = torch.tensor(op_id, dtype=torch.int64, device="cpu")
+    _LAYERS[op_id] = layer
 
 
-def _layer_of(op_id: int) -> NVFP4Linear:
-    layer = _LAYERS.get(op_id)
+def _layer_of(op_id: torch.Tensor) -> NVFP4Linear:
+    layer = _LAYERS.get(int(op_id))
     if layer is None:
-        raise RuntimeError(f"triage::nvfp4_linear: no live NVFP4Linear has op id {op_id}")
+        raise RuntimeError(f"triage::nvfp4_linear: no live NVFP4Linear has op id {int(op_id)}")
     return layer
 
 
@@ -566,11 +570,16 @@ _BACKWARD_TAGS = _tags("cudagraph_unsafe", "nondeterministic_seeded")
 
 @torch.library.custom_op("triage::nvfp4_linear", mutates_args=(), tags=_OP_TAGS)
 def nvfp4_linear_op(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: int
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    layer: torch.Tensor,
+    nvfp4_backward: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The forward of NVFP4Linear ``layer`` (its op id) as one op: ``(y, W_qᵀ codes, W_qᵀ scales, W_qᵀ outer
-    scale)``, the last three the forward's transposed weight for nvfp4-backward (empty otherwise). Same
-    code, cache and plans as the eager forward, so the same bits."""
+    """The forward of NVFP4Linear ``layer`` (its op id tensor) as one op: ``(y, W_qᵀ codes, W_qᵀ scales, W_qᵀ
+    outer scale)``, the last three the forward's transposed weight for nvfp4-backward (empty otherwise).
+    ``nvfp4_backward``: whether the layer's config is ``nvfp4-backward`` (the output shapes depend on it; the
+    fake cannot read the id). Same code, cache and plans as the eager forward, so the same bits."""
     mod = _layer_of(layer)
     cache = mod._weight_cache.get(weight, mod.config)
     y = _linear_forward(x, bias, mod._plan(x), cache)
@@ -582,11 +591,10 @@ def nvfp4_linear_op(
 
 
 @nvfp4_linear_op.register_fake
-def _(x, weight, bias, layer):
-    mod = _layer_of(layer)
+def _(x, weight, bias, layer, nvfp4_backward):
     n, k = weight.shape
     y = x.new_empty((*x.shape[:-1], n))
-    if mod.config.backward != "nvfp4-backward":
+    if not nvfp4_backward:
         return y, x.new_empty(0, dtype=torch.uint8), x.new_empty(0, dtype=torch.float8_e4m3fn), x.new_empty(
             0, dtype=torch.float32
         )
@@ -607,7 +615,7 @@ def nvfp4_linear_backward_op(
     wt_data: torch.Tensor,
     wt_scale: torch.Tensor,
     wt_global: torch.Tensor,
-    layer: int,
+    layer: torch.Tensor,
     needs_dx: bool,
     needs_dw: bool,
     needs_db: bool,
@@ -644,21 +652,20 @@ def _(dy, x, weight, bias, wt_data, wt_scale, wt_global, layer, needs_dx, needs_
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, weight, bias, layer = inputs
+    x, weight, bias, layer, _ = inputs
     _, wt_data, wt_scale, wt_global = output
-    ctx.save_for_backward(x, weight, bias, wt_data, wt_scale, wt_global)
-    ctx.layer = layer
+    ctx.save_for_backward(x, weight, bias, wt_data, wt_scale, wt_global, layer)
     ctx.mark_non_differentiable(wt_data, wt_scale, wt_global)
 
 
 def _backward(ctx, dy, *_):
-    x, weight, bias, wt_data, wt_scale, wt_global = ctx.saved_tensors
+    x, weight, bias, wt_data, wt_scale, wt_global, layer = ctx.saved_tensors
     needs_dx, needs_dw, needs_db = ctx.needs_input_grad[:3]
     needs_db = needs_db and bias is not None
     dx, dw, db = nvfp4_linear_backward_op(
-        dy, x, weight, bias, wt_data, wt_scale, wt_global, ctx.layer, needs_dx, needs_dw, needs_db
+        dy, x, weight, bias, wt_data, wt_scale, wt_global, layer, needs_dx, needs_dw, needs_db
     )
-    return dx if needs_dx else None, dw if needs_dw else None, db if needs_db else None, None
+    return dx if needs_dx else None, dw if needs_dw else None, db if needs_db else None, None, None
 
 
 nvfp4_linear_op.register_autograd(_backward, setup_context=_setup_context)
@@ -739,7 +746,8 @@ class NVFP4Linear(nn.Linear):
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return nn.functional.linear(x, self.weight.to(x.dtype), bias)
         if torch.compiler.is_compiling():  # one opaque op (fullgraph-safe): the same code, cache and plans
-            return nvfp4_linear_op(x, self.weight, self.bias, self._op_id)[0]
+            nvfp4_backward = self.config.backward == "nvfp4-backward"
+            return nvfp4_linear_op(x, self.weight, self.bias, self._op_id, nvfp4_backward)[0]
         cache = self._weight_cache.get(self.weight, self.config)
         return _NVFP4LinearFn.apply(x, self.weight, self.bias, self._plan(x), cache, self._grad_calls)
 

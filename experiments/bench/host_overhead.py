@@ -116,6 +116,11 @@ def _linear_calls(module, shape, dtype):
     return x, fwd, fwd_bwd
 
 
+def _op_args(layer) -> tuple:
+    """The arguments after ``x`` with which ``layer.forward`` calls the ``triage::nvfp4_linear`` op."""
+    return layer.weight, layer.bias, layer._op_id, layer.config.backward == "nvfp4-backward"
+
+
 def make_case(shape, backward: str, act_scale: str, dtype):
     from triage.kernels import NVFP4Linear, NVFP4LinearConfig
     from triage.kernels.nvfp4 import QuantRecipe
@@ -130,7 +135,7 @@ def make_case(shape, backward: str, act_scale: str, dtype):
 
     def op_fwd():
         with torch.no_grad():
-            torch.ops.triage.nvfp4_linear(x, layer.weight, layer.bias, layer._op_id)
+            torch.ops.triage.nvfp4_linear(x, *_op_args(layer))
 
     return fwd, fwd_bwd, op_fwd
 
@@ -189,6 +194,9 @@ def _gpu_shape(shape_s: str, args) -> None:
     """The --gpu rows of one MxKxN."""
     from triage.kernels import NVFP4Linear
 
+    # compiled code of one shape only: all shapes' layers share NVFP4Linear.forward's (and nn.Linear.forward's)
+    # recompile limit, and each shape compiles it twice (no_grad for "fwd", grad mode for "fwd+bwd")
+    torch._dynamo.reset()
     dev, dtype = torch.device(args.device), torch.bfloat16
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     M, K, N = (int(v) for v in shape_s.split("x"))
@@ -201,7 +209,7 @@ def _gpu_shape(shape_s: str, args) -> None:
     dense_c = torch.compile(dense, backend=args.compile_backend, fullgraph=True)
     with torch.no_grad():  # correctness first: the op and the compiled layer give the eager bits
         y = layer(x)
-        assert torch.equal(op(x, layer.weight, layer.bias, layer._op_id)[0], y), shape_s
+        assert torch.equal(op(x, *_op_args(layer))[0], y), shape_s
         assert torch.equal(compiled(x), y), shape_s
     xg = x.clone().requires_grad_()
     dy = torch.randn(M, N, device=dev, dtype=dtype)
@@ -220,7 +228,7 @@ def _gpu_shape(shape_s: str, args) -> None:
         ("nn.Linear", dense),
         ("nn.Linear compiled", dense_c),
         ("NVFP4Linear eager", layer),
-        ("custom op, eager", lambda t: op(t, layer.weight, layer.bias, layer._op_id)[0]),
+        ("custom op, eager", lambda t: op(t, *_op_args(layer))[0]),
         ("NVFP4Linear compiled", compiled),
     ]
     for what, wrap in [("fwd", no_grad)] + ([("fwd+bwd", fwd_bwd)] if args.fwd_bwd else []):

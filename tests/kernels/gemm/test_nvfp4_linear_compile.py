@@ -36,7 +36,7 @@ def _step(model, opt, x, dy):
 def test_compiled_model_matches_eager_bit_for_bit(backward, backend):
     eager = _model(backward)
     compiled_model = copy.deepcopy(eager)  # a copy is a layer of its own (own op id, cache, counters)
-    assert compiled_model[0]._op_id != eager[0]._op_id
+    assert int(compiled_model[0]._op_id) != int(eager[0]._op_id)
     compiled = torch.compile(compiled_model, backend=backend, fullgraph=True)
     opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2, fused=True)
     opt_c = torch.optim.AdamW(compiled_model.parameters(), lr=1e-2, fused=True)
@@ -77,12 +77,41 @@ def test_the_custom_op_is_what_compiles():
     assert targets.count(torch.ops.triage.nvfp4_linear.default) == 2
 
 
+def test_layers_of_one_signature_share_one_graph():
+    """Each layer compiled on its own (regional compilation), more layers than dynamo's recompile limit:
+    the layer's op id is a graph input, not a constant, so all of them run one graph (no recompile, no
+    eager fallback) and give the eager bits, outputs and gradients."""
+    torch._dynamo.reset()  # the compiled code of NVFP4Linear.forward is shared with the other tests
+    torch.manual_seed(0)
+    n_layers = torch._dynamo.config.recompile_limit + 2
+    layers = [NVFP4Linear(32, 48) for _ in range(n_layers)]
+    copies = copy.deepcopy(layers)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    x, dy = torch.randn(4, 32), torch.randn(4, 48)
+    for eager, layer in zip(layers, copies):
+        xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+        y_e = eager(xe)
+        y_c = torch.compile(layer, backend=backend, fullgraph=True)(xc)
+        y_e.backward(dy)
+        y_c.backward(dy)
+        assert torch.equal(y_e, y_c)
+        assert torch.equal(xe.grad, xc.grad) and torch.equal(eager.weight.grad, layer.weight.grad)
+        assert torch.equal(eager.bias.grad, layer.bias.grad)
+    assert len(graphs) == 1
+    torch._dynamo.reset()
+
+
 def test_op_checks():
     """The ops pass torch.library's own consistency checks (schema, fake vs real, autograd)."""
     layer = NVFP4Linear(32, 48, config=dataclasses.replace(NVFP4LinearConfig(), backward="nvfp4-backward"))
     x = torch.randn(4, 32, requires_grad=True)
     torch.library.opcheck(
-        torch.ops.triage.nvfp4_linear.default, (x, layer.weight, layer.bias, layer._op_id),
+        torch.ops.triage.nvfp4_linear.default, (x, layer.weight, layer.bias, layer._op_id, True),
         test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
     )  # fmt: skip
 
