@@ -4,7 +4,7 @@
 Forward (both backward settings)::
 
     x_q = quantize(x, activation)            # 1×16 blocks along K, per call
-    W_q = quantize(W, weight)                # cached until W changes (see below)
+    W_q = quantize(W, weight)                # cached until W changes; per call if capturable (see below)
     y   = gemm(x_q, W_q) + b                 # exact products, fp32 accumulation, one rounding
 
 Backward, ``backward="bf16-backward"`` (straight-through; the fast setting)::
@@ -30,7 +30,7 @@ per-tile scale is the same for W and Wᵀ, so W_qᵀ is W_q's codes and scales t
 quantization, bit-identical to quantizing Wᵀ). H is orthogonal and applied to both wgrad operands along
 the contraction dim, so H·Hᵀ = I cancels inside the product; it spreads outliers before quantizing.
 Stochastic rounding keeps the gradient estimator unbiased; its seed is ``grad.seed`` plus a per-
-module call counter (deterministic run to run, different every step).
+module call counter (deterministic run to run, different every step: :func:`_rounding_seeds`).
 
 Forward GEMM: for more than ``SMALL_M`` rows the activation quantizer also writes the exact bf16 ``q·s``
 (``emit_expanded``) and the GEMM runs on expansions (see :mod:`triage.kernels.nvfp4.matmul`); decode-sized
@@ -65,12 +65,24 @@ operand (per weight update for W), no host sync.
 Call plans. What a call derives from its input's signature alone (rows, the large-M choice, the Triton
 quantizers' tiles and launch arguments, the checks ``quantize`` makes, the GEMMs' plans) is a
 :class:`_CallPlan`, built once per (shape, dtype, device) under the layer's current config; a call only
-allocates and launches, and reads nothing back to the host.
+allocates and launches. The one host read left is a cuBLAS GEMM's ``alpha`` (large M, see
+:mod:`triage.kernels.nvfp4.matmul`): a dynamic activation scale read per call, the cached weight's once per
+update.
+
+Capturable (``NVFP4LinearConfig(capturable=True)``): a call that a CUDA graph can capture and replay. W_q
+is quantized on the device at every forward (no weight-cache check, which is Python a replay would skip),
+the GEMM plans read no outer scale on the host (``gemm_plan(host_scales=False)``: the Triton GEMM, or
+cuBLAS with an fp32 output, where the cached layer's would take cuBLAS's host alpha), and the
+stochastic-rounding seeds of nvfp4-backward are an int64 device tensor the call advances by a device op
+and the quantizers read on the device, so each replay draws the next seeds. The same quantizers and seeds
+as the cached layer, so the same bits wherever both run the same GEMM.
 
 torch.compile. Under compilation the layer is the ``torch.library`` custom op ``triage::nvfp4_linear``
-(:func:`nvfp4_linear_op`, backward :func:`nvfp4_linear_backward_op`): the same forward and backward code,
-weight cache and plans as the eager path, as one opaque op each, so ``fullgraph=True`` works and the bits
-are the eager ones.
+(:func:`nvfp4_linear_op`, backward :func:`nvfp4_linear_backward_op`), or for a capturable config
+``triage::nvfp4_linear_capturable`` (:func:`nvfp4_linear_capturable_op`, backward
+:func:`nvfp4_linear_capturable_backward_op`; one definition, two registrations: only the cached layer's ops
+are tagged ``cudagraph_unsafe``): the same forward and backward code, weight cache (or per-call W_q) and
+plans as the eager path, as one opaque op each, so ``fullgraph=True`` works and the bits are the eager ones.
 
 Gradients are returned in the dtypes of x and W. The quantization and both backward GEMMs run with the
 backends of :mod:`triage.kernels.nvfp4` (Triton on CUDA, torch reference on CPU; ``backend=`` overrides).
@@ -102,6 +114,8 @@ __all__ = [
     "invalidate_weight_caches",
     "nan_if_nonfinite",
     "nvfp4_linear_backward_op",
+    "nvfp4_linear_capturable_backward_op",
+    "nvfp4_linear_capturable_op",
     "nvfp4_linear_op",
     "transpose_16x16",
     "weight_key",
@@ -173,11 +187,24 @@ class NVFP4LinearConfig(LayerConfig):
         backward: ``"bf16-backward"`` or ``"nvfp4-backward"`` (see the module docstring).
         gemm_backend / quant_backend: passed to :func:`~triage.kernels.nvfp4.gemm` and
             :func:`~triage.kernels.nvfp4.quantize` (``"auto"`` picks by device).
+        capturable: a call can be captured in a CUDA graph and replayed (``torch.cuda.graph``, or
+            ``torch.compile(mode="reduce-overhead")``: its op is not tagged ``cudagraph_unsafe``), as torch
+            optimizers' ``capturable=True``: W is quantized on the device at every forward instead of
+            through the weight cache, GEMMs read no outer scale on the host, the nvfp4-backward seeds are
+            read on the device (module docstring, "Capturable"). The same bits as the cached layer where
+            both run the same GEMM. Cost: the memory-bound passes over W at every forward. By the byte
+            count (an estimate, not a measurement), a bf16 W costs ~8.6 B per element (read by the amax
+            pass, the quantizer and the non-finite check; codes, scales and the bf16 expansion written)
+            against 6·M FLOP per element for a training step's GEMMs on M tokens (forward, dgrad, wgrad);
+            at an H100's peak rates (3.35 TB/s, 989 TFLOP/s dense bf16) that is 8.6·989 / (3.35·6·M) ≈
+            420/M of the GEMM time: ~2.6 % at M = 16384 tokens, ~5 % at 8192, three times that share for
+            a forward-only pass (old log-probs). nvfp4-backward adds W_qᵀ's transposition.
     """
 
     backward_modes: ClassVar[tuple[str, ...]] = BACKWARD_MODES
 
     weight: QuantRecipe = field(default_factory=lambda: QuantRecipe(block="16x16"))
+    capturable: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -194,6 +221,8 @@ class NVFP4LinearConfig(LayerConfig):
                 )
             if self.grad.hadamard:
                 raise ValueError("NVFP4LinearConfig.grad (dgrad dy) cannot use Hadamard: W_qᵀ did not")
+        if not isinstance(self.capturable, bool):
+            raise TypeError(f"NVFP4LinearConfig.capturable must be a bool, got {self.capturable!r}")
 
 
 def _quantize(
@@ -306,52 +335,65 @@ def transpose_16x16(w: NVFP4Tensor) -> NVFP4Tensor:
     )
 
 
+@dataclass(eq=False)
+class _QuantizedWeight:
+    """W_q of one weight under one config, and the forms the layer's GEMMs take from it: ``expanded`` (the
+    exact bf16 ``q·s``, when the large-M GEMMs run on expansions) and ``transposed`` (W_qᵀ, nvfp4-backward).
+    :meth:`host_scale` reads its decode scale to the host once, for a cached W_q's cuBLAS-alpha GEMMs (a
+    capturable config's GEMMs never ask)."""
+
+    quantized: NVFP4Tensor
+    expanded: torch.Tensor | None
+    transposed: NVFP4Tensor | None
+    scale_host: float | None = None
+
+    def host_scale(self) -> float:
+        """The per-tensor decode scale as a float: read from the device once per weight update (it may be
+        NaN: :func:`nan_if_nonfinite`), and only when a cuBLAS (host alpha) path asks for it — small GEMMs
+        never sync."""
+        if self.scale_host is None:
+            self.scale_host = float(self.quantized.global_scale.reshape(-1)[0])
+        return self.scale_host
+
+
+def _quantize_weight(weight: torch.Tensor, config: NVFP4LinearConfig) -> _QuantizedWeight:
+    """W_q of ``weight`` under ``config`` (non-finite rule included) and its derived forms: device work only
+    (nothing read to the host), the same bits for the cache and for a per-call quantization."""
+    uses_expanded = _uses_expanded_weight(config, weight.device)
+    with torch.no_grad():  # the exact q·s written in the same pass when the large-M GEMMs want it
+        q = _quantize(weight.detach(), config.weight, config.quant_backend, expanded=uses_expanded)
+        expanded = None
+        if uses_expanded:
+            from triage.kernels.nvfp4.matmul import expand
+
+            expanded = expand(q)  # returns q.expanded (no extra pass) when the quantizer wrote it
+        transposed = transpose_16x16(q) if config.backward == "nvfp4-backward" else None
+    return _QuantizedWeight(q, expanded, transposed)
+
+
 class _WeightCache:
-    """W_q (and derived forms) of one weight, valid while the weight's key is unchanged."""
+    """The :class:`_QuantizedWeight` of one weight, valid while the weight's key is unchanged."""
 
     def __init__(self) -> None:
         self.key: tuple | None = None
         self.source: torch.Tensor | None = None
-        self.quantized: NVFP4Tensor | None = None
-        self.expanded: torch.Tensor | None = None
-        self.scale_host: float | None = None
-        self.transposed: NVFP4Tensor | None = None
+        self.entry: _QuantizedWeight | None = None
         self.hits = 0
         self.misses = 0
 
-    def get(self, weight: torch.Tensor, config: NVFP4LinearConfig) -> _WeightCache:
+    def get(self, weight: torch.Tensor, config: NVFP4LinearConfig) -> _QuantizedWeight:
         key = (*weight_key(weight), config.weight)
         if key == self.key:
             self.hits += 1
-            return self
+            return self.entry
         self.misses += 1
-        uses_expanded = _uses_expanded_weight(config, weight.device)
-        with torch.no_grad():  # the exact q·s written in the same pass when the large-M GEMMs want it
-            q = _quantize(weight.detach(), config.weight, config.quant_backend, expanded=uses_expanded)
-        self.quantized = q
-        self.expanded = None
-        self.scale_host = None
-        self.transposed = None
-        if uses_expanded:
-            from triage.kernels.nvfp4.matmul import expand
-
-            self.expanded = expand(q)  # returns q.expanded (no extra pass) when the quantizer wrote it
-        if config.backward == "nvfp4-backward":
-            self.transposed = transpose_16x16(q)
+        self.entry = _quantize_weight(weight, config)
         self.key = key
         # keeps the keyed storage alive, so its address (in the key) cannot be reused by a new weight while
         # this entry is cached; a reference to the master weight, not a copy (an old weight replaced through
         # ``param.data`` stays allocated until the next forward or invalidate_cache())
         self.source = weight.detach()
-        return self
-
-    def host_scale(self) -> float:
-        """The weight's per-tensor decode scale as a float: read from the device once per weight update (it
-        may be NaN: :func:`nan_if_nonfinite`), and only when a cuBLAS (host alpha) path asks for it — small
-        GEMMs never sync."""
-        if self.scale_host is None:
-            self.scale_host = float(self.quantized.global_scale.reshape(-1)[0])
-        return self.scale_host
+        return self.entry
 
     def clear(self) -> None:
         self.__init__()
@@ -403,14 +445,15 @@ class _CallPlan:
     gemms: dict = field(default_factory=dict, compare=False)
 
     def gemm(self, name, a, b, *, out_dtype, bias=None, b_expanded=None, b_scale_host=None) -> torch.Tensor:
-        """``gemm(a, b, ...)`` through this call's plan for GEMM ``name`` (built on first use)."""
+        """``gemm(a, b, ...)`` through this call's plan for GEMM ``name`` (built on first use; a capturable
+        config's reads no outer scale on the host: ``gemm_plan(host_scales=False)``)."""
         plan = self.gemms.get(name)
         if plan is None:
             from triage.kernels.nvfp4.matmul import gemm_plan
 
             plan = self.gemms[name] = gemm_plan(
                 a, b, out_dtype=out_dtype, bias=bias, backend=self.config.gemm_backend, b_expanded=b_expanded,
-                b_scale_host=b_scale_host,
+                b_scale_host=b_scale_host, host_scales=not self.config.capturable,
             )  # fmt: skip
         return plan.run(a, b, bias=bias, b_expanded=b_expanded, b_scale_host=b_scale_host)
 
@@ -443,21 +486,35 @@ def _call_plan(config: NVFP4LinearConfig, x: torch.Tensor, out_features: int) ->
     )
 
 
-def _linear_forward(x: torch.Tensor, bias: torch.Tensor | None, plan: _CallPlan, cache: _WeightCache) -> torch.Tensor:
-    """``y = Q(x)·Q(W)ᵀ + b`` for ``x`` of ``plan``'s signature and ``W_q`` from ``cache`` (module docstring)."""
+def _linear_forward(x: torch.Tensor, bias: torch.Tensor | None, plan: _CallPlan, w: _QuantizedWeight) -> torch.Tensor:
+    """``y = Q(x)·Q(W)ᵀ + b`` for ``x`` of ``plan``'s signature and W_q ``w`` (module docstring)."""
     config = plan.config
     x2 = x.reshape(plan.rows, plan.in_features)
     xq = _quantize(x2, config.activation, config.quant_backend, expanded=plan.large, plan=plan.x_plan)
     y = plan.gemm(
         "fwd",
         xq,
-        cache.quantized,
+        w.quantized,
         out_dtype=x.dtype,
         bias=bias,
-        b_expanded=cache.expanded if plan.large else None,
-        b_scale_host=cache.host_scale,
+        b_expanded=w.expanded if plan.large else None,
+        b_scale_host=None if config.capturable else w.host_scale,
     )
     return y.reshape(*plan.lead, plan.out_features)
+
+
+def _rounding_seeds(config: NVFP4LinearConfig, layer: NVFP4Linear) -> tuple:
+    """The stochastic-rounding seeds of ``layer``'s next nvfp4-backward call, ``(dy's, dyᵀ's)``: call n (from
+    1) draws ``grad.seed + 2n`` and ``grad.seed + 2n + 1`` (deterministic run to run, new every call). The
+    count is the host int ``layer._grad_calls``, or, ``capturable``, the device tensor ``layer._sr_calls`` =
+    ``[2n, 2n + 1]``, advanced by a device op: a CUDA graph replays the advance, and the quantizers read
+    the seeds on the device (:mod:`triage.kernels.nvfp4.rng`), so every replay draws new ones."""
+    if config.capturable:
+        seeds = layer._sr_calls.add_(2) + config.grad.seed
+        return seeds[0], seeds[1]
+    layer._grad_calls[0] += 1
+    seed = (config.grad.seed + 2 * layer._grad_calls[0]) % 2**32
+    return seed, (seed + 1) % 2**32
 
 
 def _linear_backward(
@@ -466,14 +523,14 @@ def _linear_backward(
     weight: torch.Tensor,
     plan: _CallPlan,
     weight_t: NVFP4Tensor | None,
-    counter: list,
+    layer: NVFP4Linear,
     bias_dtype: torch.dtype | None,
     needs: tuple[bool, bool, bool],
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``(dx, dW, db)`` of ``y = Q(x)·Q(W)ᵀ + b`` under the straight-through rule of ``plan.config.backward``
     (module docstring), each None unless ``needs`` asks for it (db also None without a bias).
-    ``weight_t``: the forward's W_qᵀ (nvfp4-backward); ``counter``: the layer's stochastic-rounding call
-    counter, advanced once per nvfp4-backward call."""
+    ``weight_t``: the forward's W_qᵀ (nvfp4-backward); ``layer``: whose stochastic-rounding seeds an
+    nvfp4-backward call draws (:func:`_rounding_seeds`)."""
     config = plan.config
     dy2 = dy.reshape(plan.rows, plan.out_features)
     x2 = x.reshape(plan.rows, plan.in_features)
@@ -484,8 +541,7 @@ def _linear_backward(
         if needs[1]:
             dw = (dy2.T @ x2.to(dy2.dtype)).to(weight.dtype)
     else:
-        counter[0] += 1
-        seed = (config.grad.seed + 2 * counter[0]) % 2**32
+        seed, seed_t = _rounding_seeds(config, layer)
         backend = config.quant_backend
         if needs[0]:
             dy_plan = plan.dy_plan if dy2.dtype == x.dtype else None
@@ -494,7 +550,7 @@ def _linear_backward(
         if needs[1]:
             # dy2ᵀ, x2ᵀ quantized straight from the row-major dy2, x2 (no transposed copy; same bytes)
             big = plan.large_wgrad
-            dyt = _quantize_t(dy2, config.wgrad, backend, seed=(seed + 1) % 2**32, expanded=big, plan=plan.dyt_plan)
+            dyt = _quantize_t(dy2, config.wgrad, backend, seed=seed_t, expanded=big, plan=plan.dyt_plan)
             xt = _quantize_t(x2, plan.xt_recipe, backend, expanded=big, plan=plan.xt_plan)
             dw = plan.gemm(("wgrad", dy2.dtype), dyt, xt, out_dtype=torch.float32).to(weight.dtype)
     if bias_dtype is not None and needs[2]:
@@ -509,12 +565,12 @@ class _NVFP4LinearFn(torch.autograd.Function):
     eager path."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, plan: _CallPlan, cache: _WeightCache, counter: list):
-        y = _linear_forward(x, bias, plan, cache)
+    def forward(ctx, x, weight, bias, plan: _CallPlan, w: _QuantizedWeight, layer: NVFP4Linear):
+        y = _linear_forward(x, bias, plan, w)
         ctx.save_for_backward(x, weight)
         ctx.plan = plan
-        ctx.weight_t = cache.transposed  # the forward's W_qᵀ (nvfp4-backward), whatever the cache holds later
-        ctx.counter = counter
+        ctx.weight_t = w.transposed  # the forward's W_qᵀ (nvfp4-backward), whatever the cache holds later
+        ctx.layer = layer
         ctx.bias_dtype = bias.dtype if bias is not None else None
         return y
 
@@ -522,7 +578,7 @@ class _NVFP4LinearFn(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
         needs = tuple(ctx.needs_input_grad[:3])
-        dx, dw, db = _linear_backward(dy, x, weight, ctx.plan, ctx.weight_t, ctx.counter, ctx.bias_dtype, needs)
+        dx, dw, db = _linear_backward(dy, x, weight, ctx.plan, ctx.weight_t, ctx.layer, ctx.bias_dtype, needs)
         return dx, dw, db, None, None, None
 
 
@@ -561,15 +617,7 @@ def _tags(*names: str) -> tuple:
     return tuple(getattr(torch.Tag, n) for n in names if hasattr(torch.Tag, n))
 
 
-#: Both ops keep state outside the graph (the weight cache, quantized anew after a weight update; the
-#: stochastic-rounding counter): a CUDA graph replay would skip it, so torch.compile's CUDA graphs
-#: ("reduce-overhead") must leave them out; the backward's seeds change per call, so two calls are never one.
-_OP_TAGS = _tags("cudagraph_unsafe")
-_BACKWARD_TAGS = _tags("cudagraph_unsafe", "nondeterministic_seeded")
-
-
-@torch.library.custom_op("triage::nvfp4_linear", mutates_args=(), tags=_OP_TAGS)
-def nvfp4_linear_op(
+def _op_forward(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -579,19 +627,19 @@ def nvfp4_linear_op(
     """The forward of NVFP4Linear ``layer`` (its op id tensor) as one op: ``(y, W_qᵀ codes, W_qᵀ scales, W_qᵀ
     outer scale)``, the last three the forward's transposed weight for nvfp4-backward (empty otherwise).
     ``nvfp4_backward``: whether the layer's config is ``nvfp4-backward`` (the output shapes depend on it; the
-    fake cannot read the id). Same code, cache and plans as the eager forward, so the same bits."""
+    fake cannot read the id). Same code, weight cache (or per-call W_q) and plans as the eager forward, so the
+    same bits."""
     mod = _layer_of(layer)
-    cache = mod._weight_cache.get(weight, mod.config)
-    y = _linear_forward(x, bias, mod._plan(x), cache)
-    wt = cache.transposed
+    w = mod._quantized_weight(weight)
+    y = _linear_forward(x, bias, mod._plan(x), w)
+    wt = w.transposed
     if wt is None:
         return y, _empty(x.device), _empty(x.device, torch.float8_e4m3fn), _empty(x.device, torch.float32)
     # detached aliases: the cache keeps its own tensors, the graph gets new ones (nothing copied)
     return y, wt.data.detach(), wt.scale.detach(), wt.global_scale.detach()
 
 
-@nvfp4_linear_op.register_fake
-def _(x, weight, bias, layer, nvfp4_backward):
+def _op_forward_fake(x, weight, bias, layer, nvfp4_backward):
     n, k = weight.shape
     y = x.new_empty((*x.shape[:-1], n))
     if not nvfp4_backward:
@@ -606,8 +654,7 @@ def _(x, weight, bias, layer, nvfp4_backward):
     )
 
 
-@torch.library.custom_op("triage::nvfp4_linear_backward", mutates_args=(), tags=_BACKWARD_TAGS)
-def nvfp4_linear_backward_op(
+def _op_backward(
     dy: torch.Tensor,
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -620,8 +667,8 @@ def nvfp4_linear_backward_op(
     needs_dw: bool,
     needs_db: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backward of :func:`nvfp4_linear_op`: ``(dx, dW, db)`` (an empty tensor where not needed) by the
-    eager backward's code, W_qᵀ rebuilt from the forward's outputs."""
+    """The backward of the forward op: ``(dx, dW, db)`` (an empty tensor where not needed) by the eager
+    backward's code, W_qᵀ rebuilt from the forward's outputs."""
     mod = _layer_of(layer)
     config = mod.config
     weight_t = None
@@ -633,7 +680,7 @@ def nvfp4_linear_backward_op(
         )  # fmt: skip
     bias_dtype = None if bias is None else bias.dtype
     dx, dw, db = _linear_backward(
-        dy, x, weight, mod._plan(x), weight_t, mod._grad_calls, bias_dtype, (needs_dx, needs_dw, needs_db)
+        dy, x, weight, mod._plan(x), weight_t, mod, bias_dtype, (needs_dx, needs_dw, needs_db)
     )
     return (
         dx if dx is not None else _empty(x.device, x.dtype),
@@ -642,8 +689,7 @@ def nvfp4_linear_backward_op(
     )
 
 
-@nvfp4_linear_backward_op.register_fake
-def _(dy, x, weight, bias, wt_data, wt_scale, wt_global, layer, needs_dx, needs_dw, needs_db):
+def _op_backward_fake(dy, x, weight, bias, wt_data, wt_scale, wt_global, layer, needs_dx, needs_dw, needs_db):
     return (
         x.new_empty(x.shape) if needs_dx else x.new_empty(0),
         weight.new_empty(weight.shape) if needs_dw else weight.new_empty(0),
@@ -658,17 +704,39 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.mark_non_differentiable(wt_data, wt_scale, wt_global)
 
 
-def _backward(ctx, dy, *_):
-    x, weight, bias, wt_data, wt_scale, wt_global, layer = ctx.saved_tensors
-    needs_dx, needs_dw, needs_db = ctx.needs_input_grad[:3]
-    needs_db = needs_db and bias is not None
-    dx, dw, db = nvfp4_linear_backward_op(
-        dy, x, weight, bias, wt_data, wt_scale, wt_global, layer, needs_dx, needs_dw, needs_db
-    )
-    return dx if needs_dx else None, dw if needs_dw else None, db if needs_db else None, None, None
+def _define_ops(name: str, tags: tuple, backward_tags: tuple) -> tuple:
+    """The custom op ``triage::<name>`` (:func:`_op_forward`) and its backward ``triage::<name>_backward``
+    (:func:`_op_backward`), with their fakes and the forward's autograd: one definition, registered under
+    each name with its tags."""
+    forward = torch.library.custom_op(f"triage::{name}", _op_forward, mutates_args=(), tags=tags)
+    backward = torch.library.custom_op(f"triage::{name}_backward", _op_backward, mutates_args=(), tags=backward_tags)
+    forward.register_fake(_op_forward_fake)
+    backward.register_fake(_op_backward_fake)
+
+    def autograd_backward(ctx, dy, *_):
+        x, weight, bias, wt_data, wt_scale, wt_global, layer = ctx.saved_tensors
+        needs_dx, needs_dw, needs_db = ctx.needs_input_grad[:3]
+        needs_db = needs_db and bias is not None
+        dx, dw, db = backward(dy, x, weight, bias, wt_data, wt_scale, wt_global, layer, needs_dx, needs_dw, needs_db)
+        return dx if needs_dx else None, dw if needs_dw else None, db if needs_db else None, None, None
+
+    forward.register_autograd(autograd_backward, setup_context=_setup_context)
+    return forward, backward
 
 
-nvfp4_linear_op.register_autograd(_backward, setup_context=_setup_context)
+#: ``triage::nvfp4_linear`` (+ ``_backward``), the op of a cached config: its weight cache, checked in Python,
+#: and its host stochastic-rounding counter live outside any graph, so a CUDA graph replay would skip them
+#: (a stale W_q after an optimizer step, frozen seeds); ``cudagraph_unsafe`` keeps torch.compile's CUDA graphs
+#: ("reduce-overhead") off it. ``triage::nvfp4_linear_capturable`` (+ ``_backward``), the op of a
+#: ``capturable`` config: its W_q is quantized on the device at every call and its seeds are read on the
+#: device, so it is left capturable. Both backwards carry ``nondeterministic_seeded``: their seeds change per
+#: call, so two calls are never one.
+nvfp4_linear_op, nvfp4_linear_backward_op = _define_ops(
+    "nvfp4_linear", _tags("cudagraph_unsafe"), _tags("cudagraph_unsafe", "nondeterministic_seeded")
+)
+nvfp4_linear_capturable_op, nvfp4_linear_capturable_backward_op = _define_ops(
+    "nvfp4_linear_capturable", (), _tags("nondeterministic_seeded")
+)
 
 
 class NVFP4Linear(nn.Linear):
@@ -691,8 +759,17 @@ class NVFP4Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.config = config or NVFP4LinearConfig()
         _check_features(self.in_features, self.out_features, self.config, type(self).__name__)
+        self._init_state()
+
+    def _init_state(self) -> None:
+        """The layer's own state beside its parameters: the weight cache, the stochastic-rounding call counts
+        (:func:`_rounding_seeds`: the host int, and the device tensor of a capturable config, a
+        non-persistent buffer so that it moves with the layer and stays out of the state_dict), the call
+        plans and the op id."""
         self._weight_cache = _WeightCache()
         self._grad_calls = [0]
+        calls = torch.tensor([0, 1], dtype=torch.int64).to(self.weight.device)
+        self.register_buffer("_sr_calls", calls, persistent=False)
         self._plans: dict[tuple, _CallPlan] = {}
         _register(self)
 
@@ -706,10 +783,7 @@ class NVFP4Linear(nn.Linear):
         new.bias = linear.bias
         new.config = config or NVFP4LinearConfig()
         _check_features(new.in_features, new.out_features, new.config, type(linear).__name__)
-        new._weight_cache = _WeightCache()
-        new._grad_calls = [0]
-        new._plans = {}
-        _register(new)
+        new._init_state()
         new.train(linear.training)
         return new
 
@@ -732,8 +806,15 @@ class NVFP4Linear(nn.Linear):
         self._weight_cache.clear()
 
     def quantized_weight(self) -> NVFP4Tensor:
-        """The (cached) NVFP4 weight the forward uses."""
-        return self._weight_cache.get(self.weight, self.config).quantized
+        """The NVFP4 weight the forward uses (cached; quantized now under a ``capturable`` config)."""
+        return self._quantized_weight(self.weight).quantized
+
+    def _quantized_weight(self, weight: torch.Tensor) -> _QuantizedWeight:
+        """W_q of ``weight`` for a call: from the weight cache, or quantized on the device under a
+        ``capturable`` config (no Python check that a CUDA graph replay would skip)."""
+        if self.config.capturable:
+            return _quantize_weight(weight, self.config)
+        return self._weight_cache.get(weight, self.config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
@@ -747,9 +828,10 @@ class NVFP4Linear(nn.Linear):
             return nn.functional.linear(x, self.weight.to(x.dtype), bias)
         if torch.compiler.is_compiling():  # one opaque op (fullgraph-safe): the same code, cache and plans
             nvfp4_backward = self.config.backward == "nvfp4-backward"
-            return nvfp4_linear_op(x, self.weight, self.bias, self._op_id, nvfp4_backward)[0]
-        cache = self._weight_cache.get(self.weight, self.config)
-        return _NVFP4LinearFn.apply(x, self.weight, self.bias, self._plan(x), cache, self._grad_calls)
+            op = nvfp4_linear_capturable_op if self.config.capturable else nvfp4_linear_op
+            return op(x, self.weight, self.bias, self._op_id, nvfp4_backward)[0]
+        w = self._quantized_weight(self.weight)
+        return _NVFP4LinearFn.apply(x, self.weight, self.bias, self._plan(x), w, self)
 
     def _plan(self, x: torch.Tensor) -> _CallPlan:
         """The :class:`_CallPlan` of ``x``'s signature under the current config (the most recent

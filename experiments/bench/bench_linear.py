@@ -1,10 +1,13 @@
 """Learner step tokens/s on a Qwen3-architecture model (random init, ~0.6B): NVFP4 vs BF16. CUDA only.
 
     python experiments/bench/bench_linear.py [--layers 28] [--batch 8] [--seq 1024] [--steps 10] [--compile [MODE]]
+        [--capturable]
 
 One step = forward + backward (mean next-token loss) + AdamW step, bf16 weights. NVFP4 converts every
 decoder Linear with ``triage.kernels.convert`` (lm_head and embeddings stay bf16), bf16-backward (and
-nvfp4-backward with ``--backward nvfp4-backward``). Writes ``$OUT/bench_linear.md`` when OUT is set.
+nvfp4-backward with ``--backward nvfp4-backward``); ``--capturable`` also times it with
+``NVFP4LinearConfig(capturable=True)`` (eager, and under ``--compile``'s mode: with ``reduce-overhead`` CUDA
+graphs then capture the NVFP4 layers too). Writes ``$OUT/bench_linear.md`` when OUT is set.
 """
 
 from __future__ import annotations
@@ -44,8 +47,9 @@ def build(layers: int, hidden: int = 1024, intermediate: int = 3072, heads: int 
 def tokens_per_s(model, batch: int, seq: int, steps: int, compile: str | None = None) -> float:
     """Tokens/s of ``steps`` training steps after 2 warm-up steps (4 under ``torch.compile(mode=compile)``:
     compilation, and a recompile for the second call's state, stay out of the timed window); no KV cache is
-    built. ``"reduce-overhead"`` replays CUDA graphs of the compiled regions (the NVFP4 ops, tagged
-    cudagraph-unsafe, run eagerly between them); each step is marked as a new graph-tree iteration."""
+    built. ``"reduce-overhead"`` replays CUDA graphs of the compiled regions (the NVFP4 ops of a cached
+    config, tagged cudagraph-unsafe, run eagerly between them; a capturable config's are in the graphs);
+    each step is marked as a new graph-tree iteration."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda")
     if compile:
@@ -99,7 +103,7 @@ def host_profile(model, batch: int, seq: int, steps: int = 3) -> str:
 
 
 def main() -> None:
-    from triage.kernels import NVFP4Config, NVFP4LinearConfig, convert
+    from triage.kernels import NVFP4Config, NVFP4Linear, NVFP4LinearConfig, convert
 
     p = argparse.ArgumentParser()
     p.add_argument("--layers", type=int, default=28)
@@ -126,6 +130,12 @@ def main() -> None:
         choices=("default", "reduce-overhead", "max-autotune-no-cudagraphs"),
         help="also time both models under torch.compile(mode=...) (NVFP4Linear runs as the "
         "triage::nvfp4_linear op); the flag alone: mode 'default'",
+    )
+    p.add_argument(
+        "--capturable",
+        action="store_true",
+        help="also time the NVFP4 learner with NVFP4LinearConfig(capturable=True): W quantized on the device "
+        "at every forward, no host reads, an op CUDA graphs capture (eager, and under --compile's mode)",
     )
     p.add_argument(
         "--compare-launch",
@@ -160,6 +170,23 @@ def main() -> None:
             f"| NVFP4 ({args.backward}), torch.compile ({args.compile}) | {fp4_c:,.0f} tok/s | {fp4_c / bf16:.2f} "
             f"(/ compiled BF16: {fp4_c / bf16_c:.2f}) |"
         )
+    if args.capturable:
+        config = NVFP4LinearConfig(backward=args.backward, capturable=True)
+        for m in model.modules():
+            if isinstance(m, NVFP4Linear):
+                m.config = config
+        name = f"NVFP4 ({args.backward}), capturable"
+        cap = tokens_per_s(model, args.batch, args.seq, args.steps)
+        lines.append(f"| {name} | {cap:,.0f} tok/s | {cap / bf16:.2f} (/ cached NVFP4: {cap / fp4:.2f}) |")
+        if args.compile:
+            cap_c = tokens_per_s(model, args.batch, args.seq, args.steps, compile=args.compile)
+            lines.append(
+                f"| {name}, torch.compile ({args.compile}) | {cap_c:,.0f} tok/s | {cap_c / bf16:.2f} "
+                f"(/ compiled BF16: {cap_c / bf16_c:.2f}; / compiled cached NVFP4: {cap_c / fp4_c:.2f}) |"
+            )
+        for m in model.modules():  # the sections below time the cached config
+            if isinstance(m, NVFP4Linear):
+                m.config = NVFP4LinearConfig(backward=args.backward)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 

@@ -13,12 +13,26 @@ __all__ = ["BACKENDS", "dequantize", "quantize"]
 BACKENDS = ("auto", "triton", "torch")
 
 
-def check_quantize_options(what: str, backend: str, seed: int | None, emit_expanded) -> None:
+def check_quantize_options(
+    what: str,
+    backend: str,
+    seed: int | torch.Tensor | None,
+    emit_expanded,
+    device: torch.device | None = None,
+) -> None:
     """The options every quantizer entry point takes (``what`` names it in the error): ``backend`` one of
-    :data:`BACKENDS`, ``seed`` None or a valid seed, ``emit_expanded`` None, bf16 or fp16."""
+    :data:`BACKENDS`, ``seed`` None, a valid seed or a one-element int64 tensor on ``device`` holding one
+    (:mod:`.rng`; its value is not checked: that would read it to the host), ``emit_expanded`` None, bf16 or
+    fp16."""
     if backend not in BACKENDS:
         raise ValueError(f"{what}: backend must be one of {BACKENDS}, got {backend!r}")
-    if seed is not None:
+    if isinstance(seed, torch.Tensor):
+        if seed.dtype != torch.int64 or seed.numel() != 1 or (device is not None and seed.device != device):
+            raise ValueError(
+                f"{what}: a seed tensor must be one int64 on the input's device ({device}), got {seed.dtype} "
+                f"of shape {tuple(seed.shape)} on {seed.device}"
+            )
+    elif seed is not None:
         check_seed(seed, f"{what}: seed")
     if emit_expanded not in (None, torch.bfloat16, torch.float16):
         raise ValueError(
@@ -37,14 +51,15 @@ def quantize(
     recipe: QuantRecipe | None = None,
     *,
     backend: str = "auto",
-    seed: int | None = None,
+    seed: int | torch.Tensor | None = None,
     emit_expanded: torch.dtype | None = None,
 ) -> NVFP4Tensor:
     """Quantize ``x`` (fp16/bf16/fp32, ``[..., K]``) to NVFP4 with ``recipe`` (default: ``QuantRecipe()``).
 
     ``backend="auto"`` runs the Triton kernels on CUDA tensors and the torch reference elsewhere;
     ``"triton"`` forces Triton (on CPU only under ``TRITON_INTERPRET=1``); ``"torch"`` forces the reference.
-    Both produce identical bytes. ``seed`` overrides ``recipe.seed`` for stochastic rounding. Non-contiguous
+    Both produce identical bytes. ``seed`` overrides ``recipe.seed`` for stochastic rounding: an int, or a
+    one-element int64 tensor on x's device holding it (read on the device only: :mod:`.rng`). Non-contiguous
     input is accepted (the Triton path makes one contiguous copy first).
 
     ``emit_expanded`` (``torch.bfloat16`` or ``torch.float16``): also return the exact block values ``q·s``
@@ -53,7 +68,7 @@ def quantize(
     The Triton path never synchronizes with the host (outer scales stay on the device).
     """
     recipe = QuantRecipe() if recipe is None else recipe
-    check_quantize_options("quantize", backend, seed, emit_expanded)
+    check_quantize_options("quantize", backend, seed, emit_expanded, getattr(x, "device", None))
     check_input(x, recipe)
     if backend == "torch" or (backend == "auto" and not _triton_usable(x)):
         t = quantize_reference(x, recipe, seed=seed)

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from .recipe import QuantRecipe
 from .reference import outer_scale_from_recipe
-from .rng import seed_key
+from .rng import GOLDEN, seed_key
 from .tensor import NVFP4Tensor
 
 
@@ -146,9 +146,16 @@ class QuantOutputs:
         )
 
 
-def seed_arg(recipe: QuantRecipe, seed: int | None) -> int:
-    """The stochastic-rounding key of ``seed`` (default ``recipe.seed``) as an int32 kernel argument (the
-    kernels reinterpret it as uint32)."""
+#: ``rng.GOLDEN`` as a kernel constant (:func:`stream_key`)
+_GOLDEN = tl.constexpr(GOLDEN)
+
+
+def seed_arg(recipe: QuantRecipe, seed: int | torch.Tensor | None) -> int | torch.Tensor:
+    """The quantizers' ``key`` argument: the stochastic-rounding key of ``seed`` (default ``recipe.seed``)
+    as an int32 (the kernels reinterpret it as uint32); a seed tensor (:mod:`.rng`) is passed as it is,
+    with ``SEED_PTR``: the kernel computes its key (:func:`stream_key`)."""
+    if isinstance(seed, torch.Tensor):
+        return seed
     key = seed_key(recipe.seed if seed is None else seed)
     return key - 2**32 if key >= 2**31 else key
 
@@ -347,6 +354,16 @@ def fmix32(h):
     h = h ^ (h >> 13)
     h = h * 0xC2B2AE35
     return h ^ (h >> 16)
+
+
+@triton.jit
+def stream_key(key, SEED_PTR: tl.constexpr):
+    """The stochastic-rounding key as uint32 from the quantizers' ``key`` argument (:func:`seed_arg`): the
+    host's key, or with ``SEED_PTR`` a pointer to the int64 seed, whose key (``rng.seed_key``: fmix32 of
+    ``seed + GOLDEN`` mod 2^32) is computed here from the value the seed holds when the kernel runs."""
+    if SEED_PTR:
+        return fmix32(tl.load(key).to(tl.uint32) + _GOLDEN)
+    return key.to(tl.uint32)
 
 
 @triton.jit

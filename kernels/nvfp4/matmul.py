@@ -29,7 +29,9 @@ Backends (``backend=``), all computing the formula above:
   ``addmm(alpha = RN(g_a·g_b))`` writes ``out_dtype`` directly (cuBLAS scales the fp32 accumulator). The
   alpha must be a host float: free when the recipe fixes the scale (static / checkpoint / none, or
   ``b_scale_host`` for a cached weight), otherwise ONE device→host read of the activation's scale (a sync).
-  Per-row scales: fp32-output matmul + a torch epilogue.
+  Per-row scales: fp32-output matmul + a torch epilogue. A plan built with ``host_scales=False``
+  (:func:`gemm_plan`) takes the alpha route only for two recipe-given scales, else that fp32-output route
+  (``"auto"``: the ``"triton"`` GEMM).
 * ``"fused"`` — one Triton kernel that unpacks both packed operands in registers (no expansion); exact,
   slow at large M (kept as a baseline and for tests of the unpack path).
 * ``"dot_scaled"`` — Blackwell (sm_100+) native block-scaled MMA; untested on hardware.
@@ -413,17 +415,17 @@ def _operand_key(t) -> tuple:
     )  # fmt: skip
 
 
-def _gemm_key(a, b, out_dtype, bias, backend, b_expanded, b_scale_host) -> tuple:
+def _gemm_key(a, b, out_dtype, bias, backend, b_expanded, b_scale_host, host_scales) -> tuple:
     """The signature a :class:`GemmPlan` serves: both operands' :func:`_operand_key`, the bias's shape,
     dtype and device, ``out_dtype``, ``backend``, ``b_expanded``'s shape and dtype, whether ``b_scale_host``
-    is given, and :func:`~.device.interpreting` (it picks the tiles)."""
+    is given, ``host_scales`` and :func:`~.device.interpreting` (it picks the tiles)."""
     from triage.kernels.nvfp4.device import interpreting
 
     return (
         _operand_key(a), _operand_key(b), out_dtype, backend,
         None if bias is None else (bias.shape, bias.dtype, bias.device),
         None if b_expanded is None else (b_expanded.shape, b_expanded.dtype),
-        b_scale_host is None, interpreting(),
+        b_scale_host is None, host_scales, interpreting(),
     )  # fmt: skip
 
 
@@ -436,17 +438,26 @@ def gemm_plan(
     backend: str = "auto",
     b_expanded: torch.Tensor | None = None,
     b_scale_host: float | Callable[[], float] | None = None,
+    host_scales: bool = True,
 ) -> GemmPlan:
     """The :class:`GemmPlan` of ``gemm(a, b, ...)`` for these operands' signature (:func:`_gemm_key`):
     looked up, or built (after every check :func:`gemm` makes, so bad input raises here, naming the
-    operand) and kept for the last :data:`GEMM_PLANS_KEPT` signatures."""
+    operand) and kept for the last :data:`GEMM_PLANS_KEPT` signatures.
+
+    ``host_scales=False``: the plan never reads an outer scale to the host (no sync, nothing derived from
+    device data: a CUDA graph can capture its run). The cuBLAS ``alpha`` route is then taken only when both
+    outer scales are recipe-given; otherwise ``"auto"`` runs the Triton GEMM (scales in its epilogue) and
+    ``"cublas"`` the fp32-output cuBLAS GEMM with the scales applied on the device (route ``"scaled"``).
+    ``b_scale_host`` must then be None."""
+    if not host_scales and b_scale_host is not None:
+        raise ValueError("gemm_plan: host_scales=False reads no scale on the host; b_scale_host must be None")
     try:
-        key = _gemm_key(a, b, out_dtype, bias, backend, b_expanded, b_scale_host)
+        key = _gemm_key(a, b, out_dtype, bias, backend, b_expanded, b_scale_host, host_scales)
         plan = _GEMM_PLANS.get(key)
     except (AttributeError, TypeError):  # not NVFP4 operands (the checks below say which) or unhashable
         key = plan = None
     if plan is None:
-        plan = _build_gemm_plan(a, b, out_dtype, bias, backend, b_expanded, b_scale_host)
+        plan = _build_gemm_plan(a, b, out_dtype, bias, backend, b_expanded, b_scale_host, host_scales)
         if key is not None:
             if len(_GEMM_PLANS) >= GEMM_PLANS_KEPT:
                 _GEMM_PLANS.pop(next(iter(_GEMM_PLANS)))
@@ -537,7 +548,7 @@ def _scale_vector(t, n: int) -> torch.Tensor:
     return g.reshape(n).float()
 
 
-def _build_gemm_plan(a, b, out_dtype, bias, backend, b_expanded, b_scale_host) -> GemmPlan:
+def _build_gemm_plan(a, b, out_dtype, bias, backend, b_expanded, b_scale_host, host_scales) -> GemmPlan:
     M, N, K = _check_pair(a, b, bias, out_dtype)
     K = padded_k(K)
     device = a.data.device
@@ -558,6 +569,8 @@ def _build_gemm_plan(a, b, out_dtype, bias, backend, b_expanded, b_scale_host) -
             if not per_tensor or (needs_sync and 2.0 * M * N * K < SYNC_FREE_MAX_FLOP):
                 which = "triton"
         route = "dense" if which == "triton" else ("alpha" if per_tensor else "scaled")
+        if route == "alpha" and not host_scales and not (_host_known(a) and _host_known(b)):
+            route = "dense" if backend == "auto" else "scaled"
     if route in ("dense", "fused"):
         from triage.kernels.nvfp4.gemm_dense import dense_launch
 

@@ -76,6 +76,7 @@ from .device import (
     round_to,
     seed_arg,
     store_outer,
+    stream_key,
     widen,
 )
 from .format import BLOCK
@@ -292,6 +293,7 @@ def _quantize_colwise_kernel(
     PROFILE: tl.constexpr, OUTER: tl.constexpr, HADAMARD: tl.constexpr, ROUND: tl.constexpr,
     STOCHASTIC: tl.constexpr, SIGNBIT: tl.constexpr, SIGNS: tl.constexpr, WRITE_AMAX: tl.constexpr,
     EXPANDED: tl.constexpr, HAS_SRC: tl.constexpr, BC: tl.constexpr, NB: tl.constexpr,
+    SEED_PTR: tl.constexpr = False,
 ):  # fmt: skip
     """Y's 16-blocks ``pid_t·NB ..`` of rows (channels) ``pid_c·BC ..``: codes to ``data_ptr`` (int32
     view of ``[C, LP/2]`` bytes: two words per block), scale bytes to ``scale_ptr`` ``[C, LP/16]``,
@@ -335,7 +337,7 @@ def _quantize_colwise_kernel(
     code, sval = block_scale(b, enc, dec, one, r6, PROFILE)  # [NB, BC]
     f = block_factor(sval, enc, dec, one, PROFILE)
     if STOCHASTIC:  # the stream index mod 2^32: Y's row-major linear index c·LP + l
-        keyu = key.to(tl.uint32)
+        keyu = stream_key(key, SEED_PTR)
         base = (c64 * LP).to(tl.uint32)[None, :] + l0.to(tl.uint32)[:, None]
     else:
         keyu = 0
@@ -433,7 +435,7 @@ def quantize_columnwise(
     x: torch.Tensor,
     recipe: QuantRecipe | None = None,
     *,
-    seed: int | None = None,
+    seed: int | torch.Tensor | None = None,
     gather: torch.Tensor | None = None,
     dest: torch.Tensor | None = None,
     length: int | None = None,
@@ -458,7 +460,7 @@ def quantize_columnwise(
     powers of two, ``block_t`` a multiple of 16) and ``num_warps`` tune the tiles. Recipes other than
     ``block="1x16"`` take the reference path. Never synchronizes with the host."""
     recipe = QuantRecipe() if recipe is None else recipe
-    check_quantize_options("quantize_columnwise", backend, seed, emit_expanded)
+    check_quantize_options("quantize_columnwise", backend, seed, emit_expanded, getattr(x, "device", None))
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"quantize_columnwise: x must be a 2-D [T, C] tensor, got {shape}")
@@ -520,7 +522,7 @@ class ColumnsPlan:
     scalar_args: tuple  # enc_arg, dec_arg, amax_arg, C, L, LP
     constexprs: dict
 
-    def run(self, x: torch.Tensor, seed: int | None, src: torch.Tensor | None) -> NVFP4Tensor:
+    def run(self, x: torch.Tensor, seed: int | torch.Tensor | None, src: torch.Tensor | None) -> NVFP4Tensor:
         """Quantize Y of ``x`` [T, C] (any strides, the planned dtype and C); ``src`` the int32 column →
         row map of :func:`columnwise_source` (None, as planned, for a plain transpose)."""
         dev = x.device
@@ -536,10 +538,11 @@ class ColumnsPlan:
         out = QuantOutputs.empty(self.C, self.lp, self.n_outer, self.write_amax, self.emit_expanded, dev)
         data32, expanded, enc_t = out.data.view(torch.int32), out.expanded, out.enc
         enc_arg, dec_arg, amax_arg, C, L, lp = self.scalar_args
+        key = seed_arg(self.recipe, seed)
         _quantize_colwise_kernel[self.grid](
             xa, src_arg, data32, out.scale, data32 if expanded is None else expanded.view(torch.int32),
             enc_t, out.dec, out.amax, enc_t if group_amax is None else group_amax, enc_arg, dec_arg, amax_arg,
-            C, L, lp, sx0, sx1, seed_arg(self.recipe, seed), **self.constexprs,
+            C, L, lp, sx0, sx1, key, **self.constexprs, SEED_PTR=isinstance(key, torch.Tensor),
         )  # fmt: skip
         return out.tensor(self.recipe, torch.Size((C, L)), self.dtype, self.out_shape)
 

@@ -70,6 +70,7 @@ from .device import (
     round_to,
     seed_arg,
     store_outer,
+    stream_key,
     times_quarter,
     widen,
 )
@@ -453,7 +454,7 @@ def _quantize_kernel(
     PROFILE: tl.constexpr, OUTER: tl.constexpr, TILE16: tl.constexpr, HADAMARD: tl.constexpr,
     ROUND: tl.constexpr, STOCHASTIC: tl.constexpr, SIGNBIT: tl.constexpr, SIGNS: tl.constexpr,
     WRITE_AMAX: tl.constexpr, EXPANDED: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr,
-    PAIRS: tl.constexpr = False,
+    PAIRS: tl.constexpr = False, SEED_PTR: tl.constexpr = False,
 ):  # fmt: skip
     """Quantize rows ``[pid·BR, pid·BR + BR)`` of slice ``program_id(1)`` (16x16 tiles never cross slices).
 
@@ -504,7 +505,7 @@ def _quantize_kernel(
             tl.store(amax_ptr + rows * 0, tl.zeros((BR,), tl.float32) + amax_arg, mask=first)
     r6 = tl.math.div_rn(one, one * 6.0)  # RN(1/6)
     if STOCHASTIC:
-        keyu = key.to(tl.uint32)
+        keyu = stream_key(key, SEED_PTR)
     else:
         keyu = 0
     if PAIRS:  # the fast path's tiles are [NB, BR, 4]: per-row scalars as [1, BR]
@@ -616,7 +617,7 @@ class RowsPlan:
     scalar_args: tuple  # enc_arg, dec_arg, amax_arg, N, K, KP, rows_per_outer
     constexprs: dict
 
-    def run(self, x: torch.Tensor, seed: int | None = None) -> NVFP4Tensor:
+    def run(self, x: torch.Tensor, seed: int | torch.Tensor | None = None) -> NVFP4Tensor:
         """Quantize ``x`` (contiguous, of the planned shape and dtype; for ``pairs`` an even storage offset)."""
         x2 = x.reshape(self.rows, self.k)
         dev = x.device
@@ -636,9 +637,10 @@ class RowsPlan:
             ea = da if expanded is None else expanded.view(torch.int32)
         else:
             xa, da, ea = bits_view(x2), data, data if expanded is None else bits_view(expanded)
+        key = seed_arg(self.recipe, seed)
         _quantize_kernel[self.grid](
             xa, da, out.scale, ea, enc_t, out.dec, out.amax, enc_t if group_amax is None else group_amax,
-            *self.scalar_args, seed_arg(self.recipe, seed), **self.constexprs,
+            *self.scalar_args, key, **self.constexprs, SEED_PTR=isinstance(key, torch.Tensor),
         )  # fmt: skip
         return out.tensor(self.recipe, self.shape, self.dtype, self.outer_shape)
 
@@ -741,7 +743,7 @@ def _group_amax_launch(
 def quantize_triton(
     x: torch.Tensor,
     recipe: QuantRecipe,
-    seed: int | None = None,
+    seed: int | torch.Tensor | None = None,
     block_rows: int | None = None,
     block_k: int | None = None,
     emit_expanded: torch.dtype | None = None,

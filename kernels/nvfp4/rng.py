@@ -4,6 +4,10 @@
 ``fmix32`` is MurmurHash3's 32-bit finaliser and ``i`` is the element's linear index in the (K-padded)
 row-major tensor. Pure integer math, so the Triton kernel reproduces it bit for bit. Streams repeat after
 2^32 elements (8 GiB of bf16); change ``seed`` per call (e.g. per optimizer step) to decorrelate steps.
+
+A seed is a Python int, or an int64 tensor holding it (taken mod 2^32): then the key is computed from the
+tensor's value on its device (no host read), by the Triton kernels too (``device.stream_key``), so a CUDA
+graph replay uses the seed the tensor holds at replay time.
 """
 
 from __future__ import annotations
@@ -29,8 +33,10 @@ def fmix32_int(h: int) -> int:
     return h
 
 
-def seed_key(seed: int) -> int:
-    """The 32-bit key mixed into every element's counter."""
+def seed_key(seed: int | torch.Tensor) -> int | torch.Tensor:
+    """The 32-bit key mixed into every element's counter (an int64 tensor of it for a seed tensor)."""
+    if isinstance(seed, torch.Tensor):
+        return fmix32(seed + GOLDEN)
     return fmix32_int((seed + GOLDEN) & MASK32)
 
 
@@ -44,6 +50,6 @@ def fmix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
-def uniform24(index: torch.Tensor, seed: int) -> torch.Tensor:
+def uniform24(index: torch.Tensor, seed: int | torch.Tensor) -> torch.Tensor:
     """24 random bits (int64 in [0, 2^24)) per element index."""
     return fmix32((index.long() & MASK32) ^ seed_key(seed)) >> 8

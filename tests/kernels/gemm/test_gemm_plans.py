@@ -134,3 +134,36 @@ def test_the_no_sync_check_sees_a_host_read(monkeypatch):
     a, b = _meta_operand(128, 64, QuantRecipe()), _meta_operand(96, 64, QuantRecipe(block="16x16"))
     with pytest.raises((RuntimeError, NotImplementedError)):
         gemm(a, b, backend="cublas", b_scale_host=1.5)
+
+
+def test_host_scales_false_routes():
+    """``gemm_plan(host_scales=False)`` (a capturable NVFP4Linear's GEMMs) never takes cuBLAS's host alpha
+    for a scale the recipes do not fix: ``"auto"`` runs the Triton GEMM (the bits of ``backend="triton"``),
+    ``"cublas"`` cuBLAS with an fp32 output and the scales applied on the device (the reference's value
+    within fp32 rounding); with both scales recipe-given the alpha route stays (nothing to read)."""
+    g = torch.Generator().manual_seed(4)
+    a, b = random_nvfp4((70, 32), gen=g), random_nvfp4((16, 32), gen=g)  # > SMALL_M rows
+    auto = mm.gemm_plan(a, b, backend="auto", host_scales=False)
+    assert mm.gemm_plan(a, b, backend="auto").route == "alpha" and auto.route == "dense"
+    assert torch.equal(auto.run(a, b), _fresh(a, b, backend="triton"))
+    cublas = mm.gemm_plan(a, b, backend="cublas", out_dtype=torch.float32, host_scales=False)
+    assert cublas.route == "scaled"
+    ref = mm.gemm_reference(a, b, out_dtype=torch.float64)
+    assert torch.allclose(cublas.run(a, b).double(), ref, rtol=1e-6, atol=1e-6 * ref.abs().max().item())
+    static = QuantRecipe(scale_source="static", static_amax=2.0)
+    a_s, b_s = replace(a, recipe=static), replace(b, recipe=replace(static, block="16x16"))
+    assert mm.gemm_plan(a_s, b_s, backend="cublas", host_scales=False).route == "alpha"
+    with pytest.raises(ValueError, match="b_scale_host must be None"):
+        mm.gemm_plan(a, b, backend="auto", b_scale_host=1.5, host_scales=False)
+
+
+@pytest.mark.skipif(not interpreting(), reason="meta tensors take the Triton path under the interpreter only")
+@pytest.mark.parametrize("backend", ["auto", "cublas"])
+def test_host_scales_false_reads_nothing_on_the_host(monkeypatch, backend):
+    """``test_the_no_sync_check_sees_a_host_read``'s operands (a dynamic activation scale at 128 rows)
+    planned with ``host_scales=False``: no host read (meta operands, launches stubbed), twice per signature."""
+    _stub_kernels(monkeypatch)
+    a, b = _meta_operand(128, 64, QuantRecipe()), _meta_operand(96, 64, QuantRecipe(block="16x16"))
+    for _ in range(2):
+        y = mm.gemm_plan(a, b, backend=backend, host_scales=False).run(a, b)
+        assert y.shape == (128, 96) and y.device.type == "meta"

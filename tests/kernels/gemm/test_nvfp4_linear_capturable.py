@@ -1,0 +1,309 @@
+"""``NVFP4LinearConfig(capturable=True)``: W quantized on the device at every call, GEMMs that read no outer
+scale on the host, stochastic-rounding seeds read on the device; the bits of the cached layer, eager and
+compiled, step after step of AdamW; under torch.compile an op CUDA graphs may capture."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib
+
+import pytest
+import torch
+from torch import nn
+
+from triage.kernels import NVFP4Linear, NVFP4LinearConfig
+from triage.kernels.nvfp4.device import interpreting
+
+BACKWARDS = ("bf16-backward", "nvfp4-backward")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each test's compilations count alone against dynamo's recompile limit (nn.Sequential's compiled code
+    is shared with every other test that compiles one)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _pair(backward: str, gelu: bool = True, device=None, dtype=None, **config):
+    """Two-layer models, cached and capturable, with the same weights (copies: layers of their own)."""
+    torch.manual_seed(0)
+    cfg = NVFP4LinearConfig(backward=backward, **config)
+    between = [nn.GELU()] if gelu else []
+    cached = nn.Sequential(NVFP4Linear(32, 48, config=cfg), *between, NVFP4Linear(48, 16, config=cfg))
+    cached = cached.to(device, dtype)
+    capturable = copy.deepcopy(cached)
+    for m in capturable:
+        if isinstance(m, NVFP4Linear):
+            m.config = dataclasses.replace(cfg, capturable=True)
+    return cached, capturable
+
+
+def _adamw(model):
+    try:
+        return torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    except RuntimeError:  # no fused AdamW for this device
+        return torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+
+
+def _step(model, opt, x, dy):
+    x = x.clone().requires_grad_()
+    y = model(x)
+    y.backward(dy)
+    grads = [x.grad] + [p.grad.clone() for p in model.parameters()]
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return y.detach(), grads
+
+
+@pytest.mark.parametrize(
+    "backward, rows, backend",
+    [("bf16-backward", 8, None), ("nvfp4-backward", 8, None), ("bf16-backward", 8, "aot_eager"),
+     ("nvfp4-backward", 8, "aot_eager"), ("nvfp4-backward", 8, "inductor"), ("nvfp4-backward", 40, None)],
+)  # fmt: skip
+def test_capturable_gives_the_cached_bits(backward, rows, backend):
+    """Outputs and every gradient equal the cached layer's bit for bit over three fused-AdamW steps (the
+    weights change: a stale W_q would show; nvfp4-backward: the stochastic-rounding seeds must advance as
+    the cached layer's do), eager and compiled (``fullgraph=True``; under inductor both models are compiled:
+    inductor's GELU rounds unlike eager's). 2×40 rows: the GEMMs on expansions (with
+    ``gemm_backend="triton"`` in both: the cached layer's ``"auto"`` takes cuBLAS's host alpha there, which
+    the capturable one leaves for the Triton GEMM)."""
+    cached, capturable = _pair(backward, **({"gemm_backend": "triton"} if rows > 32 else {}))
+    run_a = torch.compile(cached, backend=backend, fullgraph=True) if backend == "inductor" else cached
+    run_b = torch.compile(capturable, backend=backend, fullgraph=True) if backend else capturable
+    opt_a, opt_b = _adamw(cached), _adamw(capturable)
+    g = torch.Generator().manual_seed(1)
+    for step in range(3):
+        x, dy = torch.randn(2, rows, 32, generator=g), torch.randn(2, rows, 16, generator=g)
+        y_a, grads_a = _step(run_a, opt_a, x, dy)
+        y_b, grads_b = _step(run_b, opt_b, x, dy)
+        assert torch.equal(y_a, y_b), step
+        for a, b in zip(grads_a, grads_b):
+            assert torch.equal(a, b), step
+    assert capturable[0]._weight_cache.misses == 0  # never consulted
+    if backward == "nvfp4-backward":  # the seeds' count lives on the device, the host count is untouched
+        assert capturable[0]._grad_calls == [0] and capturable[0]._sr_calls.tolist() == [6, 7]
+
+
+def test_the_capturable_op_is_what_compiles():
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    _, capturable = _pair("bf16-backward")
+    torch.compile(capturable, backend=backend, fullgraph=True)(torch.randn(4, 32))
+    targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.triage.nvfp4_linear_capturable.default) == 2
+    assert torch.ops.triage.nvfp4_linear.default not in targets
+
+
+@pytest.mark.skipif(
+    not hasattr(torch.Tag, "cudagraph_unsafe"), reason="this torch has no cudagraph_unsafe tag"
+)
+def test_only_the_cached_ops_are_cudagraph_unsafe():
+    """CUDA graphs (torch.compile's "reduce-overhead") leave out the cached layer's ops, whose weight-cache
+    check is Python a replay would skip, and may capture the capturable layer's; both backwards are
+    ``nondeterministic_seeded`` (their seeds change per call)."""
+    ops = torch.ops.triage
+    for op in (ops.nvfp4_linear.default, ops.nvfp4_linear_backward.default):
+        assert torch.Tag.cudagraph_unsafe in op.tags
+    for op in (ops.nvfp4_linear_capturable.default, ops.nvfp4_linear_capturable_backward.default):
+        assert torch.Tag.cudagraph_unsafe not in op.tags
+    for op in (ops.nvfp4_linear_backward.default, ops.nvfp4_linear_capturable_backward.default):
+        assert torch.Tag.nondeterministic_seeded in op.tags
+
+
+def test_capturable_op_checks():
+    layer = NVFP4Linear(32, 48, config=NVFP4LinearConfig(backward="nvfp4-backward", capturable=True))
+    x = torch.randn(4, 32, requires_grad=True)
+    torch.library.opcheck(
+        torch.ops.triage.nvfp4_linear_capturable.default, (x, layer.weight, layer.bias, layer._op_id, True),
+        test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
+    )  # fmt: skip
+
+
+class _Launches:
+    """Stands in for a Triton kernel: launches nothing, records each launch's arguments."""
+
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.log.append((self.name, args, kwargs))
+
+
+def _stub_kernels(monkeypatch) -> list:
+    log: list = []
+    for name in ("quantize_rows", "quantize_columns", "dequantize_rows", "gemm_dense", "gemm_decode"):
+        module = importlib.import_module(f"triage.kernels.nvfp4.{name}")
+        for attr in dir(module):
+            if type(getattr(module, attr)).__name__ in ("JITFunction", "InterpretedFunction", "FastLaunch"):
+                monkeypatch.setattr(module, attr, _Launches(attr, log))
+    return log
+
+
+def _meta_call(config, rows: int) -> None:
+    layer = NVFP4Linear(64, 96, device="meta", dtype=torch.bfloat16, config=config)
+    for _ in range(2):  # the first call builds the plans, the second runs them
+        x = torch.empty(rows, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
+        y = layer(x)
+        y.backward(torch.empty_like(y))
+        assert x.grad.shape == x.shape and layer.weight.grad.shape == layer.weight.shape
+
+
+@pytest.mark.skipif(not interpreting(), reason="meta tensors take the Triton path under the interpreter only")
+@pytest.mark.parametrize("backward", BACKWARDS)
+@pytest.mark.parametrize("gemm_backend", ["auto", "cublas"])
+@pytest.mark.parametrize("rows", [16, 128])
+def test_a_capturable_call_reads_nothing_on_the_host(monkeypatch, backward, gemm_backend, rows):
+    """Forward and backward on meta tensors (no data: any ``.item()``/``float(t)``/``bool(t)`` raises, as it
+    would sync on CUDA) with every Triton launch stubbed, for the GEMM backends whose large-M route is
+    cuBLAS with a host alpha in the cached layer (next test); every stochastic-rounding launch takes its
+    seed as a device tensor (``SEED_PTR``), none as a host int."""
+    log = _stub_kernels(monkeypatch)
+    cfg = NVFP4LinearConfig(
+        backward=backward, gemm_backend=gemm_backend, quant_backend="triton", capturable=True
+    )
+    _meta_call(cfg, rows)
+    quantizers = [(a, k) for name, a, k in log if name in ("_quantize_kernel", "_quantize_colwise_kernel")]
+    stochastic = [(a, k) for a, k in quantizers if k["STOCHASTIC"]]
+    assert len(stochastic) == (4 if backward == "nvfp4-backward" else 0)  # dy and dyᵀ, two calls
+    for args, kwargs in stochastic:
+        assert kwargs["SEED_PTR"] and isinstance(args[-1], torch.Tensor)
+
+
+@pytest.mark.skipif(not interpreting(), reason="meta tensors take the Triton path under the interpreter only")
+@pytest.mark.parametrize("gemm_backend", ["auto", "cublas"])
+def test_the_check_sees_the_cached_layers_host_reads(monkeypatch, gemm_backend):
+    """The check above can fail: the cached layer at 128 rows takes cuBLAS's alpha route, which reads the
+    dynamic activation scale (and the weight's, once per update) on the host."""
+    _stub_kernels(monkeypatch)
+    cfg = NVFP4LinearConfig(gemm_backend=gemm_backend, quant_backend="triton")
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        _meta_call(cfg, 128)
+
+
+def _forbid_host_reads(monkeypatch, allowed: set) -> None:
+    """Make every Python-level read of tensor data to the host raise, except ``int()`` of the op ids in
+    ``allowed`` (CPU tensors: which layer an op serves, not data)."""
+
+    def refuse(name):
+        def method(self, *args, **kwargs):
+            raise AssertionError(f"host read: Tensor.{name}")
+
+        return method
+
+    for name in ("item", "tolist", "numpy", "__bool__", "__float__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, refuse(name))
+    to_int = torch.Tensor.__int__
+    monkeypatch.setattr(
+        torch.Tensor, "__int__",
+        lambda t: to_int(t) if t.data_ptr() in allowed else refuse("__int__")(t),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("capturable", [True, False])
+def test_the_compiled_capturable_op_reads_nothing_on_the_host(monkeypatch, capturable):
+    """The compiled ops (their real bodies, Triton launches under the interpreter) at 80 rows, where the
+    cached layer's GEMM is cuBLAS with a host alpha: forward and nvfp4-backward run with every Python-level
+    host read of tensor data refused (``.item()``, ``float()``, ``bool()``, ...; ``int()`` only of the op
+    ids). The cached layer fails it (``float()`` of the activation's outer scale), so the check can fail."""
+    cached, model = _pair("nvfp4-backward")
+    model = model if capturable else cached
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    x, dy = torch.randn(80, 32), torch.randn(80, 16)
+    _step(compiled, _adamw(model), x, dy)  # compiles, and fills the caches of the cached layers
+    allowed = {m._op_id.data_ptr() for m in model if isinstance(m, NVFP4Linear)}
+    _forbid_host_reads(monkeypatch, allowed)
+    if capturable:
+        compiled(x.clone().requires_grad_()).backward(dy)
+    else:
+        with pytest.raises(AssertionError, match="host read: Tensor.__float__"):
+            compiled(x.clone().requires_grad_()).backward(dy)
+
+
+# --- on a GPU: capture and replay (skipped on CPU) ---------------------------------------------------------
+
+
+def _inputs(g: torch.Generator, rows: int = 16):
+    x, dy = torch.randn(2, rows, 32, generator=g), torch.randn(2, rows, 16, generator=g)
+    return x.to("cuda", torch.bfloat16), dy.to("cuda", torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backward", BACKWARDS)
+def test_cuda_graph_replays_give_the_cached_bits(backward):
+    """``torch.cuda.graph`` captures the capturable model's forward + backward once; each replay, after an
+    eager fused-AdamW step on its weights, gives the eager cached model's outputs and gradients bit for bit
+    (a replay that reused the captured W_q, or the captured seeds, would not)."""
+    cached, capturable = _pair(backward, device="cuda", dtype=torch.bfloat16)
+    opt_a, opt_b = _adamw(cached), _adamw(capturable)
+    g = torch.Generator().manual_seed(1)
+    x, dy = _inputs(g)
+    static_x, static_dy = x.clone().requires_grad_(), dy.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(
+        side
+    ):  # warm-up (Triton compiles, plans), the cached model the same number of calls
+        for model in (capturable, cached):
+            for _ in range(3):
+                model(static_x).backward(static_dy)
+                model.zero_grad(set_to_none=True)
+    torch.cuda.current_stream().wait_stream(side)
+    static_x.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = capturable(static_x)
+        static_y.backward(static_dy)
+    for step in range(4):
+        x, dy = _inputs(g)
+        with torch.no_grad():
+            static_x.copy_(x)
+            static_dy.copy_(dy)
+        graph.replay()
+        y_b = static_y.detach().clone()
+        grads_b = [static_x.grad.clone()] + [p.grad.clone() for p in capturable.parameters()]
+        opt_b.step()  # eager, on the graph's gradients: the next replay reads the new weights
+        y_a, grads_a = _step(cached, opt_a, x, dy)
+        assert torch.equal(y_a, y_b), step
+        for a, b in zip(grads_a, grads_b):
+            assert torch.equal(a, b), step
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backward", BACKWARDS)
+def test_reduce_overhead_captures_the_capturable_layer(monkeypatch, backward):
+    """``torch.compile(mode="reduce-overhead")`` puts the capturable layers in its CUDA graphs: after the
+    warm-up and recording steps no Python of the layer runs (replays only), and every step gives the eager
+    cached model's bits (no GELU between the layers: inductor's rounds unlike eager's)."""
+    from torch._dynamo.utils import counters
+
+    from triage.kernels import linear
+
+    cached, capturable = _pair(backward, gelu=False, device="cuda", dtype=torch.bfloat16)
+    opt_a, opt_b = _adamw(cached), _adamw(capturable)
+    calls = []
+    quantize_weight = linear._quantize_weight
+    monkeypatch.setattr(linear, "_quantize_weight", lambda *a: calls.append(1) or quantize_weight(*a))
+    counters.clear()
+    compiled = torch.compile(capturable, mode="reduce-overhead", fullgraph=True)
+    g = torch.Generator().manual_seed(1)
+    seen = []
+    for step in range(6):
+        x, dy = _inputs(g)
+        torch.compiler.cudagraph_mark_step_begin()
+        y_b, grads_b = _step(compiled, opt_b, x, dy)
+        y_a, grads_a = _step(cached, opt_a, x, dy)
+        assert torch.equal(y_a, y_b), step
+        for a, b in zip(grads_a, grads_b):
+            assert torch.equal(a, b), step
+        seen.append(len(calls))
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    assert seen[2] == seen[-1], seen  # steps 3-6: replays, the layer's Python never ran
