@@ -382,7 +382,7 @@ class _WeightCache:
         self.misses = 0
 
     def get(self, weight: torch.Tensor, config: NVFP4LinearConfig) -> _QuantizedWeight:
-        key = (*weight_key(weight), config.weight)
+        key = (*weight_key(weight), config)  # what it holds depends on the config (W_qᵀ, expansions), not only W's recipe
         if key == self.key:
             self.hits += 1
             return self.entry

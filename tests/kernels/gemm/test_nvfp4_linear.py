@@ -81,6 +81,19 @@ def test_weight_cache_follows_the_version_counter():
     assert not torch.equal(layer(x), y2)
 
 
+def test_a_new_config_on_a_live_layer_quantizes_the_weight_for_it():
+    """Switching a layer to nvfp4-backward (W_qᵀ needed) without a weight update must not reuse the
+    bf16-backward entry (which has no W_qᵀ): the backward runs and equals a fresh nvfp4-backward layer's."""
+    layer, fresh = _layer(bias=False), _layer(bias=False, config=CFG_FP4_BWD)
+    x = _x(4, 48)
+    layer(x)  # cached under the bf16-backward config
+    layer.config = CFG_FP4_BWD
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    layer(xa).sum().backward()
+    fresh(xb).sum().backward()
+    assert torch.equal(xa.grad, xb.grad) and torch.equal(layer.weight.grad, fresh.weight.grad)
+
+
 def test_weight_cache_is_not_fooled_by_a_reused_address():
     """Replacing ``param.data`` frees the old storage unless the cache holds it; a new weight allocated at
     the freed address (same version, shape, dtype) must not hit the old W_q."""
