@@ -8,8 +8,9 @@ Runs on any machine (CPU is fine, no hub) in about a minute:
   (a randomly initialised model never writes a correct ``Answer: N``, so accuracy alone gives every group
   equal rewards, zero advantages and nothing to learn or to show);
 * the learner/sampler numerics of a mismatch level (``experiments/recipes/levels``; default
-  ``nvfp4-row-fp8kv``: an fp32 learner against the built-in HF sampler on an NVFP4 W4A4 copy with per-token
-  activation scales and an fp8 e4m3 KV cache, the tiny preset's sampler);
+  ``nvfp4-row-fp8kv``: an fp32 learner against the built-in HF sampler on an NVFP4 W4A4 copy with per-row
+  outer scales (per token for activations, per output row for weights) and an fp8 e4m3 KV cache, the tiny
+  preset's sampler);
 * the same steps twice from the same seed: with the correction (default ``triage``) and with vanilla GRPO
   (``correction="none"``). Step 1 of both samples the same completions from the same weights.
 
@@ -70,7 +71,7 @@ class DemoConfig:
     level: str = _option(
         DEFAULT_LEVEL,
         f"learner/sampler numerics (experiments/recipes/levels; default {DEFAULT_LEVEL}: fp32 learner, "
-        "NVFP4 W4A4 sampler copy with per-token activation scales and an fp8 KV cache)",
+        "NVFP4 W4A4 sampler copy with per-row/per-token scales and an fp8 KV cache)",
         choices=LEVELS,
     )
     seed: int = _option(0, "run seed (model init, prompts, sampling)")
@@ -188,8 +189,8 @@ def describe_numerics(level: dict[str, Any]) -> tuple[str, str]:
     def nvfp4(recipe: dict[str, Any] | None) -> str:
         recipe = recipe or {}
         scale = recipe.get("scale", "tensor")
-        scale = {"row": "per-token", "tensor": "tensor-wide"}.get(scale, scale)
-        return f"NVFP4 W4A4 ({scale} activation scales, {recipe.get('profile', 'te')} profile)"
+        scale = {"row": "per-row (per-token activation)", "tensor": "tensor-wide"}.get(scale, scale)
+        return f"NVFP4 W4A4 ({scale} scales, {recipe.get('profile', 'te')} profile)"
 
     learner = nvfp4(level.get("quant_recipe")) if level.get("learner_precision") == "nvfp4" else "fp32"
     if level.get("bf16"):

@@ -19,10 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 
 from triage.experiments.ablate import PARTIAL_SUFFIX, SCALES
 
+#: The classes whose ``triage/<class>/grad_share`` a run logs (they sum to 1 at a step with a gradient).
+GRAD_SHARE_CLASSES = ("consistent", "amplify_down", "correct_up", "amplify_up", "correct_down")
 SERIES = (
     "reward",
     "accuracy",
@@ -41,11 +44,7 @@ SERIES = (
     "seq_mean_delta_p1",
     "seq_mean_delta_p50",
     "mean_abs_dprob",
-    "grad_share/consistent",
-    "grad_share/amplify_down",
-    "grad_share/correct_up",
-    "grad_share/amplify_up",
-    "grad_share/correct_down",
+    *(f"grad_share/{c}" for c in GRAD_SHARE_CLASSES),
 )  # the early-warning signal (amplify-down share) included
 
 
@@ -113,11 +112,15 @@ def _window(values, first: bool, n: int = 10):
 
 def _below_band_grad(series: dict):
     """Per step, the share of the policy gradient's size (``triage/<class>/grad_share``) held by the tokens
-    below the band, δ < −τ (amplify-down + correct-up); None for runs that did not log it."""
+    below the band, δ < −τ (amplify-down + correct-up); None for runs that did not log it, and at steps
+    without a gradient (every class's share 0)."""
     down, up = series.get("grad_share/amplify_down"), series.get("grad_share/correct_up")
     if down is None or up is None:
         return None
-    return [None if a is None or b is None else a + b for a, b in zip(down, up)]
+    shares = [series.get(f"grad_share/{c}") or [None] * len(down) for c in GRAD_SHARE_CLASSES]
+    # a step with no gradient (every advantage zero: a collapsed run) logs 0 for every class: no share
+    total = [None if None in col else sum(col) for col in zip(*shares)]
+    return [None if a is None or b is None or not t else a + b for a, b, t in zip(down, up, total)]
 
 
 def _percent(value):
@@ -333,6 +336,13 @@ def main(argv=None) -> int:
     if len(checkpoints) > 1:  # a run's (level, arm, seed) means another run on another checkpoint
         ap.error(
             f"{', '.join(checkpoints.values())} come from different SFT checkpoints: summarize each on its own"
+        )
+    unknown = [name for name, v in sources.items() if not v]
+    if unknown and checkpoints:
+        print(
+            f"warning: {', '.join(unknown)} name no SFT checkpoint; read as runs of the one of "
+            f"{next(iter(checkpoints.values()))}",
+            file=sys.stderr,
         )
     runs = merge([r for e in earlier for r in e["runs"]] + load_runs(*map(Path, args.run_dir)))
     for spec in args.rename_arm:

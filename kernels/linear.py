@@ -198,7 +198,13 @@ class NVFP4LinearConfig(LayerConfig):
             against 6·M FLOP per element for a training step's GEMMs on M tokens (forward, dgrad, wgrad);
             at an H100's peak rates (3.35 TB/s, 989 TFLOP/s dense bf16) that is 8.6·989 / (3.35·6·M) ≈
             420/M of the GEMM time: ~2.6 % at M = 16384 tokens, ~5 % at 8192, three times that share for
-            a forward-only pass (old log-probs). nvfp4-backward adds W_qᵀ's transposition.
+            a forward-only pass (old log-probs). nvfp4-backward adds W_qᵀ's transposition. Under
+            ``torch.compile``, the layer's op id is a CPU tensor input of the graph: cudagraph trees take
+            such a graph only with inductor's graph partition on (``torch._inductor.config.graph_partition``;
+            on by default in recent torch — check the installed version's default). Not yet run on a GPU
+            (docs/kernels.md, "GPU check"). Switching a live layer to ``capturable`` continues its device
+            seed count (0 unless it ran capturable before), not the host count the cached layer keeps: the
+            seeds of its first backward calls then repeat earlier ones.
     """
 
     backward_modes: ClassVar[tuple[str, ...]] = BACKWARD_MODES
@@ -772,6 +778,16 @@ class NVFP4Linear(nn.Linear):
         self.register_buffer("_sr_calls", calls, persistent=False)
         self._plans: dict[tuple, _CallPlan] = {}
         _register(self)
+
+    def reset_parameters(self) -> None:
+        """``nn.Linear``'s initialisation, and the device seed count set from the host one: after
+        ``to_empty()`` (meta-device init: FSDP2, ``accelerate.init_empty_weights``) the non-persistent
+        ``_sr_calls`` holds whatever memory it got, and the initialisation that follows restores it."""
+        super().reset_parameters()
+        if "_sr_calls" in self._buffers:  # nn.Linear.__init__ calls this before _init_state
+            n = self._grad_calls[0]
+            with torch.no_grad():
+                self._sr_calls.copy_(torch.tensor([2 * n, 2 * n + 1], dtype=torch.int64))
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, config: NVFP4LinearConfig | None = None) -> NVFP4Linear:

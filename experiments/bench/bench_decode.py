@@ -15,8 +15,8 @@ Shapes (random weights, std 0.02, Qwen3 architecture from :mod:`triage.trainers.
   heads, MLP 1152; the ``testbed`` scale of ``triage ablate`` now trains 4 layers of hidden 448);
 * ``qwen3-4b-width``: Qwen3-4B's layer shape (hidden 2560, MLP 9728, 32 heads of 128, 8 KV heads), 4 layers.
 
-NVFP4 is the sampler copy's W4A4 (:func:`triage.kernels.convert`, per-token activation scales,
-compressed-tensors profile), the same conversion ``sampler_kwargs.precision: nvfp4`` applies.
+NVFP4 is the sampler copy's W4A4 (:func:`triage.kernels.convert`, per-row outer scales for weights and
+activations, compressed-tensors profile), the same conversion ``sampler_kwargs.precision: nvfp4`` applies.
 """
 
 from __future__ import annotations

@@ -401,6 +401,7 @@ def main(argv=None) -> int:
         )
     d = {k: v["delta"] for k, v in results.items()}
     print("\n(3) correlations of δ over tokens")
+    correlations = {}
     for x, y in (
         ("L-fp32 vs S-c", "L-nvfp4 vs S-c"),
         ("L-fp32 vs S-c", "L-fp32 vs L-nvfp4"),
@@ -409,16 +410,17 @@ def main(argv=None) -> int:
         ("L-fp32 vs S-a32", "L-fp32 vs L-nvfp4"),
         ("L-fp32 vs S-a", "L-fp32 vs L-nvfp4"),
     ):
-        print(f"    corr({x}, {y}) = {corr(d[x], d[y], mask):+.3f}")
+        correlations[f"{x} ~ {y}"] = c = corr(d[x], d[y], mask)
+        print(f"    corr({x}, {y}) = {c:+.3f}")
     # the telescoping chain: δ(L-fp32 vs S-c) = Σ of these steps (log μ_prev − log μ_next along the chain)
     print("\n(4) the chain L-fp32 → S-bf16 → S-a → S-b → S-c: each step's log π_prev − log π_next")
     m = mask.float()
+    chain = {}
     for a, b in (("L-fp32", "S-bf16"), ("S-bf16", "S-a"), ("S-a", "S-b"), ("S-b", "S-c")):
         step = scores[a][0] - scores[b][0]
-        print(
-            f"    {a:7} → {b:7}: mean {float((step * m).sum() / m.sum()):+.5f}, "
-            f"mean|·| {float((step.abs() * m).sum() / m.sum()):.5f}"
-        )
+        mean, mean_abs = float((step * m).sum() / m.sum()), float((step.abs() * m).sum() / m.sum())
+        chain[f"{a} -> {b}"] = {"mean": mean, "mean_abs": mean_abs}
+        print(f"    {a:7} → {b:7}: mean {mean:+.5f}, mean|·| {mean_abs:.5f}")
     if args.json:
         payload = {
             "args": vars(args),
@@ -427,12 +429,25 @@ def main(argv=None) -> int:
             "weights": wt,
             "tokens": int(mask.sum()),
             "pairs": {k: {kk: vv for kk, vv in v.items() if kk != "delta"} for k, v in results.items()},
+            "correlations": correlations,
+            "chain": chain,
+            "sft": _sft_record(args.model),
             "seconds": time.perf_counter() - t0,
         }
         Path(args.json).write_text(json.dumps(payload, indent=1))
         print(f"wrote {args.json}")
     print(f"total {time.perf_counter() - t0:.0f}s")
     return 0
+
+
+def _sft_record(model: str) -> dict | None:
+    """The checkpoint's SFT record (``sft.json`` beside it, as the testbed's SFT writes it): which checkpoint
+    the numbers are of (its size, steps and held-out accuracy), or None when the folder has none."""
+    path = Path(model) / "sft.json"
+    if not path.is_file():
+        return None
+    record = json.loads(path.read_text())
+    return {k: record.get(k) for k in ("params", "steps_done", "stopped_by", "final")}
 
 
 if __name__ == "__main__":

@@ -152,3 +152,11 @@ def test_plot_adds_the_gradient_share_panel_only_for_runs_that_logged_it(tmp_pat
 
     assert width([run]) == width([old]) * 6 // 5  # six panels of equal width instead of five
     assert width([old, run]) == width([run])
+
+
+def test_below_band_share_is_undefined_at_a_step_without_gradient():
+    """A collapsed run's zero-gradient step logs 0 for every class: no share (not 0 %), so it neither drags
+    the window means nor the figure's band to 0."""
+    series = {f"grad_share/{c}": [0.2, 0.0] for c in testbed_summary.GRAD_SHARE_CLASSES}
+    assert testbed_summary._below_band_grad(series) == [0.4, None]
+    assert testbed_summary._window(testbed_summary._below_band_grad(series), first=False) == 0.4

@@ -307,3 +307,14 @@ def test_reduce_overhead_captures_the_capturable_layer(monkeypatch, backward):
         seen.append(len(calls))
     assert counters["inductor"]["cudagraph_skips"] == 0
     assert seen[2] == seen[-1], seen  # steps 3-6: replays, the layer's Python never ran
+
+
+def test_meta_init_then_to_empty_and_reset_restores_the_seed_count():
+    """Meta-device init (FSDP2, accelerate's init_empty_weights): ``to_empty`` leaves the non-persistent
+    seed count uninitialised; ``reset_parameters`` (the initialisation that follows) restores it."""
+    with torch.device("meta"):
+        layer = NVFP4Linear(32, 48, config=NVFP4LinearConfig(capturable=True))
+    layer.to_empty(device="cpu")
+    layer._sr_calls.fill_(12345)  # what uninitialised memory may hold
+    layer.reset_parameters()
+    assert layer._sr_calls.tolist() == [0, 1]
