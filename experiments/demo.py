@@ -189,8 +189,11 @@ def describe_numerics(level: dict[str, Any]) -> tuple[str, str]:
     def nvfp4(recipe: dict[str, Any] | None) -> str:
         recipe = recipe or {}
         scale = recipe.get("scale", "tensor")
-        scale = {"row": "per-row (per-token activation)", "tensor": "tensor-wide"}.get(scale, scale)
-        return f"NVFP4 W4A4 ({scale} scales, {recipe.get('profile', 'te')} profile)"
+        scale = {
+            "row": "outer scales per token and per weight row",
+            "tensor": "tensor-wide outer scales",
+        }.get(scale, f"{scale} outer scales")
+        return f"NVFP4 W4A4 ({scale}, {recipe.get('profile', 'te')} profile)"
 
     learner = nvfp4(level.get("quant_recipe")) if level.get("learner_precision") == "nvfp4" else "fp32"
     if level.get("bf16"):
@@ -434,7 +437,9 @@ def format_report(report: dict[str, Any]) -> str:
         floor, kappa = triage_config.tail_floor, triage_config.guard_kappa
         parts = []
         if floor is not None:
-            parts.append(f"the hard floor (w = 0 for amplify-down δ < −{floor}) acts on {s1['floored']} tokens")
+            parts.append(
+                f"the hard floor (w = 0 for amplify-down δ < −{floor}) acts on {s1['floored']} tokens"
+            )
         if kappa is not None:
             parts.append(f"the sequence guard (κ = {kappa}) on {_pct(s1['guarded_frac'])} of the responses")
         if parts:
@@ -442,7 +447,7 @@ def format_report(report: dict[str, Any]) -> str:
         else:
             lines.append(
                 "  No hard floor and no sequence guard (the defaults): nothing zeroes a token or a response\n"
-                "  (docs/triage.md, \"Defaults: the rule and the evidence\")."
+                '  (docs/triage.md, "Defaults: the rule and the evidence").'
             )
     arms = list(runs)
     lines += ["", f"{cfg['steps']} steps".ljust(22) + "".join(_arm_name(a).rjust(20) for a in arms)]
