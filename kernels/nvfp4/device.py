@@ -361,9 +361,13 @@ def stream_key(key, SEED_PTR: tl.constexpr):
     """The stochastic-rounding key as uint32 from the quantizers' ``key`` argument (:func:`seed_arg`): the
     host's key, or with ``SEED_PTR`` a pointer to the int64 seed, whose key (``rng.seed_key``: fmix32 of
     ``seed + GOLDEN`` mod 2^32) is computed here from the value the seed holds when the kernel runs."""
+    # one return, both arms under the constexpr if: Triton compiles only the taken arm of an if/else, but
+    # visits a statement after an early return (casting the pointer to uint32 fails to compile for sm_90)
     if SEED_PTR:
-        return fmix32(tl.load(key).to(tl.uint32) + _GOLDEN)
-    return key.to(tl.uint32)
+        keyu = fmix32(tl.load(key).to(tl.uint32) + _GOLDEN)
+    else:
+        keyu = key.to(tl.uint32)
+    return keyu
 
 
 @triton.jit
