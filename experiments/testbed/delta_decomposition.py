@@ -235,6 +235,35 @@ def score(model, kind, batch, temperature, kv="native"):
     return result.logps, full, result.seconds
 
 
+@torch.no_grad()
+def score_learner_kv(model, batch, temperature, kv):
+    """A learner that rounds its keys and values the way the sampler's KV cache does: the prompt's prefill
+    through a ``kv`` cache (which calibrates its fp8 scales on the prompt's keys and values, as the sampler's
+    does, here the learner's own), then the whole completion in one teacher-forced forward through the same
+    cache. With a native cache this equals the plain learner forward (to 5e-7 on the smoke checkpoint); run
+    on the sampler's model it reproduces the sampler's token-by-token log-probs exactly. The counterfactual
+    "the learner emulates the sampler's KV format" (not a trainer option)."""
+    from triage.trainers.diagnostics import paths
+    from triage.trainers.sampling.hf import _kv_format
+    from triage.trainers.sampling.kvcache import cache_argument, kv_cache
+
+    ids, mask, pos, p = batch.input_ids, batch.attention_mask, batch.position_ids, batch.prompt_width
+    store: list = []
+    start = time.perf_counter()
+    with capture_distributions(store):
+        cache = kv_cache(model.config, _kv_format(kv), "tensor", attention_mask=mask[:, :p])
+        name = cache_argument(model)
+        out = model(input_ids=ids[:, :p], attention_mask=mask[:, :p], position_ids=pos[:, :p], use_cache=True,
+                    **{name: cache})  # fmt: skip
+        first = paths._token_logps(out.logits[:, -1:], ids[:, p : p + 1], temperature)
+        out = model(input_ids=ids[:, p:-1], attention_mask=mask[:, :-1], position_ids=pos[:, p:-1], use_cache=True,
+                    **{name: cache})  # fmt: skip
+        rest = paths._token_logps(out.logits, ids[:, p + 1 :], temperature)
+    logps = torch.cat([first, rest], dim=1)
+    logps = torch.where(batch.completion_mask, logps, torch.zeros((), dtype=logps.dtype))
+    return logps, torch.cat(store, dim=1), time.perf_counter() - start
+
+
 def pair_stats(lp_l, lp_s, full_l, full_s, mask) -> dict:
     from triage import token_gap
 
@@ -349,14 +378,19 @@ def main(argv=None) -> int:
         ("L-fp32", "learner", "native"),
         ("L-nvfp4", "learner", "native"),
         ("L-wq", "learner", "native"),
+        ("L-fp32-kv", "learner-kv", kv_c),
+        ("L-nvfp4-kv", "learner-kv", kv_c),
         ("S-bf16", "sampler", "native"),
         ("S-a32", "sampler", "native"),
         ("S-a", "sampler", "native"),
         ("S-b", "sampler", "native"),
         ("S-c", "sampler", kv_c),
     ):
-        model = models[{"L-wq": "S-a32", "S-c": "S-b"}.get(name, name)]
-        lp, full, secs = score(model, kind, batch, args.temperature, kv)
+        model = models[{"L-wq": "S-a32", "S-c": "S-b"}.get(name, name.removesuffix("-kv"))]
+        if kind == "learner-kv":
+            lp, full, secs = score_learner_kv(model, batch, args.temperature, kv)
+        else:
+            lp, full, secs = score(model, kind, batch, args.temperature, kv)
         scores[name] = (lp, full)
         print(f"  scored {name:8} ({kind}, kv={kv}) in {secs:.1f}s")
     # the sampler's own reported log-probs vs the S-c path (the scoring reproduces the sampling pass)
@@ -377,6 +411,8 @@ def main(argv=None) -> int:
         ("L-nvfp4", "S-b"),
         ("L-nvfp4", "S-c"),
         ("L-wq", "S-c"),
+        ("L-fp32-kv", "S-c"),  # the learner attends over K/V rounded with the sampler's fp8 scales
+        ("L-nvfp4-kv", "S-c"),
         ("L-fp32", "L-nvfp4"),  # the learner-side shift (π_fp32 vs π_nvfp4), "sampler" = L-nvfp4
         ("L-fp32", "L-wq"),
         # the sampler chain against S-c itself: how far each partial sampler is from the full one

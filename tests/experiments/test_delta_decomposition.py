@@ -39,3 +39,31 @@ def test_delta_decomposition_runs_and_orders_the_errors(tmp_path, torch_twins):
         "S-a -> S-b",
         "S-b -> S-c",
     }
+
+
+def test_the_kv_rounding_learner_is_the_learner_or_the_sampler_it_emulates(tmp_path, torch_twins):
+    """``score_learner_kv``: with a native cache it is the plain learner forward; on the sampler's own model
+    with the fp8 cache it gives the sampler's token-by-token log-probs bit for bit."""
+    import importlib.util
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from triage.experiments.ablate import SCALES
+    from triage.experiments.sft import ensure_sft_checkpoint
+
+    spec = importlib.util.spec_from_file_location("delta_decomposition", SCRIPT)
+    dd = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dd)
+    sft = tmp_path / "sft"
+    ensure_sft_checkpoint(SCALES["smoke"].sft, sft, log=lambda *_: None)
+    tok = AutoTokenizer.from_pretrained(sft)
+    master = AutoModelForCausalLM.from_pretrained(sft, dtype=torch.float32).eval().requires_grad_(False)
+    recipe = dd.level("nvfp4-row-fp8kv")["sampler_kwargs"]["quant_recipe"]
+    sampler = dd.sampler_copy(master, precision="nvfp4", quant_recipe=recipe)
+    batch, _ = dd.sample(sampler, tok, dd.prompts(2, 0), 2, 1.3, 12, "fp8_e4m3", 0)
+    mask = batch.completion_mask
+    learner = dd.score(master, "learner", batch, 1.3)[0]
+    assert (learner - dd.score_learner_kv(master, batch, 1.3, "native")[0])[mask].abs().max() < 1e-5
+    decode = dd.score(sampler, "sampler", batch, 1.3, "fp8_e4m3")[0]
+    assert torch.equal(decode[mask], dd.score_learner_kv(sampler, batch, 1.3, "fp8_e4m3")[0][mask])
