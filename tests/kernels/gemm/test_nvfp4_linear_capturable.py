@@ -10,6 +10,7 @@ import importlib
 
 import pytest
 import torch
+from _train_step import train_step
 from torch import nn
 
 from triage.kernels import NVFP4Linear, NVFP4LinearConfig
@@ -48,16 +49,6 @@ def _adamw(model):
         return torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
 
 
-def _step(model, opt, x, dy):
-    x = x.clone().requires_grad_()
-    y = model(x)
-    y.backward(dy)
-    grads = [x.grad] + [p.grad.clone() for p in model.parameters()]
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return y.detach(), grads
-
-
 @pytest.mark.parametrize(
     "backward, rows, backend",
     [("bf16-backward", 8, None), ("nvfp4-backward", 8, None), ("bf16-backward", 8, "aot_eager"),
@@ -77,8 +68,8 @@ def test_capturable_gives_the_cached_bits(backward, rows, backend):
     g = torch.Generator().manual_seed(1)
     for step in range(3):
         x, dy = torch.randn(2, rows, 32, generator=g), torch.randn(2, rows, 16, generator=g)
-        y_a, grads_a = _step(run_a, opt_a, x, dy)
-        y_b, grads_b = _step(run_b, opt_b, x, dy)
+        y_a, grads_a = train_step(run_a, opt_a, x, dy)
+        y_b, grads_b = train_step(run_b, opt_b, x, dy)
         assert torch.equal(y_a, y_b), step
         for a, b in zip(grads_a, grads_b):
             assert torch.equal(a, b), step
@@ -216,7 +207,7 @@ def test_the_compiled_capturable_op_reads_nothing_on_the_host(monkeypatch, captu
     model = model if capturable else cached
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     x, dy = torch.randn(80, 32), torch.randn(80, 16)
-    _step(compiled, _adamw(model), x, dy)  # compiles, and fills the caches of the cached layers
+    train_step(compiled, _adamw(model), x, dy)  # compiles, and fills the caches of the cached layers
     allowed = {m._op_id.data_ptr() for m in model if isinstance(m, NVFP4Linear)}
     _forbid_host_reads(monkeypatch, allowed)
     if capturable:
@@ -270,7 +261,7 @@ def test_cuda_graph_replays_give_the_cached_bits(backward):
         y_b = static_y.detach().clone()
         grads_b = [static_x.grad.clone()] + [p.grad.clone() for p in capturable.parameters()]
         opt_b.step()  # eager, on the graph's gradients: the next replay reads the new weights
-        y_a, grads_a = _step(cached, opt_a, x, dy)
+        y_a, grads_a = train_step(cached, opt_a, x, dy)
         assert torch.equal(y_a, y_b), step
         for a, b in zip(grads_a, grads_b):
             assert torch.equal(a, b), step
@@ -299,8 +290,8 @@ def test_reduce_overhead_captures_the_capturable_layer(monkeypatch, backward):
     for step in range(6):
         x, dy = _inputs(g)
         torch.compiler.cudagraph_mark_step_begin()
-        y_b, grads_b = _step(compiled, opt_b, x, dy)
-        y_a, grads_a = _step(cached, opt_a, x, dy)
+        y_b, grads_b = train_step(compiled, opt_b, x, dy)
+        y_a, grads_a = train_step(cached, opt_a, x, dy)
         assert torch.equal(y_a, y_b), step
         for a, b in zip(grads_a, grads_b):
             assert torch.equal(a, b), step

@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 import torch
+from _train_step import train_step
 from torch import nn
 
 from triage.kernels import NVFP4Linear, NVFP4LinearConfig
@@ -18,16 +19,6 @@ def _model(backward: str) -> nn.Module:
     torch.manual_seed(0)
     cfg = NVFP4LinearConfig(backward=backward)
     return nn.Sequential(NVFP4Linear(32, 48, config=cfg), nn.GELU(), NVFP4Linear(48, 16, config=cfg))
-
-
-def _step(model, opt, x, dy):
-    x = x.clone().requires_grad_()
-    y = model(x)
-    y.backward(dy)
-    grads = [x.grad] + [p.grad.clone() for p in model.parameters()]
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return y.detach(), grads
 
 
 @pytest.mark.parametrize(
@@ -50,8 +41,8 @@ def test_compiled_model_matches_eager_bit_for_bit(backward, backend):
                 m.invalidate_cache()
         with torch.no_grad():
             y_fresh = fresh(x)
-        y_e, grads_e = _step(eager, opt_e, x, dy)
-        y_c, grads_c = _step(compiled, opt_c, x, dy)
+        y_e, grads_e = train_step(eager, opt_e, x, dy)
+        y_c, grads_c = train_step(compiled, opt_c, x, dy)
         assert torch.equal(y_e, y_c) and torch.equal(y_c, y_fresh), step
         for a, b in zip(grads_e, grads_c):
             assert torch.equal(a, b), step
@@ -117,7 +108,9 @@ def test_op_checks():
     )  # fmt: skip
 
 
-@pytest.mark.skipif(not hasattr(torch.Tag, "cudagraph_unsafe"), reason="this torch has no cudagraph_unsafe tag")
+@pytest.mark.skipif(
+    not hasattr(torch.Tag, "cudagraph_unsafe"), reason="this torch has no cudagraph_unsafe tag"
+)
 def test_cuda_graphs_leave_the_ops_out():
     """The ops keep the weight cache and the rounding counter outside any graph: a CUDA graph replay would
     skip them, so they are tagged ``cudagraph_unsafe`` (torch.compile's "reduce-overhead" leaves them out)."""
