@@ -94,6 +94,7 @@ LEVELS = (
     "nvfp4-tensor-fp8kv",
     "nvfp4-coarse-fp8kv",
     "pair",
+    "pair-row",
     "realistic",
     "realistic-bf16-learner",
 )

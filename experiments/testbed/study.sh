@@ -18,12 +18,13 @@
 # Levels: experiments/recipes/levels/*.yaml ("fp32 learner" = no autocast, fp32 weights and activations):
 #   aligned             fp32 learner; the sampler is the learner's own model (shared), native KV cache
 #   bf16-sampler        fp32 learner; a bf16 sampler copy, native KV cache
-#   nvfp4-row           fp32 learner; an NVFP4 W4A4 sampler copy, per-token activation scales
-#                       (compressed-tensors profile), native KV cache
+#   nvfp4-row           fp32 learner; an NVFP4 W4A4 sampler copy, per-row weight and per-token activation
+#                       scales (compressed-tensors profile), native KV cache
 #   nvfp4-row-fp8kv     the same with an fp8 e4m3 KV cache (the tiny preset's sampler)
 #   nvfp4-tensor-fp8kv  fp32 learner; NVFP4 sampler with one tensor-wide activation amax (TE profile), fp8 KV
 #   nvfp4-coarse-fp8kv  deliberately larger: 16x16 scale tiles, tensor amax, stochastic rounding, fp8 KV
 #   pair                NVFP4 learner (TE, tensor-wide amax) vs the tiny preset's NVFP4 sampler, no autocast
+#   pair-row            NVFP4 learner on the sampler's own recipe (per-row/per-token) vs the same sampler
 #   realistic           the tiny preset as shipped (NVFP4 learner under bf16 autocast)
 set -u
 R=${RUN_DIR:-runs/testbed}
