@@ -30,7 +30,8 @@ per-tile scale is the same for W and Wᵀ, so W_qᵀ is W_q's codes and scales t
 quantization, bit-identical to quantizing Wᵀ). H is orthogonal and applied to both wgrad operands along
 the contraction dim, so H·Hᵀ = I cancels inside the product; it spreads outliers before quantizing.
 Stochastic rounding keeps the gradient estimator unbiased; its seed is ``grad.seed`` plus a per-
-module call counter (deterministic run to run, different every step: :func:`_rounding_seeds`).
+module call counter (deterministic run to run, different every step: :func:`_rounding_seeds`; a
+``capturable`` layer counts its forwards instead, below).
 
 Forward GEMM: for more than ``SMALL_M`` rows the activation quantizer also writes the exact bf16 ``q·s``
 (``emit_expanded``) and the GEMM runs on expansions (see :mod:`triage.kernels.nvfp4.matmul`); decode-sized
@@ -64,25 +65,39 @@ operand (per weight update for W), no host sync.
 
 Call plans. What a call derives from its input's signature alone (rows, the large-M choice, the Triton
 quantizers' tiles and launch arguments, the checks ``quantize`` makes, the GEMMs' plans) is a
-:class:`_CallPlan`, built once per (shape, dtype, device) under the layer's current config; a call only
-allocates and launches. The one host read left is a cuBLAS GEMM's ``alpha`` (large M, see
-:mod:`triage.kernels.nvfp4.matmul`): a dynamic activation scale read per call, the cached weight's once per
-update.
+:class:`_CallPlan`, built once per (shape, dtype, device) under the layer's current config and kept in one
+cache for all layers (:func:`_plan`: keyed also by the weight's shape and dtype and the bias's dtype, so
+layers of equal configs and shapes share plans); a call only allocates and launches. The one host read
+left is a cuBLAS GEMM's ``alpha`` (large M, see :mod:`triage.kernels.nvfp4.matmul`): a dynamic activation
+scale read per call, the cached weight's once per update.
 
 Capturable (``NVFP4LinearConfig(capturable=True)``): a call that a CUDA graph can capture and replay. W_q
 is quantized on the device at every forward (no weight-cache check, which is Python a replay would skip),
 the GEMM plans read no outer scale on the host (``gemm_plan(host_scales=False)``: the Triton GEMM, or
 cuBLAS with an fp32 output, where the cached layer's would take cuBLAS's host alpha), and the
-stochastic-rounding seeds of nvfp4-backward are an int64 device tensor the call advances by a device op
-and the quantizers read on the device, so each replay draws the next seeds. The same quantizers and seeds
-as the cached layer, so the same bits wherever both run the same GEMM.
+stochastic-rounding seeds of nvfp4-backward are an int64 device tensor, which the quantizers read on the
+device. The seed rule: the seeds are drawn by the **forward**, where a backward can follow (grad mode on
+and x, W or b requiring grad): the layer's count ``_sr_calls`` (a buffer, ``[2n, 2n + 1]`` after n draws)
+is advanced in place by a device op, as BatchNorm's forward advances its running statistics, and the
+backward of that forward uses ``grad.seed + 2n``, ``grad.seed + 2n + 1`` (:func:`_device_seeds`), saved
+with its other tensors. So each replay of a captured forward draws the next seeds. A no-grad forward (old
+log-probs, sampling) draws nothing. A recomputed forward (activation checkpointing) draws again and its
+backward uses the recompute's seeds: non-reentrant checkpointing (whose first forward runs with grad)
+advances the count twice per step, reentrant (first forward under no_grad) once. When each forward with
+grad has one backward (no checkpointing), the n-th backward gets the cached layer's n-th seeds (the
+cached layer counts backwards, on the host), so the two layers give the same bits wherever both run the
+same GEMM; a second backward through one forward (``retain_graph``) reuses its seeds.
 
 torch.compile. Under compilation the layer is the ``torch.library`` custom op ``triage::nvfp4_linear``
 (:func:`nvfp4_linear_op`, backward :func:`nvfp4_linear_backward_op`), or for a capturable config
 ``triage::nvfp4_linear_capturable`` (:func:`nvfp4_linear_capturable_op`, backward
-:func:`nvfp4_linear_capturable_backward_op`; one definition, two registrations: only the cached layer's ops
-are tagged ``cudagraph_unsafe``): the same forward and backward code, weight cache (or per-call W_q) and
-plans as the eager path, as one opaque op each, so ``fullgraph=True`` works and the bits are the eager ones.
+:func:`nvfp4_linear_capturable_backward_op`; only the cached layer's ops are tagged ``cudagraph_unsafe``):
+the same forward and backward code, weight cache (or per-call W_q) and plans as the eager path, as one
+opaque op each, so ``fullgraph=True`` works and the bits are the eager ones. The cached op finds its layer
+(weight cache, host seed count) by the layer's op id, a CPU tensor input of the graph. The capturable op
+takes no layer: its inputs are x, W, b, the seeds (a device tensor, drawn beside it by the layer's
+forward) and the config's key, a ``str`` constant shared by every layer of an equal config (one graph for
+all of them); nothing in its graph is a CPU tensor, which a CUDA graph could not hold.
 
 Gradients are returned in the dtypes of x and W. The quantization and both backward GEMMs run with the
 backends of :mod:`triage.kernels.nvfp4` (Triton on CUDA, torch reference on CPU; ``backend=`` overrides).
@@ -122,8 +137,8 @@ __all__ = [
 ]
 
 BACKWARD_MODES = ("bf16-backward", "nvfp4-backward")
-#: Input signatures (shape, dtype, device) whose call plans an NVFP4Linear keeps (oldest dropped first).
-_PLANS_KEPT = 16
+#: Call signatures whose plans are kept, for all layers together (:func:`_plan`; oldest dropped first).
+_PLANS_KEPT = 256
 
 #: The weight generation (module docstring): bumped after every optimizer step and by
 #: :func:`invalidate_weight_caches`; part of every quantized-weight cache key.
@@ -198,13 +213,15 @@ class NVFP4LinearConfig(LayerConfig):
             against 6·M FLOP per element for a training step's GEMMs on M tokens (forward, dgrad, wgrad);
             at an H100's peak rates (3.35 TB/s, 989 TFLOP/s dense bf16) that is 8.6·989 / (3.35·6·M) ≈
             420/M of the GEMM time: ~2.6 % at M = 16384 tokens, ~5 % at 8192, three times that share for
-            a forward-only pass (old log-probs). nvfp4-backward adds W_qᵀ's transposition. Under
-            ``torch.compile``, the layer's op id is a CPU tensor input of the graph: cudagraph trees take
-            such a graph only with inductor's graph partition on (``torch._inductor.config.graph_partition``;
-            on by default in recent torch — check the installed version's default). Not yet run on a GPU
-            (docs/kernels.md, "GPU check"). Switching a live layer to ``capturable`` continues its device
-            seed count (0 unless it ran capturable before), not the host count the cached layer keeps: the
-            seeds of its first backward calls then repeat earlier ones.
+            a forward-only pass (old log-probs). nvfp4-backward adds W_qᵀ's transposition. Seeds: drawn by
+            each forward that a backward can follow (grad mode on, an input requiring grad), not by the
+            backward; a no-grad forward draws none, a recomputed (checkpointed) forward draws again (module
+            docstring, "Capturable"). Under ``torch.compile`` the op takes no CPU tensor and no per-layer
+            constant (the config is a ``str`` key shared by equal configs), so cudagraph trees
+            (``mode="reduce-overhead"``) can hold its graph (not yet run on a GPU: docs/kernels.md, "GPU
+            check"). Switching a live layer to ``capturable`` continues its device seed count (0 unless it
+            ran capturable before), not the host count the cached layer keeps: the seeds of its first
+            backward calls then repeat earlier ones.
     """
 
     backward_modes: ClassVar[tuple[str, ...]] = BACKWARD_MODES
@@ -229,6 +246,33 @@ class NVFP4LinearConfig(LayerConfig):
                 raise ValueError("NVFP4LinearConfig.grad (dgrad dy) cannot use Hadamard: W_qᵀ did not")
         if not isinstance(self.capturable, bool):
             raise TypeError(f"NVFP4LinearConfig.capturable must be a bool, got {self.capturable!r}")
+        _register_config(self)
+
+    def __setstate__(self, state: dict) -> None:
+        """Unpickled (or deep-copied): the same fields, and the key registered in this process too."""
+        self.__dict__.update(state)
+        _register_config(self)
+
+
+#: Every NVFP4LinearConfig by its key (:func:`_register_config`): the capturable op names its config by
+#: the key, a ``str`` argument, so that the compiled graph holds a constant shared by all layers of equal
+#: configs (no per-layer input, no recompile per layer) and the op body finds the config here.
+_CONFIGS: dict[str, NVFP4LinearConfig] = {}
+
+
+def _register_config(config: NVFP4LinearConfig) -> None:
+    """Give ``config`` its key, ``config._op_key``: its ``repr`` (every field, deterministic: equal configs
+    have one key, run to run), and register it under that key (the first of equal configs stays)."""
+    key = repr(config)
+    object.__setattr__(config, "_op_key", key)  # frozen: not a field (no part of eq, hash or repr)
+    _CONFIGS.setdefault(key, config)
+
+
+def _config_of(key: str) -> NVFP4LinearConfig:
+    config = _CONFIGS.get(key)
+    if config is None:
+        raise RuntimeError(f"triage::nvfp4_linear_capturable: no NVFP4LinearConfig has the key {key!r}")
+    return config
 
 
 def _quantize(
@@ -388,7 +432,8 @@ class _WeightCache:
         self.misses = 0
 
     def get(self, weight: torch.Tensor, config: NVFP4LinearConfig) -> _QuantizedWeight:
-        key = (*weight_key(weight), config)  # what it holds depends on the config (W_qᵀ, expansions), not only W's recipe
+        # what it holds depends on the config (W_qᵀ, expansions), not only W's recipe
+        key = (*weight_key(weight), config)
         if key == self.key:
             self.hits += 1
             return self.entry
@@ -423,8 +468,8 @@ def _large_m(config: NVFP4LinearConfig, rows: int, device: torch.device) -> bool
 @dataclass(frozen=True)
 class _CallPlan:
     """The data-independent part of one ``NVFP4Linear`` call (forward and backward) for an input signature
-    (shape, dtype, device; the layer's config): built once per signature (:meth:`NVFP4Linear._plan`), so
-    that a call runs the quantizers and GEMMs without re-deriving shapes, backends and tiles.
+    (shape, dtype, device; the layer's config, shape and dtypes): built once per signature (:func:`_plan`),
+    so that a call runs the quantizers and GEMMs without re-deriving shapes, backends and tiles.
 
     ``large``: the forward and dgrad GEMMs (M = tokens) run on expansions, so x_q and dy_q are quantized
     with their exact bf16 ``q·s``; ``large_wgrad`` the same for the wgrad GEMM (M = out_features).
@@ -464,6 +509,26 @@ class _CallPlan:
         return plan.run(a, b, bias=bias, b_expanded=b_expanded, b_scale_host=b_scale_host)
 
 
+#: Call plans by signature (:func:`_plan`), shared by every layer.
+_PLANS: dict[tuple, _CallPlan] = {}
+
+
+def _plan(
+    config: NVFP4LinearConfig, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> _CallPlan:
+    """The :class:`_CallPlan` of a call on ``x`` under ``config`` with this weight and bias, from one cache
+    for all layers: keyed by the config's key, x's shape, dtype and device, the weight's shape and dtype
+    and the bias's dtype (what the plan and its GEMM plans depend on), so layers of equal configs and shapes
+    share plans; the most recent :data:`_PLANS_KEPT` signatures are kept. Nothing of a layer's data."""
+    key = (config._op_key, x.shape, x.dtype, x.device, weight.shape, weight.dtype, bias is None or bias.dtype)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= _PLANS_KEPT:
+            _PLANS.pop(next(iter(_PLANS)))
+        plan = _PLANS[key] = _call_plan(config, x, weight.shape[0])
+    return plan
+
+
 def _call_plan(config: NVFP4LinearConfig, x: torch.Tensor, out_features: int) -> _CallPlan:
     K = x.shape[-1]
     rows = x.numel() // K
@@ -485,14 +550,18 @@ def _call_plan(config: NVFP4LinearConfig, x: torch.Tensor, out_features: int) ->
         if nvfp4_bwd
         else None,
         xt_recipe=xt_recipe,
-        xt_plan=_columns_plan(xt_recipe, backend, (rows, K), x.dtype, x.device, large_wgrad) if nvfp4_bwd else None,
+        xt_plan=_columns_plan(xt_recipe, backend, (rows, K), x.dtype, x.device, large_wgrad)
+        if nvfp4_bwd
+        else None,
         dyt_plan=_columns_plan(config.wgrad, backend, (rows, out_features), x.dtype, x.device, large_wgrad)
         if nvfp4_bwd
         else None,
     )
 
 
-def _linear_forward(x: torch.Tensor, bias: torch.Tensor | None, plan: _CallPlan, w: _QuantizedWeight) -> torch.Tensor:
+def _linear_forward(
+    x: torch.Tensor, bias: torch.Tensor | None, plan: _CallPlan, w: _QuantizedWeight
+) -> torch.Tensor:
     """``y = Q(x)·Q(W)ᵀ + b`` for ``x`` of ``plan``'s signature and W_q ``w`` (module docstring)."""
     config = plan.config
     x2 = x.reshape(plan.rows, plan.in_features)
@@ -509,18 +578,32 @@ def _linear_forward(x: torch.Tensor, bias: torch.Tensor | None, plan: _CallPlan,
     return y.reshape(*plan.lead, plan.out_features)
 
 
-def _rounding_seeds(config: NVFP4LinearConfig, layer: NVFP4Linear) -> tuple:
-    """The stochastic-rounding seeds of ``layer``'s next nvfp4-backward call, ``(dy's, dyᵀ's)``: call n (from
-    1) draws ``grad.seed + 2n`` and ``grad.seed + 2n + 1`` (deterministic run to run, new every call). The
-    count is the host int ``layer._grad_calls``, or, ``capturable``, the device tensor ``layer._sr_calls`` =
-    ``[2n, 2n + 1]``, advanced by a device op: a CUDA graph replays the advance, and the quantizers read
-    the seeds on the device (:mod:`triage.kernels.nvfp4.rng`), so every replay draws new ones."""
-    if config.capturable:
-        seeds = layer._sr_calls.add_(2) + config.grad.seed
-        return seeds[0], seeds[1]
+def _rounding_seeds(config: NVFP4LinearConfig, layer: NVFP4Linear) -> tuple[int, int]:
+    """The stochastic-rounding seeds of a cached (not ``capturable``) ``layer``'s next nvfp4-backward call,
+    ``(dy's, dyᵀ's)``, drawn at the backward: call n (from 1) draws ``grad.seed + 2n`` and ``grad.seed + 2n +
+    1`` (deterministic run to run, new every call), n the host int ``layer._grad_calls``."""
     layer._grad_calls[0] += 1
     seed = (config.grad.seed + 2 * layer._grad_calls[0]) % 2**32
     return seed, (seed + 1) % 2**32
+
+
+def _draws_seeds(
+    config: NVFP4LinearConfig, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> bool:
+    """Whether a ``capturable`` nvfp4-backward forward on ``x`` draws its backward's seeds
+    (:func:`_device_seeds`): when a backward can follow, i.e. grad mode is on and x, W or b requires grad."""
+    if not (config.capturable and config.backward == "nvfp4-backward" and torch.is_grad_enabled()):
+        return False
+    return x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+
+
+def _device_seeds(config: NVFP4LinearConfig, sr_calls: torch.Tensor) -> torch.Tensor:
+    """The stochastic-rounding seeds of a ``capturable`` layer's backward, drawn at its forward (the rule:
+    module docstring, "Capturable"): ``sr_calls`` (the layer's ``_sr_calls``, ``[2n, 2n + 1]`` after n draws)
+    advanced in place by a device op, and the seeds ``grad.seed + [2n, 2n + 1]`` of the n-th draw as a new
+    int64 device tensor ``[dy's, dyᵀ's]``, which the quantizers read on the device
+    (:mod:`triage.kernels.nvfp4.rng`). A CUDA graph replays the advance: every replay draws new seeds."""
+    return sr_calls.add_(2) + config.grad.seed
 
 
 def _linear_backward(
@@ -529,14 +612,14 @@ def _linear_backward(
     weight: torch.Tensor,
     plan: _CallPlan,
     weight_t: NVFP4Tensor | None,
-    layer: NVFP4Linear,
+    seeds: tuple[int, int] | torch.Tensor | None,
     bias_dtype: torch.dtype | None,
     needs: tuple[bool, bool, bool],
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``(dx, dW, db)`` of ``y = Q(x)·Q(W)ᵀ + b`` under the straight-through rule of ``plan.config.backward``
     (module docstring), each None unless ``needs`` asks for it (db also None without a bias).
-    ``weight_t``: the forward's W_qᵀ (nvfp4-backward); ``layer``: whose stochastic-rounding seeds an
-    nvfp4-backward call draws (:func:`_rounding_seeds`)."""
+    ``weight_t``: the forward's W_qᵀ and ``seeds`` the stochastic-rounding seeds ``(dy's, dyᵀ's)``, host ints
+    (:func:`_rounding_seeds`) or a device tensor (:func:`_device_seeds`), in nvfp4-backward (else None)."""
     config = plan.config
     dy2 = dy.reshape(plan.rows, plan.out_features)
     x2 = x.reshape(plan.rows, plan.in_features)
@@ -547,7 +630,7 @@ def _linear_backward(
         if needs[1]:
             dw = (dy2.T @ x2.to(dy2.dtype)).to(weight.dtype)
     else:
-        seed, seed_t = _rounding_seeds(config, layer)
+        seed, seed_t = seeds[0], seeds[1]
         backend = config.quant_backend
         if needs[0]:
             dy_plan = plan.dy_plan if dy2.dtype == x.dtype else None
@@ -566,14 +649,30 @@ def _linear_backward(
     return dx, dw, db
 
 
+def _backward_seeds(config: NVFP4LinearConfig, seeds: torch.Tensor | None, layer: NVFP4Linear | None):
+    """The seeds a backward uses: None in bf16-backward, those its forward drew (``seeds``) under a
+    ``capturable`` config, else drawn now from ``layer``'s host count (:func:`_rounding_seeds`)."""
+    if config.backward != "nvfp4-backward":
+        return None
+    if config.capturable:
+        if seeds is None or seeds.numel() != 2:
+            raise RuntimeError(
+                "NVFP4Linear (capturable, nvfp4-backward): this backward's forward drew no stochastic-"
+                "rounding seeds (it ran with grad mode off, or with no input requiring grad)"
+            )
+        return seeds
+    return _rounding_seeds(config, layer)
+
+
 class _NVFP4LinearFn(torch.autograd.Function):
     """Autograd of ``y = Q(x)·Q(W)ᵀ + b`` with straight-through gradients (see the module docstring): the
-    eager path."""
+    eager path. ``seeds``: what a capturable forward drew for its backward (:func:`_device_seeds`), else
+    None (a cached layer's backward draws from ``layer``'s host count)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, plan: _CallPlan, w: _QuantizedWeight, layer: NVFP4Linear):
+    def forward(ctx, x, weight, bias, plan: _CallPlan, w: _QuantizedWeight, seeds, layer: NVFP4Linear):
         y = _linear_forward(x, bias, plan, w)
-        ctx.save_for_backward(x, weight)
+        ctx.save_for_backward(x, weight, seeds)  # saved, as the op's are: a checkpoint's recompute redraws
         ctx.plan = plan
         ctx.weight_t = w.transposed  # the forward's W_qᵀ (nvfp4-backward), whatever the cache holds later
         ctx.layer = layer
@@ -582,21 +681,25 @@ class _NVFP4LinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
+        x, weight, seeds = ctx.saved_tensors
         needs = tuple(ctx.needs_input_grad[:3])
-        dx, dw, db = _linear_backward(dy, x, weight, ctx.plan, ctx.weight_t, ctx.layer, ctx.bias_dtype, needs)
-        return dx, dw, db, None, None, None
+        seeds = _backward_seeds(ctx.plan.config, seeds, ctx.layer)
+        dx, dw, db = _linear_backward(dy, x, weight, ctx.plan, ctx.weight_t, seeds, ctx.bias_dtype, needs)
+        return dx, dw, db, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------------
 # torch.library custom ops: the same forward and backward as one opaque op each, for torch.compile
 # ---------------------------------------------------------------------------------------------------
 
-#: Live layers by their op id: the ops find the layer's config, call plans, weight cache and stochastic-
-#: rounding counter here. A layer passes its id as ``NVFP4Linear._op_id``, a 0-d int64 CPU tensor (a plain
-#: attribute: no buffer, so ``.to()`` leaves it on the CPU and the state_dict does not hold it). A tensor is
-#: an input of the compiled graph, guarded by its dtype, device and shape only, so every NVFP4Linear of one
-#: signature shares one graph; an int attribute would be a graph constant, one recompile per layer.
+#: Live layers by their op id, for the cached layer's op ``triage::nvfp4_linear``, which needs the layer
+#: itself (its weight cache and host stochastic-rounding count) and finds it here. A layer passes its id as
+#: ``NVFP4Linear._op_id``, a 0-d int64 CPU tensor (a plain attribute: no buffer, so ``.to()`` leaves it on
+#: the CPU and the state_dict does not hold it). A tensor is an input of the compiled graph, guarded by its
+#: dtype, device and shape only, so every NVFP4Linear of one signature shares one graph; an int attribute
+#: would be a graph constant, one recompile per layer. The capturable op takes no op id (a CPU input is what
+#: a CUDA graph cannot hold): everything it needs is an argument (the seed count a device tensor, the
+#: config a ``str`` key, :data:`_CONFIGS`).
 _LAYERS: weakref.WeakValueDictionary[int, NVFP4Linear] = weakref.WeakValueDictionary()
 _layer_ids = itertools.count()
 
@@ -623,21 +726,17 @@ def _tags(*names: str) -> tuple:
     return tuple(getattr(torch.Tag, n) for n in names if hasattr(torch.Tag, n))
 
 
-def _op_forward(
+def _forward_outputs(
+    config: NVFP4LinearConfig,
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    layer: torch.Tensor,
-    nvfp4_backward: bool,
+    w: _QuantizedWeight,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The forward of NVFP4Linear ``layer`` (its op id tensor) as one op: ``(y, W_qᵀ codes, W_qᵀ scales, W_qᵀ
-    outer scale)``, the last three the forward's transposed weight for nvfp4-backward (empty otherwise).
-    ``nvfp4_backward``: whether the layer's config is ``nvfp4-backward`` (the output shapes depend on it; the
-    fake cannot read the id). Same code, weight cache (or per-call W_q) and plans as the eager forward, so the
-    same bits."""
-    mod = _layer_of(layer)
-    w = mod._quantized_weight(weight)
-    y = _linear_forward(x, bias, mod._plan(x), w)
+    """Both forward ops' core: ``(y, W_qᵀ codes, W_qᵀ scales, W_qᵀ outer scale)`` for W_q ``w``, the last
+    three the forward's transposed weight for nvfp4-backward (empty otherwise). The eager forward's code and
+    plans, so the same bits."""
+    y = _linear_forward(x, bias, _plan(config, x, weight, bias), w)
     wt = w.transposed
     if wt is None:
         return y, _empty(x.device), _empty(x.device, torch.float8_e4m3fn), _empty(x.device, torch.float32)
@@ -645,18 +744,100 @@ def _op_forward(
     return y, wt.data.detach(), wt.scale.detach(), wt.global_scale.detach()
 
 
-def _op_forward_fake(x, weight, bias, layer, nvfp4_backward):
+def _forward_fake(x: torch.Tensor, weight: torch.Tensor, nvfp4_backward: bool) -> tuple:
     n, k = weight.shape
     y = x.new_empty((*x.shape[:-1], n))
     if not nvfp4_backward:
-        return y, x.new_empty(0, dtype=torch.uint8), x.new_empty(0, dtype=torch.float8_e4m3fn), x.new_empty(
-            0, dtype=torch.float32
+        return (
+            y,
+            x.new_empty(0, dtype=torch.uint8),
+            x.new_empty(0, dtype=torch.float8_e4m3fn),
+            x.new_empty(0, dtype=torch.float32),
         )
     return (
         y,
         x.new_empty((k, n // 2), dtype=torch.uint8),
         x.new_empty((k, n // 16), dtype=torch.float8_e4m3fn),
         x.new_empty((), dtype=torch.float32),
+    )
+
+
+def _op_forward(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    layer: torch.Tensor,
+    nvfp4_backward: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``triage::nvfp4_linear``, the forward of the cached NVFP4Linear ``layer`` (its op id tensor) as one op
+    (:func:`_forward_outputs`, W_q from the layer's weight cache). ``nvfp4_backward``: whether the layer's
+    config is ``nvfp4-backward`` (the output shapes depend on it; the fake cannot read the id)."""
+    mod = _layer_of(layer)
+    return _forward_outputs(mod.config, x, weight, bias, mod._quantized_weight(weight))
+
+
+def _op_forward_fake(x, weight, bias, layer, nvfp4_backward):
+    return _forward_fake(x, weight, nvfp4_backward)
+
+
+def _capturable_forward(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    seeds: torch.Tensor | None,
+    config: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``triage::nvfp4_linear_capturable``, the forward of a ``capturable`` NVFP4Linear as one op
+    (:func:`_forward_outputs`, W_q quantized now). ``seeds``: the stochastic-rounding seeds the layer drew
+    for this call's backward (:func:`_device_seeds`, a device tensor; None where no backward can follow or
+    in bf16-backward), passed on to the backward op. ``config``: the config's key (:data:`_CONFIGS`). No
+    layer and no host tensor: one op and one graph serve every layer of an equal config."""
+    cfg = _config_of(config)
+    return _forward_outputs(cfg, x, weight, bias, _quantize_weight(weight, cfg))
+
+
+def _capturable_forward_fake(x, weight, bias, seeds, config):
+    return _forward_fake(x, weight, _config_of(config).backward == "nvfp4-backward")
+
+
+def _backward_outputs(
+    config: NVFP4LinearConfig,
+    seeds: tuple[int, int] | torch.Tensor | None,
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    wt_data: torch.Tensor,
+    wt_scale: torch.Tensor,
+    wt_global: torch.Tensor,
+    needs: tuple[bool, bool, bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Both backward ops' core: ``(dx, dW, db)`` (an empty tensor where not needed) by the eager backward's
+    code, W_qᵀ rebuilt from the forward's outputs."""
+    weight_t = None
+    if config.backward == "nvfp4-backward":
+        n, k = weight.shape
+        weight_t = NVFP4Tensor(
+            data=wt_data, scale=wt_scale, global_scale=wt_global, recipe=config.weight,
+            shape=torch.Size((k, n)), dtype=weight.dtype,
+        )  # fmt: skip
+    bias_dtype = None if bias is None else bias.dtype
+    plan = _plan(config, x, weight, bias)
+    dx, dw, db = _linear_backward(dy, x, weight, plan, weight_t, seeds, bias_dtype, needs)
+    return (
+        dx if dx is not None else _empty(x.device, x.dtype),
+        dw if dw is not None else _empty(x.device, weight.dtype),
+        db if db is not None else _empty(x.device, x.dtype if bias is None else bias.dtype),
+    )
+
+
+def _backward_fake(x, weight, bias, needs_dx, needs_dw, needs_db) -> tuple:
+    return (
+        x.new_empty(x.shape) if needs_dx else x.new_empty(0),
+        weight.new_empty(weight.shape) if needs_dw else weight.new_empty(0),
+        bias.new_empty(bias.shape)
+        if needs_db and bias is not None
+        else x.new_empty(0, dtype=x.dtype if bias is None else bias.dtype),
     )
 
 
@@ -673,76 +854,99 @@ def _op_backward(
     needs_dw: bool,
     needs_db: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backward of the forward op: ``(dx, dW, db)`` (an empty tensor where not needed) by the eager
-    backward's code, W_qᵀ rebuilt from the forward's outputs."""
+    """``triage::nvfp4_linear_backward``: the backward of the cached op (:func:`_backward_outputs`), its
+    seeds drawn now from the layer's host count (:func:`_rounding_seeds`)."""
     mod = _layer_of(layer)
-    config = mod.config
-    weight_t = None
-    if config.backward == "nvfp4-backward":
-        n, k = weight.shape
-        weight_t = NVFP4Tensor(
-            data=wt_data, scale=wt_scale, global_scale=wt_global, recipe=config.weight,
-            shape=torch.Size((k, n)), dtype=weight.dtype,
-        )  # fmt: skip
-    bias_dtype = None if bias is None else bias.dtype
-    dx, dw, db = _linear_backward(
-        dy, x, weight, mod._plan(x), weight_t, mod, bias_dtype, (needs_dx, needs_dw, needs_db)
-    )
-    return (
-        dx if dx is not None else _empty(x.device, x.dtype),
-        dw if dw is not None else _empty(x.device, weight.dtype),
-        db if db is not None else _empty(x.device, x.dtype if bias is None else bias.dtype),
-    )
+    seeds = _rounding_seeds(mod.config, mod) if mod.config.backward == "nvfp4-backward" else None
+    needs = (needs_dx, needs_dw, needs_db)
+    return _backward_outputs(mod.config, seeds, dy, x, weight, bias, wt_data, wt_scale, wt_global, needs)
 
 
 def _op_backward_fake(dy, x, weight, bias, wt_data, wt_scale, wt_global, layer, needs_dx, needs_dw, needs_db):
-    return (
-        x.new_empty(x.shape) if needs_dx else x.new_empty(0),
-        weight.new_empty(weight.shape) if needs_dw else weight.new_empty(0),
-        bias.new_empty(bias.shape) if needs_db and bias is not None else x.new_empty(0, dtype=x.dtype if bias is None else bias.dtype),
+    return _backward_fake(x, weight, bias, needs_dx, needs_dw, needs_db)
+
+
+def _capturable_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    wt_data: torch.Tensor,
+    wt_scale: torch.Tensor,
+    wt_global: torch.Tensor,
+    seeds: torch.Tensor | None,
+    config: str,
+    needs_dx: bool,
+    needs_dw: bool,
+    needs_db: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``triage::nvfp4_linear_capturable_backward``: the backward of the capturable op
+    (:func:`_backward_outputs`) with the seeds its forward was given (a device tensor, saved by autograd)."""
+    cfg = _config_of(config)
+    needs = (needs_dx, needs_dw, needs_db)
+    return _backward_outputs(
+        cfg, _backward_seeds(cfg, seeds, None), dy, x, weight, bias, wt_data, wt_scale, wt_global, needs
     )
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    x, weight, bias, layer, _ = inputs
-    _, wt_data, wt_scale, wt_global = output
-    ctx.save_for_backward(x, weight, bias, wt_data, wt_scale, wt_global, layer)
-    ctx.mark_non_differentiable(wt_data, wt_scale, wt_global)
+def _capturable_backward_fake(dy, x, weight, bias, wt_data, wt_scale, wt_global, seeds, config, *needs):
+    return _backward_fake(x, weight, bias, *needs)
 
 
-def _define_ops(name: str, tags: tuple, backward_tags: tuple) -> tuple:
-    """The custom op ``triage::<name>`` (:func:`_op_forward`) and its backward ``triage::<name>_backward``
-    (:func:`_op_backward`), with their fakes and the forward's autograd: one definition, registered under
-    each name with its tags."""
-    forward = torch.library.custom_op(f"triage::{name}", _op_forward, mutates_args=(), tags=tags)
-    backward = torch.library.custom_op(f"triage::{name}_backward", _op_backward, mutates_args=(), tags=backward_tags)
-    forward.register_fake(_op_forward_fake)
-    backward.register_fake(_op_backward_fake)
+def _define_ops(name: str, forward_fn, backward_fn, fakes: tuple, carried, tags: tuple, backward_tags: tuple):
+    """The custom op ``triage::<name>`` (``forward_fn``), its backward ``triage::<name>_backward``
+    (``backward_fn``), their ``fakes`` and the forward's autograd, shared by both ops: the backward op takes
+    ``(dy, x, W, b, W_qᵀ codes, scales, outer scale, *tensors, *constants, needs_dx, needs_dw, needs_db)``,
+    where ``carried(inputs, outputs)`` gives ``(tensors, constants)``, what the op passes on from its forward
+    beside those (tensors saved for the backward, constants kept on the autograd context)."""
+    forward = torch.library.custom_op(f"triage::{name}", forward_fn, mutates_args=(), tags=tags)
+    backward = torch.library.custom_op(
+        f"triage::{name}_backward", backward_fn, mutates_args=(), tags=backward_tags
+    )
+    forward.register_fake(fakes[0])
+    backward.register_fake(fakes[1])
+
+    def setup_context(ctx, inputs, output) -> None:
+        x, weight, bias = inputs[:3]
+        _, wt_data, wt_scale, wt_global = output[:4]
+        tensors, ctx.constants = carried(inputs, output)
+        ctx.save_for_backward(x, weight, bias, wt_data, wt_scale, wt_global, *tensors)
+        ctx.n_inputs = len(inputs)
+        ctx.mark_non_differentiable(*output[1:])
 
     def autograd_backward(ctx, dy, *_):
-        x, weight, bias, wt_data, wt_scale, wt_global, layer = ctx.saved_tensors
+        x, weight, bias, wt_data, wt_scale, wt_global, *tensors = ctx.saved_tensors
         needs_dx, needs_dw, needs_db = ctx.needs_input_grad[:3]
         needs_db = needs_db and bias is not None
-        dx, dw, db = backward(dy, x, weight, bias, wt_data, wt_scale, wt_global, layer, needs_dx, needs_dw, needs_db)
-        return dx if needs_dx else None, dw if needs_dw else None, db if needs_db else None, None, None
+        args = (dy, x, weight, bias, wt_data, wt_scale, wt_global, *tensors, *ctx.constants)
+        dx, dw, db = backward(*args, needs_dx, needs_dw, needs_db)
+        grads = (dx if needs_dx else None, dw if needs_dw else None, db if needs_db else None)
+        return (*grads, *(None,) * (ctx.n_inputs - 3))
 
-    forward.register_autograd(autograd_backward, setup_context=_setup_context)
+    forward.register_autograd(autograd_backward, setup_context=setup_context)
     return forward, backward
 
 
 #: ``triage::nvfp4_linear`` (+ ``_backward``), the op of a cached config: its weight cache, checked in Python,
 #: and its host stochastic-rounding counter live outside any graph, so a CUDA graph replay would skip them
 #: (a stale W_q after an optimizer step, frozen seeds); ``cudagraph_unsafe`` keeps torch.compile's CUDA graphs
-#: ("reduce-overhead") off it. ``triage::nvfp4_linear_capturable`` (+ ``_backward``), the op of a
-#: ``capturable`` config: its W_q is quantized on the device at every call and its seeds are read on the
-#: device, so it is left capturable. Both backwards carry ``nondeterministic_seeded``: their seeds change per
-#: call, so two calls are never one.
+#: ("reduce-overhead") off it. It carries the layer's op id to its backward.
 nvfp4_linear_op, nvfp4_linear_backward_op = _define_ops(
-    "nvfp4_linear", _tags("cudagraph_unsafe"), _tags("cudagraph_unsafe", "nondeterministic_seeded")
-)
+    "nvfp4_linear", _op_forward, _op_backward, (_op_forward_fake, _op_backward_fake),
+    lambda inputs, output: ((inputs[3],), ()),  # the op id
+    _tags("cudagraph_unsafe"), _tags("cudagraph_unsafe", "nondeterministic_seeded"),
+)  # fmt: skip
+#: ``triage::nvfp4_linear_capturable`` (+ ``_backward``), the op of a ``capturable`` config: its W_q is
+#: quantized on the device at every call, its seeds are a device tensor input (drawn by the layer's forward
+#: with device ops beside the op, :func:`_device_seeds`) that it saves for its backward, and its config is a
+#: ``str`` constant of the graph: no CPU tensor and nothing per layer, so it is left capturable. Both
+#: backwards carry ``nondeterministic_seeded``: their seeds change per call, so two calls are never one.
 nvfp4_linear_capturable_op, nvfp4_linear_capturable_backward_op = _define_ops(
-    "nvfp4_linear_capturable", (), _tags("nondeterministic_seeded")
-)
+    "nvfp4_linear_capturable", _capturable_forward, _capturable_backward,
+    (_capturable_forward_fake, _capturable_backward_fake),
+    lambda inputs, output: ((inputs[3],), (inputs[4],)),  # the seeds; the config's key
+    (), _tags("nondeterministic_seeded"),
+)  # fmt: skip
 
 
 class NVFP4Linear(nn.Linear):
@@ -769,14 +973,13 @@ class NVFP4Linear(nn.Linear):
 
     def _init_state(self) -> None:
         """The layer's own state beside its parameters: the weight cache, the stochastic-rounding call counts
-        (:func:`_rounding_seeds`: the host int, and the device tensor of a capturable config, a
-        non-persistent buffer so that it moves with the layer and stays out of the state_dict), the call
-        plans and the op id."""
+        (the host int of :func:`_rounding_seeds`, and the device tensor of a capturable config,
+        :func:`_device_seeds`, a non-persistent buffer so that it moves with the layer and stays out of the
+        state_dict) and the op id (call plans are shared by all layers: :func:`_plan`)."""
         self._weight_cache = _WeightCache()
         self._grad_calls = [0]
         calls = torch.tensor([0, 1], dtype=torch.int64).to(self.weight.device)
         self.register_buffer("_sr_calls", calls, persistent=False)
-        self._plans: dict[tuple, _CallPlan] = {}
         _register(self)
 
     def reset_parameters(self) -> None:
@@ -842,23 +1045,19 @@ class NVFP4Linear(nn.Linear):
             # so that backward gives them zero gradients
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return nn.functional.linear(x, self.weight.to(x.dtype), bias)
+        config = self.config
+        seeds = None
+        if _draws_seeds(config, x, self.weight, self.bias):  # capturable: drawn by the forward (module doc)
+            # the seed count is a buffer mutated in the forward, as BatchNorm's running statistics
+            seeds = _device_seeds(config, self._sr_calls)
         if torch.compiler.is_compiling():  # one opaque op (fullgraph-safe): the same code, cache and plans
-            nvfp4_backward = self.config.backward == "nvfp4-backward"
-            op = nvfp4_linear_capturable_op if self.config.capturable else nvfp4_linear_op
-            return op(x, self.weight, self.bias, self._op_id, nvfp4_backward)[0]
+            if config.capturable:  # no CPU tensor, no per-layer constant: the config's key, a str
+                return nvfp4_linear_capturable_op(x, self.weight, self.bias, seeds, config._op_key)[0]
+            nvfp4_backward = config.backward == "nvfp4-backward"
+            return nvfp4_linear_op(x, self.weight, self.bias, self._op_id, nvfp4_backward)[0]
         w = self._quantized_weight(self.weight)
-        return _NVFP4LinearFn.apply(x, self.weight, self.bias, self._plan(x), w, self)
-
-    def _plan(self, x: torch.Tensor) -> _CallPlan:
-        """The :class:`_CallPlan` of ``x``'s signature under the current config (the most recent
-        :data:`_PLANS_KEPT` signatures are kept)."""
-        key = (x.shape, x.dtype, x.device)
-        plan = self._plans.get(key)
-        if plan is None or plan.config is not self.config:
-            if len(self._plans) >= _PLANS_KEPT:
-                self._plans.pop(next(iter(self._plans)))
-            plan = self._plans[key] = _call_plan(self.config, x, self.out_features)
-        return plan
+        plan = _plan(config, x, self.weight, self.bias)
+        return _NVFP4LinearFn.apply(x, self.weight, self.bias, plan, w, seeds, self)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, backward={self.config.backward!r}"

@@ -1,6 +1,7 @@
 """``NVFP4LinearConfig(capturable=True)``: W quantized on the device at every call, GEMMs that read no outer
-scale on the host, stochastic-rounding seeds read on the device; the bits of the cached layer, eager and
-compiled, step after step of AdamW; under torch.compile an op CUDA graphs may capture."""
+scale on the host, stochastic-rounding seeds drawn by the forward on the device; the bits of the cached layer,
+eager and compiled, step after step of AdamW; under torch.compile an op CUDA graphs may capture (no CPU
+tensor, no per-layer constant in its graph)."""
 
 from __future__ import annotations
 
@@ -109,12 +110,125 @@ def test_only_the_cached_ops_are_cudagraph_unsafe():
 
 
 def test_capturable_op_checks():
-    layer = NVFP4Linear(32, 48, config=NVFP4LinearConfig(backward="nvfp4-backward", capturable=True))
+    config = NVFP4LinearConfig(backward="nvfp4-backward", capturable=True)
+    layer = NVFP4Linear(32, 48, config=config)
     x = torch.randn(4, 32, requires_grad=True)
+    seeds = torch.tensor([2, 3])  # what the layer draws for its first backward
     torch.library.opcheck(
-        torch.ops.triage.nvfp4_linear_capturable.default, (x, layer.weight, layer.bias, layer._op_id, True),
+        torch.ops.triage.nvfp4_linear_capturable.default,
+        (x, layer.weight, layer.bias, seeds, config._op_key),
         test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
     )  # fmt: skip
+
+
+def _graph_tensors(gm) -> list:
+    """The fake values of an AOT graph's inputs and outputs (what a cudagraph partition takes and gives)."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    outputs = [a for a in out.args[0] if isinstance(a, torch.fx.Node)]
+    nodes = [n for n in gm.graph.nodes if n.op == "placeholder"] + outputs
+    return [n.meta["val"] for n in nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+
+
+@pytest.mark.parametrize("backward", BACKWARDS)
+def test_the_compiled_graph_holds_no_op_id_and_layers_share_it(backward):
+    """Under torch.compile the capturable layer passes its op no CPU tensor and no per-layer constant: no
+    0-d int64 tensor (the cached layer's op id) among the inputs or outputs of the AOT forward and backward
+    graphs (on a GPU a CPU tensor there made ``mode="reduce-overhead"`` refuse the graph: "Expected all cuda
+    outputs in cuda graph recording"), no layer's op id among dynamo's graph inputs; and more same-shape
+    layers than dynamo's recompile limit, each compiled on its own with an equal config of its own
+    (regional compilation), run one graph and give the eager cached layer's bits."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    aot_graphs, dynamo_inputs = [], []
+
+    def record(gm, example_inputs):
+        aot_graphs.append(_graph_tensors(gm))
+        return make_boxed_func(gm.forward)
+
+    aot = aot_autograd(fw_compiler=record, bw_compiler=record)
+
+    def backend(gm, example_inputs):
+        dynamo_inputs.append(list(example_inputs))
+        return aot(gm, example_inputs)
+
+    torch.manual_seed(0)
+    limit = getattr(torch._dynamo.config, "recompile_limit", None) or torch._dynamo.config.cache_size_limit
+    cached = [NVFP4Linear(32, 48, config=NVFP4LinearConfig(backward=backward)) for _ in range(limit + 2)]
+    layers = copy.deepcopy(cached)
+    for layer in layers:  # an equal config of its own per layer
+        layer.config = NVFP4LinearConfig(backward=backward, capturable=True)
+    g = torch.Generator().manual_seed(1)
+    for a, b in zip(cached, layers):
+        x, dy = torch.randn(4, 32, generator=g), torch.randn(4, 48, generator=g)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ya, yb = a(xa), torch.compile(b, backend=backend, fullgraph=True)(xb)
+        ya.backward(dy)
+        yb.backward(dy)
+        assert torch.equal(ya, yb)
+        assert torch.equal(xa.grad, xb.grad) and torch.equal(a.weight.grad, b.weight.grad)
+        assert torch.equal(a.bias.grad, b.bias.grad)
+    assert len(dynamo_inputs) == 1 and len(aot_graphs) == 2  # one graph: forward and backward
+    op_ids = {layer._op_id.data_ptr() for layer in layers}
+    assert not any(t.data_ptr() in op_ids for t in dynamo_inputs[0] if isinstance(t, torch.Tensor))
+    for tensors in aot_graphs:
+        assert not [t for t in tensors if t.dim() == 0 and t.dtype == torch.int64], tensors
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+def test_seeds_are_drawn_by_a_forward_a_backward_can_follow(backend):
+    """A capturable layer's nvfp4-backward seeds are drawn at the forward (the count advances there, before
+    the backward), and only where a backward can follow: grad mode on and x, W or b requiring grad. A
+    no-grad forward, one with nothing requiring grad, and any bf16-backward forward draw nothing."""
+    cfg = NVFP4LinearConfig(backward="nvfp4-backward", capturable=True)
+    layer = NVFP4Linear(32, 48, config=cfg)
+    run = torch.compile(layer, backend=backend, fullgraph=True) if backend else layer
+    x, dy = torch.randn(4, 32), torch.randn(4, 48)
+    with torch.no_grad():
+        run(x)
+    assert layer._sr_calls.tolist() == [0, 1]
+    layer.requires_grad_(False)
+    run(x)
+    assert layer._sr_calls.tolist() == [0, 1]
+    layer.requires_grad_(True)
+    y = run(x)  # W and b require grad
+    assert layer._sr_calls.tolist() == [2, 3]
+    y.backward(dy)
+    assert layer._sr_calls.tolist() == [2, 3] and layer._grad_calls == [0]
+    bf16 = NVFP4Linear(32, 48, config=dataclasses.replace(cfg, backward="bf16-backward"))
+    run = torch.compile(bf16, backend=backend, fullgraph=True) if backend else bf16
+    run(x.clone().requires_grad_()).backward(dy)
+    assert bf16._sr_calls.tolist() == [0, 1]
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_a_checkpoint_recompute_draws_again(use_reentrant):
+    """Activation checkpointing: the recomputed forward draws the next seeds and the backward uses them.
+    Non-reentrant checkpointing runs the first forward with grad (a draw), reentrant under no_grad (none):
+    the count advances by 4 or 2 per step, and the backward's seeds are the last draw's."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    layer = NVFP4Linear(32, 48, config=NVFP4LinearConfig(backward="nvfp4-backward", capturable=True))
+    g = torch.Generator().manual_seed(1)
+    x, dy = torch.randn(4, 32, generator=g), torch.randn(4, 48, generator=g)
+
+    def grads(model, draws_before: int, checkpointed: bool = False):
+        model = copy.deepcopy(model)
+        model._sr_calls.copy_(torch.tensor([2 * draws_before, 2 * draws_before + 1]))
+        xg = x.clone().requires_grad_()
+        y = checkpoint(model, xg, use_reentrant=use_reentrant) if checkpointed else model(xg)
+        y.backward(dy)
+        return [xg.grad, model.weight.grad, model.bias.grad], model._sr_calls.tolist()
+
+    got, count = grads(layer, 0, checkpointed=True)
+    draws = 1 if use_reentrant else 2
+    assert count == [2 * draws, 2 * draws + 1]
+    want, _ = grads(layer, draws - 1)  # a plain layer's backward with the seeds of the last draw
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    if not use_reentrant:  # the first forward's seeds are not what the backward used
+        first, _ = grads(layer, 0)
+        assert not torch.equal(got[1], first[1])
 
 
 class _Launches:
@@ -180,7 +294,7 @@ def test_the_check_sees_the_cached_layers_host_reads(monkeypatch, gemm_backend):
 
 def _forbid_host_reads(monkeypatch, allowed: set) -> None:
     """Make every Python-level read of tensor data to the host raise, except ``int()`` of the op ids in
-    ``allowed`` (CPU tensors: which layer an op serves, not data)."""
+    ``allowed`` (CPU tensors: which layer the cached op serves, not data)."""
 
     def refuse(name):
         def method(self, *args, **kwargs):
@@ -201,14 +315,15 @@ def _forbid_host_reads(monkeypatch, allowed: set) -> None:
 def test_the_compiled_capturable_op_reads_nothing_on_the_host(monkeypatch, capturable):
     """The compiled ops (their real bodies, Triton launches under the interpreter) at 80 rows, where the
     cached layer's GEMM is cuBLAS with a host alpha: forward and nvfp4-backward run with every Python-level
-    host read of tensor data refused (``.item()``, ``float()``, ``bool()``, ...; ``int()`` only of the op
-    ids). The cached layer fails it (``float()`` of the activation's outer scale), so the check can fail."""
+    host read of tensor data refused (``.item()``, ``float()``, ``bool()``, ...; ``int()`` only of the
+    cached layer's op ids: the capturable op takes none). The cached layer fails it (``float()`` of the
+    activation's outer scale), so the check can fail."""
     cached, model = _pair("nvfp4-backward")
     model = model if capturable else cached
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     x, dy = torch.randn(80, 32), torch.randn(80, 16)
     train_step(compiled, _adamw(model), x, dy)  # compiles, and fills the caches of the cached layers
-    allowed = {m._op_id.data_ptr() for m in model if isinstance(m, NVFP4Linear)}
+    allowed = set() if capturable else {m._op_id.data_ptr() for m in model if isinstance(m, NVFP4Linear)}
     _forbid_host_reads(monkeypatch, allowed)
     if capturable:
         compiled(x.clone().requires_grad_()).backward(dy)
@@ -309,3 +424,20 @@ def test_meta_init_then_to_empty_and_reset_restores_the_seed_count():
     layer._sr_calls.fill_(12345)  # what uninitialised memory may hold
     layer.reset_parameters()
     assert layer._sr_calls.tolist() == [0, 1]
+
+
+def test_equal_configs_share_one_key_and_an_unpickled_config_registers_it(monkeypatch):
+    """The capturable op names its config by a key (``repr``: every field) that finds it in a registry:
+    equal configs have one key, another config another; an unpickled config (a new process's registry
+    lacks it) registers itself."""
+    import pickle
+
+    from triage.kernels import linear
+
+    cfg = NVFP4LinearConfig(backward="nvfp4-backward", capturable=True)
+    assert NVFP4LinearConfig(backward="nvfp4-backward", capturable=True)._op_key == cfg._op_key
+    assert dataclasses.replace(cfg, gemm_backend="triton")._op_key != cfg._op_key
+    data = pickle.dumps(cfg)
+    monkeypatch.setattr(linear, "_CONFIGS", {})
+    back = pickle.loads(data)
+    assert back == cfg and linear._config_of(back._op_key) is back
