@@ -218,8 +218,8 @@ class NVFP4LinearConfig(LayerConfig):
             backward; a no-grad forward draws none, a recomputed (checkpointed) forward draws again (module
             docstring, "Capturable"). Under ``torch.compile`` the op takes no CPU tensor and no per-layer
             constant (the config is a ``str`` key shared by equal configs), so cudagraph trees
-            (``mode="reduce-overhead"``) can hold its graph (not yet run on a GPU: docs/kernels.md, "GPU
-            check"). Switching a live layer to ``capturable`` continues its device seed count (0 unless it
+            (``mode="reduce-overhead"``) hold its graph (on an H100: replays bit-identical to the eager
+            cached layer; docs/kernels.md, "GPU check"). Switching a live layer to ``capturable`` continues its device seed count (0 unless it
             ran capturable before), not the host count the cached layer keeps: the seeds of its first
             backward calls then repeat earlier ones.
     """
