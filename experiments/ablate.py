@@ -195,7 +195,11 @@ class StudyScale:
     def from_dict(cls, data: Mapping[str, Any]) -> StudyScale:
         """The inverse of :meth:`to_dict` (``DIR/study.json``)."""
         return cls(
-            **{**data, "sft": SFTConfig.from_dict(data["sft"]), "overrides": dict(data.get("overrides") or {})}
+            **{
+                **data,
+                "sft": SFTConfig.from_dict(data["sft"]),
+                "overrides": dict(data.get("overrides") or {}),
+            }
         )
 
     def fingerprint(self) -> str:
@@ -825,7 +829,9 @@ def _run_callback(
             checkpointed(Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{step}", self.record)
             if not _on_schedule(step, scale):
                 self._evaluate(step)
-                log(f"    step {step:>3}/{scale.steps}: held-out {self.record['accuracy'][-1]:.1%} (off schedule)")
+                log(
+                    f"    step {step:>3}/{scale.steps}: held-out {self.record['accuracy'][-1]:.1%} (off schedule)"
+                )
 
         def on_log(self, args, state, control, logs=None, **kwargs):  # after on_step_end of the same step
             if not logs or "reward" not in logs:
@@ -1055,7 +1061,17 @@ def _spawn(
     log (appending under ``resume``: a resumed run's log keeps the lines of its earlier calls)."""
     path = key.path(output_dir, ".log")
     path.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "triage", "--debug", "ablate", "--output", str(output_dir), "--run", str(key)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "triage",
+        "--debug",
+        "ablate",
+        "--output",
+        str(output_dir),
+        "--run",
+        str(key),
+    ]
     if deadline is not None:
         cmd += ["--deadline", repr(deadline)]
     if resume:
