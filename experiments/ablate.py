@@ -3,7 +3,8 @@ mismatch levels and seeds, from one SFT checkpoint — a dose-response study, ru
 aggregated over seeds.
 
     triage ablate --scale smoke|local --output DIR [--levels a,b] [--arms a,b] [--seeds 0,1,2] [--steps N]
-                  [--parallel N] [--resume] [--time-budget S] [--set KEY=VALUE ...] [--mini]
+                  [--parallel N] [--resume] [--time-budget S] [--save-models 100,200] [--set KEY=VALUE ...]
+                  [--mini]
     triage ablate --study study.yaml --output DIR [any flag above, overriding the file]
 
 What one call does:
@@ -33,6 +34,12 @@ run, TRL's own) and its series so far (``seed<k>.partial.json``); under ``--resu
 reaches the scale's steps. A call starts no run expected to run fewer than ``eval_every`` steps (or its
 remaining steps, if fewer) before S. Runs of another scale (other sizes, steps or overrides) in ``DIR`` are an
 error, never mixed into the results.
+
+``--save-models 100,200`` (study key ``save_models``): every run saves its learner and tokenizer after those
+optimizer steps as a local HF folder, ``DIR/runs/<level>/<arm>/seed<k>/model-step<step>/`` (loadable with
+``AutoModelForCausalLM.from_pretrained``; fp32 masters for an NVFP4 learner), listed in the run's JSON under
+``models``. It does not change what a run computes: not part of the scale's fingerprint, and a study may
+resume with other steps. Finished runs keep these folders (they are not checkpoints).
 
 Scales (:data:`SCALES`): ``smoke`` runs for a few steps on CPU with a tiny model (CI); ``local`` and
 ``testbed`` (the mismatch testbed: longer completions, 300 steps) are sized for one H200. ``--mini`` shrinks a scale to smoke size, to check the whole pipeline on a CPU (its numbers mean
@@ -97,6 +104,8 @@ PARTIAL_SUFFIX = ".partial.json"  # a run the time budget cut short: its steps s
 RUN_STATE_FILE = "run_state.json"  # in a run's checkpoint: what it continues (written last: a complete save)
 EXIT_CUT_SHORT = 3  # a child's exit status when the time budget stopped its run (checkpointed, not finished)
 KILL_GRACE = 60.0  # seconds past the budget after which a child that has not stopped is killed
+# a run's saved learner after a step (``save_models``): ``seed<k>/model-step<step>/``
+MODEL_PREFIX = "model-step"
 
 #: results.json series name → the key the trainer logs it under (TRL's or the ``triage/...`` metrics).
 SERIES_KEYS = {
@@ -361,6 +370,30 @@ def _seeds(value: Any) -> tuple[int, ...]:
     return seeds
 
 
+def _save_steps(value: Any) -> tuple[int, ...]:
+    """The ``save_models`` steps, sorted: distinct positive ints from a list, one int, or a comma-separated
+    string; ``None`` or an empty list is none."""
+    if value is None:
+        return ()
+    items = value
+    if isinstance(value, str):
+        items = [v.strip() for v in value.split(",") if v.strip()]
+    elif isinstance(value, int) and not isinstance(value, bool):
+        items = [value]
+    if not isinstance(items, (list, tuple)):
+        raise ValueError(f"save_models must be a list of optimizer steps, got {value!r}")
+
+    def step(item: Any) -> int:
+        if isinstance(item, int) and not isinstance(item, bool):
+            return item
+        return int(item) if isinstance(item, str) and item.strip().isdigit() else -1
+
+    steps = [step(s) for s in items]
+    if any(s < 1 for s in steps) or len(set(steps)) != len(steps):
+        raise ValueError(f"save_models must be distinct positive ints (optimizer steps), got {value!r}")
+    return tuple(sorted(steps))
+
+
 #: the run seed owns these recipe keys (dotted); a scale override of one is an error (use ``seeds``).
 _SEED_KEYS = ("seed", "data_seed", "sampler_kwargs.seed")
 
@@ -376,6 +409,10 @@ class Study:
         seeds: run seeds, default ``(0,)``.
         parallel: runs at once; 1 runs them in this process, more in child processes.
         time_budget: seconds from the start of the call after which no run may end (``None``: no limit).
+        save_models: optimizer steps after which every run saves its learner to
+            ``DIR/runs/<level>/<arm>/seed<k>/model-step<step>/`` (:func:`run_one`); default none. What a run
+            computes does not depend on it: it is no part of the scale's fingerprint, and a study may resume
+            with other steps.
     """
 
     scale: StudyScale
@@ -384,6 +421,7 @@ class Study:
     seeds: tuple[int, ...] = (0,)
     parallel: int = 1
     time_budget: float | None = None
+    save_models: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         from triage.experiments.recipes import ALL_ARMS, ARMS, LEVELS, parse_overrides
@@ -391,6 +429,7 @@ class Study:
         object.__setattr__(self, "levels", _names(self.levels, "levels"))
         object.__setattr__(self, "arms", _names(self.arms or ARMS, "arms"))
         object.__setattr__(self, "seeds", _seeds(self.seeds))
+        object.__setattr__(self, "save_models", _save_steps(self.save_models))
         for what, names, known in (("levels", self.levels, LEVELS), ("arms", self.arms, ALL_ARMS)):
             unknown = [n for n in names if n not in known]
             if unknown:
@@ -418,11 +457,23 @@ class Study:
             "seeds": list(self.seeds),
             "parallel": self.parallel,
             "time_budget": self.time_budget,
+            "save_models": list(self.save_models),
         }
 
 
 #: the keys of a study file (``triage ablate --study FILE``); every one is optional but ``scale``.
-STUDY_KEYS = ("scale", "mini", "levels", "arms", "seeds", "steps", "parallel", "time_budget", "overrides")
+STUDY_KEYS = (
+    "scale",
+    "mini",
+    "levels",
+    "arms",
+    "seeds",
+    "steps",
+    "parallel",
+    "time_budget",
+    "save_models",
+    "overrides",
+)
 
 
 def _check_scale_key(spec: Mapping[str, Any], path: Path) -> None:
@@ -639,6 +690,8 @@ def _group(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "seconds": seed_stats(r.get("seconds") for r in runs),
         # the runs continued from a checkpoint (time budget), with the steps they were resumed after
         "resumed": [{"seed": r["seed"], "at": r["resumed_at"]} for r in runs if r.get("resumed_at")],
+        # the learners the runs saved (save_models): folders relative to the study folder
+        "models": [{"seed": r["seed"], "paths": r["models"]} for r in runs if r.get("models")],
         "summary": {k: seed_stats(s.get(k) for s in summaries) for k in SUMMARY_KEYS},
         "class_share": {
             c: seed_stats((s.get("class_share") or {}).get(c) for s in summaries) for c in CLASSES
@@ -773,6 +826,8 @@ def _run_callback(
     deadline: float | None,
     held_out: Mapping[str, list] | None,
     checkpointed: Callable[[Path, dict], None],
+    save_models: Sequence[int] = (),
+    models_dir: Path | None = None,
 ):
     """A ``TrainerCallback`` that records the learner's greedy held-out accuracy into ``callback.record``
     (before step 1, every ``eval_every`` steps and after the last: :func:`_on_schedule`; a resumed run starts
@@ -783,7 +838,9 @@ def _run_callback(
     sampler states), after which ``checkpointed(folder, record)`` stores the run's own state beside it and the
     held-out accuracy is measured once more, off schedule unless the step is on it, for the partial file only:
     the checkpoint holds the state the uninterrupted run has after that step (the greedy decoding draws from
-    torch's global RNG, which the checkpoint saved before it)."""
+    torch's global RNG, which the checkpoint saved before it). After a step in ``save_models`` it saves the
+    learner to ``models_dir/model-step<step>`` (:func:`_save_learner`; before that step's held-out measurement
+    and checkpoint: the weights the optimizer step left)."""
     from transformers import TrainerCallback
 
     from triage.experiments.sft import greedy_accuracy
@@ -819,6 +876,10 @@ def _run_callback(
             if deadline is not None and step < scale.steps and _ends_past(deadline, self.began, now):
                 control.should_training_stop = control.should_save = True
                 self.stopped_by = "time_budget"
+            if step in save_models and models_dir is not None:
+                folder = models_dir / f"{MODEL_PREFIX}{step}"
+                what = "saved to" if _save_learner(trainer, folder) else "kept, already there:"
+                log(f"    step {step:>3}/{scale.steps}: model {what} {folder}")
             if _on_schedule(step, scale):
                 self._evaluate(step)
 
@@ -872,6 +933,39 @@ def _drop_checkpoints(run_dir: Path) -> None:
         shutil.rmtree(folder)
 
 
+def _model_folders(run_dir: Path) -> list[Path]:
+    """The run's saved models, ``model-step<step>`` folders (complete: not ``.tmp``), by step."""
+    found = []
+    for folder in run_dir.glob(f"{MODEL_PREFIX}*") if run_dir.is_dir() else ():
+        step = folder.name[len(MODEL_PREFIX) :]
+        if folder.is_dir() and step.isdigit():
+            found.append((int(step), folder))
+    return [folder for _, folder in sorted(found)]
+
+
+def _drop_models(run_dir: Path) -> None:
+    """Remove the run's saved models, complete or not (a run that starts again from step 0)."""
+    for folder in run_dir.glob(f"{MODEL_PREFIX}*") if run_dir.is_dir() else ():
+        if folder.is_dir():
+            shutil.rmtree(folder)
+
+
+def _save_learner(trainer, folder: Path) -> bool:
+    """The trainer's model and tokenizer as a local HF folder (``trainer.save_model``: the unwrapped model's
+    ``save_pretrained`` with its weights as the trainer holds them, fp32 masters of an NVFP4 learner whose
+    ``NVFP4Linear`` keeps ``nn.Linear``'s state_dict, and the processing class), written to
+    ``<folder>.tmp`` and renamed: a folder named ``model-step<k>`` is complete. A folder already there (an
+    earlier attempt of a resumed run) is left as it is: returns ``False``."""
+    if folder.is_dir():
+        return False
+    tmp = folder.with_name(folder.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    trainer.save_model(str(tmp))
+    os.replace(tmp, folder)
+    return True
+
+
 def _resume_state(checkpoint: Path, scale: StudyScale, key: RunKey, recipe: Mapping[str, Any]) -> dict:
     """The run state saved in ``checkpoint``, checked against the run that would continue it: the same run
     (level/arm/seed), scale fingerprint and recipe (but for where the folder lies), else ``ValueError``
@@ -899,6 +993,7 @@ def run_one(
     deadline: float | None = None,
     log: Callable[[str], None] = print,
     resume: bool = False,
+    save_models: Sequence[int] = (),
 ) -> dict[str, Any] | None:
     """Train one run from the SFT checkpoint in ``output_dir/sft``; write and return its entry
     (``DIR/runs/<level>/<arm>/seed<k>.json``).
@@ -915,8 +1010,15 @@ def run_one(
     field). The step numbers continue (the series comes from the restored ``log_history``), held-out
     accuracy keeps its ``eval_every`` schedule, ``seconds`` adds up the calls, and ``resumed_at`` lists the
     steps the run was resumed after. Without a checkpoint (or without ``resume``) the run starts from step 0
-    and says so; its earlier ``seed<k>.json``, partial file and checkpoints are removed first. A finished run
-    removes its checkpoint.
+    and says so; its earlier ``seed<k>.json``, partial file, checkpoints and saved models are removed first. A
+    finished run removes its checkpoint.
+
+    **Saved models.** After each optimizer step in ``save_models`` the run saves its learner (the weights as
+    the trainer holds them: fp32 masters for an NVFP4 learner) and tokenizer as a local HF folder,
+    ``seed<k>/model-step<step>/`` (:func:`_save_learner`: written under ``.tmp`` and renamed, so a folder of
+    that name is complete; one already there is kept). They are not checkpoints: a finished run keeps them.
+    The entry's ``models`` lists every such folder of the run (also those of its earlier calls), relative to
+    ``output_dir``. A step past the run's steps saves nothing.
 
     **What a resumed run shares with the uninterrupted one.** Restored: the model's weights, AdamW's moments
     and step, the learning-rate schedule, the Python/NumPy/torch RNG states, the data order (TRL's
@@ -949,6 +1051,7 @@ def run_one(
     if checkpoint is None:
         key.path(output_dir, PARTIAL_SUFFIX).unlink(missing_ok=True)
         _drop_checkpoints(run_dir)
+        _drop_models(run_dir)
         if resume:
             log(f"    {key}: no checkpoint in {run_dir}: starting from step 0")
     else:
@@ -977,7 +1080,16 @@ def run_one(
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     held_out = synthetic_math(scale.n_eval, list(scale.sft.difficulty), scale.sft.seed, "eval")
     callback = _run_callback(
-        trainer, tokenizer, held_out, scale, log, deadline, state.get("held_out"), checkpointed
+        trainer,
+        tokenizer,
+        held_out,
+        scale,
+        log,
+        deadline,
+        state.get("held_out"),
+        checkpointed,
+        save_models=tuple(save_models),
+        models_dir=run_dir,
     )
     trainer.add_callback(callback)
     trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
@@ -1002,6 +1114,7 @@ def run_one(
         "complete": complete,
         "stopped_by": callback.stopped_by,
         "resumed_at": resumed_at,
+        "models": [f.relative_to(output_dir).as_posix() for f in _model_folders(run_dir)],
         "series": series,
         "held_out": held,
         "summary": summary,
@@ -1034,6 +1147,7 @@ def _run_here(
     deadline: float | None,
     log: Callable[[str], None],
     resume: bool,
+    save_models: Sequence[int] = (),
 ) -> str:
     """:func:`run_one` in this process, its lines (and a crash's traceback) also written to its log file;
     returns ``"done"``, ``"cut short"`` or ``"failed"``."""
@@ -1047,7 +1161,7 @@ def _run_here(
             fh.flush()
 
         try:
-            entry = run_one(scale, key, output_dir, deadline, tee, resume=resume)
+            entry = run_one(scale, key, output_dir, deadline, tee, resume=resume, save_models=save_models)
         except Exception:
             fh.write(traceback.format_exc())
             return "failed"
@@ -1169,6 +1283,9 @@ def run_study(
         + (f", {len(status)} already done" if status else "")
         + f"), {study.parallel} at a time; SFT {'cached' if (sft_dir / 'sft.json').is_file() else 'first'}"
     )
+    past = [s for s in study.save_models if s > scale.steps]
+    if past:
+        log(f"save_models: step(s) {past} past the {scale.steps} steps of a run: nothing saved there")
     sft = sft_summary(ensure_sft_checkpoint(scale.sft, sft_dir, log))
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / STUDY_FILE).write_text(json.dumps(study.to_dict(), indent=1) + "\n")  # what children read
@@ -1212,7 +1329,7 @@ def run_study(
             pending.pop(0)
             log(f"[{len(todo) - len(pending)}/{len(todo)}] {key}")
             if study.parallel == 1:
-                finished(key, _run_here(scale, key, output_dir, deadline, log, resume))
+                finished(key, _run_here(scale, key, output_dir, deadline, log, resume, study.save_models))
             else:
                 running[key] = _spawn(key, output_dir, deadline, threads, resume)
         for key, proc in list(running.items()):
@@ -1275,6 +1392,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds: start no run that would end past this, stop started ones in time (then --resume)",
     )
     parser.add_argument(
+        "--save-models",
+        default=None,
+        metavar="STEPS",
+        help="comma-separated optimizer steps after which every run saves its learner and tokenizer to "
+        "runs/<level>/<arm>/seed<k>/model-step<step>/ (an HF folder), e.g. --save-models 100,200",
+    )
+    parser.add_argument(
         "--set",
         action="extend",
         nargs="+",
@@ -1325,19 +1449,23 @@ def resolve_study(args: argparse.Namespace) -> Study:
         seeds=pick(args.seeds, "seeds", (0,)),
         parallel=pick(args.parallel, "parallel", 1),
         time_budget=pick(args.time_budget, "time_budget", None),
+        save_models=pick(args.save_models, "save_models", ()),
     )
 
 
 def _run_child(args: argparse.Namespace) -> int:
-    """``--run LEVEL/ARM/SEED``: one run of the study in ``--output`` (``DIR/study.json``), in this process
-    (with ``--resume``: from its checkpoint, if it has one)."""
+    """``--run LEVEL/ARM/SEED``: one run of the study in ``--output`` (``DIR/study.json``: the scale and
+    ``save_models``), in this process (with ``--resume``: from its checkpoint, if it has one)."""
     path = Path(args.output) / STUDY_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: --run runs one run of a study that triage ablate started")
     study = json.loads(path.read_text())
     _check_scale_key(study, path)
     scale = StudyScale.from_dict(study["scale"])
-    entry = run_one(scale, RunKey.parse(args.run), args.output, args.deadline, resume=args.resume)
+    save_models = _save_steps(study.get("save_models"))  # a study.json of before the key: none
+    entry = run_one(
+        scale, RunKey.parse(args.run), args.output, args.deadline, resume=args.resume, save_models=save_models
+    )
     return 0 if entry is not None else EXIT_CUT_SHORT
 
 
