@@ -15,6 +15,15 @@
 # 0 (its log says which). A study file instead of LEVELS/ARMS/SEEDS/STEPS/BUDGET:
 #   MPS=1 bash experiments/testbed/gpu.sh "RUN_DIR=runs/tb/long STUDY=experiments/testbed/long.yaml"
 #
+# Saved models (`save_models` in a study file, SAVE_MODELS="100 200" in a spec): every run's learner after
+# those steps, RUN_DIR/runs/<level>/<arm>/seed<k>/model-step<step>/ (an HF folder: weights and tokenizer), also
+# stays on the machine (left out of the tarball, as are all *.safetensors). Analyse it in the same `run`
+# command, after gpu.sh, and bring back what the analysis writes to $OUT, e.g.
+#   MPS=1 bash experiments/testbed/gpu.sh "RUN_DIR=runs/tb/lp STUDY=experiments/testbed/learner-precision.yaml"
+#   python3 experiments/testbed/delta_decomposition.py --model runs/tb/lp/runs/pair/grpo-none/seed2/model-step100 \
+#     --temperature 1.3 --json $OUT/decomp-pair-s2.json
+# (learner-precision.yaml's header has the full command); a later call on the same warm machine finds them too.
+#
 # A carried .sftcache/sft (a finished SFT checkpoint of the testbed scale) is copied into each RUN_DIR/sft,
 # so no call repeats the SFT. MPS=1: the parallel runs are many small processes on one GPU; without MPS their
 # kernels time-slice (one process at a time), with it they run concurrently. Each testbed run holds up to ~4.7 GB of
@@ -62,6 +71,6 @@ done
 for pid in "${pids[@]}"; do wait "$pid"; done
 mps_stop
 for dir in "${dirs[@]}"; do echo "=== $dir"; tail -n 40 "$dir/study.log"; done
-tar czf "$REAL_OUT/testbed-runs.tgz" --exclude='*/sft' --exclude='*/checkpoint-*' --exclude='*.safetensors' \
-  --exclude='*.pt' --exclude='*.bin' "${dirs[@]}" 2>/dev/null
+tar czf "$REAL_OUT/testbed-runs.tgz" --exclude='*/sft' --exclude='*/checkpoint-*' --exclude='*/model-step*' \
+  --exclude='*.safetensors' --exclude='*.pt' --exclude='*.bin' "${dirs[@]}" 2>/dev/null
 ls -la "$REAL_OUT"

@@ -10,9 +10,11 @@
 #   RUN_DIR=runs/tb/long STUDY=experiments/testbed/long.yaml bash experiments/testbed/study.sh
 #
 # STUDY=FILE: a study file gives the levels, arms, seeds, steps, parallelism and budget (LEVELS, ARMS, SEEDS,
-# STEPS, BUDGET and PARALLEL are then ignored; SET and MINI still apply).
+# STEPS, BUDGET and PARALLEL are then ignored; SET, SAVE_MODELS and MINI still apply).
 # A run's seed sets `seed` (TRL's prompt order and init), `data_seed` and the sampler's generator.
 # SET="learning_rate=2e-4 temperature=1.3": recipe overrides for every run (`triage ablate --set`).
+# SAVE_MODELS="100 200": every run saves its learner after those steps to runs/<level>/<arm>/seed<k>/model-step<step>/
+# (`triage ablate --save-models`; with STUDY it wins over the file's `save_models`).
 # SFT_ONLY=1 trains (or finds) the shared checkpoint and exits (one call with all LEVELS/ARMS/SEEDS and
 # PARALLEL runs them at once; several calls on one RUN_DIR would each rewrite its study.json and results).
 # Levels: experiments/recipes/levels/*.yaml ("fp32 learner" = no autocast, fp32 weights and activations):
@@ -49,11 +51,13 @@ ensure_sft_checkpoint((mini(p) if sys.argv[1] else p).sft, sys.argv[2] + '/' + S
 fi
 if [ -n "${STUDY:-}" ]; then
   # shellcheck disable=SC2086
-  python -m triage ablate --study "$STUDY" $MINI --output "$R" --resume --no-plots ${SET:+--set $SET}
+  python -m triage ablate --study "$STUDY" $MINI --output "$R" --resume --no-plots ${SET:+--set $SET} \
+    ${SAVE_MODELS:+--save-models "$(join $SAVE_MODELS)"}
 else
   # shellcheck disable=SC2086
   python -m triage ablate --scale testbed $MINI --output "$R" --levels "$(join "${L[@]}")" \
     --arms "$(join "${A[@]}")" --seeds "$(join "${S[@]}")" --steps "$STEPS" --parallel "$PARALLEL" \
-    --time-budget "$BUDGET" --resume --no-plots ${SET:+--set $SET}
+    --time-budget "$BUDGET" --resume --no-plots ${SET:+--set $SET} \
+    ${SAVE_MODELS:+--save-models "$(join $SAVE_MODELS)"}
 fi
 python -m triage.experiments.testbed_summary "$R"

@@ -230,7 +230,8 @@ def test_without_a_complete_checkpoint_a_run_starts_from_step_0_and_says_so(tmp_
 
 
 def test_checkpoints_are_left_out_of_the_gpu_tarball(tmp_path):
-    """experiments/testbed/gpu.sh packs RUN_DIR without the run checkpoints (too large to bring back)."""
+    """experiments/testbed/gpu.sh packs RUN_DIR without the run checkpoints and saved models (too large to
+    bring back; a saved model is analysed on the machine)."""
     import re
     import subprocess
     import tarfile
@@ -242,6 +243,9 @@ def test_checkpoints_are_left_out_of_the_gpu_tarball(tmp_path):
     (seed / "checkpoint-7").mkdir(parents=True)
     for name in ("model.safetensors", "optimizer.pt", "rng_state.pth", RUN_STATE_FILE, "trainer_state.json"):
         (seed / "checkpoint-7" / name).write_text("x")
+    (seed / "model-step5").mkdir()
+    for name in ("model.safetensors", "config.json", "tokenizer.json", "training_args.bin"):
+        (seed / "model-step5" / name).write_text("x")
     (run_dir / "sft").mkdir()
     (run_dir / "sft" / "model.safetensors").write_text("x")
     for name in ("seed0.partial.json", "seed0.log"):

@@ -231,11 +231,18 @@ def test_shipped_testbed_study_files_resolve(tmp_path):
 
     folder = Path(ablate.__file__).parent / "testbed"
     files = sorted(folder.glob("*.yaml"))
-    assert {f.name for f in files} >= {"dose-response.yaml", "corrections.yaml", "isolation.yaml", "long.yaml"}
+    assert {f.name for f in files} >= {
+        "dose-response.yaml",
+        "corrections.yaml",
+        "isolation.yaml",
+        "long.yaml",
+    }
     for f in files:
         study = ablate.resolve_study(_args("--study", str(f), "--output", str(tmp_path)))
         assert study.scale.name == "testbed", f
         assert set(study.levels) <= set(LEVELS) and set(study.arms) <= set(ALL_ARMS), f
+        if f.name == "learner-precision.yaml":  # its runs' learners at step 100, before the collapses
+            assert study.save_models == (100,)
         if f.name == "long.yaml":
             assert study.levels == ("aligned", "nvfp4-coarse-fp8kv") and study.arms == ("grpo-none",)
             assert study.seeds == (0, 1) and study.scale.steps == 900 and study.time_budget is not None
