@@ -232,11 +232,13 @@ def test_a_child_with_resume_continues_a_run_cut_short(smoke, capsys):
 
 def test_parallel_children_resume_and_a_crashing_run(smoke, capsys):
     """--parallel 2 runs two seeds at once as child processes, --resume skips the seed that is done, and a
-    run that crashes (its output folder is blocked by a file) is named with its log; the others finish."""
+    run that crashes (its output folder is blocked by a file) is named with its log; the others finish. The
+    children save their learners after the steps of --save-models (they read them from study.json)."""
     crash = RunKey("realistic", "tis", 3)
     crash.path(smoke).parent.mkdir(parents=True, exist_ok=True)
     crash.path(smoke).write_text("not a folder")
-    args = _args(smoke, "--arms", "tis", "--seeds", "0,1,2,3", "--parallel", "2", "--resume", "--no-plots")
+    flags = ("--arms", "tis", "--seeds", "0,1,2,3", "--parallel", "2", "--save-models", "2")
+    args = _args(smoke, *flags, "--resume", "--no-plots")
     assert ablate.run(args) == 1  # a run failed
     out = capsys.readouterr().out
     assert "runs: 1 skipped" in out and "2 done" in out and "1 failed" in out
@@ -253,6 +255,9 @@ def test_parallel_children_resume_and_a_crashing_run(smoke, capsys):
     child_log = RunKey("realistic", "tis", 1).path(smoke, ".log").read_text()
     assert "step   2/2" in child_log  # the child's own log
     assert "no checkpoint in" in child_log and "starting from step 0" in child_log  # it got --resume
+    for s in (1, 2):
+        assert _run(f"realistic/tis/{s}", smoke)["models"] == [f"runs/realistic/tis/seed{s}/model-step2"]
+        assert (RunKey("realistic", "tis", s).path(smoke) / "model-step2" / "model.safetensors").is_file()
     group = json.loads((smoke / "results.json").read_text())["groups"]["realistic"]["tis"]
     runs = [_run(f"realistic/tis/{s}", smoke) for s in (0, 1, 2)]
     assert group["n"] == 3 and group["seeds"] == [0, 1, 2]
@@ -504,8 +509,7 @@ def test_run_recipes_validate_and_build(name, tmp_path):
             )  # one update per generation
             assert recipe["dataset"]["held_out"] == scale.sft.n_eval and recipe["eval_dataset"] is None
             assert (
-                recipe["reward_funcs"][1]["soft_overlong"]["cache_length"]
-                == scale.max_completion_length // 4
+                recipe["reward_funcs"][1]["soft_overlong"]["cache_length"] == scale.max_completion_length // 4
             )
             assert (config.seed, config.data_seed, recipe["sampler_kwargs"]["seed"]) == (7, 7, 7)
 
