@@ -524,7 +524,7 @@ def _plan(
     plan = _PLANS.get(key)
     if plan is None:
         if len(_PLANS) >= _PLANS_KEPT:
-            _PLANS.pop(next(iter(_PLANS)))
+            _PLANS.pop(next(iter(_PLANS), None), None)  # safe if another thread evicted it first
         plan = _PLANS[key] = _call_plan(config, x, weight.shape[0])
     return plan
 

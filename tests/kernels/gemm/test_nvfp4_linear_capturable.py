@@ -201,6 +201,38 @@ def test_seeds_are_drawn_by_a_forward_a_backward_can_follow(backend):
     assert bf16._sr_calls.tolist() == [0, 1]
 
 
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+@pytest.mark.parametrize("trainable", ["x", "bias"])
+def test_a_partly_frozen_layer_draws_and_matches_the_cached_layer(backend, trainable):
+    """Only some inputs need a gradient — a frozen W with x requiring grad (LoRA's base, a layer above a
+    trainable one), or the bias alone: the capturable layer still draws at the forward, and over two steps
+    its outputs and gradients are the cached layer's bits (same seeds, one backward per forward)."""
+    torch.manual_seed(0)
+    cfg = NVFP4LinearConfig(backward="nvfp4-backward")
+    cached = NVFP4Linear(32, 48, config=cfg)
+    capturable = copy.deepcopy(cached)
+    capturable.config = dataclasses.replace(cfg, capturable=True)
+    for layer in (cached, capturable):
+        layer.weight.requires_grad_(False)
+        layer.bias.requires_grad_(trainable == "bias")
+    run = torch.compile(capturable, backend=backend, fullgraph=True) if backend else capturable
+    g = torch.Generator().manual_seed(2)
+    for step in (1, 2):
+        x, dy = torch.randn(4, 32, generator=g), torch.randn(4, 48, generator=g)
+        xa, xb = (x.clone().requires_grad_(trainable == "x") for _ in range(2))
+        ya, yb = cached(xa), run(xb)
+        assert capturable._sr_calls.tolist() == [2 * step, 2 * step + 1]
+        ya.backward(dy)
+        yb.backward(dy)
+        assert torch.equal(ya, yb)
+        if trainable == "x":
+            assert torch.equal(xa.grad, xb.grad)
+        else:
+            assert torch.equal(cached.bias.grad, capturable.bias.grad)
+            cached.bias.grad = capturable.bias.grad = None
+    assert cached._grad_calls == [2]
+
+
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_a_checkpoint_recompute_draws_again(use_reentrant):
     """Activation checkpointing: the recomputed forward draws the next seeds and the backward uses them.
@@ -415,7 +447,7 @@ def test_reduce_overhead_captures_the_capturable_layer(monkeypatch, backward):
             assert torch.equal(a, b), step
         seen.append(len(calls))
     assert counters["inductor"]["cudagraph_skips"] == 0
-    assert seen[2] == seen[-1], seen  # steps 3-6: replays, the layer's Python never ran
+    assert seen[2] == seen[-1], seen  # steps 4-6: replays, the layer's Python never ran
 
 
 def test_meta_init_then_to_empty_and_reset_restores_the_seed_count():
