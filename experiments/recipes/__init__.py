@@ -92,6 +92,7 @@ LEVELS = (
     "nvfp4-row",
     "nvfp4-row-fp8kv",
     "nvfp4-tensor-fp8kv",
+    "nvfp4-served-fp8kv",
     "nvfp4-coarse-fp8kv",
     "pair",
     "pair-row",
