@@ -103,7 +103,9 @@ def set_static_activation_scales(model: nn.Module, amax: Mapping[str, float]) ->
 
     layers = {name: m for name, m in model.named_modules() if isinstance(m, NVFP4Linear)}
     if not layers:
-        raise ValueError("calibrated activation scales: the model has no NVFP4Linear layer (convert it first)")
+        raise ValueError(
+            "calibrated activation scales: the model has no NVFP4Linear layer (convert it first)"
+        )
     experts = [name for name, m in model.named_modules() if isinstance(m, NVFP4MoeExperts)]
     if experts:
         raise ValueError(
@@ -111,7 +113,9 @@ def set_static_activation_scales(model: nn.Module, amax: Mapping[str, float]) ->
         )
     missing = sorted(set(layers) - set(amax))
     if missing:
-        raise ValueError(f"calibrated activation scales: no calibrated amax for the NVFP4 layers {missing[:3]}")
+        raise ValueError(
+            f"calibrated activation scales: no calibrated amax for the NVFP4 layers {missing[:3]}"
+        )
     replacements = []
     for name, layer in layers.items():
         try:

@@ -276,7 +276,11 @@ def test_a_compiled_learner_gets_an_eager_copy_refreshed_in_place(tokenizer, tin
 
 
 # -- calibrated static activation scales (activation_scale="calibrated": a served checkpoint's) ------------------
-SERVED = {"precision": "nvfp4", "quant_recipe": {**TE, "profile": "modelopt"}, "activation_scale": "calibrated"}
+SERVED = {
+    "precision": "nvfp4",
+    "quant_recipe": {**TE, "profile": "modelopt"},
+    "activation_scale": "calibrated",
+}
 
 
 def _calibrated(tokenizer, tiny_model, sampler_kwargs=SERVED):
@@ -296,7 +300,9 @@ def _static_amax(model):
 
     layers = {n: m for n, m in model.named_modules() if isinstance(m, NVFP4Linear)}
     assert layers and all(m.config.activation.scale_source == "static" for m in layers.values())
-    assert all(m.config.weight.scale_source == "dynamic" for m in layers.values())  # weights: per-tensor, live
+    assert all(
+        m.config.weight.scale_source == "dynamic" for m in layers.values()
+    )  # weights: per-tensor, live
     return {n: m.config.activation.static_amax for n, m in layers.items()}
 
 
@@ -331,7 +337,9 @@ def test_calibrated_amax_stay_fixed_across_refresh_while_weights_change(tokenize
     assert not torch.equal(layer.weight.detach(), weight_before)  # the weights followed the learner
     from triage.kernels.nvfp4 import quantize
 
-    codes, codes_before = (quantize(w, layer.config.weight, backend="torch") for w in (layer.weight, weight_before))
+    codes, codes_before = (
+        quantize(w, layer.config.weight, backend="torch") for w in (layer.weight, weight_before)
+    )
     assert not torch.equal(codes.data, codes_before.data)  # and so do their NVFP4 codes
 
 
@@ -347,7 +355,9 @@ def test_calibrated_sampler_logprobs_differ_from_dynamic_scales(tokenizer, tiny_
     assert runs[0]["logprobs"] != runs[1]["logprobs"]
     # the same sampler rebuilt with its amax gives the same numbers: the difference is the static scales
     rebuilt = served._build_copy(learner)
-    again = sample_with_kv_cache(rebuilt, PROMPTS, PARAMS, eos, generator=torch.Generator().manual_seed(3), pad_id=0)
+    again = sample_with_kv_cache(
+        rebuilt, PROMPTS, PARAMS, eos, generator=torch.Generator().manual_seed(3), pad_id=0
+    )
     assert again == runs[0]
 
 
@@ -363,7 +373,10 @@ def test_calibrated_amax_survive_a_sampler_checkpoint(tokenizer, tiny_model):
     [
         ({"precision": "bf16", "activation_scale": "calibrated"}, "precision: nvfp4"),
         ({"activation_scale": "calibrated"}, "precision: nvfp4"),
-        ({"precision": "nvfp4", "quant_recipe": ROW, "activation_scale": "calibrated"}, "quant_recipe.scale: tensor"),
+        (
+            {"precision": "nvfp4", "quant_recipe": ROW, "activation_scale": "calibrated"},
+            "quant_recipe.scale: tensor",
+        ),
         ({"precision": "nvfp4", "activation_scale": "static"}, "activation_scale must be one of"),
     ],
 )
