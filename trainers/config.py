@@ -39,8 +39,9 @@ from triage.config import SEQ_MIS_LEVELS, TAU_SPACES
 LEARNER_PRECISIONS = ("bf16", "nvfp4")
 SAMPLER_KINDS = ("hf", "sglang", "vllm-server", "offline")
 # sampler_kwargs the HF sampler alone takes: precision / quant_recipe on top of HFSampler's own arguments
-# (grpo_trainer.resolve_sampler_kwargs turns them into a sampler copy), kv_cache_dtype (an HFSampler argument)
-SAMPLER_NUMERICS_KEYS = ("precision", "quant_recipe", "kv_cache_dtype")
+# (grpo_trainer.resolve_sampler_kwargs turns them into a sampler copy), kv_cache_dtype and activation_scale
+# (HFSampler arguments: the KV-cache format, calibrated static NVFP4 activation scales)
+SAMPLER_NUMERICS_KEYS = ("precision", "quant_recipe", "kv_cache_dtype", "activation_scale")
 
 _D = TriageConfig()  # the single source of the TRIAGE defaults
 
@@ -139,6 +140,36 @@ def check_sampler_kwargs(kind: str | None, kwargs: Mapping | None, where: str = 
     if kwargs.get("kv_cache_dtype") not in (None, *KV_CACHE_DTYPES):  # what the HF sampler emulates
         raise ValueError(
             f"{where}.kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kwargs['kv_cache_dtype']!r}"
+        )
+    _check_activation_scale(kwargs, where)
+
+
+def _check_activation_scale(kwargs: Mapping, where: str) -> None:
+    """``activation_scale: calibrated`` needs an NVFP4 sampler copy whose activation recipe has one dynamic
+    outer scale per tensor (the amax that calibration fixes); ``ValueError`` naming the field otherwise."""
+    from .sampling.hf import ACTIVATION_SCALES
+
+    value = kwargs.get("activation_scale")
+    if value not in (None, *ACTIVATION_SCALES):
+        raise ValueError(f"{where}.activation_scale must be one of {ACTIVATION_SCALES}, got {value!r}")
+    if value != "calibrated":
+        return
+    if kwargs.get("precision") != "nvfp4":
+        raise ValueError(
+            f"{where}.activation_scale: calibrated needs {where}.precision: nvfp4 (static activation scales "
+            f"of an NVFP4 sampler copy), got precision {kwargs.get('precision')!r}"
+        )
+    recipe = kwargs.get("quant_recipe") or {}
+    get = recipe.get if isinstance(recipe, Mapping) else lambda k, d=None: getattr(recipe, k, d)
+    if get("scale", "tensor") != "tensor":
+        raise ValueError(
+            f"{where}.activation_scale: calibrated needs {where}.quant_recipe.scale: tensor (one calibrated amax "
+            f"per layer replaces the per-tensor one), got scale {get('scale')!r}"
+        )
+    if get("scale_source", "dynamic") != "dynamic":
+        raise ValueError(
+            f"{where}.activation_scale: calibrated needs {where}.quant_recipe.scale_source: dynamic (calibration "
+            f"sets the static amax), got scale_source {get('scale_source')!r}"
         )
 
 

@@ -89,6 +89,7 @@ LEVELS = (
     "aligned",
     "bf16-sampler",
     "nvfp4-matched",
+    "nvfp4-served-fp8kv",
     "nvfp4-row",
     "nvfp4-row-fp8kv",
     "nvfp4-tensor-fp8kv",

@@ -80,6 +80,27 @@ def test_levels_replace_the_numerics_whole():
     assert bf16["sampler_kwargs"]["quant_recipe"]["scale"] == "tensor"
 
 
+def test_the_served_level_is_a_calibrated_modelopt_sampler():
+    """`nvfp4-served-fp8kv`: per-tensor weight scales and calibrated static activation scales, as the HF sampler
+    the trainer builds from it (the key reaches ``HFSampler``; its copy's NVFP4 layers get static recipes)."""
+    from triage.trainers.grpo_trainer import resolve_sampler_kwargs
+    from triage.trainers.sampling import HFSampler
+
+    recipe = load_recipe("tiny/grpo-none/nvfp4-served-fp8kv")
+    sampler_kwargs = recipe["sampler_kwargs"]
+    assert (
+        sampler_kwargs["activation_scale"] == "calibrated" and sampler_kwargs["kv_cache_dtype"] == "fp8_e4m3"
+    )
+    assert (
+        sampler_kwargs["quant_recipe"]["scale"] == "tensor"
+        and sampler_kwargs["quant_recipe"]["profile"] == "modelopt"
+    )
+    assert recipe["learner_precision"] == "bf16" and recipe["bf16"] is False
+    config = build_config(recipe, output_dir="unused", use_cpu=True)
+    sampler = HFSampler(**resolve_sampler_kwargs("hf", config.sampler_kwargs))
+    assert sampler.activation_scale == "calibrated" and sampler.sampler_model == "copy"
+
+
 def test_a_recipe_file_pulls_a_level_in(tmp_path):
     path = tmp_path / "r.yaml"
     path.write_text("preset: tiny\narm: triage\nlevel: nvfp4-matched\nmax_steps: 3\n")
@@ -103,6 +124,11 @@ def test_a_recipe_file_pulls_a_level_in(tmp_path):
             "arms",
             {"sampler_kwargs": {"kv_cache_dtype": "fp8"}},
             "arm 'x' sets 'sampler_kwargs.kv_cache_dtype'",
+        ),
+        (
+            "arms",
+            {"sampler_kwargs": {"activation_scale": "calibrated"}},
+            "arm 'x' sets 'sampler_kwargs.activation_scale'",
         ),
     ],
 )

@@ -273,3 +273,129 @@ def test_a_compiled_learner_gets_an_eager_copy_refreshed_in_place(tokenizer, tin
         assert not any(k.startswith("_orig_mod.") for k in sampler.copy.state_dict())
         samples.append(_assert_same_as_rebuild(sampler, build(learner), eos))
     assert len(calls) == 1 and samples[0] != samples[1]
+
+
+# -- calibrated static activation scales (activation_scale="calibrated": a served checkpoint's) ------------------
+SERVED = {
+    "precision": "nvfp4",
+    "quant_recipe": {**TE, "profile": "modelopt"},
+    "activation_scale": "calibrated",
+}
+
+
+def _calibrated(tokenizer, tiny_model, sampler_kwargs=SERVED):
+    """An fp32 learner, a trainer over it, and a calibrated sampler built by its first rollout call."""
+    from triage.trainers.sampling.base import trainer_prompt_ids
+
+    learner = _learner(tokenizer, tiny_model, torch.float32, None)
+    trainer = _trainer(tokenizer, learner)
+    sampler = HFSampler(seed=0, **resolve_sampler_kwargs("hf", sampler_kwargs))
+    prompts = ["What is 2+3?", "What is 12-7?", "What is 2+3?"]
+    sampler(prompts, trainer)
+    return learner, trainer, sampler, trainer_prompt_ids(prompts, trainer)
+
+
+def _static_amax(model):
+    from triage.kernels import NVFP4Linear
+
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, NVFP4Linear)}
+    assert layers and all(m.config.activation.scale_source == "static" for m in layers.values())
+    assert all(
+        m.config.weight.scale_source == "dynamic" for m in layers.values()
+    )  # weights: per-tensor, live
+    return {n: m.config.activation.static_amax for n, m in layers.items()}
+
+
+def test_calibrated_sampler_layers_carry_the_calibration_batch_amax(tokenizer, tiny_model):
+    from triage.kernels.calibration import calibrate_activation_amax
+
+    learner, _, sampler, prompt_ids = _calibrated(tokenizer, tiny_model)
+    dup = copy.deepcopy(learner).to(torch.bfloat16).eval()  # the copy as cast, before its NVFP4 conversion
+    expected = {}
+    for prompt in prompt_ids:  # each prompt alone (no padding), max over the batch
+        ids = torch.tensor([prompt])
+        one = calibrate_activation_amax(dup, ids, torch.ones_like(ids), torch.arange(len(prompt))[None])
+        expected = {n: max(expected.get(n, 0.0), v) for n, v in one.items()}
+    amax = _static_amax(sampler.copy)
+    assert amax == expected == sampler.activation_amax
+    assert len(set(amax.values())) > 1  # one amax per layer
+
+
+def test_calibrated_amax_stay_fixed_across_refresh_while_weights_change(tokenizer, tiny_model):
+    learner, trainer, sampler, _ = _calibrated(tokenizer, tiny_model)
+    calls, _ = _counting_builds(sampler)
+    before = _static_amax(sampler.copy)
+    layer = sampler.copy.get_submodule("model.layers.0.self_attn.q_proj")
+    weight_before = layer.weight.detach().clone()
+    optimizer = _optimizer("adamw-fused", learner)
+    _train_step(learner, optimizer, 1)
+    trainer.state.global_step = 1
+    sampler(["What is 9+9?"], trainer)  # other prompts: calibration is not repeated
+    assert calls == []  # refreshed in place
+    assert sampler.copy.get_submodule("model.layers.0.self_attn.q_proj") is layer
+    assert _static_amax(sampler.copy) == before == sampler.activation_amax
+    assert not torch.equal(layer.weight.detach(), weight_before)  # the weights followed the learner
+    from triage.kernels.nvfp4 import quantize
+
+    codes, codes_before = (
+        quantize(w, layer.config.weight, backend="torch") for w in (layer.weight, weight_before)
+    )
+    assert not torch.equal(codes.data, codes_before.data)  # and so do their NVFP4 codes
+
+
+def test_calibrated_sampler_logprobs_differ_from_dynamic_scales(tokenizer, tiny_model):
+    learner, _, served, _ = _calibrated(tokenizer, tiny_model)
+    dynamic_kwargs = {k: v for k, v in SERVED.items() if k != "activation_scale"}
+    _, _, dynamic, _ = _calibrated(tokenizer, tiny_model, dynamic_kwargs)
+    eos = [tokenizer.eos_token_id]
+    runs = [
+        sample_with_kv_cache(m, PROMPTS, PARAMS, eos, generator=torch.Generator().manual_seed(3), pad_id=0)
+        for m in (served.copy, dynamic.copy)
+    ]
+    assert runs[0]["logprobs"] != runs[1]["logprobs"]
+    # the same sampler rebuilt with its amax gives the same numbers: the difference is the static scales
+    rebuilt = served._build_copy(learner)
+    again = sample_with_kv_cache(
+        rebuilt, PROMPTS, PARAMS, eos, generator=torch.Generator().manual_seed(3), pad_id=0
+    )
+    assert again == runs[0]
+
+
+def test_calibrated_amax_survive_a_sampler_checkpoint(tokenizer, tiny_model):
+    _, _, sampler, _ = _calibrated(tokenizer, tiny_model)
+    resumed = HFSampler(seed=0, **resolve_sampler_kwargs("hf", SERVED))
+    resumed.load_state_dict(sampler.state_dict())
+    assert resumed.activation_amax == sampler.activation_amax
+
+
+@pytest.mark.parametrize(
+    "sampler_kwargs, message",
+    [
+        ({"precision": "bf16", "activation_scale": "calibrated"}, "precision: nvfp4"),
+        ({"activation_scale": "calibrated"}, "precision: nvfp4"),
+        (
+            {"precision": "nvfp4", "quant_recipe": ROW, "activation_scale": "calibrated"},
+            "quant_recipe.scale: tensor",
+        ),
+        ({"precision": "nvfp4", "activation_scale": "static"}, "activation_scale must be one of"),
+    ],
+)
+def test_calibrated_activation_scale_refuses_bad_combinations(sampler_kwargs, message):
+    from triage.trainers.config import check_sampler_kwargs
+
+    with pytest.raises(ValueError, match=message) as err:
+        check_sampler_kwargs("hf", sampler_kwargs, "sampler_kwargs")
+    assert "sampler_kwargs." in str(err.value)
+
+
+def test_hf_sampler_refuses_calibration_without_an_nvfp4_copy(tokenizer, tiny_model):
+    with pytest.raises(ValueError, match="sampler_model='copy'"):
+        HFSampler(activation_scale="calibrated")
+    with pytest.raises(ValueError, match="activation_scale must be one of"):
+        HFSampler(activation_scale="per-token")
+    # a per-row activation recipe reaching the sampler directly: refused at the build, naming the layer
+    kwargs = {"precision": "nvfp4", "quant_recipe": ROW}
+    sampler = HFSampler(seed=0, activation_scale="calibrated", **resolve_sampler_kwargs("hf", kwargs))
+    trainer = _trainer(tokenizer, _learner(tokenizer, tiny_model, torch.float32, None))
+    with pytest.raises(ValueError, match=r"layer 'model\.layers\.0\..*scale='tensor'"):
+        sampler(["What is 2+3?"], trainer)

@@ -31,13 +31,13 @@ interpreter), on both the learner's and the engine's layers.
 
 from __future__ import annotations
 
-import re
 import tempfile
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from triage.kernels.calibration import calibrate_activation_amax, decoder_linears, static_activation_recipe
 from triage.kernels.frozen_linear import FrozenNVFP4Linear, NVFP4FrozenConfig
 from triage.kernels.nvfp4 import (
     NVFP4Tensor,
@@ -65,7 +65,6 @@ MODES = ("bf16", "w4a16", "w4a4")
 ACT_SCALES = ("tensor", "token", "static")
 WEIGHT_SOURCES = ("online", "checkpoint")
 FUSED_SCALES = ("independent", "shared")
-_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -137,44 +136,8 @@ def activation_recipe(precision: Precision, amax: float | None = None) -> QuantR
     if precision.act_scale == "static":
         if amax is None:
             raise ValueError("Precision(act_scale='static') needs a calibrated activation amax per layer")
-        return QuantRecipe(scale="tensor", scale_source="static", static_amax=amax, profile=precision.profile)
+        return static_activation_recipe(QuantRecipe(scale="tensor", profile=precision.profile), amax)
     return QuantRecipe(scale="tensor", profile=precision.profile)
-
-
-def decoder_linears(model: nn.Module) -> list[tuple[str, int, nn.Linear]]:
-    """``(qualified name, decoder layer index, module)`` of every ``nn.Linear`` inside a decoder layer."""
-    out = []
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear):
-            m = _LAYER_RE.search(name)
-            if m:
-                out.append((name, int(m.group(1)), module))
-    return out
-
-
-@torch.no_grad()
-def calibrate_activation_amax(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
-) -> dict[str, float]:
-    """Static activation amax of every decoder Linear: max |input| over one forward of the batch."""
-    amax: dict[str, float] = {}
-    handles = []
-    for name, _, module in decoder_linears(model):
-
-        def hook(mod, args, name=name):
-            value = float(args[0].detach().abs().amax())
-            amax[name] = max(amax.get(name, 0.0), value)
-
-        handles.append(module.register_forward_pre_hook(hook))
-    try:
-        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
-    bad = [n for n, v in amax.items() if not (v > 0 and v < float("inf"))]
-    if bad:
-        raise ValueError(f"calibration gave a non-positive or non-finite activation amax for {bad[:3]}")
-    return amax
 
 
 def _group_key(name: str) -> tuple[str, int] | None:

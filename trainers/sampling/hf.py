@@ -27,6 +27,12 @@ rounds them through bfloat16 (a no-op on a bf16 model); ``"fp8"``/``"fp8_e4m3"``
 ``e4m3(k / s_k) · s_k`` with one scale per layer for K and one for V, ``s = amax / 448`` calibrated on the
 prefill's non-pad positions and then frozen (the emulation of :mod:`triage.trainers.sampling.kvcache`). The
 learner's full-sequence forward never rounds its keys/values, so an fp8 cache adds to the engine mismatch δ.
+
+``activation_scale`` picks where the copy's NVFP4 activation outer scales come from: ``"recipe"`` (default)
+as its ``quant_recipe`` says (dynamic: from each forward's own input); ``"calibrated"`` as a served NVFP4
+checkpoint has them (ModelOpt, compressed-tensors, vLLM): one static input amax per Linear layer, measured
+once by :func:`triage.kernels.calibration.calibrate_activation_amax` and then fixed for the whole run
+(:meth:`HFSampler._calibrate`), while the weights are re-quantized from the trainer's at every sync.
 """
 
 from __future__ import annotations
@@ -106,6 +112,8 @@ def _new_cache(
 
 
 DECODES = ("auto", "dynamic", "static", "cuda_graph")
+#: where the sampler copy's NVFP4 activation outer scales come from (``HFSampler(activation_scale=...)``)
+ACTIVATION_SCALES = ("recipe", "calibrated")
 #: attention implementations whose 4-D decode mask the static/graph paths can build (bool: True = attend)
 _STATIC_ATTENTION = ("sdpa", "eager", "triage_strict")
 
@@ -377,6 +385,18 @@ class HFSampler(SamplerSource):
         refresh: how a sync updates the copy after the first: ``"in_place"`` (default: the trainer's weights
             copied into it) or ``"rebuild"`` (deep copy → cast → ``prepare_model`` at every sync; for a
             ``prepare_model`` that computes something from the weights, e.g. a calibration).
+        activation_scale: ``"recipe"`` (default: the copy's NVFP4 layers scale their activations as their
+            recipe says) or ``"calibrated"`` (``"copy"`` with an NVFP4 ``prepare_model`` whose activation
+            recipe is per tensor and dynamic): the emulation of a served checkpoint's static activation
+            scales. The first build of the copy runs the first prompts batch the sampler generates for
+            (each distinct prompt alone, no padding) through the copy as cast, *before* ``prepare_model``
+            (the un-quantized model in the copy's dtype, as a checkpoint is calibrated from its bf16 weights),
+            records each decoder Linear's max |input| (:func:`~triage.kernels.calibration.calibrate_activation_amax`;
+            with several processes the max over all of them) and gives every ``NVFP4Linear`` of the prepared
+            copy ``QuantRecipe(scale_source="static", static_amax=...)``
+            (:func:`~triage.kernels.calibration.set_static_activation_scales`). The amax are kept
+            (:attr:`activation_amax`) for the rest of the run: an in-place refresh leaves the layers' recipes
+            as they are, a rebuild applies the same amax again.
     """
 
     name = "hf"
@@ -397,6 +417,7 @@ class HFSampler(SamplerSource):
         kv_cache_dtype: str | None = None,
         decode: str = "auto",
         refresh: Literal["in_place", "rebuild"] = "in_place",
+        activation_scale: Literal["recipe", "calibrated"] = "recipe",
     ):
         super().__init__(params=params, weight_sync=weight_sync, validate=validate)
         if sampler_model not in ("shared", "copy"):
@@ -416,6 +437,18 @@ class HFSampler(SamplerSource):
             raise ValueError(f"decode must be one of {DECODES}, got {decode!r}")
         if refresh not in ("in_place", "rebuild"):
             raise ValueError(f"refresh must be 'in_place' or 'rebuild', got {refresh!r}")
+        if activation_scale not in ACTIVATION_SCALES:
+            raise ValueError(f"activation_scale must be one of {ACTIVATION_SCALES}, got {activation_scale!r}")
+        if activation_scale == "calibrated" and (sampler_model != "copy" or prepare_model is None):
+            raise ValueError(
+                "activation_scale='calibrated' calibrates the NVFP4 layers of a sampler copy: pass "
+                "sampler_model='copy' and an NVFP4 prepare_model (sampler_kwargs precision: nvfp4)"
+            )
+        self.activation_scale = activation_scale
+        #: the calibrated activation amax by layer name (``activation_scale="calibrated"``; None until the
+        #: first build), fixed for the rest of the run
+        self.activation_amax: dict[str, float] | None = None
+        self._calibration_prompts: list[list[int]] | None = None
         self.decode = decode
         self.refresh = refresh
         self.model = model
@@ -447,12 +480,18 @@ class HFSampler(SamplerSource):
         return self._generator
 
     def state_dict(self) -> dict:
-        """The sampler generator's state (per process; empty before the first rollout)."""
+        """The sampler generator's state (per process; empty before the first rollout) and the calibrated
+        activation amax (``activation_scale="calibrated"``, once calibrated: a resumed run keeps its scales)."""
+        out = {} if self.activation_amax is None else {"activation_amax": dict(self.activation_amax)}
         if self._generator is None:
-            return {} if self._restored_state is None else {"generator": self._restored_state.tolist()}
-        return {"generator": self._generator.get_state().tolist()}
+            if self._restored_state is not None:
+                out["generator"] = self._restored_state.tolist()
+            return out
+        return {"generator": self._generator.get_state().tolist(), **out}
 
     def load_state_dict(self, state: dict) -> None:
+        if state.get("activation_amax") is not None and self.activation_scale == "calibrated":
+            self.activation_amax = {str(k): float(v) for k, v in state["activation_amax"].items()}
         if "generator" in state:
             self._restored_state = torch.tensor(state["generator"], dtype=torch.uint8)
             self._generator = None  # rebuilt on the model's device at the next rollout, then restored
@@ -548,9 +587,18 @@ class HFSampler(SamplerSource):
             unconvert(dup, frozen=False)
         if self.dtype is not None:
             dup = dup.to(self.dtype)
+        if self.activation_scale == "calibrated" and self.activation_amax is None:
+            self.activation_amax = self._calibrate(dup)
         if self.prepare_model is not None:
             prepared = self.prepare_model(dup)
             dup = prepared if prepared is not None else dup
+        if self.activation_scale == "calibrated":
+            from triage.kernels.calibration import set_static_activation_scales
+
+            try:
+                set_static_activation_scales(dup, self.activation_amax)
+            except ValueError as err:
+                raise ValueError(f"HFSampler(activation_scale='calibrated'): {err}") from None
         # ``.to(dtype)`` also casts RoPE's ``inv_freq`` buffers, which ``from_pretrained(dtype=...)`` and the
         # engines keep in fp32 (non-persistent: a later sync never repairs them): restore the source's.
         for name, buf in source.named_buffers():
@@ -560,6 +608,45 @@ class HFSampler(SamplerSource):
                 target._buffers[attr] = buf.detach().to(target._buffers[attr].device, copy=True)
         dup.requires_grad_(False)
         return dup.eval()
+
+    @torch.no_grad()
+    def _calibrate(self, model: torch.nn.Module) -> dict[str, float]:
+        """The static activation amax of ``model`` (the un-quantized copy) on the calibration prompts: each
+        distinct prompt forwarded alone (no pad token reaches a layer), the max per layer over them and, with
+        several processes, over all of them (one set of scales, as one served checkpoint has)."""
+        from triage.kernels.calibration import calibrate_activation_amax
+
+        if not self._calibration_prompts:
+            raise ValueError(
+                "HFSampler(activation_scale='calibrated') calibrates on the first prompts batch it generates "
+                "for: build the copy through a rollout call (sampler(prompts, trainer))"
+            )
+        device = next(model.parameters()).device
+        was_training = model.training
+        model.eval()
+        amax: dict[str, float] = {}
+        try:
+            for prompt in dict.fromkeys(tuple(p) for p in self._calibration_prompts):
+                ids = torch.tensor([prompt], dtype=torch.long, device=device)
+                positions = torch.arange(len(prompt), device=device)[None]
+                one = calibrate_activation_amax(model, ids, torch.ones_like(ids), positions)
+                for name, value in one.items():
+                    amax[name] = max(amax.get(name, 0.0), value)
+        finally:
+            model.train(was_training)
+        if not amax:
+            raise ValueError(
+                "HFSampler(activation_scale='calibrated'): the model has no Linear layer inside a decoder layer "
+                "(`.layers.<i>.` module names) to calibrate"
+            )
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            names = sorted(amax)
+            values = torch.tensor([amax[n] for n in names], dtype=torch.float64, device=device)
+            dist.all_reduce(values, op=dist.ReduceOp.MAX)
+            amax = dict(zip(names, values.tolist()))
+        self._calibration_prompts = None
+        return amax
 
     def sync_weights(self, trainer: Any) -> None:
         """Make the sampler copy serve the trainer's current weights (``"copy"`` only).
@@ -617,8 +704,10 @@ class HFSampler(SamplerSource):
         from .base import trainer_eos_ids, trainer_prompt_ids
 
         self.rank = trainer_rank(trainer)
-        self.maybe_sync_weights(trainer)
         prompt_ids = trainer_prompt_ids(prompts, trainer)
+        if self.activation_scale == "calibrated" and self.activation_amax is None:
+            self._calibration_prompts = prompt_ids  # the first batch calibrates the copy's activation scales
+        self.maybe_sync_weights(trainer)
         params, eos_ids = self.params_for(trainer), trainer_eos_ids(trainer)
         if self.sampler_model == "copy":
             out = self.generate(prompt_ids, params, eos_ids, model=self.copy)

@@ -1,0 +1,129 @@
+"""Calibrated static activation scales: one input amax per decoder Linear layer, measured once, then fixed.
+
+A served NVFP4 checkpoint (ModelOpt, compressed-tensors) quantizes each Linear layer's input with one outer
+scale computed from an amax that calibration measured when the checkpoint was made, not from each forward's
+own input. This module is where that concept lives, for every user (the diagnostics' ``act_scale="static"``
+paths and the HF sampler's ``activation_scale="calibrated"``):
+
+* :func:`decoder_linears`: the ``nn.Linear`` layers inside a decoder layer (``.layers.<i>.`` in the name);
+* :func:`calibrate_activation_amax`: max |input| of each of them over one forward of a batch;
+* :func:`static_activation_recipe`: a per-tensor activation recipe with its outer amax fixed to the
+  calibrated one (``QuantRecipe(scale_source="static", static_amax=amax)``);
+* :func:`set_static_activation_scales`: give the ``NVFP4Linear`` layers of a converted model those recipes,
+  layer by layer (same parameters, so a sampler copy refreshed in place keeps them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from triage.kernels.nvfp4.recipe import QuantRecipe
+
+__all__ = [
+    "calibrate_activation_amax",
+    "decoder_linears",
+    "set_static_activation_scales",
+    "static_activation_recipe",
+]
+
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def decoder_linears(model: nn.Module) -> list[tuple[str, int, nn.Linear]]:
+    """``(qualified name, decoder layer index, module)`` of every ``nn.Linear`` inside a decoder layer."""
+    out = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            m = _LAYER_RE.search(name)
+            if m:
+                out.append((name, int(m.group(1)), module))
+    return out
+
+
+@torch.no_grad()
+def calibrate_activation_amax(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+) -> dict[str, float]:
+    """Static activation amax of every decoder Linear: max |input| over one forward of the batch."""
+    amax: dict[str, float] = {}
+    handles = []
+    for name, _, module in decoder_linears(model):
+
+        def hook(mod, args, name=name):
+            value = float(args[0].detach().abs().amax())
+            amax[name] = max(amax.get(name, 0.0), value)
+
+        handles.append(module.register_forward_pre_hook(hook))
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    bad = [n for n, v in amax.items() if not (v > 0 and v < float("inf"))]
+    if bad:
+        raise ValueError(f"calibration gave a non-positive or non-finite activation amax for {bad[:3]}")
+    return amax
+
+
+def static_activation_recipe(recipe: QuantRecipe, amax: float) -> QuantRecipe:
+    """``recipe`` with its outer scale fixed to the calibrated ``amax`` (``scale_source="static"``).
+
+    ``recipe`` must have one outer scale per tensor (``scale="tensor"``) computed from the input
+    (``scale_source="dynamic"``): a per-row (per-token) scale has no single amax to calibrate."""
+    if recipe.scale != "tensor":
+        raise ValueError(
+            f"a calibrated (static) activation scale replaces one per-tensor amax: the activation recipe needs "
+            f"scale='tensor', got scale={recipe.scale!r}"
+        )
+    if recipe.scale_source != "dynamic":
+        raise ValueError(
+            "a calibrated (static) activation scale replaces a dynamic amax: the activation recipe needs "
+            f"scale_source='dynamic', got {recipe.scale_source!r}"
+        )
+    return dataclasses.replace(recipe, scale_source="static", static_amax=float(amax))
+
+
+def set_static_activation_scales(model: nn.Module, amax: Mapping[str, float]) -> nn.Module:
+    """Give every ``NVFP4Linear`` of ``model`` the static activation recipe of its calibrated amax, in place;
+    returns ``model``.
+
+    Each layer becomes ``NVFP4Linear.from_linear(layer, config with activation=static_activation_recipe(...))``:
+    the same parameters (state_dict unchanged), its weight recipe untouched (the weights stay quantized from
+    their current values at every forward). Names in ``amax`` that are not converted layers (those the
+    conversion skips, e.g. MoE routers) are ignored. ``ValueError`` when a converted layer has no amax in
+    ``amax``, a layer's activation recipe is not per tensor and dynamic, or the model has NVFP4 MoE experts
+    (their activation scales are not calibrated here); nothing is replaced then."""
+    from triage.kernels.linear import NVFP4Linear
+    from triage.kernels.moe.experts import NVFP4MoeExperts
+
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, NVFP4Linear)}
+    if not layers:
+        raise ValueError(
+            "calibrated activation scales: the model has no NVFP4Linear layer (convert it first)"
+        )
+    experts = [name for name, m in model.named_modules() if isinstance(m, NVFP4MoeExperts)]
+    if experts:
+        raise ValueError(
+            f"calibrated activation scales cover NVFP4Linear layers only; {experts[0]!r} is NVFP4 MoE experts"
+        )
+    missing = sorted(set(layers) - set(amax))
+    if missing:
+        raise ValueError(
+            f"calibrated activation scales: no calibrated amax for the NVFP4 layers {missing[:3]}"
+        )
+    replacements = []
+    for name, layer in layers.items():
+        try:
+            activation = static_activation_recipe(layer.config.activation, amax[name])
+        except ValueError as err:
+            raise ValueError(f"layer {name!r}: {err}") from None
+        config = dataclasses.replace(layer.config, activation=activation)
+        replacements.append((name, NVFP4Linear.from_linear(layer, config)))
+    for name, new in replacements:
+        model.set_submodule(name, new)
+    return model
