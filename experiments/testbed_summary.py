@@ -173,11 +173,71 @@ def table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+DEGRADED_DROP = 0.1  # a run degraded when its last held-out accuracy is this far below its first
+COLLAPSED_BELOW = (
+    0.05  # and collapsed when its last held-out accuracy is below this (greedy answers ~all wrong)
+)
+
+
+def degraded(run: dict) -> bool:
+    """Whether the run's last held-out accuracy is more than :data:`DEGRADED_DROP` below its first."""
+    held = run["held_out"]["accuracy"]
+    return held[-1] < held[0] - DEGRADED_DROP
+
+
+def collapsed(run: dict) -> bool:
+    """Whether the run's last held-out accuracy is below :data:`COLLAPSED_BELOW`."""
+    return run["held_out"]["accuracy"][-1] < COLLAPSED_BELOW
+
+
+def fisher_greater(a: int, n_a: int, b: int, n_b: int) -> float:
+    """One-sided Fisher exact test: the probability, with the margins fixed, that group A (``a`` of ``n_a``
+    runs) holds at least ``a`` of the ``a + b`` events if the events fell on the ``n_a + n_b`` runs at random:
+    P(X ≥ a), X hypergeometric(N = n_a + n_b, K = a + b, n = n_a)."""
+    from math import comb
+
+    if not (0 <= a <= n_a and 0 <= b <= n_b):
+        raise ValueError(f"fisher_greater: counts out of range ({a}/{n_a}, {b}/{n_b})")
+    total, events = n_a + n_b, a + b
+    hi = min(n_a, events)
+    return sum(comb(events, x) * comb(total - events, n_a - x) for x in range(a, hi + 1)) / comb(total, n_a)
+
+
+def select(runs: list[dict], spec: str, what: str = "--select") -> list[dict]:
+    """The runs of the comma-separated LEVEL/ARM groups in ``spec`` (LEVEL as the tables show it, e.g.
+    ``aligned (lr 0.0002)``); ``ValueError`` naming ``what`` and any group no run belongs to."""
+    keys = [tuple(k.strip().rsplit("/", 1)) for k in spec.split(",") if k.strip()]
+    known = {(group_label(r), r["arm"]) for r in runs}
+    unknown = [f"{lv}/{arm}" for lv, arm in keys if (lv, arm) not in known]
+    if unknown or not keys:
+        raise ValueError(
+            f"{what}: no run is {', '.join(unknown) or repr(spec)} "
+            f"(known: {', '.join(sorted(f'{a}/{b}' for a, b in known))})"
+        )
+    return [r for r in runs if (group_label(r), r["arm"]) in set(keys)]
+
+
+def compare_table(runs: list[dict], spec: str) -> str:
+    """``A vs B`` (each a comma-separated list of LEVEL/ARM groups, pooled): how many runs of each degraded and
+    collapsed (:func:`degraded`, :func:`collapsed`), and the one-sided Fisher exact p that A's runs degrade
+    (collapse) more often than B's by chance (:func:`fisher_greater`). Small samples: a p-value, not a rate."""
+    left, sep, right = spec.partition(" vs ")
+    if not sep:
+        raise ValueError(f"--compare {spec!r}: expected 'LEVEL/ARM,... vs LEVEL/ARM,...'")
+    a, b = select(runs, left, "--compare A"), select(runs, right, "--compare B")
+    lines = [f"A = {left.strip()}", f"B = {right.strip()}"]
+    for name, test in (("degraded", degraded), ("collapsed", collapsed)):
+        ka, kb = sum(map(test, a)), sum(map(test, b))
+        p = fisher_greater(ka, len(a), kb, len(b))
+        lines.append(f"{name}: A {ka} of {len(a)}, B {kb} of {len(b)}; one-sided Fisher p (A > B) = {p:.3f}")
+    return "\n".join(lines)
+
+
 def early_warning_table(runs: list[dict]) -> str:
     """``triage.early_warning`` replayed over each run's logged series (mean |δ|, amplify-down share, reward):
     the run's steps and held-out accuracy (first → last), the step of each signal's first alarm, of the reward
     fall, and the lead (reward fall − first alarm). A run "degraded" when its last held-out accuracy is more
-    than 10 points below its first. The last line counts them: degraded runs, those whose reward fell and
+    than 10 points below its first (:func:`degraded`). The last line counts them: degraded runs, those whose reward fell and
     how many of them an alarm preceded (lead range), and false alarms (runs that did not degrade but alarmed)."""
     from triage.early_warning import scan_log
 
@@ -195,19 +255,19 @@ def early_warning_table(runs: list[dict]) -> str:
         ]
         report = scan_log(records)
         held = r["held_out"]["accuracy"]
-        degraded = held[-1] < held[0] - 0.1
+        is_degraded = degraded(r)
         alarm = {name: a.step for name, a in report.alarms.items()}
         fall = report.reward_fall.step if report.reward_fall else "–"
         lead = report.lead_steps if report.lead_steps is not None else "–"
-        degraded_n += degraded
-        stable_n += not degraded
-        false_alarms += bool(not degraded and alarm)
-        falls += bool(degraded and report.reward_fall)
-        if degraded and report.lead_steps is not None and report.lead_steps > 0:
+        degraded_n += is_degraded
+        stable_n += not is_degraded
+        false_alarms += bool(not is_degraded and alarm)
+        falls += bool(is_degraded and report.reward_fall)
+        if is_degraded and report.lead_steps is not None and report.lead_steps > 0:
             leads.append(report.lead_steps)
         lines.append(
             f"| {group_label(r)} | {r['arm']} | {r['seed']} | {r['steps']} | {held[0]:.3f} → {held[-1]:.3f} "
-            f"| {'yes' if degraded else 'no'} | {fall} "
+            f"| {'yes' if is_degraded else 'no'} | {fall} "
             f"| {alarm.get('mean_abs_delta', '–')} | {alarm.get('amplify_down_share', '–')} | {lead} |"
         )
     ahead = f" ({min(leads)}–{max(leads)} steps ahead)" if leads else ""
@@ -324,6 +384,14 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--early-warning", action="store_true", help="also print the early-warning replay per run"
     )
+    ap.add_argument(
+        "--compare",
+        action="append",
+        default=[],
+        metavar="'A vs B'",
+        help="'LEVEL/ARM,... vs LEVEL/ARM,...' (repeatable): runs degraded and collapsed in each pooled group "
+        "and the one-sided Fisher exact p that A's do so more often than B's",
+    )
     args = ap.parse_args(argv)
     if not (args.run_dir or args.from_json):
         ap.error("give RUN_DIR(s) and/or --from-json FILE")
@@ -353,18 +421,20 @@ def main(argv=None) -> int:
         for r in renamed:  # a run renamed before keeps the name it ran under
             r["arm_as_run"], r["arm"] = r.get("arm_as_run") or old, new
     if args.select:
-        keep = [tuple(k.rsplit("/", 1)) for k in args.select.split(",")]
-        known = {(group_label(r), r["arm"]) for r in runs}
-        unknown = [f"{lv}/{arm}" for lv, arm in keep if (lv, arm) not in known]
-        if unknown:
-            ap.error(
-                f"--select: no run is {', '.join(unknown)} (known: {', '.join(sorted(f'{a}/{b}' for a, b in known))})"
-            )
-        runs = [r for r in runs if (group_label(r), r["arm"]) in set(keep)]
+        try:
+            runs = select(runs, args.select)
+        except ValueError as err:
+            ap.error(str(err))
     print(table(runs))
     if args.early_warning:
         print()
         print(early_warning_table(runs))
+    for spec in args.compare:
+        print()
+        try:
+            print(compare_table(runs, spec))
+        except ValueError as err:
+            ap.error(str(err))
     if args.plot:
         plot(runs, args.plot)
     missing = sorted(  # a log without its run's result file (seed1.log is not answered by seed10.json)

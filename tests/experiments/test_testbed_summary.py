@@ -11,7 +11,17 @@ from triage.experiments import testbed_summary
 
 
 def _write_full_run(
-    root, level, arm, seed, suffix=".json", steps=60, lr=5e-5, reward=0.3, delta=0.01, resumed_at=None
+    root,
+    level,
+    arm,
+    seed,
+    suffix=".json",
+    steps=60,
+    lr=5e-5,
+    reward=0.3,
+    delta=0.01,
+    resumed_at=None,
+    held=(0.5, 0.6),
 ):
     series = {k: [0.0] * steps for k in testbed_summary.SERIES}
     series.update(step=list(range(1, steps + 1)), reward=[reward] * steps, mean_abs_delta=[delta] * steps)
@@ -24,7 +34,7 @@ def _write_full_run(
         "seconds": 10.0,
         "params": 123,
         "series": series,
-        "held_out": {"step": [0, steps], "accuracy": [0.5, 0.6]},
+        "held_out": {"step": [0, steps], "accuracy": list(held)},
         "recipe": {"learning_rate": lr, "temperature": 1.0},
         "resumed_at": resumed_at or [],
     }
@@ -160,3 +170,49 @@ def test_below_band_share_is_undefined_at_a_step_without_gradient():
     series = {f"grad_share/{c}": [0.2, 0.0] for c in testbed_summary.GRAD_SHARE_CLASSES}
     assert testbed_summary._below_band_grad(series) == [0.4, None]
     assert testbed_summary._window(testbed_summary._below_band_grad(series), first=False) == 0.4
+
+
+def test_fisher_greater_is_the_hypergeometric_tail():
+    """P(X ≥ a) by brute force over every way the events can fall on the runs, and the textbook values."""
+    import itertools
+    from fractions import Fraction
+
+    def brute(a, n_a, b, n_b):
+        runs, events = n_a + n_b, a + b
+        ways = list(itertools.combinations(range(runs), events))  # which runs hold the events
+        return Fraction(sum(sum(i < n_a for i in w) >= a for w in ways), len(ways))
+
+    for a, n_a, b, n_b in [
+        (4, 6, 0, 3),
+        (5, 6, 0, 3),
+        (4, 5, 0, 15),
+        (0, 3, 2, 3),
+        (2, 4, 2, 4),
+        (3, 3, 0, 0),
+    ]:
+        assert testbed_summary.fisher_greater(a, n_a, b, n_b) == pytest.approx(float(brute(a, n_a, b, n_b)))
+    assert testbed_summary.fisher_greater(4, 6, 0, 3) == pytest.approx(10 / 84)
+    assert testbed_summary.fisher_greater(0, 3, 3, 3) == 1.0  # nothing in A: the tail is everything
+    with pytest.raises(ValueError, match="out of range"):
+        testbed_summary.fisher_greater(4, 3, 0, 3)
+
+
+def test_compare_counts_degraded_and_collapsed_runs_and_tests_them(tmp_path, capsys):
+    """--compare 'A vs B': pooled groups, degraded (10 points below the start) and collapsed (below 5 %)
+    counted per group, with the one-sided Fisher p; an unknown group is an error naming it."""
+    for seed, held in enumerate([(0.6, 0.0), (0.6, 0.45), (0.6, 0.55)]):  # collapsed, degraded, stable
+        _write_full_run(tmp_path, "row", "grpo-none", seed, held=held)
+    for seed in range(3):
+        _write_full_run(tmp_path, "pair", "grpo-none", seed, held=(0.5, 0.6))
+    assert testbed_summary.main([str(tmp_path), "--json", str(tmp_path / "s.json"), "--compare",
+                                 "row/grpo-none vs pair/grpo-none"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    p_degraded = testbed_summary.fisher_greater(2, 3, 0, 3)
+    p_collapsed = testbed_summary.fisher_greater(1, 3, 0, 3)
+    assert f"degraded: A 2 of 3, B 0 of 3; one-sided Fisher p (A > B) = {p_degraded:.3f}" in out
+    assert f"collapsed: A 1 of 3, B 0 of 3; one-sided Fisher p (A > B) = {p_collapsed:.3f}" in out
+    with pytest.raises(SystemExit):
+        testbed_summary.main(
+            [str(tmp_path), "--json", str(tmp_path / "s.json"), "--compare", "row/grpo-none vs x/y"]
+        )
+    assert "--compare B: no run is x/y" in capsys.readouterr().err
