@@ -71,6 +71,8 @@ done
 for pid in "${pids[@]}"; do wait "$pid"; done
 mps_stop
 for dir in "${dirs[@]}"; do echo "=== $dir"; tail -n 40 "$dir/study.log"; done
-tar czf "$REAL_OUT/testbed-runs.tgz" --exclude='*/sft' --exclude='*/checkpoint-*' --exclude='*/model-step*' \
+# RUN_DIR/sft comes back without its weights: its sft.json names the checkpoint, which testbed_summary
+# checks before it reads runs of several calls or files as one study
+tar czf "$REAL_OUT/testbed-runs.tgz" --exclude='*/checkpoint-*' --exclude='*/model-step*' \
   --exclude='*.safetensors' --exclude='*.pt' --exclude='*.bin' "${dirs[@]}" 2>/dev/null
 ls -la "$REAL_OUT"

@@ -230,8 +230,8 @@ def test_without_a_complete_checkpoint_a_run_starts_from_step_0_and_says_so(tmp_
 
 
 def test_checkpoints_are_left_out_of_the_gpu_tarball(tmp_path):
-    """experiments/testbed/gpu.sh packs RUN_DIR without the run checkpoints and saved models (too large to
-    bring back; a saved model is analysed on the machine)."""
+    """experiments/testbed/gpu.sh packs RUN_DIR without the run checkpoints, saved models and the SFT weights
+    (too large to bring back; a saved model is analysed on the machine), with the SFT's sft.json."""
     import re
     import subprocess
     import tarfile
@@ -247,7 +247,8 @@ def test_checkpoints_are_left_out_of_the_gpu_tarball(tmp_path):
     for name in ("model.safetensors", "config.json", "tokenizer.json", "training_args.bin"):
         (seed / "model-step5" / name).write_text("x")
     (run_dir / "sft").mkdir()
-    (run_dir / "sft" / "model.safetensors").write_text("x")
+    for name in ("model.safetensors", "sft.json"):
+        (run_dir / "sft" / name).write_text("x")
     for name in ("seed0.partial.json", "seed0.log"):
         (seed.parent / name).write_text("{}")
     command = command.replace('"$REAL_OUT/testbed-runs.tgz"', "out.tgz").replace(
@@ -259,4 +260,5 @@ def test_checkpoints_are_left_out_of_the_gpu_tarball(tmp_path):
     assert sorted(names) == [
         "runs/tb/long/runs/aligned/grpo-none/seed0.log",
         "runs/tb/long/runs/aligned/grpo-none/seed0.partial.json",
+        "runs/tb/long/sft/sft.json",  # names the checkpoint for testbed_summary; the weights stay
     ]
