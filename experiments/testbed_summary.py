@@ -206,7 +206,11 @@ def fisher_greater(a: int, n_a: int, b: int, n_b: int) -> float:
 def select(runs: list[dict], spec: str, what: str = "--select") -> list[dict]:
     """The runs of the comma-separated LEVEL/ARM groups in ``spec`` (LEVEL as the tables show it, e.g.
     ``aligned (lr 0.0002)``); ``ValueError`` naming ``what`` and any group no run belongs to."""
-    keys = [tuple(k.strip().rsplit("/", 1)) for k in spec.split(",") if k.strip()]
+    parts = [k.strip() for k in spec.split(",") if k.strip()]
+    bad = [k for k in parts if "/" not in k]
+    if bad:
+        raise ValueError(f"{what}: {bad[0]!r} is not LEVEL/ARM")
+    keys = [tuple(k.rsplit("/", 1)) for k in parts]
     known = {(group_label(r), r["arm"]) for r in runs}
     unknown = [f"{lv}/{arm}" for lv, arm in keys if (lv, arm) not in known]
     if unknown or not keys:
@@ -225,6 +229,9 @@ def compare_table(runs: list[dict], spec: str) -> str:
     if not sep:
         raise ValueError(f"--compare {spec!r}: expected 'LEVEL/ARM,... vs LEVEL/ARM,...'")
     a, b = select(runs, left, "--compare A"), select(runs, right, "--compare B")
+    shared = {id(r) for r in a} & {id(r) for r in b}
+    if shared:
+        raise ValueError(f"--compare {spec!r}: A and B share {len(shared)} run(s); compare disjoint groups")
     lines = [f"A = {left.strip()}", f"B = {right.strip()}"]
     for name, test in (("degraded", degraded), ("collapsed", collapsed)):
         ka, kb = sum(map(test, a)), sum(map(test, b))

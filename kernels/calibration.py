@@ -49,7 +49,8 @@ def decoder_linears(model: nn.Module) -> list[tuple[str, int, nn.Linear]]:
 def calibrate_activation_amax(
     model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
 ) -> dict[str, float]:
-    """Static activation amax of every decoder Linear: max |input| over one forward of the batch."""
+    """Static activation amax of every decoder Linear: max |input| over one forward of the batch, padded
+    positions included (pass unpadded sequences, one at a time, to keep padding out, as ``HFSampler`` does)."""
     amax: dict[str, float] = {}
     handles = []
     for name, _, module in decoder_linears(model):
@@ -74,7 +75,8 @@ def static_activation_recipe(recipe: QuantRecipe, amax: float) -> QuantRecipe:
     """``recipe`` with its outer scale fixed to the calibrated ``amax`` (``scale_source="static"``).
 
     ``recipe`` must have one outer scale per tensor (``scale="tensor"``) computed from the input
-    (``scale_source="dynamic"``): a per-row (per-token) scale has no single amax to calibrate."""
+    (``scale_source="dynamic"``): a per-row (per-token) scale has no single amax to calibrate; and no Hadamard
+    rotation (``hadamard=False``): the calibration measures max|x|, a rotated recipe scales H·x."""
     if recipe.scale != "tensor":
         raise ValueError(
             f"a calibrated (static) activation scale replaces one per-tensor amax: the activation recipe needs "
@@ -84,6 +86,11 @@ def static_activation_recipe(recipe: QuantRecipe, amax: float) -> QuantRecipe:
         raise ValueError(
             "a calibrated (static) activation scale replaces a dynamic amax: the activation recipe needs "
             f"scale_source='dynamic', got {recipe.scale_source!r}"
+        )
+    if recipe.hadamard:
+        raise ValueError(
+            "a calibrated (static) activation scale is max|x| of the calibration batch, but a Hadamard recipe "
+            "scales the rotated H·x: the activation recipe needs hadamard=False"
         )
     return dataclasses.replace(recipe, scale_source="static", static_amax=float(amax))
 
@@ -97,7 +104,8 @@ def set_static_activation_scales(model: nn.Module, amax: Mapping[str, float]) ->
     their current values at every forward). Names in ``amax`` that are not converted layers (those the
     conversion skips, e.g. MoE routers) are ignored. ``ValueError`` when a converted layer has no amax in
     ``amax``, a layer's activation recipe is not per tensor and dynamic, or the model has NVFP4 MoE experts
-    (their activation scales are not calibrated here); nothing is replaced then."""
+    or frozen NVFP4 layers (their activation scales are not calibrated here); nothing is replaced then."""
+    from triage.kernels.frozen_linear import FrozenNVFP4Linear
     from triage.kernels.linear import NVFP4Linear
     from triage.kernels.moe.experts import NVFP4MoeExperts
 
@@ -106,10 +114,15 @@ def set_static_activation_scales(model: nn.Module, amax: Mapping[str, float]) ->
         raise ValueError(
             "calibrated activation scales: the model has no NVFP4Linear layer (convert it first)"
         )
-    experts = [name for name, m in model.named_modules() if isinstance(m, NVFP4MoeExperts)]
-    if experts:
+    others = [
+        (name, kind)
+        for name, m in model.named_modules()
+        for cls, kind in ((NVFP4MoeExperts, "NVFP4 MoE experts"), (FrozenNVFP4Linear, "a frozen NVFP4 layer"))
+        if isinstance(m, cls)
+    ]
+    if others:
         raise ValueError(
-            f"calibrated activation scales cover NVFP4Linear layers only; {experts[0]!r} is NVFP4 MoE experts"
+            f"calibrated activation scales cover NVFP4Linear layers only; {others[0][0]!r} is {others[0][1]}"
         )
     missing = sorted(set(layers) - set(amax))
     if missing:

@@ -171,6 +171,11 @@ def _check_activation_scale(kwargs: Mapping, where: str) -> None:
             f"{where}.activation_scale: calibrated needs {where}.quant_recipe.scale_source: dynamic (calibration "
             f"sets the static amax), got scale_source {get('scale_source')!r}"
         )
+    if get("hadamard", False):
+        raise ValueError(
+            f"{where}.activation_scale: calibrated needs {where}.quant_recipe.hadamard: false (calibration "
+            "measures max|x|, a Hadamard recipe scales the rotated H·x)"
+        )
 
 
 def _parse_json_field(config: Any, name: str) -> None:

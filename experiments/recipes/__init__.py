@@ -84,7 +84,8 @@ FOLLOW_UP_ARMS = (
 )
 ALL_ARMS = ARMS + FOLLOW_UP_ARMS
 PRESETS = ("qwen3-4b", "qwen3-30b-a3b", "tiny")
-# Learner/sampler mismatch levels (levels/*.yaml), from the closest alignment to the widest gap (docs/results.md).
+# Learner/sampler mismatch levels (levels/*.yaml), in the order of docs/results.md §1's table: roughly from the
+# closest alignment to the widest gap, then the levels whose learner is NVFP4 too.
 LEVELS = (
     "aligned",
     "bf16-sampler",

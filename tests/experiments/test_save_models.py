@@ -193,3 +193,17 @@ def test_bad_save_models_are_errors_naming_the_field(tmp_path, flag, text):
     path.write_text(f"scale: smoke\n{text}\n")
     with pytest.raises(ValueError, match="save_models must be"):
         ablate.resolve_study(_args("--study", str(path), "--output", str(tmp_path)))
+
+
+def test_saving_does_not_change_what_a_run_computes(sft, tmp_path):
+    """The same run with and without save_models: the same series and held-out accuracy, step for step."""
+    key = RunKey("aligned", "grpo-none", 0)
+    entries = []
+    for name, steps in (("plain", ()), ("saving", (1,))):
+        out = tmp_path / name
+        shutil.copytree(sft, out / ablate.SFT_DIR)
+        entries.append(ablate.run_one(SCALE, key, out, None, lambda *_: None, save_models=steps))
+    plain, saving = entries
+    assert (tmp_path / "saving" / "runs" / "aligned" / "grpo-none" / "seed0" / "model-step1").is_dir()
+    assert saving["models"] and not plain.get("models")
+    assert plain["series"] == saving["series"] and plain["held_out"] == saving["held_out"]

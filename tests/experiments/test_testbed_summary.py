@@ -216,3 +216,10 @@ def test_compare_counts_degraded_and_collapsed_runs_and_tests_them(tmp_path, cap
             [str(tmp_path), "--json", str(tmp_path / "s.json"), "--compare", "row/grpo-none vs x/y"]
         )
     assert "--compare B: no run is x/y" in capsys.readouterr().err
+    for spec, message in (
+        ("row vs pair/grpo-none", "'row' is not LEVEL/ARM"),
+        ("row/grpo-none vs row/grpo-none", "share 3 run"),
+    ):
+        with pytest.raises(SystemExit):
+            testbed_summary.main([str(tmp_path), "--json", str(tmp_path / "s.json"), "--compare", spec])
+        assert message in capsys.readouterr().err

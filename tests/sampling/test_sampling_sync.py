@@ -311,6 +311,10 @@ def test_calibrated_sampler_layers_carry_the_calibration_batch_amax(tokenizer, t
 
     learner, _, sampler, prompt_ids = _calibrated(tokenizer, tiny_model)
     dup = copy.deepcopy(learner).to(torch.bfloat16).eval()  # the copy as cast, before its NVFP4 conversion
+    for name, buf in learner.named_buffers():  # with RoPE's inv_freq in fp32, as the copy serves it
+        if name.endswith("inv_freq"):
+            module, _, attr = name.rpartition(".")
+            dup.get_submodule(module)._buffers[attr] = buf.detach().clone()
     expected = {}
     for prompt in prompt_ids:  # each prompt alone (no padding), max over the batch
         ids = torch.tensor([prompt])
@@ -327,6 +331,7 @@ def test_calibrated_amax_stay_fixed_across_refresh_while_weights_change(tokenize
     before = _static_amax(sampler.copy)
     layer = sampler.copy.get_submodule("model.layers.0.self_attn.q_proj")
     weight_before = layer.weight.detach().clone()
+    codes_before = layer.quantized_weight().data.clone()  # the layer's cached W_q before the refresh
     optimizer = _optimizer("adamw-fused", learner)
     _train_step(learner, optimizer, 1)
     trainer.state.global_step = 1
@@ -335,12 +340,7 @@ def test_calibrated_amax_stay_fixed_across_refresh_while_weights_change(tokenize
     assert sampler.copy.get_submodule("model.layers.0.self_attn.q_proj") is layer
     assert _static_amax(sampler.copy) == before == sampler.activation_amax
     assert not torch.equal(layer.weight.detach(), weight_before)  # the weights followed the learner
-    from triage.kernels.nvfp4 import quantize
-
-    codes, codes_before = (
-        quantize(w, layer.config.weight, backend="torch") for w in (layer.weight, weight_before)
-    )
-    assert not torch.equal(codes.data, codes_before.data)  # and so do their NVFP4 codes
+    assert not torch.equal(layer.quantized_weight().data, codes_before)  # and so do the layer's NVFP4 codes
 
 
 def test_calibrated_sampler_logprobs_differ_from_dynamic_scales(tokenizer, tiny_model):
@@ -366,6 +366,9 @@ def test_calibrated_amax_survive_a_sampler_checkpoint(tokenizer, tiny_model):
     resumed = HFSampler(seed=0, **resolve_sampler_kwargs("hf", SERVED))
     resumed.load_state_dict(sampler.state_dict())
     assert resumed.activation_amax == sampler.activation_amax
+    _, trainer, _, _ = _calibrated(tokenizer, tiny_model)
+    resumed(["What is 9+9?"], trainer)  # other prompts: the restored amax are used, not a new calibration
+    assert _static_amax(resumed.copy) == sampler.activation_amax
 
 
 @pytest.mark.parametrize(
@@ -378,6 +381,10 @@ def test_calibrated_amax_survive_a_sampler_checkpoint(tokenizer, tiny_model):
             "quant_recipe.scale: tensor",
         ),
         ({"precision": "nvfp4", "activation_scale": "static"}, "activation_scale must be one of"),
+        (
+            {"precision": "nvfp4", "quant_recipe": {"hadamard": True}, "activation_scale": "calibrated"},
+            "quant_recipe.hadamard: false",
+        ),
     ],
 )
 def test_calibrated_activation_scale_refuses_bad_combinations(sampler_kwargs, message):
@@ -399,3 +406,13 @@ def test_hf_sampler_refuses_calibration_without_an_nvfp4_copy(tokenizer, tiny_mo
     trainer = _trainer(tokenizer, _learner(tokenizer, tiny_model, torch.float32, None))
     with pytest.raises(ValueError, match=r"layer 'model\.layers\.0\..*scale='tensor'"):
         sampler(["What is 2+3?"], trainer)
+
+
+def test_static_activation_recipe_refuses_a_hadamard_recipe():
+    """Calibration measures max|x|; a Hadamard recipe scales the rotated H·x: no static scale from it."""
+    from triage.kernels.calibration import static_activation_recipe
+    from triage.kernels.nvfp4 import QuantRecipe
+
+    assert static_activation_recipe(QuantRecipe(), 3.0).static_amax == 3.0
+    with pytest.raises(ValueError, match="hadamard=False"):
+        static_activation_recipe(QuantRecipe(hadamard=True), 3.0)

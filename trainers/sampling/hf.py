@@ -587,6 +587,14 @@ class HFSampler(SamplerSource):
             unconvert(dup, frozen=False)
         if self.dtype is not None:
             dup = dup.to(self.dtype)
+        # ``.to(dtype)`` also casts RoPE's ``inv_freq`` buffers, which ``from_pretrained(dtype=...)`` and the
+        # engines keep in fp32 (non-persistent: a later sync never repairs them): restore the source's, before
+        # a calibration forward (which must see the model the copy serves)
+        for name, buf in source.named_buffers():
+            if name.endswith("inv_freq"):
+                module, _, attr = name.rpartition(".")
+                target = dup.get_submodule(module)
+                target._buffers[attr] = buf.detach().to(target._buffers[attr].device, copy=True)
         if self.activation_scale == "calibrated" and self.activation_amax is None:
             self.activation_amax = self._calibrate(dup)
         if self.prepare_model is not None:
@@ -599,13 +607,6 @@ class HFSampler(SamplerSource):
                 set_static_activation_scales(dup, self.activation_amax)
             except ValueError as err:
                 raise ValueError(f"HFSampler(activation_scale='calibrated'): {err}") from None
-        # ``.to(dtype)`` also casts RoPE's ``inv_freq`` buffers, which ``from_pretrained(dtype=...)`` and the
-        # engines keep in fp32 (non-persistent: a later sync never repairs them): restore the source's.
-        for name, buf in source.named_buffers():
-            if name.endswith("inv_freq"):
-                module, _, attr = name.rpartition(".")
-                target = dup.get_submodule(module)
-                target._buffers[attr] = buf.detach().to(target._buffers[attr].device, copy=True)
         dup.requires_grad_(False)
         return dup.eval()
 
