@@ -1,13 +1,16 @@
 """Learner step tokens/s on a Qwen3-architecture model (random init, ~0.6B): NVFP4 vs BF16. CUDA only.
 
     python experiments/bench/bench_linear.py [--layers 28] [--batch 8] [--seq 1024] [--steps 10] [--compile [MODE]]
-        [--capturable]
+        [--compile-scope layers|model] [--capturable]
 
 One step = forward + backward (mean next-token loss) + AdamW step, bf16 weights. NVFP4 converts every
 decoder Linear with ``triage.kernels.convert`` (lm_head and embeddings stay bf16), bf16-backward (and
 nvfp4-backward with ``--backward nvfp4-backward``); ``--capturable`` also times it with
 ``NVFP4LinearConfig(capturable=True)`` (eager, and under ``--compile``'s mode: with ``reduce-overhead`` CUDA
-graphs then capture the NVFP4 layers too). Writes ``$OUT/bench_linear.md`` when OUT is set.
+graphs then capture the NVFP4 layers too). ``--compile-scope``: ``layers`` (default) compiles each decoder
+layer on its own (regional compilation: the layers share one compiled graph, so compiling takes about one
+layer's time; embeddings, lm_head and the loss run eagerly), ``model`` the whole model (one graph of every
+layer: minutes to compile at 28 layers). Writes ``$OUT/bench_linear.md`` when OUT is set.
 """
 
 from __future__ import annotations
@@ -44,29 +47,39 @@ def build(layers: int, hidden: int = 1024, intermediate: int = 3072, heads: int 
     return Qwen3ForCausalLM(cfg).to("cuda", torch.bfloat16)
 
 
-def tokens_per_s(model, batch: int, seq: int, steps: int, compile: str | None = None) -> float:
+def tokens_per_s(
+    model, batch: int, seq: int, steps: int, compile: str | None = None, scope: str = "layers"
+) -> float:
     """Tokens/s of ``steps`` training steps after 2 warm-up steps (4 under ``torch.compile(mode=compile)``:
     compilation, and a recompile for the second call's state, stay out of the timed window); no KV cache is
     built. ``"reduce-overhead"`` replays CUDA graphs of the compiled regions (the NVFP4 ops of a cached
     config, tagged cudagraph-unsafe, run eagerly between them; a capturable config's are in the graphs);
-    each step is marked as a new graph-tree iteration."""
+    each step is marked as a new graph-tree iteration. ``scope``: ``"layers"`` compiles each decoder layer in
+    place (``nn.Module.compile``; undone after the timing), ``"model"`` the whole model."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda")
     if compile:
         torch._dynamo.reset()
-    fwd = torch.compile(model, mode=compile) if compile else model
+    layers = list(model.model.layers) if compile and scope == "layers" else []
+    for layer in layers:
+        layer.compile(mode=compile)
+    fwd = torch.compile(model, mode=compile) if compile and scope == "model" else model
     warmup = 4 if compile else 2
-    for i in range(steps + warmup):
-        if i == warmup:
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-        if compile == "reduce-overhead":
-            torch.compiler.cudagraph_mark_step_begin()
-        fwd(ids, labels=ids, use_cache=False).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
-    return batch * seq * steps / (time.perf_counter() - t0)
+    try:
+        for i in range(steps + warmup):
+            if i == warmup:
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+            if compile == "reduce-overhead":
+                torch.compiler.cudagraph_mark_step_begin()
+            fwd(ids, labels=ids, use_cache=False).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        return batch * seq * steps / (time.perf_counter() - t0)
+    finally:
+        for layer in layers:  # back to eager for the next measurement
+            layer._compiled_call_impl = None
 
 
 def host_profile(model, batch: int, seq: int, steps: int = 3) -> str:
@@ -132,6 +145,12 @@ def main() -> None:
         "triage::nvfp4_linear op); the flag alone: mode 'default'",
     )
     p.add_argument(
+        "--compile-scope",
+        default="layers",
+        choices=("layers", "model"),
+        help="what --compile compiles: each decoder layer on its own (regional; default) or the whole model",
+    )
+    p.add_argument(
         "--capturable",
         action="store_true",
         help="also time the NVFP4 learner with NVFP4LinearConfig(capturable=True): W quantized on the device "
@@ -159,13 +178,13 @@ def main() -> None:
     bf16 = tokens_per_s(model, args.batch, args.seq, args.steps)
     lines.append(f"| BF16 | {bf16:,.0f} tok/s | 1.00 |")
     if args.compile:
-        bf16_c = tokens_per_s(model, args.batch, args.seq, args.steps, compile=args.compile)
+        bf16_c = tokens_per_s(model, args.batch, args.seq, args.steps, args.compile, args.compile_scope)
         lines.append(f"| BF16, torch.compile ({args.compile}) | {bf16_c:,.0f} tok/s | {bf16_c / bf16:.2f} |")
     convert(model, NVFP4Config(linear=NVFP4LinearConfig(backward=args.backward), moe=None))
     fp4 = tokens_per_s(model, args.batch, args.seq, args.steps)
     lines.append(f"| NVFP4 ({args.backward}) | {fp4:,.0f} tok/s | {fp4 / bf16:.2f} |")
     if args.compile:
-        fp4_c = tokens_per_s(model, args.batch, args.seq, args.steps, compile=args.compile)
+        fp4_c = tokens_per_s(model, args.batch, args.seq, args.steps, args.compile, args.compile_scope)
         lines.append(
             f"| NVFP4 ({args.backward}), torch.compile ({args.compile}) | {fp4_c:,.0f} tok/s | {fp4_c / bf16:.2f} "
             f"(/ compiled BF16: {fp4_c / bf16_c:.2f}) |"
@@ -179,7 +198,7 @@ def main() -> None:
         cap = tokens_per_s(model, args.batch, args.seq, args.steps)
         lines.append(f"| {name} | {cap:,.0f} tok/s | {cap / bf16:.2f} (/ cached NVFP4: {cap / fp4:.2f}) |")
         if args.compile:
-            cap_c = tokens_per_s(model, args.batch, args.seq, args.steps, compile=args.compile)
+            cap_c = tokens_per_s(model, args.batch, args.seq, args.steps, args.compile, args.compile_scope)
             lines.append(
                 f"| {name}, torch.compile ({args.compile}) | {cap_c:,.0f} tok/s | {cap_c / bf16:.2f} "
                 f"(/ compiled BF16: {cap_c / bf16_c:.2f}; / compiled cached NVFP4: {cap_c / fp4_c:.2f}) |"
