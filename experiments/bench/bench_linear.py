@@ -47,6 +47,20 @@ def build(layers: int, hidden: int = 1024, intermediate: int = 3072, heads: int 
     return Qwen3ForCausalLM(cfg).to("cuda", torch.bfloat16)
 
 
+class _Echo(list):
+    """The report's lines, each printed (flushed) when it is added: a run stopped by its time limit still shows
+    what it measured."""
+
+    def append(self, line: str) -> None:
+        print(line, flush=True)
+        super().append(line)
+
+    def __iadd__(self, more):
+        for line in more:
+            self.append(line)
+        return self
+
+
 def tokens_per_s(
     model, batch: int, seq: int, steps: int, compile: str | None = None, scope: str = "layers"
 ) -> float:
@@ -168,10 +182,11 @@ def main() -> None:
     )
     args = p.parse_args()
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
-    lines = [
+    lines = _Echo()
+    lines.append(
         f"# learner step, Qwen3 arch {args.layers} layers h{args.hidden} i{args.intermediate}, "
         f"{args.batch}×{args.seq} tokens"
-    ]
+    )
     model = build(args.layers, args.hidden, args.intermediate, args.heads)
     n = sum(p.numel() for p in model.parameters())
     lines.append(f"params: {n / 1e9:.2f}B")
@@ -239,7 +254,6 @@ def main() -> None:
         lines.append(
             f"| NVFP4 ({args.backward}), cuBLAS alpha + sync per GEMM | {sync:,.0f} tok/s | {sync / bf16:.2f} |"
         )
-    print("\n".join(lines))
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "bench_linear.md").write_text("\n".join(lines) + "\n")
 
