@@ -1,33 +1,46 @@
-"""Calibrated static activation scales: one input amax per decoder Linear layer, measured once, then fixed.
+"""The static outer scales of a served NVFP4 checkpoint: calibrated activation amax, fused-group weight amax.
 
 A served NVFP4 checkpoint (ModelOpt, compressed-tensors) quantizes each Linear layer's input with one outer
 scale computed from an amax that calibration measured when the checkpoint was made, not from each forward's
-own input. This module is where that concept lives, for every user (the diagnostics' ``act_scale="static"``
-paths and the HF sampler's ``activation_scale="calibrated"``):
+own input; and an engine that fuses sibling layers into one GEMM (vLLM: q/k/v into ``qkv_proj``, gate/up into
+``gate_up_proj``, :data:`~triage.kernels.nvfp4.export.FUSED_GROUPS`) gives the fused layer's weight ONE outer
+scale, that of the group amax (the max over the shards' per-tensor amax). This module is where those concepts
+live, for every user (the diagnostics' ``act_scale="static"`` and ``fused_scales="shared"`` paths, the HF
+sampler's ``activation_scale="calibrated"`` and ``fused_weight_scale="shared"``):
 
 * :func:`decoder_linears`: the ``nn.Linear`` layers inside a decoder layer (``.layers.<i>.`` in the name);
 * :func:`calibrate_activation_amax`: max |input| of each of them over one forward of a batch;
 * :func:`static_activation_recipe`: a per-tensor activation recipe with its outer amax fixed to the
   calibrated one (``QuantRecipe(scale_source="static", static_amax=amax)``);
 * :func:`set_static_activation_scales`: give the ``NVFP4Linear`` layers of a converted model those recipes,
-  layer by layer (same parameters, so a sampler copy refreshed in place keeps them).
+  layer by layer (same parameters, so a sampler copy refreshed in place keeps them);
+* :func:`fused_group_key` / :func:`fused_group_amax`: a layer's fused group, and the group amax of each
+  fused-shard layer of a set of weights;
+* :func:`set_fused_weight_scales`: give the fused-shard ``NVFP4Linear`` layers of a converted model a static
+  weight outer scale from their group's current amax (repeated whenever the weights change).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Mapping
 
 import torch
 from torch import nn
 
+from triage.kernels.nvfp4.export import FUSED_GROUPS
 from triage.kernels.nvfp4.recipe import QuantRecipe
 
 __all__ = [
     "calibrate_activation_amax",
     "decoder_linears",
+    "fused_group_amax",
+    "fused_group_key",
+    "set_fused_weight_scales",
     "set_static_activation_scales",
+    "shared_weight_recipe",
     "static_activation_recipe",
 ]
 
@@ -139,4 +152,93 @@ def set_static_activation_scales(model: nn.Module, amax: Mapping[str, float]) ->
         replacements.append((name, NVFP4Linear.from_linear(layer, config)))
     for name, new in replacements:
         model.set_submodule(name, new)
+    return model
+
+
+def fused_group_key(name: str) -> tuple[str, int] | None:
+    """``(parent module name, index in FUSED_GROUPS)`` of a fused-shard layer (``...self_attn.k_proj`` →
+    ``("...self_attn", 0)``), else None."""
+    parent, _, leaf = name.rpartition(".")
+    for gi, group in enumerate(FUSED_GROUPS):
+        if leaf in group:
+            return parent, gi
+    return None
+
+
+def fused_group_amax(weights: Mapping[str, torch.Tensor]) -> dict[str, float]:
+    """Layer name → the amax of its fused group (q/k/v, gate/up: the max over the shards present in
+    ``weights`` of each shard's max |W|), for the fused-shard layers of ``weights`` only."""
+    group: dict[tuple[str, int], float] = {}
+    for name, w in weights.items():
+        key = fused_group_key(name)
+        if key is not None:
+            group[key] = max(group.get(key, 0.0), float(w.detach().abs().amax()))
+    return {name: group[key] for name in weights if (key := fused_group_key(name)) is not None}
+
+
+def shared_weight_recipe(recipe: QuantRecipe, amax: float) -> QuantRecipe:
+    """``recipe`` with its outer scale fixed to the fused group's ``amax`` (``scale_source="static"``).
+
+    ``recipe`` must have one outer scale per tensor (``scale="tensor"``), computed from the weight
+    (``scale_source="dynamic"``) or already a group amax (``"static"``: an earlier call, replaced), and no
+    Hadamard rotation (the group amax is max|W|, a rotated recipe scales the rotated blocks). A group amax that
+    is not a valid static amax (0: all-zero weights; NaN/Inf: non-finite weights) gives the dynamic recipe:
+    each shard's own amax, whose non-finite check then propagates a NaN as the layer does."""
+    if recipe.scale != "tensor":
+        raise ValueError(
+            "a fused group's shared weight scale replaces one per-tensor amax: the weight recipe needs "
+            f"scale='tensor', got scale={recipe.scale!r}"
+        )
+    if recipe.scale_source not in ("dynamic", "static"):
+        raise ValueError(
+            "a fused group's shared weight scale replaces the weight's own amax: the weight recipe needs "
+            f"scale_source='dynamic', got {recipe.scale_source!r}"
+        )
+    if recipe.hadamard:
+        raise ValueError(
+            "a fused group's shared weight scale is max|W| of its shards, but a Hadamard recipe scales the "
+            "rotated blocks: the weight recipe needs hadamard=False"
+        )
+    if math.isfinite(amax) and amax > 0:
+        try:
+            return dataclasses.replace(recipe, scale_source="static", static_amax=float(amax))
+        except ValueError:  # positive but no finite fp32 reciprocal (a subnormal amax)
+            pass
+    return dataclasses.replace(recipe, scale_source="dynamic", static_amax=None)
+
+
+@torch.no_grad()
+def set_fused_weight_scales(model: nn.Module) -> nn.Module:
+    """Give every fused-shard ``NVFP4Linear`` of ``model`` (q/k/v, gate/up, ...: :func:`fused_group_key`) the
+    weight recipe of its group's current amax (:func:`shared_weight_recipe`), in place; returns ``model``.
+
+    Only ``layer.config`` changes (the module, its parameters and its activation recipe stay): the layer's
+    weight cache is keyed on the weight and the whole config, so a new group amax re-quantizes the weight at
+    the next forward and an unchanged one keeps the cached codes. Other layers (o_proj, down_proj, MoE
+    experts, frozen layers) keep their recipes. The amax is of the weights as they are now: call it again
+    after every weight update. ``ValueError`` when no ``NVFP4Linear`` is a fused shard (by its module name:
+    a wrapper's name, e.g. PEFT's ``q_proj.base_layer``, is not one), or (naming the layer) when a fused-shard
+    layer's weight recipe is not per tensor, or is rotated; nothing is changed then."""
+    from triage.kernels.linear import NVFP4Linear
+
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, NVFP4Linear)}
+    if not layers:
+        raise ValueError("shared fused weight scales: the model has no NVFP4Linear layer (convert it first)")
+    amax = fused_group_amax({name: m.weight for name, m in layers.items()})
+    if not amax:
+        groups = ", ".join("/".join(g) for g in FUSED_GROUPS)
+        raise ValueError(
+            f"shared fused weight scales: no NVFP4Linear layer of the model is a fused shard ({groups} by "
+            f"module name), e.g. {next(iter(layers))!r}"
+        )
+    configs = {}
+    for name, value in amax.items():
+        config = layers[name].config
+        try:
+            weight = shared_weight_recipe(config.weight, value)
+        except ValueError as err:
+            raise ValueError(f"layer {name!r}: {err}") from None
+        configs[name] = dataclasses.replace(config, weight=weight)
+    for name, config in configs.items():
+        layers[name].config = config
     return model

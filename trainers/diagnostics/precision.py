@@ -37,7 +37,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from triage.kernels.calibration import calibrate_activation_amax, decoder_linears, static_activation_recipe
+from triage.kernels.calibration import (
+    calibrate_activation_amax,
+    decoder_linears,
+    fused_group_amax,
+    static_activation_recipe,
+)
 from triage.kernels.frozen_linear import FrozenNVFP4Linear, NVFP4FrozenConfig
 from triage.kernels.nvfp4 import (
     NVFP4Tensor,
@@ -140,25 +145,6 @@ def activation_recipe(precision: Precision, amax: float | None = None) -> QuantR
     return QuantRecipe(scale="tensor", profile=precision.profile)
 
 
-def _group_key(name: str) -> tuple[str, int] | None:
-    """(parent module name, fused group index) of a fused-shard Linear, else None."""
-    parent, _, leaf = name.rpartition(".")
-    for gi, group in enumerate(FUSED_GROUPS):
-        if leaf in group:
-            return parent, gi
-    return None
-
-
-def _shared_amax(weights: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Layer name -> the amax of its fused group (q/k/v, gate/up: the max over the shards present)."""
-    group: dict[tuple[str, int], float] = {}
-    for name, w in weights.items():
-        key = _group_key(name)
-        if key is not None:
-            group[key] = max(group.get(key, 0.0), float(w.detach().float().abs().amax()))
-    return {name: group[key] for name in weights if (key := _group_key(name)) is not None}
-
-
 def _backends(model: nn.Module) -> tuple[str, str]:
     """(gemm_backend, quant_backend): the kernels' ``auto`` on CUDA; on CPU the fp64 reference GEMM and the
     torch quantizer (``auto`` would run the Triton interpreter when TRITON_INTERPRET is set)."""
@@ -170,7 +156,7 @@ def _online_weights(
     weights: dict[str, torch.Tensor], precision: Precision, quant_backend: str
 ) -> dict[str, NVFP4Tensor]:
     """Quantize in memory with the precision's weight recipe (the group amax for shared fused scales)."""
-    shared = _shared_amax(weights) if precision.fused_scales == "shared" else {}
+    shared = fused_group_amax(weights) if precision.fused_scales == "shared" else {}
     return {
         name: quantize(w, weight_recipe(precision, amax=shared.get(name)), backend=quant_backend)
         for name, w in weights.items()
@@ -279,7 +265,7 @@ def _convert_learner(
 
     shared = {}
     if precision.fused_scales == "shared":
-        shared = _shared_amax({name: m.weight for name, m in masters.items()})
+        shared = fused_group_amax({name: m.weight for name, m in masters.items()})
     for name, linear in masters.items():
         config = NVFP4LinearConfig(
             activation=activation_recipe(precision, calibration.get(name) if calibration else None),
