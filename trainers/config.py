@@ -39,9 +39,16 @@ from triage.config import SEQ_MIS_LEVELS, TAU_SPACES
 LEARNER_PRECISIONS = ("bf16", "nvfp4")
 SAMPLER_KINDS = ("hf", "sglang", "vllm-server", "offline")
 # sampler_kwargs the HF sampler alone takes: precision / quant_recipe on top of HFSampler's own arguments
-# (grpo_trainer.resolve_sampler_kwargs turns them into a sampler copy), kv_cache_dtype and activation_scale
-# (HFSampler arguments: the KV-cache format, calibrated static NVFP4 activation scales)
-SAMPLER_NUMERICS_KEYS = ("precision", "quant_recipe", "kv_cache_dtype", "activation_scale")
+# (grpo_trainer.resolve_sampler_kwargs turns them into a sampler copy), kv_cache_dtype, activation_scale and
+# fused_weight_scale (HFSampler arguments: the KV-cache format, calibrated static NVFP4 activation scales, the
+# weight scale shared by fused q/k/v and gate/up shards)
+SAMPLER_NUMERICS_KEYS = (
+    "precision",
+    "quant_recipe",
+    "kv_cache_dtype",
+    "activation_scale",
+    "fused_weight_scale",
+)
 
 _D = TriageConfig()  # the single source of the TRIAGE defaults
 
@@ -141,40 +148,49 @@ def check_sampler_kwargs(kind: str | None, kwargs: Mapping | None, where: str = 
         raise ValueError(
             f"{where}.kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kwargs['kv_cache_dtype']!r}"
         )
-    _check_activation_scale(kwargs, where)
+    from .sampling.hf import ACTIVATION_SCALES, FUSED_WEIGHT_SCALES
+
+    for key, allowed, static, what in (
+        ("activation_scale", ACTIVATION_SCALES, "calibrated", ("calibrated activation", "max|x|", "H·x")),
+        ("fused_weight_scale", FUSED_WEIGHT_SCALES, "shared", ("fused-group weight", "max|W|", "H·W")),
+    ):
+        _check_static_scale(kwargs, where, key, allowed, static, *what)
 
 
-def _check_activation_scale(kwargs: Mapping, where: str) -> None:
-    """``activation_scale: calibrated`` needs an NVFP4 sampler copy whose activation recipe has one dynamic
-    outer scale per tensor (the amax that calibration fixes); ``ValueError`` naming the field otherwise."""
-    from .sampling.hf import ACTIVATION_SCALES
-
-    value = kwargs.get("activation_scale")
-    if value not in (None, *ACTIVATION_SCALES):
-        raise ValueError(f"{where}.activation_scale must be one of {ACTIVATION_SCALES}, got {value!r}")
-    if value != "calibrated":
+def _check_static_scale(
+    kwargs: Mapping, where: str, key: str, allowed: tuple, static: str, amax: str, measures: str, rotated: str
+) -> None:
+    """``<key>: <static>`` (``activation_scale: calibrated``, ``fused_weight_scale: shared``) makes the sampler
+    replace the dynamic per-tensor amax of an NVFP4 copy's ``quant_recipe`` (its activation and weight recipe)
+    by a static one (the ``amax`` kind, ``measures`` what it measures): it needs ``precision: nvfp4`` and a
+    recipe with one dynamic outer scale per tensor and no Hadamard rotation; ``ValueError`` naming the field
+    otherwise."""
+    value = kwargs.get(key)
+    if value not in (None, *allowed):
+        raise ValueError(f"{where}.{key} must be one of {allowed}, got {value!r}")
+    if value != static:
         return
     if kwargs.get("precision") != "nvfp4":
         raise ValueError(
-            f"{where}.activation_scale: calibrated needs {where}.precision: nvfp4 (static activation scales "
-            f"of an NVFP4 sampler copy), got precision {kwargs.get('precision')!r}"
+            f"{where}.{key}: {static} needs {where}.precision: nvfp4 (static {amax} scales of an NVFP4 sampler "
+            f"copy), got precision {kwargs.get('precision')!r}"
         )
     recipe = kwargs.get("quant_recipe") or {}
     get = recipe.get if isinstance(recipe, Mapping) else lambda k, d=None: getattr(recipe, k, d)
     if get("scale", "tensor") != "tensor":
         raise ValueError(
-            f"{where}.activation_scale: calibrated needs {where}.quant_recipe.scale: tensor (one calibrated amax "
-            f"per layer replaces the per-tensor one), got scale {get('scale')!r}"
+            f"{where}.{key}: {static} needs {where}.quant_recipe.scale: tensor (a {amax} amax replaces the "
+            f"per-tensor one), got scale {get('scale')!r}"
         )
     if get("scale_source", "dynamic") != "dynamic":
         raise ValueError(
-            f"{where}.activation_scale: calibrated needs {where}.quant_recipe.scale_source: dynamic (calibration "
-            f"sets the static amax), got scale_source {get('scale_source')!r}"
+            f"{where}.{key}: {static} needs {where}.quant_recipe.scale_source: dynamic (the sampler sets the "
+            f"static amax), got scale_source {get('scale_source')!r}"
         )
     if get("hadamard", False):
         raise ValueError(
-            f"{where}.activation_scale: calibrated needs {where}.quant_recipe.hadamard: false (calibration "
-            "measures max|x|, a Hadamard recipe scales the rotated H·x)"
+            f"{where}.{key}: {static} needs {where}.quant_recipe.hadamard: false (the {amax} amax is "
+            f"{measures}, a Hadamard recipe scales the rotated {rotated})"
         )
 
 

@@ -7,6 +7,7 @@ CPU); what is under test is the sync and the layers' weight caches, which are th
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -416,3 +417,208 @@ def test_static_activation_recipe_refuses_a_hadamard_recipe():
     assert static_activation_recipe(QuantRecipe(), 3.0).static_amax == 3.0
     with pytest.raises(ValueError, match="hadamard=False"):
         static_activation_recipe(QuantRecipe(hadamard=True), 3.0)
+
+
+# -- fused_weight_scale="shared": vLLM's one weight outer scale per fused q/k/v and gate/up layer ----------------
+SHARED = {**SERVED, "fused_weight_scale": "shared"}
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+OWN = (("self_attn", "o_proj"), ("mlp", "down_proj"))  # not fused: each keeps its own dynamic scale
+
+
+def _shard_layers(model, layer=0):
+    """``{group: {shard: NVFP4Linear}}`` of decoder layer ``layer``."""
+    from triage.kernels import NVFP4Linear
+
+    out = {}
+    for group in GROUPS:
+        parent = "self_attn" if group[0] == "q_proj" else "mlp"
+        out[group] = {n: model.get_submodule(f"model.layers.{layer}.{parent}.{n}") for n in group}
+        assert all(isinstance(m, NVFP4Linear) for m in out[group].values())
+    return out
+
+
+def _assert_group_scales(model):
+    """Every fused group's shards quantize with ONE outer scale, that of the max of their current weight amax;
+    returns the group amax by (layer, group)."""
+    from triage.kernels.nvfp4 import quantize
+
+    found = {}
+    for i in range(model.config.num_hidden_layers):
+        for group, shards in _shard_layers(model, i).items():
+            own = {n: float(m.weight.detach().abs().amax()) for n, m in shards.items()}
+            assert len(set(own.values())) > 1  # the shards' own amax differ: sharing is visible
+            amax = max(own.values())
+            scales = set()
+            for name, m in shards.items():
+                assert m.config.weight.scale_source == "static" and m.config.weight.static_amax == amax
+                q = m.quantized_weight()  # what the layer's forward uses (its weight cache)
+                assert float(q.amax) == amax
+                scales.add(float(q.global_scale))
+                recipe = dataclasses.replace(m.config.weight, scale_source="static", static_amax=amax)
+                expected = quantize(m.weight.detach(), recipe, backend="torch")
+                assert torch.equal(q.data, expected.data)
+                assert torch.equal(_bits(q.scale), _bits(expected.scale))
+                if own[name] < amax:  # a smaller shard: its own scale would differ from the group's
+                    alone = dataclasses.replace(recipe, scale_source="dynamic", static_amax=None)
+                    assert float(quantize(m.weight.detach(), alone).global_scale) != float(q.global_scale)
+            assert len(scales) == 1
+            found[(i, group)] = amax
+        for parent, name in OWN:
+            m = model.get_submodule(f"model.layers.{i}.{parent}.{name}")
+            assert m.config.weight.scale_source == "dynamic" and m.config.weight.static_amax is None
+            assert float(m.quantized_weight().amax) == float(m.weight.detach().abs().amax())
+    return found
+
+
+def _bits(t):
+    from triage.trainers.sampling.hf import _bits as bits
+
+    return bits(t)
+
+
+def test_shared_fused_scale_is_the_group_amax_and_other_layers_keep_their_own(tokenizer, tiny_model):
+    _, _, sampler, _ = _calibrated(tokenizer, tiny_model, SHARED)
+    assert sampler.fused_weight_scale == "shared"
+    _assert_group_scales(sampler.copy)
+    # the calibrated activation scales are untouched by the weight scales
+    assert all(
+        m.config.activation.scale_source == "static"
+        for shards in _shard_layers(sampler.copy).values()
+        for m in shards.values()
+    )
+
+
+def test_independent_fused_scales_stay_per_shard(tokenizer, tiny_model):
+    _, _, sampler, _ = _calibrated(tokenizer, tiny_model)
+    assert sampler.fused_weight_scale == "independent"
+    for shards in _shard_layers(sampler.copy).values():
+        scales = {float(m.quantized_weight().global_scale) for m in shards.values()}
+        assert all(m.config.weight.scale_source == "dynamic" for m in shards.values())
+        assert len(scales) == len(shards)  # one scale per shard
+
+
+@pytest.mark.parametrize("refresh", ["in_place", "rebuild"])
+def test_shared_fused_scale_follows_the_weights_at_every_sync(tokenizer, tiny_model, refresh):
+    learner, trainer, sampler, _ = _calibrated(tokenizer, tiny_model, {**SHARED, "refresh": refresh})
+    calls, _ = _counting_builds(sampler)
+    before = _assert_group_scales(sampler.copy)
+    q_proj = _shard_layers(sampler.copy)[GROUPS[0]]["q_proj"]
+    codes_before = q_proj.quantized_weight().data.clone()
+    optimizer = _optimizer("adamw-fused", learner)
+    for step in (1, 2):
+        _train_step(learner, optimizer, step)
+        trainer.state.global_step = step
+        sampler(["What is 9+9?"], trainer)
+    assert len(calls) == (0 if refresh == "in_place" else 2)
+    after = _assert_group_scales(sampler.copy)  # the group amax of the new weights, re-quantized with it
+    assert all(after[k] != before[k] for k in before)
+    if refresh == "in_place":
+        assert _shard_layers(sampler.copy)[GROUPS[0]]["q_proj"] is q_proj
+        assert not torch.equal(q_proj.quantized_weight().data, codes_before)
+
+
+def test_shared_fused_scale_in_place_refresh_equals_a_rebuild(tokenizer, tiny_model):
+    learner = _learner(tokenizer, tiny_model, torch.float32, None)
+    kwargs = {
+        "precision": "nvfp4",
+        "quant_recipe": {**TE, "profile": "modelopt"},
+        "fused_weight_scale": "shared",
+    }
+    sampler = HFSampler(seed=0, **resolve_sampler_kwargs("hf", kwargs))
+    calls = _run_steps(tokenizer, learner, sampler, "adamw-fused")
+    assert len(calls) == 1
+    _assert_group_scales(sampler.copy)
+
+
+@pytest.mark.parametrize(
+    "sampler_kwargs, message",
+    [
+        (
+            {"precision": "bf16", "fused_weight_scale": "shared"},
+            "fused_weight_scale: shared needs .*precision: nvfp4",
+        ),
+        ({"fused_weight_scale": "shared"}, "fused_weight_scale: shared needs .*precision: nvfp4"),
+        (
+            {"precision": "nvfp4", "quant_recipe": ROW, "fused_weight_scale": "shared"},
+            "fused_weight_scale: shared needs .*quant_recipe.scale: tensor",
+        ),
+        (
+            {"precision": "nvfp4", "quant_recipe": {"hadamard": True}, "fused_weight_scale": "shared"},
+            "fused_weight_scale: shared needs .*quant_recipe.hadamard: false",
+        ),
+        (
+            {
+                "precision": "nvfp4",
+                "quant_recipe": {"scale_source": "static", "static_amax": 2.0},
+                "fused_weight_scale": "shared",
+            },
+            "fused_weight_scale: shared needs .*quant_recipe.scale_source: dynamic",
+        ),
+        ({"precision": "nvfp4", "fused_weight_scale": "fused"}, "fused_weight_scale must be one of"),
+    ],
+)
+def test_shared_fused_weight_scale_refuses_bad_combinations(sampler_kwargs, message):
+    from triage.trainers.config import check_sampler_kwargs
+
+    with pytest.raises(ValueError, match=message) as err:
+        check_sampler_kwargs("hf", sampler_kwargs, "sampler_kwargs")
+    assert "sampler_kwargs.fused_weight_scale" in str(err.value)
+
+
+def test_hf_sampler_refuses_shared_fused_scales_without_a_per_tensor_nvfp4_copy(tokenizer, tiny_model):
+    with pytest.raises(ValueError, match="fused_weight_scale='shared'.*sampler_model='copy'"):
+        HFSampler(fused_weight_scale="shared")
+    with pytest.raises(ValueError, match="fused_weight_scale must be one of"):
+        HFSampler(fused_weight_scale="max")
+    # a per-row weight recipe reaching the sampler directly: refused at the build, naming the layer
+    sampler = HFSampler(
+        seed=0,
+        fused_weight_scale="shared",
+        **resolve_sampler_kwargs("hf", {"precision": "nvfp4", "quant_recipe": ROW}),
+    )
+    trainer = _trainer(tokenizer, _learner(tokenizer, tiny_model, torch.float32, None))
+    with pytest.raises(
+        ValueError, match=r"fused_weight_scale='shared'.*layer 'model\.layers\.0\..*scale='tensor'"
+    ):
+        sampler(["What is 2+3?"], trainer)
+
+
+def test_fused_group_amax_groups_siblings_only():
+    from triage.kernels.calibration import fused_group_amax, fused_group_key, shared_weight_recipe
+    from triage.kernels.nvfp4 import QuantRecipe
+
+    w = {
+        "m.layers.0.self_attn.q_proj": torch.tensor([1.0, -3.0]),
+        "m.layers.0.self_attn.k_proj": torch.tensor([2.0]),
+        "m.layers.1.self_attn.k_proj": torch.tensor([-5.0]),
+        "m.layers.0.self_attn.o_proj": torch.tensor([9.0]),
+        "m.layers.0.mlp.up_proj": torch.tensor([4.0]),
+    }
+    assert fused_group_amax(w) == {
+        "m.layers.0.self_attn.q_proj": 3.0,
+        "m.layers.0.self_attn.k_proj": 3.0,
+        "m.layers.1.self_attn.k_proj": 5.0,
+        "m.layers.0.mlp.up_proj": 4.0,
+    }
+    assert fused_group_key("m.layers.0.self_attn.o_proj") is None
+    assert shared_weight_recipe(QuantRecipe(), 2.0).static_amax == 2.0
+    assert shared_weight_recipe(QuantRecipe(scale_source="static", static_amax=1.0), 2.0).static_amax == 2.0
+    for bad in (0.0, float("nan"), float("inf")):  # no valid static amax: the shard's own (dynamic) scale
+        assert shared_weight_recipe(QuantRecipe(), bad) == QuantRecipe()
+    with pytest.raises(ValueError, match="hadamard=False"):
+        shared_weight_recipe(QuantRecipe(hadamard=True), 2.0)
+
+
+def test_set_fused_weight_scales_refuses_a_model_without_fused_shards():
+    from triage.kernels import NVFP4Linear, NVFP4LinearConfig
+    from triage.kernels.calibration import set_fused_weight_scales
+
+    model = torch.nn.ModuleDict({"q_proj": torch.nn.ModuleDict({"base_layer": torch.nn.Linear(16, 16)})})
+    with pytest.raises(ValueError, match="no NVFP4Linear layer"):
+        set_fused_weight_scales(model)
+    layer = NVFP4Linear.from_linear(model["q_proj"]["base_layer"], NVFP4LinearConfig())
+    model["q_proj"]["base_layer"] = layer
+    with pytest.raises(
+        ValueError, match="no NVFP4Linear layer of the model is a fused shard.*q_proj.base_layer"
+    ):
+        set_fused_weight_scales(model)

@@ -33,6 +33,11 @@ as its ``quant_recipe`` says (dynamic: from each forward's own input); ``"calibr
 checkpoint has them (ModelOpt, compressed-tensors, vLLM): one static input amax per Linear layer, measured
 once by :func:`triage.kernels.calibration.calibrate_activation_amax` and then fixed for the whole run
 (:meth:`HFSampler._calibrate`), while the weights are re-quantized from the trainer's at every sync.
+
+``fused_weight_scale`` picks the weight outer scales of the copy's fused shards: ``"independent"`` (default)
+one per layer, as its recipe says; ``"shared"`` as vLLM serves a checkpoint's q/k/v (and gate/up) shards in one
+fused layer: each shard quantized with the group amax (the max over the shards' current per-tensor amax),
+recomputed at every weight sync (:func:`triage.kernels.calibration.set_fused_weight_scales`).
 """
 
 from __future__ import annotations
@@ -114,6 +119,8 @@ def _new_cache(
 DECODES = ("auto", "dynamic", "static", "cuda_graph")
 #: where the sampler copy's NVFP4 activation outer scales come from (``HFSampler(activation_scale=...)``)
 ACTIVATION_SCALES = ("recipe", "calibrated")
+#: the weight outer scales of the sampler copy's fused shards (``HFSampler(fused_weight_scale=...)``)
+FUSED_WEIGHT_SCALES = ("independent", "shared")
 #: attention implementations whose 4-D decode mask the static/graph paths can build (bool: True = attend)
 _STATIC_ATTENTION = ("sdpa", "eager", "triage_strict")
 
@@ -397,6 +404,13 @@ class HFSampler(SamplerSource):
             (:func:`~triage.kernels.calibration.set_static_activation_scales`). The amax are kept
             (:attr:`activation_amax`) for the rest of the run: an in-place refresh leaves the layers' recipes
             as they are, a rebuild applies the same amax again.
+        fused_weight_scale: ``"independent"`` (default: each NVFP4 layer of the copy scales its weight as its
+            recipe says) or ``"shared"`` (``"copy"`` with an NVFP4 ``prepare_model`` whose weight recipe has one
+            dynamic outer scale per tensor): the emulation of vLLM's fused q/k/v and gate/up layers, which
+            quantize every shard with ONE outer scale, the group amax. Every build of the copy and every
+            in-place refresh, once the new weights are written, gives each fused-shard ``NVFP4Linear``
+            ``QuantRecipe(scale_source="static", static_amax=<max over its group's current weight amax>)``
+            (:func:`~triage.kernels.calibration.set_fused_weight_scales`); other layers keep their own scale.
     """
 
     name = "hf"
@@ -418,6 +432,7 @@ class HFSampler(SamplerSource):
         decode: str = "auto",
         refresh: Literal["in_place", "rebuild"] = "in_place",
         activation_scale: Literal["recipe", "calibrated"] = "recipe",
+        fused_weight_scale: Literal["independent", "shared"] = "independent",
     ):
         super().__init__(params=params, weight_sync=weight_sync, validate=validate)
         if sampler_model not in ("shared", "copy"):
@@ -444,7 +459,17 @@ class HFSampler(SamplerSource):
                 "activation_scale='calibrated' calibrates the NVFP4 layers of a sampler copy: pass "
                 "sampler_model='copy' and an NVFP4 prepare_model (sampler_kwargs precision: nvfp4)"
             )
+        if fused_weight_scale not in FUSED_WEIGHT_SCALES:
+            raise ValueError(
+                f"fused_weight_scale must be one of {FUSED_WEIGHT_SCALES}, got {fused_weight_scale!r}"
+            )
+        if fused_weight_scale == "shared" and (sampler_model != "copy" or prepare_model is None):
+            raise ValueError(
+                "fused_weight_scale='shared' sets the weight scales of the NVFP4 layers of a sampler copy: pass "
+                "sampler_model='copy' and an NVFP4 prepare_model (sampler_kwargs precision: nvfp4)"
+            )
         self.activation_scale = activation_scale
+        self.fused_weight_scale = fused_weight_scale
         #: the calibrated activation amax by layer name (``activation_scale="calibrated"``; None until the
         #: first build), fixed for the rest of the run
         self.activation_amax: dict[str, float] | None = None
@@ -607,8 +632,21 @@ class HFSampler(SamplerSource):
                 set_static_activation_scales(dup, self.activation_amax)
             except ValueError as err:
                 raise ValueError(f"HFSampler(activation_scale='calibrated'): {err}") from None
+        self._share_fused_weight_scales(dup)
         dup.requires_grad_(False)
         return dup.eval()
+
+    def _share_fused_weight_scales(self, model: torch.nn.Module) -> None:
+        """``fused_weight_scale="shared"``: the fused shards' weight outer scale from their group's current
+        amax (after every write of new weights: a build, an in-place refresh)."""
+        if self.fused_weight_scale != "shared":
+            return
+        from triage.kernels.calibration import set_fused_weight_scales
+
+        try:
+            set_fused_weight_scales(model)
+        except ValueError as err:
+            raise ValueError(f"HFSampler(fused_weight_scale='shared'): {err}") from None
 
     @torch.no_grad()
     def _calibrate(self, model: torch.nn.Module) -> dict[str, float]:
@@ -660,7 +698,8 @@ class HFSampler(SamplerSource):
         name for name: checked on every build (:func:`_in_place_blocker`); when it is not (a ``prepare_model``
         that renames, reshapes or rewrites weights) or the in-place load fails, the copy is rebuilt, with a
         one-time warning saying why. ``refresh="rebuild"`` rebuilds at every sync. A ``torch.compile``-wrapped
-        trainer model is copied without the wrapper: the copy runs eagerly.
+        trainer model is copied without the wrapper: the copy runs eagerly. With ``fused_weight_scale="shared"``
+        both paths then set the fused shards' weight scales from the new weights' group amax.
         """
         if self.sampler_model == "copy":
             from accelerate.utils import is_compiled_module
@@ -689,6 +728,7 @@ class HFSampler(SamplerSource):
                 f"loading the trainer model's state failed ({' '.join(str(err).split())}); rebuilt"
             )
             return False
+        self._share_fused_weight_scales(self.copy)  # the group amax of the weights just written
         return True
 
     def _warn_once(self, message: str) -> None:
