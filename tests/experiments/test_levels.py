@@ -81,8 +81,8 @@ def test_levels_replace_the_numerics_whole():
 
 
 def test_the_served_level_is_a_calibrated_modelopt_sampler():
-    """`nvfp4-served-fp8kv`: per-tensor weight scales and calibrated static activation scales, as the HF sampler
-    the trainer builds from it (the key reaches ``HFSampler``; its copy's NVFP4 layers get static recipes)."""
+    """`nvfp4-served-fp8kv`: per-tensor weight scales shared by each fused group and calibrated static
+    activation scales, as the HF sampler the trainer builds from it (the keys reach ``HFSampler``)."""
     from triage.trainers.grpo_trainer import resolve_sampler_kwargs
     from triage.trainers.sampling import HFSampler
 
@@ -91,6 +91,7 @@ def test_the_served_level_is_a_calibrated_modelopt_sampler():
     assert (
         sampler_kwargs["activation_scale"] == "calibrated" and sampler_kwargs["kv_cache_dtype"] == "fp8_e4m3"
     )
+    assert sampler_kwargs["fused_weight_scale"] == "shared"
     assert (
         sampler_kwargs["quant_recipe"]["scale"] == "tensor"
         and sampler_kwargs["quant_recipe"]["profile"] == "modelopt"
@@ -99,6 +100,7 @@ def test_the_served_level_is_a_calibrated_modelopt_sampler():
     config = build_config(recipe, output_dir="unused", use_cpu=True)
     sampler = HFSampler(**resolve_sampler_kwargs("hf", config.sampler_kwargs))
     assert sampler.activation_scale == "calibrated" and sampler.sampler_model == "copy"
+    assert sampler.fused_weight_scale == "shared"
 
 
 def test_a_recipe_file_pulls_a_level_in(tmp_path):
@@ -129,6 +131,11 @@ def test_a_recipe_file_pulls_a_level_in(tmp_path):
             "arms",
             {"sampler_kwargs": {"activation_scale": "calibrated"}},
             "arm 'x' sets 'sampler_kwargs.activation_scale'",
+        ),
+        (
+            "arms",
+            {"sampler_kwargs": {"fused_weight_scale": "shared"}},
+            "arm 'x' sets 'sampler_kwargs.fused_weight_scale'",
         ),
     ],
 )
