@@ -254,18 +254,22 @@ class NVFP4LinearConfig(LayerConfig):
         _register_config(self)
 
 
-#: Every NVFP4LinearConfig by its key (:func:`_register_config`): the capturable op names its config by
-#: the key, a ``str`` argument, so that the compiled graph holds a constant shared by all layers of equal
-#: configs (no per-layer input, no recompile per layer) and the op body finds the config here.
+#: Every capturable NVFP4LinearConfig by its key (:func:`_register_config`): the capturable op names its
+#: config by the key, a ``str`` argument, so that the compiled graph holds a constant shared by all layers of
+#: equal configs (no per-layer input, no recompile per layer) and the op body finds the config here. Only
+#: capturable configs are kept (nothing else looks a config up by its key): code that makes a new cached
+#: config at every step (a sampler's per-sync weight scales) does not grow it.
 _CONFIGS: dict[str, NVFP4LinearConfig] = {}
 
 
 def _register_config(config: NVFP4LinearConfig) -> None:
     """Give ``config`` its key, ``config._op_key``: its ``repr`` (every field, deterministic: equal configs
-    have one key, run to run), and register it under that key (the first of equal configs stays)."""
+    have one key, run to run), and register a capturable config under that key (the first of equal configs
+    stays)."""
     key = repr(config)
     object.__setattr__(config, "_op_key", key)  # frozen: not a field (no part of eq, hash or repr)
-    _CONFIGS.setdefault(key, config)
+    if config.capturable:
+        _CONFIGS.setdefault(key, config)
 
 
 def _config_of(key: str) -> NVFP4LinearConfig:

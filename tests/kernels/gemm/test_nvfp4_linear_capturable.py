@@ -15,6 +15,7 @@ from _train_step import train_step
 from torch import nn
 
 from triage.kernels import NVFP4Linear, NVFP4LinearConfig
+from triage.kernels.nvfp4 import QuantRecipe
 from triage.kernels.nvfp4.device import interpreting
 
 BACKWARDS = ("bf16-backward", "nvfp4-backward")
@@ -476,3 +477,17 @@ def test_equal_configs_share_one_key_and_an_unpickled_config_registers_it(monkey
     monkeypatch.setattr(linear, "_CONFIGS", {})
     back = pickle.loads(data)
     assert back == cfg and linear._config_of(back._op_key) is back
+
+
+def test_only_capturable_configs_are_registered(monkeypatch):
+    """The registry serves the capturable op alone: a cached config gets its key (the call plans use it) but
+    is not kept, so code that makes a config per step (a sampler's per-sync weight scales) does not grow it."""
+    from triage.kernels import linear
+
+    monkeypatch.setattr(linear, "_CONFIGS", {})
+    for amax in (1.0, 2.0, 3.0):
+        cached = NVFP4LinearConfig(weight=QuantRecipe(scale_source="static", static_amax=amax))
+        assert cached._op_key == repr(cached)
+    assert linear._CONFIGS == {}
+    cfg = NVFP4LinearConfig(capturable=True)
+    assert linear._config_of(cfg._op_key) is cfg
