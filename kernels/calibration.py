@@ -167,20 +167,22 @@ def fused_group_key(name: str) -> tuple[str, int] | None:
 
 def fused_group_amax(weights: Mapping[str, torch.Tensor]) -> dict[str, float]:
     """Layer name → the amax of its fused group (q/k/v, gate/up: the max over the shards present in
-    ``weights`` of each shard's max |W|), for the fused-shard layers of ``weights`` only."""
+    ``weights`` of each shard's max |W|), for the fused-shard layers of ``weights`` only. A NaN in any shard
+    makes its group's amax NaN (whatever the shards' order)."""
     group: dict[tuple[str, int], float] = {}
     for name, w in weights.items():
         key = fused_group_key(name)
         if key is not None:
-            group[key] = max(group.get(key, 0.0), float(w.detach().abs().amax()))
+            value, current = float(w.detach().abs().amax()), group.get(key, 0.0)
+            group[key] = value if math.isnan(value) or value > current else current
     return {name: group[key] for name in weights if (key := fused_group_key(name)) is not None}
 
 
 def shared_weight_recipe(recipe: QuantRecipe, amax: float) -> QuantRecipe:
     """``recipe`` with its outer scale fixed to the fused group's ``amax`` (``scale_source="static"``).
 
-    ``recipe`` must have one outer scale per tensor (``scale="tensor"``), computed from the weight
-    (``scale_source="dynamic"``) or already a group amax (``"static"``: an earlier call, replaced), and no
+    ``recipe`` must have one outer scale per tensor (``scale="tensor"``) computed from the weight
+    (``scale_source="dynamic"``), and no
     Hadamard rotation (the group amax is max|W|, a rotated recipe scales the rotated blocks). A group amax that
     is not a valid static amax (0: all-zero weights; NaN/Inf: non-finite weights) gives the dynamic recipe:
     each shard's own amax, whose non-finite check then propagates a NaN as the layer does."""
@@ -189,7 +191,7 @@ def shared_weight_recipe(recipe: QuantRecipe, amax: float) -> QuantRecipe:
             "a fused group's shared weight scale replaces one per-tensor amax: the weight recipe needs "
             f"scale='tensor', got scale={recipe.scale!r}"
         )
-    if recipe.scale_source not in ("dynamic", "static"):
+    if recipe.scale_source != "dynamic":
         raise ValueError(
             "a fused group's shared weight scale replaces the weight's own amax: the weight recipe needs "
             f"scale_source='dynamic', got {recipe.scale_source!r}"
@@ -216,14 +218,22 @@ def set_fused_weight_scales(model: nn.Module) -> nn.Module:
     weight cache is keyed on the weight and the whole config, so a new group amax re-quantizes the weight at
     the next forward and an unchanged one keeps the cached codes. Other layers (o_proj, down_proj, MoE
     experts, frozen layers) keep their recipes. The amax is of the weights as they are now: call it again
-    after every weight update. ``ValueError`` when no ``NVFP4Linear`` is a fused shard (by its module name:
-    a wrapper's name, e.g. PEFT's ``q_proj.base_layer``, is not one), or (naming the layer) when a fused-shard
-    layer's weight recipe is not per tensor, or is rotated; nothing is changed then."""
+    after every weight update; each call starts from the layer's recipe before the first one (kept as
+    ``layer._unshared_weight_recipe``), which must be dynamic. ``ValueError`` when no ``NVFP4Linear`` is a
+    fused shard (by its module name), when a fused shard is wrapped (PEFT's ``q_proj.base_layer``: its
+    siblings would be grouped without it), or (naming the layer) when a fused-shard layer's weight recipe is
+    not per tensor and dynamic, or is rotated; nothing is changed then."""
     from triage.kernels.linear import NVFP4Linear
 
     layers = {name: m for name, m in model.named_modules() if isinstance(m, NVFP4Linear)}
     if not layers:
         raise ValueError("shared fused weight scales: the model has no NVFP4Linear layer (convert it first)")
+    wrapped = [n for n in layers if n.endswith(".base_layer") and fused_group_key(n.rpartition(".")[0])]
+    if wrapped:
+        raise ValueError(
+            f"shared fused weight scales: {wrapped[0]!r} is a wrapped fused shard (its group would be formed "
+            "without it); share the scales of the unwrapped model"
+        )
     amax = fused_group_amax({name: m.weight for name, m in layers.items()})
     if not amax:
         groups = ", ".join("/".join(g) for g in FUSED_GROUPS)
@@ -231,14 +241,16 @@ def set_fused_weight_scales(model: nn.Module) -> nn.Module:
             f"shared fused weight scales: no NVFP4Linear layer of the model is a fused shard ({groups} by "
             f"module name), e.g. {next(iter(layers))!r}"
         )
-    configs = {}
+    configs, bases = {}, {}
     for name, value in amax.items():
         config = layers[name].config
+        bases[name] = getattr(layers[name], "_unshared_weight_recipe", None) or config.weight
         try:
-            weight = shared_weight_recipe(config.weight, value)
+            weight = shared_weight_recipe(bases[name], value)
         except ValueError as err:
             raise ValueError(f"layer {name!r}: {err}") from None
         configs[name] = dataclasses.replace(config, weight=weight)
     for name, config in configs.items():
         layers[name].config = config
+        layers[name]._unshared_weight_recipe = bases[name]
     return model

@@ -258,7 +258,8 @@ class NVFP4LinearConfig(LayerConfig):
 #: config by the key, a ``str`` argument, so that the compiled graph holds a constant shared by all layers of
 #: equal configs (no per-layer input, no recompile per layer) and the op body finds the config here. Only
 #: capturable configs are kept (nothing else looks a config up by its key): code that makes a new cached
-#: config at every step (a sampler's per-sync weight scales) does not grow it.
+#: config at every step (a sampler's per-sync weight scales) does not grow it; a capturable config made per
+#: step would (and would recompile a compiled graph, whose key is a constant).
 _CONFIGS: dict[str, NVFP4LinearConfig] = {}
 
 

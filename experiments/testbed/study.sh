@@ -24,8 +24,9 @@
 #                       scales (compressed-tensors profile), native KV cache
 #   nvfp4-row-fp8kv     the same with an fp8 e4m3 KV cache (the tiny preset's sampler)
 #   nvfp4-tensor-fp8kv  fp32 learner; NVFP4 sampler with one tensor-wide activation amax (TE profile), fp8 KV
-#   nvfp4-served-fp8kv  fp32 learner; NVFP4 sampler as a served ModelOpt checkpoint: per-tensor weight scales,
-#                       calibrated static per-tensor activation scales (fixed after the first batch), fp8 KV
+#   nvfp4-served-fp8kv  fp32 learner; NVFP4 sampler as a served ModelOpt checkpoint: per-tensor weight scales
+#                       (one per fused q/k/v, gate/up group), calibrated static per-tensor activation scales
+#                       (fixed after the first batch), fp8 KV
 #   nvfp4-coarse-fp8kv  deliberately larger: 16x16 scale tiles, tensor amax, stochastic rounding, fp8 KV
 #   pair                NVFP4 learner (TE, tensor-wide amax) vs the tiny preset's NVFP4 sampler, no autocast
 #   pair-row            NVFP4 learner on the sampler's own recipe (per-row/per-token) vs the same sampler

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -602,7 +603,11 @@ def test_fused_group_amax_groups_siblings_only():
     }
     assert fused_group_key("m.layers.0.self_attn.o_proj") is None
     assert shared_weight_recipe(QuantRecipe(), 2.0).static_amax == 2.0
-    assert shared_weight_recipe(QuantRecipe(scale_source="static", static_amax=1.0), 2.0).static_amax == 2.0
+    with pytest.raises(ValueError, match="scale_source='dynamic'"):  # a given static scale is not replaced
+        shared_weight_recipe(QuantRecipe(scale_source="static", static_amax=1.0), 2.0)
+    nan_first = {"a.q_proj": torch.tensor([float("nan")]), "a.k_proj": torch.tensor([1.0])}
+    for order in (nan_first, dict(reversed(list(nan_first.items())))):  # a NaN shard: a NaN group amax
+        assert all(math.isnan(v) for v in fused_group_amax(order).values())
     for bad in (0.0, float("nan"), float("inf")):  # no valid static amax: the shard's own (dynamic) scale
         assert shared_weight_recipe(QuantRecipe(), bad) == QuantRecipe()
     with pytest.raises(ValueError, match="hadamard=False"):
@@ -618,7 +623,33 @@ def test_set_fused_weight_scales_refuses_a_model_without_fused_shards():
         set_fused_weight_scales(model)
     layer = NVFP4Linear.from_linear(model["q_proj"]["base_layer"], NVFP4LinearConfig())
     model["q_proj"]["base_layer"] = layer
-    with pytest.raises(
-        ValueError, match="no NVFP4Linear layer of the model is a fused shard.*q_proj.base_layer"
-    ):
+    with pytest.raises(ValueError, match="'q_proj.base_layer' is a wrapped fused shard"):
+        set_fused_weight_scales(model)
+    model = torch.nn.ModuleDict({"o_proj": NVFP4Linear(16, 16)})
+    with pytest.raises(ValueError, match="no NVFP4Linear layer of the model is a fused shard.*o_proj"):
+        set_fused_weight_scales(model)
+
+
+def test_set_fused_weight_scales_starts_from_the_layers_own_recipe_at_every_call():
+    """A second call (the next weight sync) derives from the recipe before the first, not from the static
+    group scale the first one set; a layer given a static weight scale of its own is refused, named."""
+    from triage.kernels import NVFP4Linear, NVFP4LinearConfig
+    from triage.kernels.calibration import set_fused_weight_scales
+    from triage.kernels.nvfp4 import QuantRecipe
+
+    attn = torch.nn.ModuleDict({n: NVFP4Linear(16, 16) for n in ("q_proj", "k_proj")})
+    model = torch.nn.ModuleDict({"self_attn": attn})
+    with torch.no_grad():
+        attn["k_proj"].weight.mul_(4)
+    set_fused_weight_scales(model)
+    first = attn["q_proj"].config.weight
+    assert first.scale_source == "static" and first.static_amax == float(attn["k_proj"].weight.abs().amax())
+    with torch.no_grad():
+        attn["k_proj"].weight.mul_(0.5)
+    set_fused_weight_scales(model)
+    assert attn["q_proj"].config.weight.static_amax == float(attn["k_proj"].weight.abs().amax())
+    assert attn["q_proj"]._unshared_weight_recipe.scale_source == "dynamic"
+    static = NVFP4LinearConfig(weight=QuantRecipe(block="16x16", scale_source="static", static_amax=1.0))
+    attn["q_proj"] = NVFP4Linear(16, 16, config=static)
+    with pytest.raises(ValueError, match="layer 'self_attn.q_proj'.*scale_source='dynamic'"):
         set_fused_weight_scales(model)

@@ -41,6 +41,7 @@ from triage.kernels.calibration import (
     calibrate_activation_amax,
     decoder_linears,
     fused_group_amax,
+    shared_weight_recipe,
     static_activation_recipe,
 )
 from triage.kernels.frozen_linear import FrozenNVFP4Linear, NVFP4FrozenConfig
@@ -125,11 +126,8 @@ class Precision:
 def weight_recipe(precision: Precision, profile: str | None = None, amax: float | None = None) -> QuantRecipe:
     """The weight recipe: per-tensor outer scale, dynamic or (shared fused scales) the group ``amax``."""
     profile = profile or precision.profile
-    if amax is None:
-        return QuantRecipe(block=precision.weight_block, scale="tensor", profile=profile)
-    return QuantRecipe(
-        block=precision.weight_block, scale="tensor", scale_source="static", static_amax=amax, profile=profile
-    )
+    recipe = QuantRecipe(block=precision.weight_block, scale="tensor", profile=profile)
+    return recipe if amax is None else shared_weight_recipe(recipe, amax)
 
 
 def activation_recipe(precision: Precision, amax: float | None = None) -> QuantRecipe | None:
