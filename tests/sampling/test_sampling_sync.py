@@ -373,28 +373,19 @@ def test_calibrated_amax_survive_a_sampler_checkpoint(tokenizer, tiny_model):
     assert _static_amax(resumed.copy) == sampler.activation_amax
 
 
-@pytest.mark.parametrize(
-    "sampler_kwargs, message",
-    [
-        ({"precision": "bf16", "activation_scale": "calibrated"}, "precision: nvfp4"),
-        ({"activation_scale": "calibrated"}, "precision: nvfp4"),
-        (
-            {"precision": "nvfp4", "quant_recipe": ROW, "activation_scale": "calibrated"},
-            "quant_recipe.scale: tensor",
-        ),
-        ({"precision": "nvfp4", "activation_scale": "static"}, "activation_scale must be one of"),
-        (
-            {"precision": "nvfp4", "quant_recipe": {"hadamard": True}, "activation_scale": "calibrated"},
-            "quant_recipe.hadamard: false",
-        ),
-    ],
-)
-def test_calibrated_activation_scale_refuses_bad_combinations(sampler_kwargs, message):
-    from triage.trainers.config import check_sampler_kwargs
-
-    with pytest.raises(ValueError, match=message) as err:
-        check_sampler_kwargs("hf", sampler_kwargs, "sampler_kwargs")
-    assert "sampler_kwargs." in str(err.value)
+_BAD_ACTIVATION_SCALE = [
+    ({"precision": "bf16", "activation_scale": "calibrated"}, "precision: nvfp4"),
+    ({"activation_scale": "calibrated"}, "precision: nvfp4"),
+    (
+        {"precision": "nvfp4", "quant_recipe": ROW, "activation_scale": "calibrated"},
+        "quant_recipe.scale: tensor",
+    ),
+    ({"precision": "nvfp4", "activation_scale": "static"}, "activation_scale must be one of"),
+    (
+        {"precision": "nvfp4", "quant_recipe": {"hadamard": True}, "activation_scale": "calibrated"},
+        "quant_recipe.hadamard: false",
+    ),
+]
 
 
 def test_hf_sampler_refuses_calibration_without_an_nvfp4_copy(tokenizer, tiny_model):
@@ -531,39 +522,45 @@ def test_shared_fused_scale_in_place_refresh_equals_a_rebuild(tokenizer, tiny_mo
     _assert_group_scales(sampler.copy)
 
 
+_BAD_FUSED_WEIGHT_SCALE = [
+    (
+        {"precision": "bf16", "fused_weight_scale": "shared"},
+        "fused_weight_scale: shared needs .*precision: nvfp4",
+    ),
+    ({"fused_weight_scale": "shared"}, "fused_weight_scale: shared needs .*precision: nvfp4"),
+    (
+        {"precision": "nvfp4", "quant_recipe": ROW, "fused_weight_scale": "shared"},
+        "fused_weight_scale: shared needs .*quant_recipe.scale: tensor",
+    ),
+    (
+        {"precision": "nvfp4", "quant_recipe": {"hadamard": True}, "fused_weight_scale": "shared"},
+        "fused_weight_scale: shared needs .*quant_recipe.hadamard: false",
+    ),
+    (
+        {
+            "precision": "nvfp4",
+            "quant_recipe": {"scale_source": "static", "static_amax": 2.0},
+            "fused_weight_scale": "shared",
+        },
+        "fused_weight_scale: shared needs .*quant_recipe.scale_source: dynamic",
+    ),
+    ({"precision": "nvfp4", "fused_weight_scale": "fused"}, "fused_weight_scale must be one of"),
+]
+
+
 @pytest.mark.parametrize(
-    "sampler_kwargs, message",
-    [
-        (
-            {"precision": "bf16", "fused_weight_scale": "shared"},
-            "fused_weight_scale: shared needs .*precision: nvfp4",
-        ),
-        ({"fused_weight_scale": "shared"}, "fused_weight_scale: shared needs .*precision: nvfp4"),
-        (
-            {"precision": "nvfp4", "quant_recipe": ROW, "fused_weight_scale": "shared"},
-            "fused_weight_scale: shared needs .*quant_recipe.scale: tensor",
-        ),
-        (
-            {"precision": "nvfp4", "quant_recipe": {"hadamard": True}, "fused_weight_scale": "shared"},
-            "fused_weight_scale: shared needs .*quant_recipe.hadamard: false",
-        ),
-        (
-            {
-                "precision": "nvfp4",
-                "quant_recipe": {"scale_source": "static", "static_amax": 2.0},
-                "fused_weight_scale": "shared",
-            },
-            "fused_weight_scale: shared needs .*quant_recipe.scale_source: dynamic",
-        ),
-        ({"precision": "nvfp4", "fused_weight_scale": "fused"}, "fused_weight_scale must be one of"),
-    ],
+    "option, sampler_kwargs, message",
+    [("activation_scale", *case) for case in _BAD_ACTIVATION_SCALE]
+    + [("fused_weight_scale", *case) for case in _BAD_FUSED_WEIGHT_SCALE],
 )
-def test_shared_fused_weight_scale_refuses_bad_combinations(sampler_kwargs, message):
+def test_sampler_numerics_options_refuse_bad_combinations(option, sampler_kwargs, message):
+    """``activation_scale: calibrated`` and ``fused_weight_scale: shared`` need an NVFP4 copy with one dynamic,
+    unrotated outer scale per tensor: anything else is refused at config time, naming the field."""
     from triage.trainers.config import check_sampler_kwargs
 
     with pytest.raises(ValueError, match=message) as err:
         check_sampler_kwargs("hf", sampler_kwargs, "sampler_kwargs")
-    assert "sampler_kwargs.fused_weight_scale" in str(err.value)
+    assert f"sampler_kwargs.{option}" in str(err.value)
 
 
 def test_hf_sampler_refuses_shared_fused_scales_without_a_per_tensor_nvfp4_copy(tokenizer, tiny_model):
