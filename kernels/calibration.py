@@ -3,10 +3,11 @@
 A served NVFP4 checkpoint (ModelOpt, compressed-tensors) quantizes each Linear layer's input with one outer
 scale computed from an amax that calibration measured when the checkpoint was made, not from each forward's
 own input; and an engine that fuses sibling layers into one GEMM (vLLM: q/k/v into ``qkv_proj``, gate/up into
-``gate_up_proj``, :data:`~triage.kernels.nvfp4.export.FUSED_GROUPS`) gives the fused layer's weight ONE outer
-scale, that of the group amax (the max over the shards' per-tensor amax). This module is where those concepts
-live, for every user (the diagnostics' ``act_scale="static"`` and ``fused_scales="shared"`` paths, the HF
-sampler's ``activation_scale="calibrated"`` and ``fused_weight_scale="shared"``):
+``gate_up_proj``) gives the fused layer's weight ONE outer scale, that of the group amax (the max over the
+shards' per-tensor amax; the groups and that amax are defined in :mod:`triage.kernels.fused_groups`). This
+module turns them into the recipes of a model's layers, for every user (the diagnostics' ``act_scale="static"``
+and ``fused_scales="shared"`` paths, the HF sampler's ``activation_scale="calibrated"`` and
+``fused_weight_scale="shared"``):
 
 * :func:`decoder_linears`: the ``nn.Linear`` layers inside a decoder layer (``.layers.<i>.`` in the name);
 * :func:`calibrate_activation_amax`: max |input| of each of them over one forward of a batch;
@@ -14,8 +15,7 @@ sampler's ``activation_scale="calibrated"`` and ``fused_weight_scale="shared"``)
   calibrated one (``QuantRecipe(scale_source="static", static_amax=amax)``);
 * :func:`set_static_activation_scales`: give the ``NVFP4Linear`` layers of a converted model those recipes,
   layer by layer (same parameters, so a sampler copy refreshed in place keeps them);
-* :func:`fused_group_key` / :func:`fused_group_amax`: a layer's fused group, and the group amax of each
-  fused-shard layer of a set of weights;
+* :func:`shared_weight_recipe`: a per-tensor weight recipe with its outer amax fixed to the fused group's;
 * :func:`set_fused_weight_scales`: give the fused-shard ``NVFP4Linear`` layers of a converted model a static
   weight outer scale from their group's current amax (repeated whenever the weights change).
 """
@@ -30,14 +30,12 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from triage.kernels.nvfp4.export import FUSED_GROUPS
+from triage.kernels.fused_groups import FUSED_GROUPS, fused_group_amax, fused_group_key
 from triage.kernels.nvfp4.recipe import QuantRecipe
 
 __all__ = [
     "calibrate_activation_amax",
     "decoder_linears",
-    "fused_group_amax",
-    "fused_group_key",
     "set_fused_weight_scales",
     "set_static_activation_scales",
     "shared_weight_recipe",
@@ -155,29 +153,6 @@ def set_static_activation_scales(model: nn.Module, amax: Mapping[str, float]) ->
     return model
 
 
-def fused_group_key(name: str) -> tuple[str, int] | None:
-    """``(parent module name, index in FUSED_GROUPS)`` of a fused-shard layer (``...self_attn.k_proj`` →
-    ``("...self_attn", 0)``), else None."""
-    parent, _, leaf = name.rpartition(".")
-    for gi, group in enumerate(FUSED_GROUPS):
-        if leaf in group:
-            return parent, gi
-    return None
-
-
-def fused_group_amax(weights: Mapping[str, torch.Tensor]) -> dict[str, float]:
-    """Layer name → the amax of its fused group (q/k/v, gate/up: the max over the shards present in
-    ``weights`` of each shard's max |W|), for the fused-shard layers of ``weights`` only. A NaN in any shard
-    makes its group's amax NaN (whatever the shards' order)."""
-    group: dict[tuple[str, int], float] = {}
-    for name, w in weights.items():
-        key = fused_group_key(name)
-        if key is not None:
-            value, current = float(w.detach().abs().amax()), group.get(key, 0.0)
-            group[key] = value if math.isnan(value) or value > current else current
-    return {name: group[key] for name in weights if (key := fused_group_key(name)) is not None}
-
-
 def shared_weight_recipe(recipe: QuantRecipe, amax: float) -> QuantRecipe:
     """``recipe`` with its outer scale fixed to the fused group's ``amax`` (``scale_source="static"``).
 
@@ -211,8 +186,10 @@ def shared_weight_recipe(recipe: QuantRecipe, amax: float) -> QuantRecipe:
 
 @torch.no_grad()
 def set_fused_weight_scales(model: nn.Module) -> nn.Module:
-    """Give every fused-shard ``NVFP4Linear`` of ``model`` (q/k/v, gate/up, ...: :func:`fused_group_key`) the
-    weight recipe of its group's current amax (:func:`shared_weight_recipe`), in place; returns ``model``.
+    """Give every fused-shard ``NVFP4Linear`` of ``model`` (q/k/v, gate/up, ...:
+    :func:`~triage.kernels.fused_groups.fused_group_key`) the weight recipe of its group's current amax
+    (:func:`~triage.kernels.fused_groups.fused_group_amax`, :func:`shared_weight_recipe`), in place; returns
+    ``model``.
 
     Only ``layer.config`` changes (the module, its parameters and its activation recipe stay): the layer's
     weight cache is keyed on the weight and the whole config, so a new group amax re-quantizes the weight at

@@ -15,13 +15,15 @@ name in ``exclude_modules`` / ``ignore`` so that engines load them unquantized.
 Shared outer scale of fused shards (``share_fused_scales=True``): vLLM loads q/k/v into one ``qkv_proj``
 and gate/up into one ``gate_up_proj`` with ONE outer scale; it takes ``.max()`` over the shards' stored
 scales (decode ``weight_scale_2`` for ModelOpt, encode ``weight_global_scale`` for compressed-tensors) and
-warns if they differ (research note §3.3, §4 pitfall 12). So every shard of a group is quantized with the
-shared amax ``A = max(A_q, A_k, A_v)`` (``QuantRecipe(scale_source="static", static_amax=A)``) and stores the
-same outer scale; the bytes on disk are exactly what the engine computes with. Calibrated activation amaxes
-of a fused group are unified the same way (max). With ``share_fused_scales=False`` each shard keeps its own
-amax: the checkpoint still loads, but vLLM then applies one shard's scale to all (the max decode scale for
-ModelOpt -> the other shards dequantize too large; the max ENCODE scale for compressed-tensors -> the
-shards with larger amax dequantize too small), i.e. the engine's weights differ from the exported ones.
+warns if they differ (research note §3.3, §4 pitfall 12). So every shard of a group
+(:mod:`triage.kernels.fused_groups`) is quantized with the group amax ``A = max(A_q, A_k, A_v)``
+(``QuantRecipe(scale_source="static", static_amax=A)``; compressed-tensors: the smallest of the shards' encode
+scales, :func:`_quantize_weights`) and stores the same outer scale; the bytes on disk are exactly what the
+engine computes with. Calibrated activation amaxes of a fused group are unified the same way (max). With
+``share_fused_scales=False`` each shard keeps its own amax: the checkpoint still loads, but vLLM then applies
+one shard's scale to all (the max decode scale for ModelOpt -> the other shards dequantize too large; the max
+ENCODE scale for compressed-tensors -> the shards with larger amax dequantize too small), i.e. the engine's
+weights differ from the exported ones.
 
 Producer arithmetic: the default recipe of each layout writes the bytes its producer writes for bf16, fp16
 and fp32 weights: ModelOpt's formulas (profile ``modelopt``, fp32 after an exact amax), and for
@@ -50,6 +52,7 @@ from pathlib import Path
 
 import torch
 
+from ..fused_groups import FUSED_GROUPS, fused_group_members, group_amax
 from ..skip import DEFAULT_SKIP, skip_patterns, skipped
 from .api import quantize
 from .checkpoint_layouts import (
@@ -80,14 +83,6 @@ __all__ = [
     "write_nvfp4_checkpoint",
 ]
 
-#: Sibling modules the engines fuse into one GEMM with one outer scale (vLLM ``packed_modules_mapping``):
-#: q/k/v, gate/up, MLA's q_a/kv_a (DeepSeek-V2/V3), Mixtral-style expert w1/w3.
-FUSED_GROUPS = (
-    ("q_proj", "k_proj", "v_proj"),
-    ("gate_proj", "up_proj"),
-    ("q_a_proj", "kv_a_proj_with_mqa"),
-    ("w1", "w3"),
-)
 #: Model types whose transformers-5 fused experts (``experts.gate_up_proj``) unfuse to the checkpoint names
 #: written here (``experts.{e}.gate_proj/up_proj/down_proj``); other models rename their experts on load.
 UNFUSE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
@@ -164,7 +159,8 @@ def export_nvfp4_checkpoint(
         input_amax: ``{module name: calibrated activation amax}`` for W4A4 checkpoints (``input_scale`` /
             ``input_global_scale``; every quantized module needs one). None: weight-only (W4A16) config.
         share_fused_scales: one outer scale per fused group (see the module docstring).
-        fused_groups: tuples of sibling module names sharing a scale (:data:`FUSED_GROUPS`).
+        fused_groups: tuples of sibling module names sharing a scale
+            (:data:`~triage.kernels.fused_groups.FUSED_GROUPS`; a name in two of them is an error).
         config: for a state dict, the model config (``PretrainedConfig`` or dict naming ``architectures``)
             to write as config.json; default for a model: :func:`model_config` (as ``save_pretrained``).
         tokenizer: saved into ``out_dir`` if given.
@@ -316,11 +312,14 @@ def _unshared(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _quantize_weights(state, targets, groups, recipe: QuantRecipe, backend) -> dict[str, NVFP4Tensor]:
-    """``{"<m>.weight": NVFP4Tensor}``, one outer scale per fused group.
+    """``{"<m>.weight": NVFP4Tensor}``, one outer scale per fused group (``groups``: :func:`_fused_groups`).
 
     Profile ``compressed-tensors``: the package's own arithmetic (:func:`compressed_tensors_quantize`), the
-    group sharing the smallest encode scale (llm-compressor's rule for fused layers). Other profiles:
-    :func:`quantize` with the group's largest amax as a static amax (ModelOpt's rule)."""
+    group sharing the smallest of its members' encode scales ``gs(A_m)`` (llm-compressor's rule for fused
+    layers; it equals ``gs`` of the group amax except where a member's ``gs`` is not finite and is replaced by 1,
+    see :mod:`triage.kernels.fused_groups`). Other profiles: :func:`quantize` with the group amax
+    (:func:`~triage.kernels.fused_groups.group_amax`, the largest member amax) as a static amax (ModelOpt's
+    rule); a group amax of 0 (all-zero members) keeps the dynamic recipe."""
     if recipe.profile == "compressed-tensors":
         enc = {
             m: compressed_tensors_global_scale(state[f"{m}.weight"].detach().abs().amax()) for m in targets
@@ -334,7 +333,7 @@ def _quantize_weights(state, targets, groups, recipe: QuantRecipe, backend) -> d
             for m in targets
         }
     amax = {m: float(state[f"{m}.weight"].detach().abs().amax().float()) for m in targets}
-    shared = _shared(amax, groups)
+    shared = group_amax(amax, groups)
     weights = {}
     for m in targets:
         r = recipe if shared[m] == 0.0 else replace(recipe, scale_source="static", static_amax=shared[m])
@@ -520,24 +519,21 @@ def _plan(state: dict[str, torch.Tensor], skip) -> tuple[list[str], list[str]]:
 
 
 def _fused_groups(targets: list[str], excluded: list[str], fused_groups) -> dict[str, tuple[str, ...]]:
-    """module -> the members of its fused group that exist. Mixed quantized/skipped groups are an error
-    (vLLM refuses a fused layer whose shards are not all quantized or all excluded)."""
-    present = set(targets)
+    """Quantized module -> the members of its fused group among the 2-D weights
+    (:func:`~triage.kernels.fused_groups.fused_group_members`). A group with some members quantized and others
+    skipped is an error (vLLM refuses a fused layer whose shards are not all quantized or all excluded)."""
     kept = set(excluded)
-    groups: dict[str, tuple[str, ...]] = {}
-    for m in targets:
-        parent, _, leaf = m.rpartition(".")
-        for names in fused_groups:
-            if leaf not in names:
-                continue
-            members = tuple(f"{parent}.{n}" if parent else n for n in names)
-            mixed = [x for x in members if x in kept]
-            if mixed:
-                raise ValueError(
-                    f"export_nvfp4_checkpoint: fused group {members} has {mixed} skipped but {m!r} quantized; "
-                    "engines load the group as one layer, so skip all of it or none"
-                )
-            groups[m] = tuple(x for x in members if x in present)
+    groups = {}
+    for m, members in fused_group_members([*targets, *excluded], fused_groups).items():
+        if m in kept:
+            continue
+        mixed = [x for x in members if x in kept]
+        if mixed:
+            raise ValueError(
+                f"export_nvfp4_checkpoint: fused group {members} has {mixed} skipped but {m!r} quantized; "
+                "engines load the group as one layer, so skip all of it or none"
+            )
+        groups[m] = members
     return groups
 
 
@@ -554,10 +550,6 @@ def _check_weight(module: str, w: torch.Tensor, recipe: QuantRecipe) -> None:
         raise TypeError(f"export_nvfp4_checkpoint: {name!r} has dtype {w.dtype}; expected fp16, bf16 or fp32")
     if not torch.isfinite(w.detach().abs().amax()):
         raise ValueError(f"export_nvfp4_checkpoint: {name!r} contains NaN or Inf; refusing to export it")
-
-
-def _shared(amax: dict[str, float], groups: dict[str, tuple[str, ...]]) -> dict[str, float]:
-    return {m: max(amax[x] for x in groups.get(m, (m,))) for m in amax}
 
 
 def _input_scales(input_amax, targets, groups, lay: Layout) -> dict[str, float]:
@@ -583,7 +575,7 @@ def _input_scales(input_amax, targets, groups, lay: Layout) -> dict[str, float]:
         if not (v32 > 0 and v32 < float("inf")):
             raise ValueError(f"input_amax[{m!r}] must be finite and > 0 in fp32, got {v!r}")
         amax[m] = v32
-    shared = _shared(amax, groups)
+    shared = group_amax(amax, groups)
     scales = {}
     for m in targets:
         if lay.name == "compressed-tensors":  # generate_gparam on the calibrated amax (an fp32 value)

@@ -40,11 +40,11 @@ from torch import nn
 from triage.kernels.calibration import (
     calibrate_activation_amax,
     decoder_linears,
-    fused_group_amax,
     shared_weight_recipe,
     static_activation_recipe,
 )
 from triage.kernels.frozen_linear import FrozenNVFP4Linear, NVFP4FrozenConfig
+from triage.kernels.fused_groups import FUSED_GROUPS, fused_group_amax
 from triage.kernels.nvfp4 import (
     NVFP4Tensor,
     QuantRecipe,
@@ -53,7 +53,6 @@ from triage.kernels.nvfp4 import (
     load_nvfp4_checkpoint,
     quantize,
 )
-from triage.kernels.nvfp4.export import FUSED_GROUPS
 
 __all__ = [
     "ACT_SCALES",
