@@ -336,7 +336,14 @@ def _quantize_weights(state, targets, groups, recipe: QuantRecipe, backend) -> d
     shared = group_amax(amax, groups)
     weights = {}
     for m in targets:
-        r = recipe if shared[m] == 0.0 else replace(recipe, scale_source="static", static_amax=shared[m])
+        try:
+            r = recipe if shared[m] == 0.0 else replace(recipe, scale_source="static", static_amax=shared[m])
+        except ValueError as e:  # a NaN/inf weight, or an amax whose fp32 reciprocal overflows
+            group = groups.get(m, (m,))
+            raise ValueError(
+                f"export_nvfp4_checkpoint: {m}.weight cannot be quantized with the "
+                f"{'group' if len(group) > 1 else 'tensor'} amax {shared[m]!r} of {list(group)}: {e}"
+            ) from e
         weights[f"{m}.weight"] = quantize(state[f"{m}.weight"], r, backend=backend)
     return weights
 

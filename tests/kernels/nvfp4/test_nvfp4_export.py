@@ -495,6 +495,14 @@ def test_k_not_multiple_of_16_names_the_tensor(pad, tmp_path):
         )
 
 
+def test_weight_whose_amax_has_no_fp32_reciprocal_names_the_tensor(tmp_path):
+    """A weight with a subnormal amax (its outer scale 1/amax overflows fp32) is refused naming the tensor."""
+    sd = small_state_dict()
+    sd["layers.0.proj.weight"] = sd["layers.0.proj.weight"] * 1e-41
+    with pytest.raises(ValueError, match=r"layers\.0\.proj\.weight.*amax"):
+        export_nvfp4_checkpoint(sd, tmp_path, recipe=QuantRecipe(profile="modelopt"))
+
+
 def test_bad_arguments(tmp_path):
     sd = small_state_dict()
     with pytest.raises(ValueError, match="unknown NVFP4 checkpoint layout"):
