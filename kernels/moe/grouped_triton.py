@@ -32,7 +32,7 @@ from triage.kernels.nvfp4.device import (
     swizzled_tile,
     unpack_mult,
 )
-from triage.kernels.nvfp4.gemm_dense import bf16_by_hand, dot_config
+from triage.kernels.nvfp4.gemm_dense import bf16_by_hand, dot_dtypes
 
 #: GPU tile of the grouped GEMM: the best of the H200 sweep (bench_grouped_gemm.py --sweep, 2026-11-29:
 #: 128x256x64 w8 s3 at 501 / 414 TFLOP/s on gate_up / down, vs 402 / 301 for 128x128x64 w8 s4).
@@ -176,7 +176,7 @@ def launch_grouped_gemm(
     T, N = out.shape
     E = offsets.numel() - 1
     a_packed, b_packed = a_scale is not None, b_scale is not None
-    dot_dtype, precision = dot_config(a, a_packed, b, b_packed, "grouped-GEMM")
+    dot_dtype, precision = dot_dtypes(a.dtype, a_packed, b.dtype, b_packed, "grouped-GEMM")
     if config is None:
         if interpreting():
             config = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=1)
@@ -220,7 +220,7 @@ def launch_grouped_gemm(
         *operand_strides(b, b_scale),
         out.stride(0),
         out.stride(1),
-        unpack_mult(a_scale, b_scale),
+        unpack_mult(a_packed, b_packed),
         A_PACKED=a_packed,
         B_PACKED=b_packed,
         GA_MODE=ga_mode,
@@ -348,7 +348,7 @@ def launch_grouped_wgrad(
     """
     E, M, N = out.shape
     a_packed, b_packed = a_scale is not None, b_scale is not None
-    dot_dtype, precision = dot_config(a, a_packed, b, b_packed, "grouped-wgrad")
+    dot_dtype, precision = dot_dtypes(a.dtype, a_packed, b.dtype, b_packed, "grouped-wgrad")
     if config is None:
         if interpreting():
             config = _INTERPRETER_WGRAD_CONFIG
@@ -376,12 +376,12 @@ def launch_grouped_wgrad(
         out.stride(0),
         out.stride(1),
         out.stride(2),
-        unpack_mult(a_scale, b_scale),
+        unpack_mult(a_packed, b_packed),
         A_PACKED=a_packed,
         B_PACKED=b_packed,
         GA_MODE=scale_mode(g_a),
         GB_MODE=scale_mode(g_b),
-        BF16_BY_HAND=bf16_by_hand(out),
+        BF16_BY_HAND=bf16_by_hand(out.dtype),
         DOT_DTYPE=dot_dtype,
         INPUT_PRECISION=precision,
         num_warps=num_warps,

@@ -173,10 +173,10 @@ def scale_mode(g: torch.Tensor | None) -> int:
     return SCALE_SCALAR if g.numel() == 1 else SCALE_ROW
 
 
-def unpack_mult(*scales: torch.Tensor | None) -> float:
-    """The epilogue's ``out_mult`` of a GEMM whose operands have block scales ``scales`` (None: a dense
+def unpack_mult(*packed: bool) -> float:
+    """The epilogue's ``out_mult`` of a GEMM whose operands are packed or not (``packed``, one flag per
     operand): ``UNPACK_FACTOR ** (number of packed operands)``, undoing :func:`load_tile`'s 2⁻¹⁴ each."""
-    return UNPACK_FACTOR ** sum(s is not None for s in scales)
+    return UNPACK_FACTOR ** sum(bool(p) for p in packed)
 
 
 def operand_strides(t: torch.Tensor, scale: torch.Tensor | None) -> tuple[int, ...]:

@@ -27,7 +27,7 @@ from triage.kernels.nvfp4.device import (
     interpreting,
     scale_mode,
 )
-from triage.kernels.nvfp4.gemm_dense import dot_dtypes, num_sms, splitk_reduce
+from triage.kernels.nvfp4.gemm_dense import bf16_by_hand, dot_dtypes, num_sms, splitk_reduce
 
 #: Element order of one unpacked word (:func:`_unpack_words`): position p holds element ``WORD_ORDER[p]``.
 #: Each adjacent pair is one 32-bit register of the bit trick, so no repacking; the activation is loaded in
@@ -457,7 +457,7 @@ def decode_launch(
     # interpreter runs the fp16 trick and an fp32 dot instead, exact as well
     bf16 = x_dtype == torch.bfloat16 and not interpreting()
     kwargs = dict(
-        BF16_BY_HAND=interpreting() and out_dtype == torch.bfloat16, DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision,
+        BF16_BY_HAND=bf16_by_hand(out_dtype), DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision,
         EVEN_N=N % cfg["BN"] == 0, EVEN_K=kb % cfg["NB"] == 0 and K == 16 * kb, BF16=bf16, **cfg,
     )  # fmt: skip
     tiles = cdiv(N, cfg["BN"])

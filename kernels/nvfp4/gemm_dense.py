@@ -1,6 +1,6 @@
 """Triton kernels of the dense NVFP4 GEMM behind :func:`triage.kernels.nvfp4.gemm` (Hopper path, Blackwell
 path), and the host pieces the decode (:mod:`.gemm_decode`) and grouped GEMMs share with it: the dot
-dtype rule (:func:`dot_config`), the split-K reduction (:func:`splitk_reduce`).
+dtype rule (:func:`dot_dtypes`), the split-K reduction (:func:`splitk_reduce`).
 
 One tiled kernel, :func:`_gemm_kernel`, computes ``C = epilogue(A·Bᵀ)`` where each operand is either
 *packed* NVFP4 (uint8 codes + e4m3 block scales, unpacked and scaled in registers) or *dense*
@@ -18,7 +18,7 @@ scales and adds the bias (:func:`~.device.epilogue`).
 
 Dot dtype: fp16 for W4A4 (exact, and correct under ``TRITON_INTERPRET=1``); the activation's dtype for
 W4A16 (``q·s·2⁻¹⁴`` is exact in bf16 as well). Under the interpreter, bf16 ``tl.dot`` is broken, so
-bf16 operands are upcast to fp32 there (``input_precision="ieee"``): :func:`dot_config`.
+bf16 operands are upcast to fp32 there (``input_precision="ieee"``): :func:`dot_dtypes`.
 """
 
 from __future__ import annotations
@@ -31,29 +31,24 @@ import triton.language as tl
 
 from triage.kernels._launch import cdiv, fast_launch
 from triage.kernels.nvfp4.device import (
-    UNPACK_FACTOR,
     epilogue,
     interpreting,
     load_tile,
     operand_strides,
     scale_mode,
     swizzled_tile,
+    unpack_mult,
 )
 
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
-def dot_config(a: torch.Tensor, a_packed: bool, b: torch.Tensor, b_packed: bool, what: str) -> tuple:
-    """``(DOT_DTYPE, INPUT_PRECISION)`` of a ``tl.dot`` over operands ``a`` and ``b``: the dense operands'
-    dtype (they must share one; fp16 when both are packed: ``q·s·2⁻¹⁴`` is exact there), "ieee" precision
-    for fp32, "tf32" otherwise (which 16-bit dots ignore). Under the interpreter a bf16 dot becomes an
-    fp32 "ieee" one (its bf16 ``tl.dot`` is wrong; fp32 holds ``q·s`` exactly). ``what`` names the GEMM
-    in the error."""
-    return dot_dtypes(a.dtype, a_packed, b.dtype, b_packed, what)
-
-
 def dot_dtypes(a_dtype: torch.dtype, a_packed: bool, b_dtype: torch.dtype, b_packed: bool, what: str) -> tuple:
-    """:func:`dot_config` from the operands' dtypes."""
+    """``(DOT_DTYPE, INPUT_PRECISION)`` of a ``tl.dot`` over operands of dtypes ``a_dtype`` and ``b_dtype``
+    (packed or dense): the dense operands' dtype (they must share one; fp16 when both are packed:
+    ``q·s·2⁻¹⁴`` is exact there), "ieee" precision for fp32, "tf32" otherwise (which 16-bit dots ignore).
+    Under the interpreter a bf16 dot becomes an fp32 "ieee" one (its bf16 ``tl.dot`` is wrong; fp32 holds
+    ``q·s`` exactly). ``what`` names the GEMM in the error."""
     dense = [d for d, p in ((a_dtype, a_packed), (b_dtype, b_packed)) if not p]
     if dense and any(d != dense[0] for d in dense):
         raise TypeError(f"dense {what} operands must share a dtype, got {dense}")
@@ -63,10 +58,10 @@ def dot_dtypes(a_dtype: torch.dtype, a_packed: bool, b_dtype: torch.dtype, b_pac
     return _TL_DTYPE[dot_dtype], "ieee" if dot_dtype == torch.float32 else "tf32"
 
 
-def bf16_by_hand(out: torch.Tensor) -> bool:
-    """The epilogue's ``BF16_BY_HAND``: a bf16 output under the interpreter, whose fp32 -> bf16 cast
-    truncates, is rounded by integer arithmetic (:func:`~.device.to_bf16_rne`)."""
-    return interpreting() and out.dtype == torch.bfloat16
+def bf16_by_hand(out_dtype: torch.dtype) -> bool:
+    """The epilogue's ``BF16_BY_HAND`` for an output of ``out_dtype``: a bf16 output under the interpreter,
+    whose fp32 -> bf16 cast truncates, is rounded by integer arithmetic (:func:`~.device.to_bf16_rne`)."""
+    return interpreting() and out_dtype == torch.bfloat16
 
 
 @fast_launch
@@ -379,10 +374,10 @@ def dense_launch(
     cfg = dict(config) if config else _tile_config(M, N, K, split_k)
     grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]), cfg["SPLIT_K"])
     kwargs = dict(
-        A_PACKED=a_packed, B_PACKED=b_packed, BF16_BY_HAND=interpreting() and out_dtype == torch.bfloat16,
+        A_PACKED=a_packed, B_PACKED=b_packed, BF16_BY_HAND=bf16_by_hand(out_dtype),
         DOT_DTYPE=dot_dtype, INPUT_PRECISION=input_precision, **cfg,
     )  # fmt: skip
-    out_mult = UNPACK_FACTOR ** (int(a_packed) + int(b_packed))  # device.unpack_mult: 2¹⁴ per packed operand
+    out_mult = unpack_mult(a_packed, b_packed)
     return DenseLaunch(M=M, N=N, K=K, grid=grid, split=cfg["SPLIT_K"], out_mult=out_mult, kwargs=kwargs)
 
 
@@ -396,7 +391,7 @@ def splitk_reduce(ws, out, g_a, g_b, bias, out_mult, split) -> None:
         ws, out, g_a if g_a is not None else dummy, g_b if g_b is not None else dummy,
         bias if bias is not None else dummy, M, N, out.stride(0), out.stride(1), out_mult,
         GA_MODE=scale_mode(g_a), GB_MODE=scale_mode(g_b), HAS_BIAS=bias is not None,
-        BF16_BY_HAND=bf16_by_hand(out), SPLIT_K=split, BLOCK_M=bm, BLOCK_N=bn,
+        BF16_BY_HAND=bf16_by_hand(out.dtype), SPLIT_K=split, BLOCK_M=bm, BLOCK_N=bn,
     )  # fmt: skip
 
 
