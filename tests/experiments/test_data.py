@@ -1,7 +1,8 @@
 """DAPO-format loaders: schema, exact prompt, dedup, local files, AIME, synthetic generator, specs.
 
 No network: the hub loaders run with ``datasets.load_dataset`` replaced by an in-memory fake that returns
-rows in the hub layouts documented in ../shared/research/dapo_ecosystem.md §1.
+rows in the layouts of the hub datasets (``data.DAPO_MATH_17K``, ``data.DAPO_MATH_17K_PROCESSED``,
+``data.AIME_2024``).
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """DAPO reward (``math_dapo`` semantics), math-verify variant, soft overlong penalty, TRL reward functions.
 
 Expected values in the tables were produced by verl's ``verl/utils/reward_score/math_dapo.py`` (HEAD
-b178a3c) run on the same inputs; the research note ../shared/research/dapo_ecosystem.md §2.2 lists the
-first block.
+b178a3c) run on the same inputs.
 """
 
 from __future__ import annotations
