@@ -477,11 +477,11 @@ STUDY_KEYS = (
 
 
 def _check_scale_key(spec: Mapping[str, Any], path: Path) -> None:
-    """A study file or ``study.json`` that names the scale under its former key ``preset`` is an error naming
-    the file and the key to use (``scale``); the rest of such a file is unchanged, so renaming the key is
-    enough (fingerprints do not change)."""
+    """A study file or ``study.json`` that names the scale with the key ``preset`` is an error naming the file
+    and the key to use (``scale``); nothing else in such a file differs, so renaming the key is enough (the
+    fingerprints do not depend on it)."""
     if "preset" in spec:
-        raise ValueError(f"{path}: the key 'preset' is now called 'scale'; rename it")
+        raise ValueError(f"{path}: a study names its scale with the key 'scale', not 'preset'; rename it")
 
 
 def load_study_file(path: str | Path) -> dict[str, Any]:

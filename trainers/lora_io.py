@@ -236,16 +236,16 @@ def _write_frozen_config(path: Path, config: NVFP4FrozenConfig) -> None:
 
 
 #: Aliases accepted when reading a saved frozen-base config (never written): key → alias.
-_OLD_KEYS = {"compute": "mode", "activation": "input_recipe"}
+_KEY_ALIASES = {"compute": "mode", "activation": "input_recipe"}
 
 
 def _read_frozen_config(path: Path) -> NVFP4FrozenConfig:
     data = json.loads(path.read_text())
     fields = {}
-    for new, old in _OLD_KEYS.items():
-        if new not in data and old not in data:
-            raise ValueError(f"{path}: not a valid NVFP4 frozen-base config (no {new!r})")
-        fields[new] = data[new] if new in data else data[old]
+    for key, alias in _KEY_ALIASES.items():
+        if key not in data and alias not in data:
+            raise ValueError(f"{path}: not a valid NVFP4 frozen-base config (no {key!r})")
+        fields[key] = data[key] if key in data else data[alias]
     try:
         return NVFP4FrozenConfig(
             compute=fields["compute"],

@@ -31,7 +31,7 @@ TAU_MAX = 1.0
 #: ``"symmetric-is"`` is the default: every class weighted by its truncated ratio min(e^δ, C), whatever the
 #: advantage's sign — token-level TIS, with TRIAGE's classes kept for the per-class statistics. In the mismatch
 #: testbed at sampling temperature 1.3 vanilla GRPO collapsed in 4 of 5 seeds from mismatch alone, and so did
-#: the earlier default ``"keep-down"`` (2 of 3 collapsed, the third falling), while TIS and IcePop — which scale
+#: the profile ``"keep-down"`` (2 of 3 collapsed, the third falling), while TIS and IcePop — which scale
 #: the δ < 0 tokens of both advantage signs — stayed stable in 3 of 3 (docs/results.md §3.6, docs/triage.md
 #: "Defaults"). ``"keep-down"`` keeps the δ < −τ tokens at full weight (correct-up and amplify-down ``keep``)
 #: and soft-weights the amplify-up tail. ``"suppress-down"`` down-weights (``soft``), floors (``tail_floor``)

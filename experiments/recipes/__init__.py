@@ -67,7 +67,7 @@ ACCELERATE_DIR = RECIPE_DIR.parent / "accelerate"
 CPU_LAYER = RECIPE_DIR / "cpu.yaml"  # the CPU overrides (load_recipe(..., cpu=True), `triage train --cpu`)
 ARMS = ("grpo-none", "tis", "icepop", "opsm", "triage", "triage-mask")
 # Not run by default (`--arms` selects them): TRL's default sequence IS through the same switch, TRIAGE's
-# earlier defaults by name, the follow-ups of the testbed (docs/results.md §3), and prime-rl's
+# other profiles by name, the follow-ups of the testbed (docs/results.md §3), and prime-rl's
 # probability-space mask with its two controls (docs/triage.md, "Probability-space tolerance").
 FOLLOW_UP_ARMS = (
     "seq-mis-trl",

@@ -1,4 +1,4 @@
-"""The gap table on the trained tiny model: the seed's orderings, and what the table writes."""
+"""The gap table on the trained tiny model: the order of the gaps along each axis, and what the table writes."""
 
 import json
 

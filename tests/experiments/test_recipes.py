@@ -94,7 +94,7 @@ def test_arms_differ_only_in_correction_fields():
         recipe = load_recipe(f"tiny/{arm}")
         return TriageConfig(**{k: recipe[k] for k in TriageConfig.field_names() if k in recipe})
 
-    # the `triage` arm is exactly the library default, the earlier defaults by name
+    # the `triage` arm is exactly the library default, the other profiles by name
     assert triage_fields_of("triage") == TriageConfig()
     assert triage_fields_of("triage-keep-down") == TriageConfig.profile("keep-down")
     assert triage_fields_of("triage-suppress-down") == TriageConfig.profile("suppress-down")

@@ -81,18 +81,18 @@ def test_bad_study_files_are_errors(tmp_path, text, match):
         ablate.resolve_study(_args("--study", str(path), "--output", str(tmp_path)))
 
 
-def test_the_former_key_preset_is_an_error_naming_scale(tmp_path):
-    """A study file or DIR/study.json written with the former key ``preset`` names the file and the new key
-    (renaming the key is enough: the fingerprint of the sizes is unchanged)."""
+def test_the_key_preset_is_an_error_naming_scale(tmp_path):
+    """A study file or DIR/study.json with the key ``preset`` is an error naming the file and the key
+    ``scale`` (renaming the key is enough: the fingerprint of the sizes does not depend on it)."""
     path = tmp_path / "old.yaml"
     path.write_text("preset: smoke\nlevels: [aligned]\n")
-    with pytest.raises(ValueError, match=r"old.yaml: the key 'preset' is now called 'scale'"):
+    with pytest.raises(ValueError, match=r"old.yaml: a study names its scale with the key 'scale', not 'preset'"):
         ablate.resolve_study(_args("--study", str(path), "--output", str(tmp_path)))
     study = Study(SCALES["smoke"]).to_dict()
-    assert "preset" not in study and study["scale"]["name"] == "smoke"  # what study.json holds now
+    assert "preset" not in study and study["scale"]["name"] == "smoke"  # what study.json holds
     study["preset"] = study.pop("scale")
     (tmp_path / "study.json").write_text(json.dumps(study))
-    with pytest.raises(ValueError, match=r"study.json: the key 'preset' is now called 'scale'"):
+    with pytest.raises(ValueError, match=r"study.json: a study names its scale with the key 'scale', not 'preset'"):
         ablate.run(_args("--output", str(tmp_path), "--run", "aligned/tis/0"))
 
 

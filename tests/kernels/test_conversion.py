@@ -120,7 +120,7 @@ def test_frozen_round_trip_quantizes_once_and_unconverts_to_the_dequantized_weig
     layers = {n: m for n, m in model.named_modules() if isinstance(m, FrozenNVFP4Linear)}
     assert len(layers) == 14 and not any(isinstance(m, NVFP4Linear) for m in model.modules())
     assert not any("_proj." in n for n, _ in model.named_parameters())  # no master weights kept
-    # the frozen-base path as it was: NVFP4Linear layers, then each frozen with the W_q it computed with
+    # the frozen-base path by hand: NVFP4Linear layers, then each frozen with the W_q it computed with
     by_hand = _by_hand(
         _dense(tokenizer), lambda m: NVFP4Linear.from_linear(m, LINEAR) if type(m) is nn.Linear else None
     )

@@ -427,9 +427,9 @@ def test_load_without_config_rebuilds_the_saved_numerics(nvfp4_model, tokenizer,
         )
 
 
-def test_adapter_directories_with_the_old_config_keys_still_load(nvfp4_model, tokenizer, tmp_path):
-    """The base config is written as ``compute`` / ``activation``; files holding the earlier ``mode`` /
-    ``input_recipe`` keys load to the same numerics."""
+def test_adapter_directories_with_the_alias_config_keys_load(nvfp4_model, tokenizer, tmp_path):
+    """The base config is written as ``compute`` / ``activation``; files holding their aliases ``mode`` /
+    ``input_recipe`` load to the same numerics."""
     import json
 
     from triage.kernels.nvfp4.recipe import QuantRecipe
@@ -443,8 +443,8 @@ def test_adapter_directories_with_the_old_config_keys_still_load(nvfp4_model, to
     path = tmp_path / BASE_SUBDIR / BASE_CONFIG_FILE
     saved = json.loads(path.read_text())
     assert saved.keys() == {"compute", "activation", "cache_expanded"} and saved["compute"] == "w4a4"
-    old = {"mode": saved["compute"], "input_recipe": saved["activation"], "cache_expanded": False}
-    path.write_text(json.dumps(old))
+    aliased = {"mode": saved["compute"], "input_recipe": saved["activation"], "cache_expanded": False}
+    path.write_text(json.dumps(aliased))
     loaded = load_nvfp4_lora(build_model(tokenizer, seed=3), tmp_path)
     frozen = [m for m in loaded.modules() if isinstance(m, FrozenNVFP4Linear)]
     assert frozen and all(m.config.compute == "w4a4" and m.config.activation.scale == "row" for m in frozen)
