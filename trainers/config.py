@@ -36,8 +36,9 @@ from trl import GRPOConfig
 from triage import CORRECTIONS, POLICIES, TriageConfig
 from triage.config import SEQ_MIS_LEVELS, TAU_SPACES
 
+from .sampling.factory import SAMPLER_KINDS, sampler_classes
+
 LEARNER_PRECISIONS = ("bf16", "nvfp4")
-SAMPLER_KINDS = ("hf", "sglang", "vllm-server", "offline")
 # sampler_kwargs the HF sampler alone takes: precision / quant_recipe on top of HFSampler's own arguments
 # (grpo_trainer.resolve_sampler_kwargs turns them into a sampler copy), kv_cache_dtype, activation_scale and
 # fused_weight_scale (HFSampler arguments: the KV-cache format, calibrated static NVFP4 activation scales, the
@@ -116,7 +117,6 @@ def check_sampler_kwargs(kind: str | None, kwargs: Mapping | None, where: str = 
         return
     if kind not in SAMPLER_KINDS:
         raise ValueError(f"sampler={kind!r}: expected None or one of {SAMPLER_KINDS}")
-    from .sampling.factory import _registry
     from .sampling.hf import KV_CACHE_DTYPES
 
     if kind != "hf":
@@ -128,7 +128,7 @@ def check_sampler_kwargs(kind: str | None, kwargs: Mapping | None, where: str = 
             )
     params = {
         name: p
-        for name, p in inspect.signature(_registry()[kind]).parameters.items()
+        for name, p in inspect.signature(sampler_classes()[kind]).parameters.items()
         if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
     }
     names = sorted({*params, *(SAMPLER_NUMERICS_KEYS if kind == "hf" else ())})

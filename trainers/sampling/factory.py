@@ -7,7 +7,8 @@ from typing import Any
 from .base import SamplerSource
 
 
-def _registry() -> dict[str, type[SamplerSource]]:
+def sampler_classes() -> dict[str, type[SamplerSource]]:
+    """The class of each sampler kind (:data:`SAMPLER_KINDS`), imported on the call."""
     from .hf import HFSampler
     from .offline import OfflineRollouts
     from .sglang import SGLangClient
@@ -30,7 +31,7 @@ def make_sampler(kind: str, **kwargs: Any) -> SamplerSource:
 
     ``kwargs`` go to the class (e.g. ``make_sampler("sglang", base_url="http://127.0.0.1:30000")``).
     """
-    registry = _registry()
+    registry = sampler_classes()
     if kind not in registry:
         raise ValueError(f"unknown sampler kind {kind!r}; choose one of {list(SAMPLER_KINDS)}")
     return registry[kind](**kwargs)
