@@ -116,11 +116,6 @@ def logps_checks(
     return checks
 
 
-def check_logps(logps: torch.Tensor, mask: torch.Tensor, name: str, *, is_sampler: bool = False) -> None:
-    """Raise the first problem ``logps_checks`` finds (one host sync)."""
-    raise_first(logps_checks(logps, mask, name, is_sampler=is_sampler))
-
-
 def delta_checks(delta: torch.Tensor, mask: torch.Tensor, name: str = "delta") -> list[Check]:
     """δ handed to the core directly must look like ``token_gap``'s output at valid positions: finite and
     below ``DELTA_MAX`` (a larger δ means a sampler log-prob at an engine's −inf sentinel)."""

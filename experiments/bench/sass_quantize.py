@@ -8,25 +8,11 @@ local Triton is used.) "old" also compiles the general path (PAIRS=False). One l
 
 import collections
 import os
-import re
 import sys
 
 os.environ.pop("TRITON_INTERPRET", None)
-from triage.experiments.bench.sass import compile_sass, instructions, loops
+from triage.experiments.bench.sass import compile_sass, loops
 from triage.kernels.nvfp4 import quantize_rows as q
-
-
-def _unused(sass):
-    ins = instructions(sass)
-    addr = {a: i for i, (a, _, _) in enumerate(ins)}
-    out = []
-    for i, (a, op, rest) in enumerate(ins):
-        if op.startswith("BRA"):
-            m = re.search(r"0x([0-9a-f]+)", rest)
-            if m and int(m.group(1), 16) < a and int(m.group(1), 16) in addr:
-                out.append(ins[addr[int(m.group(1), 16)] : i + 1])
-    return out
-
 
 SIG = dict(
     x_ptr="*i16",
