@@ -4,8 +4,9 @@ Depends on torch and triton only; never on ``triage.trainers``. Importing this p
 names below load their modules (and triton) on first use.
 
 The layer API: ``convert(model, NVFP4Config(...))`` swaps ``nn.Linear`` layers and fused MoE experts for
-``NVFP4Linear`` / ``NVFP4MoeExperts`` (or, with ``frozen``, ``FrozenNVFP4Linear``), ``unconvert(model)`` undoes
-it; ``NVFP4Config.from_recipe(recipe)`` is the config of one ``QuantRecipe`` (``triage.kernels.conversion``).
+``NVFP4Linear`` / ``NVFP4MoeExperts`` (or, with ``frozen``, ``FrozenNVFP4Linear``; ``layers=``: a config of
+its own per named module), ``unconvert(model)`` undoes it; ``NVFP4Config.from_recipe(recipe)`` is the config
+of one ``QuantRecipe`` (``triage.kernels.conversion``).
 """
 
 from __future__ import annotations

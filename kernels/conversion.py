@@ -4,7 +4,10 @@ As torchao's ``quantize_(model, config)``: one config says what each kind of mod
 the modules in place (``nn.Module.set_submodule``) and returns the model, so that it can serve as a
 sampler's ``prepare_model``. A module whose qualified name matches one of ``NVFP4Config.skip`` (fnmatch,
 default :data:`~triage.kernels.skip.DEFAULT_SKIP`, the list the checkpoint export keeps too) is left as it
-is.
+is. Per-layer configs (``convert(model, config, layers={name: NVFP4Config})``): the module ``name`` is
+converted by its own config instead of ``config`` (its table row and its ``skip``), e.g. a calibrated static
+activation scale per layer, or a subset of layers with ``config`` converting nothing
+(``NVFP4Config(linear=None, moe=None)``).
 
 =====================  =======================================================  ============================
 module                 ``convert``                                              ``unconvert``
@@ -35,6 +38,7 @@ Where the numerics live: the recipes (block size, scales, rounding, Hadamard: ``
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -108,13 +112,20 @@ class NVFP4Config:
         )
 
 
-def convert(model: nn.Module, config: NVFP4Config | None = None) -> nn.Module:
+def convert(
+    model: nn.Module, config: NVFP4Config | None = None, *, layers: Mapping[str, NVFP4Config] | None = None
+) -> nn.Module:
     """Replace the modules of ``model`` (in place) by NVFP4 layers as ``config`` says (default
     ``NVFP4Config()``: dense layers and fused experts with the Transformer Engine recipe); returns ``model``.
 
+    ``layers``: qualified module name → the ``NVFP4Config`` of that module, used for it instead of ``config``
+    (the table row of its kind, its ``skip``). Every name must be a module of ``model`` of a kind in the table
+    (``nn.Linear``, an NVFP4 layer, fused MoE experts) that its own config does not skip: ``ValueError``
+    naming the entries that are not.
+
     Modules already converted are left as they are (converting twice changes nothing), except that
-    ``frozen`` freezes ``NVFP4Linear`` layers. Raises ``ValueError`` / ``TypeError`` naming the layer that
-    does not fit (shape, recipe, non-finite weight), before anything is replaced.
+    ``frozen`` freezes ``NVFP4Linear`` layers. Raises ``ValueError`` / ``TypeError`` naming the layer or the
+    ``layers`` entry that does not fit (shape, recipe, non-finite weight), before anything is replaced.
     """
     config = NVFP4Config() if config is None else config
     if not isinstance(config, NVFP4Config):
@@ -122,12 +133,15 @@ def convert(model: nn.Module, config: NVFP4Config | None = None) -> nn.Module:
             "convert: config must be an NVFP4Config (NVFP4Config.from_recipe(recipe) for one QuantRecipe), "
             f"got {type(config).__name__}"
         )
+    modules = dict(model.named_modules())
+    per_layer = _layer_configs(layers, modules)
     replacements = []
-    for name, module in model.named_modules():
-        if skipped(name, config.skip):
+    for name, module in modules.items():
+        layer_config = per_layer.get(name, config)
+        if skipped(name, layer_config.skip):
             continue
         try:
-            new = _replacement(module, config)
+            new = _replacement(module, layer_config)
         except (ValueError, TypeError) as err:
             raise type(err)(
                 f"convert: layer {name!r}: {err} (NVFP4Config.skip keeps a layer as it is)"
@@ -142,6 +156,47 @@ def convert(model: nn.Module, config: NVFP4Config | None = None) -> nn.Module:
     for name, new in replacements:
         model.set_submodule(name, new)
     return model
+
+
+def _layer_configs(
+    layers: Mapping[str, NVFP4Config] | None, modules: Mapping[str, nn.Module]
+) -> dict[str, NVFP4Config]:
+    """``layers`` as a dict, checked against the model's ``modules`` (name → module): each value an
+    ``NVFP4Config``, each name a module of a kind :func:`_replacement` knows that its config does not skip."""
+    if layers is None:
+        return {}
+    if not isinstance(layers, Mapping):
+        raise TypeError(
+            f"convert: layers must be a mapping of module names to NVFP4Config, got {type(layers).__name__}"
+        )
+    for name, value in layers.items():
+        if not isinstance(value, NVFP4Config):
+            raise TypeError(f"convert: layers[{name!r}] must be an NVFP4Config, got {type(value).__name__}")
+    unknown = [name for name in layers if name not in modules]
+    if unknown:
+        raise ValueError(f"convert: layers names modules that the model does not have: {unknown[:5]}")
+    other = [f"{name!r} ({type(modules[name]).__name__})" for name in layers if not _in_table(modules[name])]
+    if other:
+        raise ValueError(
+            "convert: layers names modules that are neither Linear layers nor fused MoE experts: "
+            + ", ".join(other[:5])
+        )
+    kept = [name for name, value in layers.items() if skipped(name, value.skip)]
+    if kept:
+        raise ValueError(
+            f"convert: layers names modules that their own NVFP4Config.skip keeps as they are: {kept[:5]} "
+            "(NVFP4Config(skip=()) converts them)"
+        )
+    return dict(layers)
+
+
+def _in_table(module: nn.Module) -> bool:
+    """Whether ``module`` is of a kind in the table of the module docstring."""
+    return (
+        type(module) is nn.Linear
+        or isinstance(module, (NVFP4Linear, FrozenNVFP4Linear, NVFP4MoeExperts))
+        or is_fused_experts(module)
+    )
 
 
 def _replacement(module: nn.Module, config: NVFP4Config) -> nn.Module | None:
@@ -160,9 +215,10 @@ def _replacement(module: nn.Module, config: NVFP4Config) -> nn.Module | None:
 
 
 def unconvert(model: nn.Module, *, frozen: bool = True) -> nn.Module:
-    """Inverse of :func:`convert`, in place; returns ``model``: every ``NVFP4Linear`` back to ``nn.Linear``
-    and every ``NVFP4MoeExperts`` to the experts module it replaced (same parameters), every
-    ``FrozenNVFP4Linear`` to an ``nn.Linear`` holding its dequantized weight Ŵ (frozen).
+    """Inverse of :func:`convert` (whatever configs it used, per-layer ones included), in place; returns
+    ``model``: every ``NVFP4Linear`` back to ``nn.Linear`` and every ``NVFP4MoeExperts`` to the experts module
+    it replaced (same parameters), every ``FrozenNVFP4Linear`` to an ``nn.Linear`` holding its dequantized
+    weight Ŵ (frozen).
 
     ``frozen=False`` leaves the ``FrozenNVFP4Linear`` layers as they are: their codes are the weights (there
     is no higher-precision form to return to), as a sampler copy wants them (shared, not dequantized)."""

@@ -1,6 +1,6 @@
 """``convert`` / ``unconvert`` (kernels/conversion.py): dense, fused-MoE and frozen layers of tiny models,
-against building each layer by hand with its own ``from_linear`` / constructor (what the per-layer converters
-did), and ``NVFP4Config``."""
+against building each layer by hand with its own ``from_linear`` / constructor, per-layer configs
+(``layers=``), and ``NVFP4Config``."""
 
 from __future__ import annotations
 
@@ -186,6 +186,66 @@ def test_a_layer_that_does_not_fit_is_named_and_nothing_is_replaced():
         convert(nn.Linear(32, 16), NVFP4Config(linear=LINEAR))
     with pytest.raises(ValueError, match=r"the model itself is an NVFP4Linear; call its .to_linear\(\)"):
         unconvert(NVFP4Linear(32, 16, config=LINEAR))
+
+
+def test_per_layer_configs_convert_the_named_modules_each_with_its_own_config(tokenizer):
+    """``layers``: the named modules by their own config (table row and skip), the others by ``config``."""
+    nothing = NVFP4Config(linear=None, moe=None, skip=())
+    static = dataclasses.replace(
+        LINEAR, activation=QuantRecipe(scale_source="static", static_amax=3.0), weight=QuantRecipe()
+    )
+    frozen = NVFP4Config(linear=LINEAR, frozen=NVFP4FrozenConfig(compute="w4a16", **FAST))
+    layers = {
+        "model.layers.0.self_attn.q_proj": NVFP4Config(linear=LINEAR),
+        "model.layers.1.mlp.up_proj": NVFP4Config(linear=static),
+        "model.layers.1.mlp.down_proj": frozen,
+        "lm_head": NVFP4Config(linear=LINEAR, skip=()),  # the named module's skip, not config's
+    }
+    model = convert(_dense(tokenizer), nothing, layers=layers)
+    converted = {n: m for n, m in model.named_modules() if isinstance(m, (NVFP4Linear, FrozenNVFP4Linear))}
+    assert converted.keys() == layers.keys()
+    assert model.model.layers[1].mlp.up_proj.config == static
+    assert isinstance(converted["model.layers.1.mlp.down_proj"], FrozenNVFP4Linear)
+
+    by_hand = _dense(tokenizer)
+    for name, config in layers.items():
+        m = by_hand.get_submodule(name)
+        if config.frozen is not None:
+            new = FrozenNVFP4Linear.from_linear(m, config.frozen, recipe=LINEAR.weight, quant_backend="torch")
+        else:
+            new = NVFP4Linear.from_linear(m, config.linear)
+        by_hand.set_submodule(name, new)
+    assert torch.equal(_logits(model, IDS), _logits(by_hand, IDS))
+    assert convert(model, nothing, layers=layers) is model  # converting twice changes nothing
+    assert {n: m for n, m in model.named_modules() if n in layers} == converted
+    unconvert(model)
+    assert not any(isinstance(m, (NVFP4Linear, FrozenNVFP4Linear)) for m in model.modules())
+    # fused experts by name, the other experts left to config (moe=None)
+    experts = "model.layers.1.mlp.experts"
+    moe = convert(tiny_moe_model(tokenizer), nothing, layers={experts: NVFP4Config(moe=MOE)})
+    assert [n for n, m in moe.named_modules() if isinstance(m, NVFP4MoeExperts)] == [experts]
+
+
+def test_per_layer_configs_that_name_no_layer_are_errors_naming_them(tokenizer):
+    model = _dense(tokenizer)
+    one = NVFP4Config(linear=LINEAR)
+    attn = "model.layers.0.self_attn"
+    with pytest.raises(ValueError, match=rf"does not have: \['{attn}.qproj'\]"):
+        convert(model, layers={f"{attn}.qproj": one, f"{attn}.k_proj": one})
+    with pytest.raises(ValueError, match="nor fused MoE experts: 'model.layers.0.mlp'"):
+        convert(model, layers={"model.layers.0.mlp": one})
+    with pytest.raises(ValueError, match=r"own NVFP4Config.skip keeps as they are: \['lm_head'\].*skip=\(\)"):
+        convert(model, layers={"lm_head": one})
+    with pytest.raises(TypeError, match=r"layers\['lm_head'\] must be an NVFP4Config, got NVFP4LinearConfig"):
+        convert(model, layers={"lm_head": LINEAR})
+    with pytest.raises(TypeError, match="layers must be a mapping"):
+        convert(model, layers=["lm_head"])
+    holder = nn.Module()
+    holder.good, holder.odd = nn.Linear(32, 16), nn.Linear(24, 16)
+    with pytest.raises(ValueError, match=r"convert: layer 'odd'.*in_features=24"):  # named: its own skip
+        convert(holder, NVFP4Config(linear=LINEAR, skip=("odd",)), layers={"odd": NVFP4Config(linear=LINEAR)})
+    assert type(holder.good) is nn.Linear  # nothing replaced
+    assert not any(isinstance(m, NVFP4Linear) for m in model.modules())
 
 
 def test_from_recipe_is_one_recipe_for_activations_and_weights_of_every_layer():
