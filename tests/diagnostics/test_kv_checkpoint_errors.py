@@ -141,6 +141,28 @@ def test_shared_fused_scales_use_the_group_amax(trained, weights_from):
     assert o_proj.global_scale.item() == pytest.approx(amax("o_proj") / 2688, rel=1e-6)
 
 
+def test_learner_layers_share_the_master_with_a_config_per_layer(trained, batch):
+    """The online W4A4 learner of a bf16 path: the chosen layers' ``NVFP4Linear`` share the fp32 master's
+    parameters, each with its calibrated activation amax and its fused group's weight amax; the others
+    stay the copy's ``nn.Linear``."""
+    model, _ = trained
+    amax = calibrate_activation_amax(model, batch.input_ids, batch.attention_mask, batch.position_ids)
+    precision = Precision("w4a4", "static", fused_scales="shared", layers=(1,))
+    learner = prepare_model(model, ExecutionPath("learner", precision, torch.bfloat16), amax)
+    attn = "model.layers.1.self_attn"
+    qkv = [model.get_submodule(f"{attn}.{p}").weight for p in ("q_proj", "k_proj", "v_proj")]
+    group = max(float(w.abs().amax()) for w in qkv)
+    for name, index, _ in decoder_linears(model):
+        layer = learner.get_submodule(name)
+        if index != 1:
+            assert type(layer) is torch.nn.Linear and layer.weight.dtype == torch.bfloat16
+            continue
+        assert isinstance(layer, NVFP4Linear) and layer.weight is model.get_submodule(name).weight
+        assert layer.config.activation.static_amax == amax[name]
+        if name.startswith(attn) and not name.endswith("o_proj"):
+            assert layer.config.weight.static_amax == group
+
+
 def test_bad_input_is_named():
     with pytest.raises(ValueError, match="Precision.mode"):
         Precision("w4a8")

@@ -20,9 +20,10 @@ A ``Precision`` names one point on every Linear-layer axis of the gap table
 
 Conversion (:func:`convert_linears`) replaces the decoder layers' ``nn.Linear`` modules (never ``lm_head``)
 in place by the kernels' own layers: the online W4A4 learner gets ``NVFP4Linear`` (master weight kept,
-quantized by the layer's cache, as in training); every other path an engine-side
-``FrozenNVFP4Linear`` holding fixed NVFP4 codes (``compute="w4a4"`` with the activation recipe as its
-``activation``, or ``"w4a16"``). The offline route writes a real NVFP4 checkpoint with
+quantized by the layer's cache, as in training; :func:`triage.kernels.convert` with a config per layer);
+every other path an engine-side ``FrozenNVFP4Linear`` built from the NVFP4 weights an engine loads (fixed
+codes quantized from the master or read from a checkpoint; ``compute="w4a4"`` with the activation recipe
+as its ``activation``, or ``"w4a16"``). The offline route writes a real NVFP4 checkpoint with
 ``export_nvfp4_checkpoint`` and loads it back with ``load_nvfp4_checkpoint`` (+ ``load_activation_recipes``
 for static activation scales), as an engine loads it. Backends: ``auto`` on CUDA (Triton quantizer,
 Triton/cuBLAS GEMMs); on CPU the torch reference quantizer and the fp64 reference GEMM (never the Triton
@@ -257,18 +258,23 @@ def _convert_learner(
     gemm_backend: str,
     quant_backend: str,
 ) -> nn.Module:
-    """Online W4A4 learner: ``NVFP4Linear`` layers sharing the master's (fp32) Linear parameters."""
-    from triage.kernels.linear import NVFP4Linear, NVFP4LinearConfig
+    """Online W4A4 learner: the master's Linear layers put into ``model`` and converted to ``NVFP4Linear``
+    (sharing the master's parameters) by ``triage.kernels.convert``, one config per layer."""
+    from triage.kernels.conversion import NVFP4Config, convert
+    from triage.kernels.linear import NVFP4LinearConfig
 
     shared = {}
     if precision.fused_scales == "shared":
         shared = fused_group_amax({name: m.weight for name, m in masters.items()})
-    for name, linear in masters.items():
+    layers = {}
+    for name in masters:
         config = NVFP4LinearConfig(
             activation=activation_recipe(precision, calibration.get(name) if calibration else None),
             weight=weight_recipe(precision, amax=shared.get(name)),
             gemm_backend=gemm_backend,
             quant_backend=quant_backend,
         )
-        model.set_submodule(name, NVFP4Linear.from_linear(linear, config))
-    return model
+        layers[name] = NVFP4Config(linear=config, moe=None, skip=())
+    for name, linear in masters.items():
+        model.set_submodule(name, linear)
+    return convert(model, NVFP4Config(linear=None, moe=None, skip=()), layers=layers)
