@@ -14,7 +14,7 @@ and ``fused_scales="shared"`` paths, the HF sampler's ``activation_scale="calibr
 * :func:`static_activation_recipe`: a per-tensor activation recipe with its outer amax fixed to the
   calibrated one (``QuantRecipe(scale_source="static", static_amax=amax)``);
 * :func:`set_static_activation_scales`: give the ``NVFP4Linear`` layers of a converted model those recipes,
-  layer by layer (same parameters, so a sampler copy refreshed in place keeps them);
+  layer by layer (each layer's ``config``: a sampler copy refreshed in place keeps them);
 * :func:`shared_weight_recipe`: a per-tensor weight recipe with its outer amax fixed to the fused group's;
 * :func:`set_fused_weight_scales`: give the fused-shard ``NVFP4Linear`` layers of a converted model a static
   weight outer scale from their group's current amax (repeated whenever the weights change).
@@ -110,12 +110,12 @@ def set_static_activation_scales(model: nn.Module, amax: Mapping[str, float]) ->
     """Give every ``NVFP4Linear`` of ``model`` the static activation recipe of its calibrated amax, in place;
     returns ``model``.
 
-    Each layer becomes ``NVFP4Linear.from_linear(layer, config with activation=static_activation_recipe(...))``:
-    the same parameters (state_dict unchanged), its weight recipe untouched (the weights stay quantized from
-    their current values at every forward). Names in ``amax`` that are not converted layers (those the
+    Only ``layer.config`` changes, to its config with ``activation=static_activation_recipe(...)`` (the module
+    and its parameters stay, its weight recipe is untouched: the weights stay quantized from their current
+    values at every forward). Names in ``amax`` that are not converted layers (those the
     conversion skips, e.g. MoE routers) are ignored. ``ValueError`` when a converted layer has no amax in
     ``amax``, a layer's activation recipe is not per tensor and dynamic, or the model has NVFP4 MoE experts
-    or frozen NVFP4 layers (their activation scales are not calibrated here); nothing is replaced then."""
+    or frozen NVFP4 layers (their activation scales are not calibrated here); nothing is changed then."""
     from triage.kernels.frozen_linear import FrozenNVFP4Linear
     from triage.kernels.linear import NVFP4Linear
     from triage.kernels.moe.experts import NVFP4MoeExperts
@@ -140,16 +140,15 @@ def set_static_activation_scales(model: nn.Module, amax: Mapping[str, float]) ->
         raise ValueError(
             f"calibrated activation scales: no calibrated amax for the NVFP4 layers {missing[:3]}"
         )
-    replacements = []
+    configs = {}
     for name, layer in layers.items():
         try:
             activation = static_activation_recipe(layer.config.activation, amax[name])
         except ValueError as err:
             raise ValueError(f"layer {name!r}: {err}") from None
-        config = dataclasses.replace(layer.config, activation=activation)
-        replacements.append((name, NVFP4Linear.from_linear(layer, config)))
-    for name, new in replacements:
-        model.set_submodule(name, new)
+        configs[name] = dataclasses.replace(layer.config, activation=activation)
+    for name, config in configs.items():
+        layers[name].config = config
     return model
 
 

@@ -594,6 +594,29 @@ def test_shared_weight_recipe_fixes_a_valid_group_amax_else_keeps_the_dynamic_sc
         shared_weight_recipe(QuantRecipe(hadamard=True), 2.0)
 
 
+def test_set_static_activation_scales_sets_each_layers_config_or_changes_nothing():
+    """Only ``layer.config`` changes (module, parameters and weight recipe stay); a missing amax or a per-row
+    activation recipe is an error naming the layer, with every config left as it was."""
+    from triage.kernels import NVFP4Linear, NVFP4LinearConfig
+    from triage.kernels.calibration import set_static_activation_scales
+    from triage.kernels.nvfp4 import QuantRecipe
+
+    model = torch.nn.ModuleDict({n: NVFP4Linear(16, 16) for n in ("a", "b")})
+    before = {n: (m, m.weight, m.config) for n, m in model.items()}
+    with pytest.raises(ValueError, match=r"no calibrated amax for the NVFP4 layers \['b'\]"):
+        set_static_activation_scales(model, {"a": 2.0})
+    model["b"].config = NVFP4LinearConfig(activation=QuantRecipe(scale="row"))
+    with pytest.raises(ValueError, match="layer 'b'.*scale='tensor'"):
+        set_static_activation_scales(model, {"a": 2.0, "b": 3.0})
+    assert model["a"].config == before["a"][2]
+    model["b"].config = before["b"][2]
+    assert set_static_activation_scales(model, {"a": 2.0, "b": 3.0}) is model
+    for name, amax in (("a", 2.0), ("b", 3.0)):
+        layer, weight, config = before[name]
+        assert model[name] is layer and layer.weight is weight and layer.config.weight == config.weight
+        assert layer.config.activation == QuantRecipe(scale_source="static", static_amax=amax)
+
+
 def test_set_fused_weight_scales_refuses_a_model_without_fused_shards():
     from triage.kernels import NVFP4Linear, NVFP4LinearConfig
     from triage.kernels.calibration import set_fused_weight_scales
