@@ -232,19 +232,15 @@ def w4a4_forward(quick: bool, sweep: bool) -> None:
 
 
 DECODE_CONFIGS = [
-    dict(BN=bn, NB=nb, num_warps=w, num_stages=st, XMODE=2, PREFETCH=False)
+    dict(BN=bn, NB=nb, num_warps=w, num_stages=st, PREFETCH=False)
     for (bn, nb, w) in [(64, 16, 2), (64, 16, 4), (64, 32, 2), (32, 32, 2), (128, 16, 4)]
     for st in (2, 3, 4)
-] + [dict(BN=64, NB=8, num_warps=2, num_stages=1, XMODE=2, PREFETCH=False)] + [
-    dict(BN=64, NB=16, num_warps=2, num_stages=st, XMODE=2, PREFETCH=False, PAIRED_SCALE=True) for st in (2, 3)
-]  # fmt: skip
+] + [dict(BN=64, NB=8, num_warps=2, num_stages=1, PREFETCH=False)]  # fmt: skip
 DECODE_SPLITS = (4, 8, 16, 32)
 # (Why these tiles: in a wider sweep, 2-warp mma.sync tiles with a 3-stage cp.async pipeline were fastest;
-# the loads-only probe says the kernel needs more bytes in flight, hence the deeper / wider K steps here.
-# With the split-K reduction folded into the kernel a higher split costs no second launch, hence splits
-# 4..32 and 4 warps at 64x256.)
-# PAIRED_SCALE (read in the offline SASS): the W4A16 (bf16) unpack without the PRMT half-swaps around each
-# HMUL2, 1245 -> 1037 instructions per K step per thread; compare with the same tile without it.
+# the loads-only probe kernel (this script at commit 822f5db, not kept) said the kernel needs more bytes in
+# flight, hence the deeper / wider K steps here. With the split-K reduction folded into the kernel a higher
+# split costs no second launch, hence splits 4..32 and 4 warps at 64x256.)
 
 
 @contextlib.contextmanager
@@ -350,25 +346,15 @@ def decode(quick: bool, sweep: bool) -> None:
                 f"{t_w4a4 * 1e3:.1f} | {t_w4a4_2k * 1e3:.1f} | {t_bf16 / t_w4a16:.2f} | {t_bf16 / t_w4a4:.2f} |"
             )
             gw = b.global_scale.reshape(1)
-            if M in (1, 16) and (N, K) == (4096, 12288):  # where the decode time goes (probe kernels)
+            if M in (1, 16) and (N, K) == (4096, 12288):
                 emit(f"|   M={M}: {decode_graph_replays(x, b, K, gw)} | | | | | | | |")
                 out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
                 c0 = gd.decode_config(M, N, K)
-                probes = {}
-                for probe in (1, 2):
-                    c = dict(c0, PROBE=probe)
-                    probes[probe] = do_bench_cudagraph(
-                        lambda c=c: gd.launch_decode(x, b.data, b.scale, K, out, None, gw, None, config=c)
-                    )
                 c = dict(c0, SPLIT_K=1)
                 t_nosplit = do_bench_cudagraph(
                     lambda c=c: gd.launch_decode(x, b.data, b.scale, K, out, None, gw, None, config=c)
                 )
-                emit(
-                    f"|   probes M={M} {c0} (fused reduction): loads only {probes[1] * 1e3:.1f} µs, loads+unpack "
-                    f"(no MMA) {probes[2] * 1e3:.1f} µs, full kernel without split-K {t_nosplit * 1e3:.1f} µs "
-                    "| | | | | | | |"
-                )
+                emit(f"|   M={M} {c0} without split-K: {t_nosplit * 1e3:.1f} µs | | | | | | | |")
             if sweep and M in (1, 16) and (N, K) == (4096, 12288):
                 out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
                 best = None

@@ -20,7 +20,6 @@ import triton.language as tl
 
 from triage.kernels._launch import cdiv, fast_launch, next_power_of_2
 from triage.kernels.nvfp4.device import (
-    INTERPRETED,
     UNPACK_FACTOR,
     e4m3_nan,
     epilogue,
@@ -36,16 +35,7 @@ WORD_ORDER = (0, 4, 2, 6, 1, 5, 3, 7)
 
 
 @triton.jit
-def _scale_pairs(r, sdw):
-    """``r`` (uint32: two bf16 bit patterns) times ``sdw`` (uint32: the block scale in both halves), one
-    ``mul.rn.bf16x2`` per word: the same HMUL2 the default path runs, with no half-swaps around it."""
-    return tl.inline_asm_elementwise(
-        "mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [r, sdw], dtype=tl.uint32, is_pure=True, pack=1
-    )
-
-
-@triton.jit
-def _unpack_words(q, BF16: tl.constexpr, sdw=None, PAIRED: tl.constexpr = False):
+def _unpack_words(q, BF16: tl.constexpr):
     """Packed codes as int32 words [R, W] (8 nibbles each, element 8w+i in nibble i) -> ``e2m1·2⁻¹⁴`` in
     fp16 (``BF16``: ``e2m1·2⁻¹²⁶`` in bf16) as [R, W, 2, 2, 2], read in :data:`WORD_ORDER` when flattened.
 
@@ -60,11 +50,6 @@ def _unpack_words(q, BF16: tl.constexpr, sdw=None, PAIRED: tl.constexpr = False)
     r1 = ((u << 8) & 0x80008000) | (((u << 8) & 0x70007000) >> SH)  # 1, 5
     r2 = ((u << 4) & 0x80008000) | (((u << 4) & 0x70007000) >> SH)  # 2, 6
     r3 = (u & 0x80008000) | ((u & 0x70007000) >> SH)  # 3, 7
-    if PAIRED:  # PAIRED_SCALE (bf16 only): the block scale times the packed pairs (sdw: [R, W] uint32)
-        r0 = _scale_pairs(r0, sdw)
-        r1 = _scale_pairs(r1, sdw)
-        r2 = _scale_pairs(r2, sdw)
-        r3 = _scale_pairs(r3, sdw)
     DT: tl.constexpr = tl.bfloat16 if BF16 else tl.float16
     lo = tl.join(
         tl.join(
@@ -85,8 +70,7 @@ def _unpack_words(q, BF16: tl.constexpr, sdw=None, PAIRED: tl.constexpr = False)
 @triton.jit
 def _decode_loads(
     w_rows, s_rows, x_ptr, kb, kb_end, jw, jb, j, j_perm, offs_m, m_ok, n_ok, stride_xm, K, KB,
-    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, XMODE: tl.constexpr, BM: tl.constexpr, BW: tl.constexpr,
-    BK: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, BM: tl.constexpr, BW: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     """One K step of :func:`_decode_kernel` from 16-block ``kb``: code words [BN, BW], e4m3 scales [BN, NB]
     and the activation tile xᵀ [BK, BM] in :data:`WORD_ORDER`; blocks at or past ``kb_end`` (≤ KB) read 0."""
@@ -100,7 +84,7 @@ def _decode_loads(
         s = tl.load(s_rows + cb[None, :], mask=n_ok[:, None] & (cb[None, :] < kb_end), other=0.0)
     kk = kb * 16 + j_perm
     k_end = kb_end * 16
-    if EVEN_K and XMODE == 2:  # natural [BM, BK] load (16-byte vectors), WORD_ORDER applied in registers
+    if EVEN_K:  # natural [BM, BK] load (16-byte vectors), WORD_ORDER applied in registers
         kn = kb * 16 + j
         xn = tl.load(
             x_ptr + offs_m[:, None] * stride_xm + kn[None, :],
@@ -108,17 +92,8 @@ def _decode_loads(
             other=0.0,
         )
         xt = tl.trans(tl.reshape(tl.permute(tl.reshape(xn, (BM, BW, 2, 2, 2)), (0, 1, 4, 3, 2)), (BM, BK)))
-    elif EVEN_K and XMODE == 1:
-        xt = tl.trans(
-            tl.load(
-                x_ptr + offs_m[:, None] * stride_xm + kk[None, :],
-                mask=m_ok[:, None] & (kk[None, :] < k_end),
-                other=0.0,
-            )
-        )
-    else:
-        if not EVEN_K:
-            k_end = min(k_end, K)
+    else:  # not EVEN_K: xᵀ [BK, BM] loaded in WORD_ORDER, masked at K
+        k_end = min(k_end, K)
         xt = tl.load(
             x_ptr + offs_m[None, :] * stride_xm + kk[:, None],
             mask=m_ok[None, :] & (kk[:, None] < k_end),
@@ -194,11 +169,8 @@ def _decode_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     NB: tl.constexpr,
-    XMODE: tl.constexpr = 0,
     PREFETCH: tl.constexpr = True,
-    PROBE: tl.constexpr = 0,
     FUSED_REDUCE: tl.constexpr = False,
-    PAIRED_SCALE: tl.constexpr = False,
 ):
     """Small-M (decode) ``C[M, N] = x[M, K]·Wᵀ`` streaming the packed weight once.
 
@@ -236,46 +208,29 @@ def _decode_kernel(
     # (register double buffering: twice the bytes in flight per program, which a memory-bound kernel needs)
     q, s, xt = _decode_loads(
         w_rows, s_rows, x_ptr, kb0, kb1, jw, jb, j, j_perm, offs_m, m_ok, n_ok, stride_xm, K, KB,
-        EVEN_N, EVEN_K, XMODE, BM, BW, BK,
+        EVEN_N, EVEN_K, BM, BW, BK,
     )  # fmt: skip
     for kb in range(kb0, kb1, NB):
         if PREFETCH:
             q_c, s_c, x_c = q, s, xt
             q, s, xt = _decode_loads(
                 w_rows, s_rows, x_ptr, kb + NB, kb1, jw, jb, j, j_perm, offs_m, m_ok, n_ok, stride_xm,
-                K, KB, EVEN_N, EVEN_K, XMODE, BM, BW, BK,
+                K, KB, EVEN_N, EVEN_K, BM, BW, BK,
             )  # fmt: skip
         else:
             q_c, s_c, x_c = _decode_loads(
                 w_rows, s_rows, x_ptr, kb, kb1, jw, jb, j, j_perm, offs_m, m_ok, n_ok, stride_xm, K, KB,
-                EVEN_N, EVEN_K, XMODE, BM, BW, BK,
+                EVEN_N, EVEN_K, BM, BW, BK,
             )  # fmt: skip
-        if PROBE == 1:  # benchmark probe, wrong results: the loads alone (floor of this access pattern)
-            acc += (tl.sum(q_c, axis=1).to(tl.float32) + tl.sum(s_c.to(tl.float32), axis=1))[:, None]
-            acc += tl.sum(x_c.to(tl.float32), axis=0)[None, :]
-        else:
-            if BF16:  # e2m1·2⁻¹²⁶ · (s·2¹¹⁹) = e2m1·s·2⁻⁷: exact, normal bf16
-                sd = (s_c.to(tl.float32) * 6.646139978924579e35).to(tl.bfloat16)
-            else:  # e2m1·2⁻¹⁴ · s: exact in fp16
-                sd = s_c.to(tl.float16)
-            sd = e4m3_nan(s_c, sd)
-            if PAIRED_SCALE and BF16 and not INTERPRETED:
-                # opt-in: one mul.rn.bf16x2 per unpacked register by the scale in both halves (same products,
-                # same bits). bf16 only: there the default's join-then-multiply compiles (Triton 3.6, sm_90)
-                # to a PRMT half-swap before and after every HMUL2 (256 of the 1245 instructions of a K step;
-                # 1037 with this); the fp16 path has no swaps (909) and inline asm would only add work
-                s16 = sd.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-                s2 = (s16 | (s16 << 16)).to(tl.uint32, bitcast=True)  # [BN, NB]
-                sdw = tl.reshape(tl.broadcast_to(s2[:, :, None], (BN, NB, 2)), (BN, BW))  # per code word
-                v = _unpack_words(q_c, BF16, sdw, True)  # [BN, BW, 2, 2, 2], scaled
-            else:
-                v = _unpack_words(q_c, BF16)  # [BN, BW, 2, 2, 2]
-                v = tl.reshape(v, (BN, NB, 16)) * sd[:, :, None]
-            w = tl.reshape(v, (BN, BK)).to(DOT_DTYPE)
-            if PROBE == 2:  # benchmark probe, wrong results: loads + unpack, no MMA
-                acc += tl.sum(w.to(tl.float32), axis=1)[:, None] + tl.sum(x_c.to(tl.float32), axis=0)[None, :]
-            else:
-                acc = tl.dot(w, x_c.to(DOT_DTYPE), acc, input_precision=INPUT_PRECISION)
+        if BF16:  # e2m1·2⁻¹²⁶ · (s·2¹¹⁹) = e2m1·s·2⁻⁷: exact, normal bf16
+            sd = (s_c.to(tl.float32) * 6.646139978924579e35).to(tl.bfloat16)
+        else:  # e2m1·2⁻¹⁴ · s: exact in fp16
+            sd = s_c.to(tl.float16)
+        sd = e4m3_nan(s_c, sd)
+        v = _unpack_words(q_c, BF16)  # [BN, BW, 2, 2, 2]
+        v = tl.reshape(v, (BN, NB, 16)) * sd[:, :, None]
+        w = tl.reshape(v, (BN, BK)).to(DOT_DTYPE)
+        acc = tl.dot(w, x_c.to(DOT_DTYPE), acc, input_precision=INPUT_PRECISION)
     acc = tl.trans(acc)  # [BM, BN]
     if SPLIT_K == 1:
         epilogue(
@@ -296,20 +251,20 @@ def _decode_kernel(
 #: Decode tiling (rows of W per program, 16-blocks per K step, warps, stages): the best of the H200 sweep
 #: (bench_gemm.py --sweep, 2026-11-29; 128 registers, no spills; pipelining (stages > 1) stages the codes
 #: through shared memory byte by byte and was slower).
-DECODE_CONFIG = dict(BN=64, NB=8, num_warps=4, num_stages=1, XMODE=2, PREFETCH=True)
+DECODE_CONFIG = dict(BN=64, NB=8, num_warps=4, num_stages=1, PREFETCH=True)
 
 
 #: M <= 16: two warps (mma.sync on register operands), 256-wide K steps, a 3-stage cp.async pipeline, split-K
 #: to ~2 waves: the best of the H200 sweep (bench_gemm.py --sweep, 2026-11-29: 18.8 / 20.0 µs at M = 1 / 16,
 #: N×K = 4096×12288, against 23.6 / 25.7 with DECODE_CONFIG; bf16 torch.mm 30 µs).
-DECODE_CONFIG_M16 = dict(BN=64, NB=16, num_warps=2, num_stages=3, XMODE=2, PREFETCH=False)
+DECODE_CONFIG_M16 = dict(BN=64, NB=16, num_warps=2, num_stages=3, PREFETCH=False)
 
 
 def decode_config(M: int, N: int, K: int, split_k: int | None = None) -> dict:
     """Tiles of :func:`_decode_kernel`: BM = M padded to 16/32/64; K split until ~2 waves of programs."""
     bm = 16 if M <= 16 else (32 if M <= 32 else 64)
     if interpreting():
-        return dict(BM=bm, BN=16, NB=2, SPLIT_K=split_k or 1, num_warps=4, num_stages=1, XMODE=2)
+        return dict(BM=bm, BN=16, NB=2, SPLIT_K=split_k or 1, num_warps=4, num_stages=1)
     cfg = dict(DECODE_CONFIG_M16 if bm == 16 else DECODE_CONFIG, BM=bm)
     kb = -(-K // 16)
     if split_k is None:
