@@ -20,8 +20,8 @@
 # stays on the machine (left out of the tarball, as are all *.safetensors). Analyse it in the same `run`
 # command, after gpu.sh, and bring back what the analysis writes to $OUT, e.g.
 #   MPS=1 bash experiments/testbed/gpu.sh "RUN_DIR=runs/tb/lp STUDY=experiments/testbed/learner-precision.yaml"
-#   python3 experiments/testbed/delta_decomposition.py --model runs/tb/lp/runs/pair/grpo-none/seed2/model-step100 \
-#     --temperature 1.3 --json $OUT/decomp-pair-s2.json
+#   python3 experiments/testbed/delta_decomposition.py --model runs/tb/lp/runs/pair-row/grpo-none/seed2/model-step100 \
+#     --temperature 1.3 --json $OUT/decomp-pair-row-s2.json
 # (learner-precision.yaml's header has the full command); a later call on the same warm machine finds them too.
 #
 # A carried .sftcache/sft (a finished SFT checkpoint of the testbed scale) is copied into each RUN_DIR/sft,
