@@ -120,8 +120,9 @@ def convert(
 
     ``layers``: qualified module name → the ``NVFP4Config`` of that module, used for it instead of ``config``
     (the table row of its kind, its ``skip``). Every name must be a module of ``model`` of a kind in the table
-    (``nn.Linear``, an NVFP4 layer, fused MoE experts) that its own config does not skip: ``ValueError``
-    naming the entries that are not.
+    (``nn.Linear`` itself, not a subclass; an NVFP4 layer; fused MoE experts) that its own config does not
+    skip and converts (or has converted: an NVFP4 layer whose config is the entry's): ``ValueError`` naming the
+    entries that are not.
 
     Modules already converted are left as they are (converting twice changes nothing), except that
     ``frozen`` freezes ``NVFP4Linear`` layers. Raises ``ValueError`` / ``TypeError`` naming the layer or the
@@ -187,7 +188,29 @@ def _layer_configs(
             f"convert: layers names modules that their own NVFP4Config.skip keeps as they are: {kept[:5]} "
             "(NVFP4Config(skip=()) converts them)"
         )
+    idle = [
+        f"{name!r} ({type(modules[name]).__name__})"
+        for name, value in layers.items()
+        if not _converts(modules[name], value) and not _converted_as(modules[name], value)
+    ]
+    if idle:
+        raise ValueError(
+            "convert: layers gives modules a config that would leave them as they are (a Linear with "
+            "linear=None, fused experts with moe=None, or a layer converted with another config: unconvert "
+            f"it first): {', '.join(idle[:5])}"
+        )
     return dict(layers)
+
+
+def _converted_as(module: nn.Module, config: NVFP4Config) -> bool:
+    """Whether ``module`` is already what ``config`` makes of its kind (so converting again changes nothing)."""
+    if isinstance(module, FrozenNVFP4Linear):
+        return config.linear is not None and config.frozen is not None and module.config == config.frozen
+    if isinstance(module, NVFP4Linear):
+        return config.frozen is None and module.config == config.linear
+    if isinstance(module, NVFP4MoeExperts):
+        return module.config == config.moe
+    return False
 
 
 def _in_table(module: nn.Module) -> bool:
@@ -199,19 +222,28 @@ def _in_table(module: nn.Module) -> bool:
     )
 
 
+def _converts(module: nn.Module, config: NVFP4Config) -> bool:
+    """Whether ``config`` replaces ``module`` (a row of the table in the module docstring applies)."""
+    if isinstance(module, NVFP4Linear):
+        return config.frozen is not None
+    if type(module) is nn.Linear:
+        return config.linear is not None
+    return config.moe is not None and is_fused_experts(module) and not isinstance(module, NVFP4MoeExperts)
+
+
 def _replacement(module: nn.Module, config: NVFP4Config) -> nn.Module | None:
     """What ``module`` becomes under ``config``, or None (the table in the module docstring)."""
+    if not _converts(module, config):
+        return None
     if isinstance(module, NVFP4Linear):
-        return None if config.frozen is None else FrozenNVFP4Linear.from_linear(module, config.frozen)
-    if type(module) is nn.Linear and config.linear is not None:
+        return FrozenNVFP4Linear.from_linear(module, config.frozen)
+    if type(module) is nn.Linear:
         if config.frozen is None:
             return NVFP4Linear.from_linear(module, config.linear)
         return FrozenNVFP4Linear.from_linear(
             module, config.frozen, recipe=config.linear.weight, quant_backend=config.linear.quant_backend
         )
-    if config.moe is not None and is_fused_experts(module) and not isinstance(module, NVFP4MoeExperts):
-        return NVFP4MoeExperts(module, config.moe)
-    return None
+    return NVFP4MoeExperts(module, config.moe)
 
 
 def unconvert(model: nn.Module, *, frozen: bool = True) -> nn.Module:

@@ -94,7 +94,7 @@ def _checked(fused_groups) -> tuple[tuple[str, ...], ...]:
     entry is a string or holds a non-string, or a leaf is in two entries."""
     groups, seen = [], {}
     for gi, group in enumerate(fused_groups):
-        if isinstance(group, str) or not all(isinstance(leaf, str) for leaf in group):
+        if not isinstance(group, (tuple, list)) or not all(isinstance(leaf, str) for leaf in group):
             raise ValueError(f"fused_groups[{gi}] must be a tuple of module names, got {group!r}")
         for leaf in group:
             if seen.setdefault(leaf, gi) != gi:

@@ -176,7 +176,9 @@ def scale_mode(g: torch.Tensor | None) -> int:
 def unpack_mult(*packed: bool) -> float:
     """The epilogue's ``out_mult`` of a GEMM whose operands are packed or not (``packed``, one flag per
     operand): ``UNPACK_FACTOR ** (number of packed operands)``, undoing :func:`load_tile`'s 2⁻¹⁴ each."""
-    return UNPACK_FACTOR ** sum(bool(p) for p in packed)
+    if not all(isinstance(p, bool) for p in packed):
+        raise TypeError(f"unpack_mult takes one bool per operand (packed or not), got {packed!r}")
+    return UNPACK_FACTOR ** sum(packed)
 
 
 def operand_strides(t: torch.Tensor, scale: torch.Tensor | None) -> tuple[int, ...]:

@@ -338,7 +338,7 @@ def _quantize_weights(state, targets, groups, recipe: QuantRecipe, backend) -> d
     for m in targets:
         try:
             r = recipe if shared[m] == 0.0 else replace(recipe, scale_source="static", static_amax=shared[m])
-        except ValueError as e:  # a NaN/inf weight, or an amax whose fp32 reciprocal overflows
+        except ValueError as e:  # an amax whose fp32 reciprocal overflows (_check_weight refused NaN/inf)
             group = groups.get(m, (m,))
             raise ValueError(
                 f"export_nvfp4_checkpoint: {m}.weight cannot be quantized with the "

@@ -194,3 +194,20 @@ def test_token_batch_layout():
     assert b.input_ids.tolist() == [[5, 6, 7, 1, 2, 0], [0, 0, 8, 3, 4, 9]]
     assert b.position_ids[1].tolist() == [0, 0, 0, 1, 2, 3]
     assert b.completion_mask.tolist() == [[True, True, False], [True, True, True]]
+
+
+def test_learner_of_an_nvfp4_master_follows_the_precision_and_leaves_the_master_alone(trained, batch):
+    """A master that is already NVFP4 (the trainer's own learner): the learner's layers are new layers on the
+    master's parameters with the Precision's recipe, not the master's modules with the master's config."""
+    from triage.kernels.conversion import NVFP4Config, convert
+
+    model, _ = trained
+    master = convert(copy.deepcopy(model), NVFP4Config.from_recipe(QuantRecipe(scale="row")))
+    names = [name for name, index, _ in decoder_linears(master) if index == 0]
+    before = {name: master.get_submodule(name) for name in names}
+    learner = prepare_model(master, ExecutionPath("learner", Precision("w4a4", "tensor", layers=(0,))))
+    for name in names:
+        layer = learner.get_submodule(name)
+        assert isinstance(layer, NVFP4Linear) and layer is not before[name]
+        assert layer.weight is before[name].weight and layer.config.activation.scale == "tensor"
+        assert master.get_submodule(name) is before[name] and before[name].config.activation.scale == "row"

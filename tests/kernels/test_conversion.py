@@ -240,6 +240,15 @@ def test_per_layer_configs_that_name_no_layer_are_errors_naming_them(tokenizer):
         convert(model, layers={"lm_head": LINEAR})
     with pytest.raises(TypeError, match="layers must be a mapping"):
         convert(model, layers=["lm_head"])
+    q = f"{attn}.q_proj"
+    with pytest.raises(ValueError, match=rf"would leave them as they are.*'{q}' \(Linear\)"):
+        convert(model, layers={q: NVFP4Config(linear=None)})
+    convert(model, NVFP4Config(linear=None, moe=None), layers={q: one})
+    other = NVFP4Config(linear=dataclasses.replace(LINEAR, activation=QuantRecipe(scale="tensor")))
+    with pytest.raises(ValueError, match=rf"unconvert it first.*'{q}' \(NVFP4Linear\)"):
+        convert(model, layers={q: other})
+    assert model.get_submodule(q).config == LINEAR
+    unconvert(model)
     holder = nn.Module()
     holder.good, holder.odd = nn.Linear(32, 16), nn.Linear(24, 16)
     with pytest.raises(ValueError, match=r"convert: layer 'odd'.*in_features=24"):  # named: its own skip

@@ -55,6 +55,7 @@ def test_members_are_the_siblings_of_one_parent_in_group_order():
         ),
         (("q_proj", "k_proj"), r"fused_groups\[0\] must be a tuple of module names, got 'q_proj'"),
         (((1, 2),), r"fused_groups\[0\] must be a tuple of module names"),
+        ((("q_proj",), 5), r"fused_groups\[1\] must be a tuple of module names, got 5"),
     ],
 )
 def test_malformed_fused_groups_are_refused_naming_the_entry(groups, message, tmp_path):

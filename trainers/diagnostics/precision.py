@@ -276,5 +276,15 @@ def _convert_learner(
         )
         layers[name] = NVFP4Config(linear=config, moe=None, skip=())
     for name, linear in masters.items():
-        model.set_submodule(name, linear)
+        model.set_submodule(name, _sharing_linear(linear))
     return convert(model, NVFP4Config(linear=None, moe=None, skip=()), layers=layers)
+
+
+def _sharing_linear(master: nn.Linear) -> nn.Linear:
+    """A plain ``nn.Linear`` holding ``master``'s own weight and bias parameters (shared, not copied), so that
+    ``convert`` builds the learner's layer from it whatever ``master`` is (an ``nn.Linear`` subclass, an
+    ``NVFP4Linear`` with its own config) and the master's module stays untouched."""
+    linear = nn.Linear(master.in_features, master.out_features, bias=master.bias is not None, device="meta")
+    linear.weight = master.weight
+    linear.bias = master.bias
+    return linear.train(master.training)

@@ -111,3 +111,12 @@ def test_w4a16_input_checks(ab):
         gemm_w4a16(torch.zeros(3, 16, dtype=torch.bfloat16, device=device()), w)
     with pytest.raises(ValueError, match="bf16 or fp16"):
         gemm_w4a16(torch.zeros(3, 32, device=device()), w)
+
+
+def test_unpack_mult_counts_packed_flags_and_refuses_anything_else():
+    from triage.kernels.nvfp4.device import UNPACK_FACTOR, unpack_mult
+
+    assert unpack_mult(True, False) == UNPACK_FACTOR and unpack_mult(True, True) == UNPACK_FACTOR**2
+    assert unpack_mult(False, False) == 1.0
+    with pytest.raises(TypeError, match="one bool per operand"):  # a scale tensor, not a flag
+        unpack_mult(torch.zeros(1), None)
