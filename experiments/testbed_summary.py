@@ -6,6 +6,8 @@
         [--plot OUT.png]                  # the table (and figure) of a committed summary
     python -m triage.experiments.testbed_summary --from-json OLD.json RUN_DIR ... --json NEW.json
                                           # a committed summary extended by new runs (one study)
+    python -m triage.experiments.testbed_summary --from-json X.json --early-warning
+        [--early-warning-thresholds 4,6,8,10,12]  # the early-warning replay per run; one row per threshold
 
 ``RUN_DIR/runs/<level>/<arm>/seed<k>.json`` are the finished runs and ``seed<k>.partial.json`` the runs a time
 budget cut short (both written by ``triage ablate``). Several RUN_DIRs (one per GPU call, or one per recipe
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -240,48 +243,121 @@ def compare_table(runs: list[dict], spec: str) -> str:
     return "\n".join(lines)
 
 
-def early_warning_table(runs: list[dict]) -> str:
-    """``triage.early_warning`` replayed over each run's logged series (mean |δ|, amplify-down share, reward):
-    the run's steps and held-out accuracy (first → last), the step of each signal's first alarm, of the reward
-    fall, and the lead (reward fall − first alarm). A run "degraded" when its last held-out accuracy is more
-    than 10 points below its first (:func:`degraded`). The last line counts them: degraded runs, those whose reward fell and
-    how many of them an alarm preceded (lead range), and false alarms (runs that did not degrade but alarmed)."""
-    from triage.early_warning import scan_log
+def early_warning_reports(runs: list[dict], config=None) -> list:
+    """``triage.early_warning.scan_log`` replayed over each run's logged series (mean |δ|, amplify-down share,
+    reward): one report per run. The signals' alarms come from ``config`` (an ``EarlyWarningConfig``; None:
+    the default one), the reward fall always from the default config, so the fall is the same event whatever
+    ``config`` changes."""
+    from dataclasses import replace
 
+    from triage.early_warning import EarlyWarningConfig, scan_log
+
+    def replay(run, cfg):
+        s = run["series"]
+        records = [
+            {"step": st, "reward": rw, "triage/mean_abs_delta": d, "triage/amplify_down/share": sh}
+            for st, rw, d, sh in zip(s["step"], s["reward"], s["mean_abs_delta"], s["share/amplify_down"])
+        ]
+        return scan_log(records, cfg)
+
+    default = [replay(r, None) for r in runs]
+    if config is None or config == EarlyWarningConfig():
+        return default
+    return [replace(replay(r, config), reward_fall=d.reward_fall) for r, d in zip(runs, default)]
+
+
+def early_warning_counts(runs: list[dict], reports: list) -> dict:
+    """What the early-warning replay's last line counts, from :func:`early_warning_reports`: ``degraded`` runs
+    (:func:`degraded`), ``falls`` (degraded runs whose reward fell), ``leads`` (per degraded run whose first
+    alarm, of any signal, came before the fall: the steps it came ahead), ``false_alarms`` (runs that did not
+    degrade but alarmed) of ``stable`` (runs that did not degrade)."""
+    counts = {"degraded": 0, "falls": 0, "leads": [], "false_alarms": 0, "stable": 0}
+    for run, report in zip(runs, reports, strict=True):
+        if degraded(run):
+            counts["degraded"] += 1
+            counts["falls"] += report.reward_fall is not None
+            if report.lead_steps is not None and report.lead_steps > 0:
+                counts["leads"].append(report.lead_steps)
+        else:
+            counts["stable"] += 1
+            counts["false_alarms"] += bool(report.alarms)
+    return counts
+
+
+def early_warning_table(runs: list[dict]) -> str:
+    """The early-warning replay per run (:func:`early_warning_reports`): the run's steps and held-out accuracy
+    (first → last), whether it degraded (:func:`degraded`), the step of each signal's first alarm, of the reward
+    fall, and the lead (reward fall − first alarm). The last line counts them (:func:`early_warning_counts`):
+    degraded runs, those whose reward fell and how many of them an alarm preceded (lead range), and false
+    alarms (runs that did not degrade but alarmed)."""
     lines = [
         "| level | arm | seed | steps | held-out first → last | degraded | reward fall | mean \\|δ\\| alarm "
         "| amplify-down share alarm | lead (steps) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    leads, falls, degraded_n, false_alarms, stable_n = [], 0, 0, 0, 0
-    for r in runs:
-        s = r["series"]
-        records = [
-            {"step": st, "reward": rw, "triage/mean_abs_delta": d, "triage/amplify_down/share": sh}
-            for st, rw, d, sh in zip(s["step"], s["reward"], s["mean_abs_delta"], s["share/amplify_down"])
-        ]
-        report = scan_log(records)
+    reports = early_warning_reports(runs)
+    for r, report in zip(runs, reports):
         held = r["held_out"]["accuracy"]
-        is_degraded = degraded(r)
         alarm = {name: a.step for name, a in report.alarms.items()}
         fall = report.reward_fall.step if report.reward_fall else "–"
         lead = report.lead_steps if report.lead_steps is not None else "–"
-        degraded_n += is_degraded
-        stable_n += not is_degraded
-        false_alarms += bool(not is_degraded and alarm)
-        falls += bool(is_degraded and report.reward_fall)
-        if is_degraded and report.lead_steps is not None and report.lead_steps > 0:
-            leads.append(report.lead_steps)
         lines.append(
             f"| {group_label(r)} | {r['arm']} | {r['seed']} | {r['steps']} | {held[0]:.3f} → {held[-1]:.3f} "
-            f"| {'yes' if is_degraded else 'no'} | {fall} "
+            f"| {'yes' if degraded(r) else 'no'} | {fall} "
             f"| {alarm.get('mean_abs_delta', '–')} | {alarm.get('amplify_down_share', '–')} | {lead} |"
         )
+    c = early_warning_counts(runs, reports)
+    leads = c["leads"]
     ahead = f" ({min(leads)}–{max(leads)} steps ahead)" if leads else ""
     lines.append(
-        f"\ndegraded: {degraded_n} run(s), the reward fell in {falls}, an alarm came first in {len(leads)}{ahead}; "
-        f"false alarms: {false_alarms} of {stable_n} run(s) that did not degrade"
+        f"\ndegraded: {c['degraded']} run(s), the reward fell in {c['falls']}, an alarm came first in "
+        f"{len(leads)}{ahead}; false alarms: {c['false_alarms']} of {c['stable']} run(s) that did not degrade"
     )
+    return "\n".join(lines)
+
+
+def parse_thresholds(spec: str, what: str = "--early-warning-thresholds") -> tuple[float, ...]:
+    """The comma-separated CUSUM thresholds in ``spec``; ``ValueError`` naming ``what`` and the first value
+    that is not a positive finite number."""
+    values = []
+    for part in spec.split(","):
+        try:
+            value = float(part)
+        except ValueError:
+            raise ValueError(f"{what}: {part.strip()!r} is not a number") from None
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{what}: {part.strip()!r} is not a positive finite number")
+        values.append(value)
+    return tuple(values)
+
+
+def early_warning_sweep(runs: list[dict], thresholds) -> str:
+    """One row per CUSUM threshold: the early-warning replay (:func:`early_warning_reports`) with only
+    ``EarlyWarningConfig.threshold`` changed, counted as its last line counts (:func:`early_warning_counts`).
+    The reward fall stays the default config's, so every row counts alarms against the same falls: degraded
+    runs whose reward fell, of them those an alarm preceded, the median and min–max of those leads, and false
+    alarms among the runs that did not degrade."""
+    from dataclasses import replace
+
+    from triage.early_warning import EarlyWarningConfig
+
+    default = EarlyWarningConfig()
+    lines = [
+        "| threshold | degraded runs with a reward fall | alarm before the fall | median lead (steps) "
+        "| lead min–max (steps) | false alarms |",
+        "|---|---|---|---|---|---|",
+    ]
+    for threshold in thresholds:
+        config = replace(default, threshold=threshold)
+        c = early_warning_counts(runs, early_warning_reports(runs, config))
+        leads = c["leads"]
+        label = f"{threshold:g}" + (" (default)" if threshold == default.threshold else "")
+        median = f"{statistics.median(leads):g}" if leads else "–"
+        span = f"{min(leads)}–{max(leads)}" if leads else "–"
+        lines.append(
+            f"| {label} | {c['falls']} of {c['degraded']} | {len(leads)} of {c['falls']} | {median} | {span} "
+            f"| {c['false_alarms']} of {c['stable']} |"
+        )
     return "\n".join(lines)
 
 
@@ -392,6 +468,13 @@ def main(argv=None) -> int:
         "--early-warning", action="store_true", help="also print the early-warning replay per run"
     )
     ap.add_argument(
+        "--early-warning-thresholds",
+        default=None,
+        metavar="T,T,...",
+        help="also print one row per CUSUM threshold (e.g. 4,6,8,10,12): the early-warning replay's alarms, "
+        "leads and false alarms with only the threshold changed (the reward fall stays the default's)",
+    )
+    ap.add_argument(
         "--compare",
         action="append",
         default=[],
@@ -400,6 +483,11 @@ def main(argv=None) -> int:
         "and the one-sided Fisher exact p that A's do so more often than B's",
     )
     args = ap.parse_args(argv)
+    if args.early_warning_thresholds is not None:
+        try:
+            thresholds = parse_thresholds(args.early_warning_thresholds)
+        except ValueError as err:
+            ap.error(str(err))
     if not (args.run_dir or args.from_json):
         ap.error("give RUN_DIR(s) and/or --from-json FILE")
     earlier = [json.loads(Path(f).read_text()) for f in args.from_json]
@@ -436,6 +524,9 @@ def main(argv=None) -> int:
     if args.early_warning:
         print()
         print(early_warning_table(runs))
+    if args.early_warning_thresholds is not None:
+        print()
+        print(early_warning_sweep(runs, thresholds))
     for spec in args.compare:
         print()
         try:

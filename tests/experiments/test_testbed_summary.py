@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import replace
 
 import pytest
 
+from triage.early_warning import EarlyWarningConfig, scan_log
 from triage.experiments import testbed_summary
 
 
@@ -223,3 +225,97 @@ def test_compare_counts_degraded_and_collapsed_runs_and_tests_them(tmp_path, cap
         with pytest.raises(SystemExit):
             testbed_summary.main([str(tmp_path), "--json", str(tmp_path / "s.json"), "--compare", spec])
         assert message in capsys.readouterr().err
+
+
+def _sweep_study(tmp_path):
+    """A summary JSON of eight 200-step runs (warm-up 50 steps): degraded runs whose mean |δ| rises from step 100
+    at four slopes (reward falling steeply from step 150), one whose reward drops by a small step at 180 (a fall
+    the default threshold sees by step 190 and a threshold of 32 would not see in the run) and whose
+    amplify-down share alone alarms, and stable runs: flat, a short bump of |δ| (an alarm only at a low
+    threshold) and a share rise (a false alarm of the share alone)."""
+    _write_full_run(tmp_path / "dirs", "lv", "grpo-none", 0, steps=200)
+    base = testbed_summary.load_runs(tmp_path / "dirs")[0]
+    steps = base["series"]["step"]
+    fall = [0.3 - (0.02 * (t - 150) if t >= 150 else 0.0) for t in steps]
+
+    def run(seed, held, delta=lambda t: 0.0, reward=fall, share=lambda t: 0.0):
+        r = copy.deepcopy(base)
+        r["seed"], r["held_out"]["accuracy"] = seed, list(held)
+        r["series"]["mean_abs_delta"] = [0.01 + delta(t) + 1e-4 * (t % 3) for t in steps]
+        r["series"]["reward"] = list(reward)
+        r["series"]["share/amplify_down"] = [0.05 + share(t) + 1e-3 * (t % 2) for t in steps]
+        return r
+
+    def ramp(start, slope):
+        return lambda t: slope * (t - start) if t >= start else 0.0
+
+    slopes = (4e-4, 1e-3, 3e-3, 1e-2)
+    runs = [run(seed, (0.5, 0.1), delta=ramp(100, slope)) for seed, slope in enumerate(slopes)]
+    small_fall = [0.3 - (0.012 if t >= 180 else 0.0) for t in steps]  # 2σ (σ floor 2 % of 0.3): +1 a step
+    runs.append(run(4, (0.5, 0.2), reward=small_fall, share=ramp(120, 0.01)))
+    runs.append(run(5, (0.5, 0.55), reward=[0.3] * len(steps)))
+
+    def bump(t):  # four steps 4.5σ (σ floor 1e-3) high
+        return 0.0045 if 120 <= t < 124 else 0.0
+
+    runs.append(run(6, (0.5, 0.55), delta=bump, reward=[0.3] * len(steps)))
+    runs.append(run(7, (0.5, 0.55), share=ramp(120, 0.01), reward=[0.3] * len(steps)))
+    path = tmp_path / "study.json"
+    path.write_text(json.dumps({"sft": None, "runs": runs}))
+    return path
+
+
+def _sweep_rows(out):
+    lines = out[out.index("| threshold |") :].splitlines()[2:]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines if line.startswith("|")]
+    return {float(r[0].split()[0]): r for r in rows}
+
+
+def test_threshold_sweep_trades_alarms_for_lead(tmp_path, capsys):
+    """A lower threshold never gives fewer alarms (before a fall, or false) nor a shorter longest lead; the
+    falls are the default config's in every row, including at 32 where the reward detector itself would miss
+    the small fall."""
+    study = _sweep_study(tmp_path)
+    thresholds = (2, 4, 8, 16, 32)
+    args = ["--from-json", str(study), "--early-warning-thresholds", ",".join(map(str, thresholds))]
+    assert testbed_summary.main(args) == 0
+    rows = _sweep_rows(capsys.readouterr().out)
+    small = json.loads(study.read_text())["runs"][4]["series"]  # a fall that a threshold of 32 would miss
+    records = [{"step": t, "reward": r} for t, r in zip(small["step"], small["reward"])]
+    assert scan_log(records, replace(EarlyWarningConfig(), threshold=32)).reward_fall is None
+    assert scan_log(records).reward_fall is not None
+    assert list(rows) == list(thresholds) and rows[8][0] == "8 (default)"
+    assert {r[1] for r in rows.values()} == {"5 of 5"}  # the same falls in every row
+    ahead = [int(rows[t][2].split(" of ")[0]) for t in thresholds]
+    false = [int(rows[t][5].split(" of ")[0]) for t in thresholds]
+    longest = [int(rows[t][4].split("–")[1]) for t in thresholds]
+    assert ahead == sorted(ahead, reverse=True) and false == sorted(false, reverse=True)
+    assert longest == sorted(longest, reverse=True)
+    assert false[0] > false[-1]  # the |δ| bump alarms only at a low threshold
+    assert all(r[5].endswith(" of 3") for r in rows.values())
+
+
+def test_threshold_sweep_at_the_default_is_the_replay_last_line(tmp_path, capsys):
+    """The row at the default threshold counts what --early-warning's last line counts (any signal's alarm:
+    the runs where only the amplify-down share alarms are in both)."""
+    study = _sweep_study(tmp_path)
+    assert testbed_summary.main(["--from-json", str(study), "--early-warning",
+                                 "--early-warning-thresholds", "8,4"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    (last,) = [line for line in out.splitlines() if line.startswith("degraded: ")]
+    row = _sweep_rows(out)[8]
+    lo, hi = row[4].split("–")
+    assert last == (
+        f"degraded: {row[1].split(' of ')[1]} run(s), the reward fell in {row[1].split(' of ')[0]}, "
+        f"an alarm came first in {row[2].split(' of ')[0]} ({lo}–{hi} steps ahead); "
+        f"false alarms: {row[5]} run(s) that did not degrade"
+    )
+    assert last.endswith("false alarms: 1 of 3 run(s) that did not degrade")  # the share's alone
+
+
+@pytest.mark.parametrize("spec", ["4,x", "0", "4,-1", "nan", "inf", "", "4,,8"])
+def test_threshold_sweep_refuses_a_bad_threshold(tmp_path, capsys, spec):
+    study = _sweep_study(tmp_path)
+    with pytest.raises(SystemExit):
+        testbed_summary.main(["--from-json", str(study), "--early-warning-thresholds", spec])
+    assert "--early-warning-thresholds: " in capsys.readouterr().err
