@@ -9,7 +9,8 @@ so ``scale: row`` also gives the weights one outer scale per output row (compres
 script builds every model through the trainer's own code and scores with the diagnostics' execution paths:
 
 * models: the learner as ``TriageGRPOTrainer`` has it (``L-fp32``: the checkpoint in fp32;
-  ``L-nvfp4``: ``convert(NVFP4Config.from_recipe(pair.quant_recipe))``, fp32 master) and sampler copies
+  ``L-nvfp4``: ``convert(NVFP4Config.from_recipe(pair.quant_recipe))``, fp32 master; ``--learner-level
+  pair-row``: that level's recipe) and sampler copies
   ``HFSampler(sampler_model="copy", **resolve_sampler_kwargs("hf", kwargs))._build_copy(master)``:
 
   ===========  =================================================================================
@@ -301,6 +302,12 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default=None)
+    p.add_argument(
+        "--learner-level",
+        default="pair",
+        help="the level whose NVFP4 learner recipe L-nvfp4 uses (its sampler must be nvfp4-row-fp8kv's): "
+        "pair (TE, tensor-wide) or pair-row (the sampler's own per-row/per-token recipe)",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -310,10 +317,13 @@ def main(argv=None) -> int:
     master = (
         AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval().requires_grad_(False)
     )
-    pair, row = level("pair"), level("nvfp4-row-fp8kv")
-    assert pair["sampler_kwargs"] == row["sampler_kwargs"], "pair and nvfp4-row-fp8kv samplers differ"
+    pair, row = level(args.learner_level), level("nvfp4-row-fp8kv")
+    if pair.get("learner_precision") != "nvfp4" or pair.get("sampler_kwargs") != row["sampler_kwargs"]:
+        raise SystemExit(
+            f"--learner-level {args.learner_level}: not an NVFP4 learner against nvfp4-row-fp8kv's sampler"
+        )
     s_recipe, l_recipe = row["sampler_kwargs"]["quant_recipe"], pair["quant_recipe"]
-    print(f"sampler recipe (weights AND activations): {s_recipe}\nlearner recipe (pair): {l_recipe}")
+    print(f"sampler recipe (weights AND activations): {s_recipe}\nlearner recipe ({args.learner_level}): {l_recipe}")
 
     models = {
         "L-fp32": master,
@@ -330,7 +340,7 @@ def main(argv=None) -> int:
     sa, sb = quantized_weights(models["S-a"]), quantized_weights(models["S-b"])
     assert all(torch.equal(sa[k].dequantize(torch.float32), sb[k].dequantize(torch.float32)) for k in sb)
     print(
-        "\n(1) learner (pair) Ŵ_L vs sampler Ŵ_S per decoder Linear: fractions of elements that differ, and norms"
+        f"\n(1) learner ({args.learner_level}) Ŵ_L vs sampler Ŵ_S per decoder Linear: fractions of elements that differ, and norms"
     )
     print(
         f"{'layer':20} {'exact':>6} {'code':>6} {'>1%':>6} | >1% by: {'bf16':>5} {'prof':>5} {'row':>5} |"

@@ -67,3 +67,27 @@ def test_the_kv_rounding_learner_is_the_learner_or_the_sampler_it_emulates(tmp_p
     assert (learner - dd.score_learner_kv(master, batch, 1.3, "native")[0])[mask].abs().max() < 1e-5
     decode = dd.score(sampler, "sampler", batch, 1.3, "fp8_e4m3")[0]
     assert torch.equal(decode[mask], dd.score_learner_kv(sampler, batch, 1.3, "fp8_e4m3")[0][mask])
+
+
+def test_learner_level_picks_the_nvfp4_learner_recipe(tmp_path, torch_twins):
+    """``--learner-level pair-row``: L-nvfp4 on the sampler's own per-row recipe; a level without an NVFP4
+    learner against that sampler is refused naming the option."""
+    from triage.experiments.ablate import SCALES
+    from triage.experiments.sft import ensure_sft_checkpoint
+
+    sft = tmp_path / "sft"
+    ensure_sft_checkpoint(SCALES["smoke"].sft, sft, log=lambda *_: None)
+    base = [sys.executable, str(SCRIPT), "--model", str(sft), "--prompts", "1", "--generations", "2"]
+    out = tmp_path / "delta.json"
+    proc = subprocess.run(
+        [*base, "--max-new-tokens", "6", "--learner-level", "pair-row", "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["learner_recipe"]["scale"] == "row" and result["args"]["learner_level"] == "pair-row"
+    # on the sampler's own recipe the learner's Ŵ differs from the sampler's only by the bf16 cast of W (the
+    # pair learner's per-tensor scale moves most elements by more than 1 %: the first test)
+    assert all(w["material"] < 0.1 for w in result["weights"])
+    proc = subprocess.run([*base, "--learner-level", "nvfp4-row"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "--learner-level nvfp4-row" in proc.stderr
