@@ -8,6 +8,8 @@
                                           # a committed summary extended by new runs (one study)
     python -m triage.experiments.testbed_summary --from-json X.json --early-warning
         [--early-warning-thresholds 4,6,8,10,12]  # the early-warning replay per run; one row per threshold
+    python -m triage.experiments.testbed_summary --from-json X.json --window 50:100
+                                          # per run and per (level, arm): means over steps 50..100
 
 ``RUN_DIR/runs/<level>/<arm>/seed<k>.json`` are the finished runs and ``seed<k>.partial.json`` the runs a time
 budget cut short (both written by ``triage ablate``). Several RUN_DIRs (one per GPU call, or one per recipe
@@ -106,11 +108,24 @@ def merge(runs: list[dict]) -> list[dict]:
     return sorted(found.values(), key=lambda r: (group_label(r), r["arm"], r["seed"]))
 
 
+def _mean(values):
+    """The mean of ``values``' non-None entries; None when there are none."""
+    vals = [v for v in values if v is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
 def _window(values, first: bool, n: int = 10):
     if values is None:  # a series the run did not log
         return None
-    vals = [v for v in (values[:n] if first else values[-n:]) if v is not None]
-    return sum(vals) / len(vals) if vals else None
+    return _mean(values[:n] if first else values[-n:])
+
+
+def _between(steps, values, lo: int, hi: int):
+    """The mean of ``values`` (a per-step series) over the logged ``steps`` lo..hi, both included; None for a
+    series the run did not log and for a run with no value in the range."""
+    if values is None:
+        return None
+    return _mean(v for t, v in zip(steps, values) if lo <= t <= hi)
 
 
 def _below_band_grad(series: dict):
@@ -139,6 +154,14 @@ def _ms(values) -> str:
     return f"{statistics.mean(vals):.3f} ± {statistics.stdev(vals):.3f}"
 
 
+def _groups(runs: list[dict]) -> dict[tuple, list]:
+    """The runs per (level as :func:`group_label` shows it, arm), in the runs' order."""
+    groups: dict[tuple, list] = {}
+    for r in runs:
+        groups.setdefault((group_label(r), r["arm"]), []).append(r)
+    return groups
+
+
 def table(runs: list[dict]) -> str:
     lines = [
         "| level | arm | seeds | steps | \\|δ\\| step 1 | \\|δ\\| run | reward first 10 → last 10 | held-out first → last "
@@ -146,10 +169,7 @@ def table(runs: list[dict]) -> str:
         "| below-band grad share % first 10 → last 10 | s/step |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    groups: dict[tuple, list] = {}
-    for r in runs:
-        groups.setdefault((group_label(r), r["arm"]), []).append(r)
-    for (level, arm), rs in groups.items():
+    for (level, arm), rs in _groups(runs).items():
         s = [r["series"] for r in rs]
         held = [r["held_out"]["accuracy"] for r in rs]
         lines.append(
@@ -191,6 +211,62 @@ def degraded(run: dict) -> bool:
 def collapsed(run: dict) -> bool:
     """Whether the run's last held-out accuracy is below :data:`COLLAPSED_BELOW`."""
     return run["held_out"]["accuracy"][-1] < COLLAPSED_BELOW
+
+
+#: The series :func:`window_table` averages (then the below-band gradient share, :func:`_below_band_grad`).
+WINDOW_SERIES = ("reward", "entropy", "mean_abs_delta", "grad_norm", "completion_length")
+
+
+def parse_window(spec: str, what: str = "--window") -> tuple[int, int]:
+    """``A:B`` as the steps (A, B), both included; ``ValueError`` naming ``what`` unless A and B are integers
+    with 0 ≤ A ≤ B."""
+    lo, sep, hi = spec.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        a, b = int(lo), int(hi)
+    except ValueError:
+        raise ValueError(f"{what}: {spec!r} is not A:B (two integer steps)") from None
+    if not 0 <= a <= b:
+        raise ValueError(f"{what}: {spec!r} needs 0 <= A <= B")
+    return a, b
+
+
+def window_means(run: dict, lo: int, hi: int) -> list:
+    """The run's means over its logged steps lo..hi (:func:`_between`) of :data:`WINDOW_SERIES` and of the
+    below-band gradient share in % (:func:`_below_band_grad`); None where nothing was logged."""
+    s = run["series"]
+    means = [_between(s["step"], s.get(name), lo, hi) for name in WINDOW_SERIES]
+    return means + [_percent(_between(s["step"], _below_band_grad(s), lo, hi))]
+
+
+def window_table(runs: list[dict], lo: int, hi: int) -> str:
+    """One row per run: its last held-out accuracy, whether it degraded and collapsed (:func:`degraded`,
+    :func:`collapsed`) and its means over steps lo..hi (:func:`window_means`); then one row per (level, arm):
+    mean ± std over its runs, and how many of them degraded and collapsed."""
+    lines = [
+        f"Means over the logged steps {lo}..{hi} (both included):",
+        "",
+        "| level | arm | seed | held-out last | degraded | collapsed | reward | entropy | mean \\|δ\\| "
+        "| grad norm | completion length | below-band grad share % |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        lines.append(
+            f"| {group_label(r)} | {r['arm']} | {r['seed']} | {r['held_out']['accuracy'][-1]:.3f} "
+            f"| {'yes' if degraded(r) else 'no'} | {'yes' if collapsed(r) else 'no'} | "
+            + " | ".join(_ms([v]) for v in window_means(r, lo, hi))
+            + " |"
+        )
+    for (level, arm), rs in _groups(runs).items():
+        columns = zip(*(window_means(r, lo, hi) for r in rs))
+        lines.append(
+            f"| {level} | {arm} | {len(rs)} runs | {_ms([r['held_out']['accuracy'][-1] for r in rs])} "
+            f"| {sum(map(degraded, rs))} of {len(rs)} | {sum(map(collapsed, rs))} of {len(rs)} | "
+            + " | ".join(_ms(c) for c in columns)
+            + " |"
+        )
+    return "\n".join(lines)
 
 
 def fisher_greater(a: int, n_a: int, b: int, n_b: int) -> float:
@@ -392,9 +468,7 @@ def plot(runs: list[dict], path: str | Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups: dict[str, list] = {}
-    for r in runs:
-        groups.setdefault(f"{group_label(r)} / {r['arm']}", []).append(r)
+    groups = {f"{level} / {arm}": rs for (level, arm), rs in _groups(runs).items()}
     panels = PANELS + ((GRAD_SHARE_PANEL,) if any(_below_band_grad(r["series"]) for r in runs) else ())
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8))
     for ax, (name, title) in zip(axes, panels):
@@ -482,7 +556,19 @@ def main(argv=None) -> int:
         help="'LEVEL/ARM,... vs LEVEL/ARM,...' (repeatable): runs degraded and collapsed in each pooled group "
         "and the one-sided Fisher exact p that A's do so more often than B's",
     )
+    ap.add_argument(
+        "--window",
+        default=None,
+        metavar="A:B",
+        help="also print, per run and per (level, arm), the means over the logged steps A..B (both included) "
+        "of reward, entropy, mean |δ|, grad norm, completion length and the below-band grad share",
+    )
     args = ap.parse_args(argv)
+    if args.window is not None:
+        try:
+            window = parse_window(args.window)
+        except ValueError as err:
+            ap.error(str(err))
     if args.early_warning_thresholds is not None:
         try:
             thresholds = parse_thresholds(args.early_warning_thresholds)
@@ -527,6 +613,9 @@ def main(argv=None) -> int:
     if args.early_warning_thresholds is not None:
         print()
         print(early_warning_sweep(runs, thresholds))
+    if args.window is not None:
+        print()
+        print(window_table(runs, *window))
     for spec in args.compare:
         print()
         try:

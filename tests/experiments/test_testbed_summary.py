@@ -319,3 +319,73 @@ def test_threshold_sweep_refuses_a_bad_threshold(tmp_path, capsys, spec):
     with pytest.raises(SystemExit):
         testbed_summary.main(["--from-json", str(study), "--early-warning-thresholds", spec])
     assert "--early-warning-thresholds: " in capsys.readouterr().err
+
+
+def _window_study(tmp_path):
+    """A summary JSON: lv/grpo-none seeds 0 and 2 with 10 steps (seed 2's reward 2 higher), seed 1 with 2 steps
+    (none in the window 3:6), and other/grpo-none; completion length not logged, one entropy missing (step 4)
+    and a step without gradient (step 6: every class's share 0)."""
+    _write_full_run(tmp_path / "dirs", "lv", "grpo-none", 0, steps=10, held=(0.5, 0.0))
+    base = testbed_summary.load_runs(tmp_path / "dirs")[0]
+    s = base["series"]
+    s["reward"] = [float(t * t) for t in s["step"]]  # 9, 16, 25, 36 at steps 3..6
+    s["entropy"] = [None if t == 4 else 0.1 * t for t in s["step"]]
+    s["mean_abs_delta"] = [t / 100 for t in s["step"]]
+    s["grad_norm"] = [5.0 if t == 3 else 1.0 for t in s["step"]]
+    s["completion_length"] = None
+    down = {3: 0.1, 4: 0.2, 5: 0.3}  # below the band: amplify-down + correct-up (0.1)
+    s["grad_share/amplify_down"] = [down.get(t, 0.0) for t in s["step"]]
+    s["grad_share/correct_up"] = [0.0 if t == 6 else 0.1 for t in s["step"]]
+    s["grad_share/consistent"] = [0.0 if t == 6 else 0.9 - down.get(t, 0.0) for t in s["step"]]
+    short = copy.deepcopy(base)
+    short["seed"], short["held_out"]["accuracy"] = 1, [0.5, 0.45]
+    short["series"] = {k: v[:2] if v else v for k, v in s.items()}
+    higher = copy.deepcopy(base)
+    higher["seed"], higher["series"]["reward"] = 2, [r + 2 for r in s["reward"]]
+    other = copy.deepcopy(base)
+    other["level"] = "other"
+    path = tmp_path / "study.json"
+    path.write_text(json.dumps({"sft": None, "runs": [base, short, higher, other]}))
+    return path
+
+
+def _window_rows(out):
+    lines = out[out.index("| level | arm | seed | held-out last") :].splitlines()[2:]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines if line.startswith("|")]
+    return {tuple(r[:3]): r[3:] for r in rows}
+
+
+def test_window_means_over_the_steps_both_included(tmp_path, capsys):
+    """--window 3:6: per run the means over steps 3..6 (both ends count: the reward's square steps make any
+    other range give another mean), missing values skipped, a series not logged and a run without a step in
+    the window shown '–'; per (level, arm) mean ± std over its runs; --select keeps only its groups."""
+    study = _window_study(tmp_path)
+    args = ["--from-json", str(study), "--window", "3:6", "--select", "lv/grpo-none"]
+    assert testbed_summary.main(args) == 0
+    out = capsys.readouterr().out
+    assert "Means over the logged steps 3..6 (both included):" in out
+    rows = _window_rows(out)
+    reward = (9 + 16 + 25 + 36) / 4  # exclusive (4, 5): 20.5; half-open: 16.667 or 25.667
+    entropy = (0.3 + 0.5 + 0.6) / 3  # step 4 missing
+    share = 100 * (0.2 + 0.3 + 0.4) / 3  # step 6 has no gradient
+    assert rows["lv", "grpo-none", "0"] == [
+        "0.000", "yes", "yes", f"{reward:.3f}", f"{entropy:.3f}", "0.045", "2.000", "–", f"{share:.3f}"
+    ]  # fmt: skip
+    assert rows["lv", "grpo-none", "1"] == ["0.450", "no", "no"] + ["–"] * 6
+    assert rows["lv", "grpo-none", "2"][3] == f"{reward + 2:.3f}"
+    group = rows["lv", "grpo-none", "3 runs"]
+    assert group[:3] == ["0.150 ± 0.260", "2 of 3", "2 of 3"]
+    assert group[3] == f"{reward + 1:.3f} ± {2 ** 0.5:.3f}" and group[4:] == [
+        f"{entropy:.3f} ± 0.000", "0.045 ± 0.000", "2.000 ± 0.000", "–", f"{share:.3f} ± 0.000"
+    ]  # fmt: skip
+    assert not [key for key in rows if key[0] == "other"]
+    testbed_summary.main(["--from-json", str(study), "--window", "3:6"])
+    assert ("other", "grpo-none", "0") in _window_rows(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("spec", ["5", "a:b", "9:3", "-1:4", "1.5:3", ""])
+def test_window_refuses_a_bad_range(tmp_path, capsys, spec):
+    study = _window_study(tmp_path)
+    with pytest.raises(SystemExit):
+        testbed_summary.main(["--from-json", str(study), f"--window={spec}"])  # '-1:4' is no option
+    assert f"--window: {spec!r}" in capsys.readouterr().err
