@@ -532,15 +532,12 @@ def load_nvfp4_base(
     ``<module>.weight`` becomes a :class:`FrozenNVFP4Linear` holding the stored bytes; every other tensor is
     loaded into the model as stored. ``model`` is a skeleton of the same architecture (e.g.
     ``AutoModelForCausalLM.from_config(...)``). Raises naming the module or tensor that does not fit."""
-    from triage.kernels.nvfp4.export import _load
+    from triage.kernels.nvfp4.export import read_nvfp4_checkpoint
 
     path = Path(path)
     device = torch.device(device) if device is not None else _model_device(model)
-    lay, stored, weights, _ = _load(path, None, device)
+    weights, rest = read_nvfp4_checkpoint(path, device=device)
     modules = {name[: -len(".weight")] for name in weights}
-    suffixes = (lay.weight, lay.weight_scale, lay.weight_global, lay.input_global)
-    drop = {f"{m}.{s}" for m in modules for s in suffixes}
-    rest = {key: t for key, t in stored.tensors.items() if key not in drop}
     for m in sorted(modules):
         try:
             old = model.get_submodule(m)

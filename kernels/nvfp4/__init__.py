@@ -13,6 +13,7 @@ from .export import (
     export_nvfp4_checkpoint,
     load_activation_recipes,
     load_nvfp4_checkpoint,
+    read_nvfp4_checkpoint,
 )
 from .format import (
     BLOCK,
@@ -63,6 +64,7 @@ __all__ = [
     "inverse_hadamard16",
     "load_activation_recipes",
     "load_nvfp4_checkpoint",
+    "read_nvfp4_checkpoint",
     "pack_nibbles",
     "quantize",
     "quantize_reference",

@@ -80,6 +80,7 @@ __all__ = [
     "load_activation_recipes",
     "load_nvfp4_checkpoint",
     "model_config",
+    "read_nvfp4_checkpoint",
     "write_nvfp4_checkpoint",
 ]
 
@@ -1002,13 +1003,22 @@ def dequantized_state_dict(
     recipe).
     ``fuse_experts=True`` stacks per-expert ``experts.{e}.{gate,up,down}_proj.weight`` back into the
     transformers-5 ``experts.gate_up_proj`` / ``experts.down_proj`` parameters."""
+    weights, out = read_nvfp4_checkpoint(path, dtype=dtype, device=device)
+    for name, t in weights.items():
+        out[name] = t.dequantize()
+    return _fuse_experts(out) if fuse_experts else out
+
+
+def read_nvfp4_checkpoint(
+    path, *, dtype: torch.dtype | None = None, device="cpu"
+) -> tuple[dict[str, NVFP4Tensor], dict[str, torch.Tensor]]:
+    """The checkpoint in two parts: ``{"<module>.weight": NVFP4Tensor}`` of its quantized Linears (as
+    :func:`load_nvfp4_checkpoint` gives them) and every other tensor as stored, on ``device`` (the quantized
+    modules' codes and scale tensors, weight and input, left out)."""
     lay, stored, weights, modules = _load(path, dtype, device)
     nvfp4_names = {
         f"{m}.{s}"
         for m in modules
         for s in (lay.weight, lay.weight_scale, lay.weight_global, lay.input_global)
     }
-    out = {name: t.to(device) for name, t in stored.tensors.items() if name not in nvfp4_names}
-    for name, t in weights.items():
-        out[name] = t.dequantize()
-    return _fuse_experts(out) if fuse_experts else out
+    return weights, {name: t.to(device) for name, t in stored.tensors.items() if name not in nvfp4_names}

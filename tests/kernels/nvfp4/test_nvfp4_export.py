@@ -117,6 +117,20 @@ def test_round_trip_bytes_scales_and_values(exported, model):
         assert got.recipe.scale_source == "checkpoint" and got.recipe.profile == PROFILE[layout]
 
 
+def test_read_gives_the_weights_and_every_other_tensor_as_stored(exported, model):
+    """``read_nvfp4_checkpoint``: the quantized weights as ``load_nvfp4_checkpoint`` gives them, and the other
+    tensors (norms, embeddings, head) as the model holds them; no code or scale tensor in either part."""
+    from triage.kernels.nvfp4 import read_nvfp4_checkpoint
+
+    _, path, _ = exported
+    weights, rest = read_nvfp4_checkpoint(path)
+    loaded = load_nvfp4_checkpoint(path)
+    assert weights.keys() == loaded.keys() and all(torch.equal(weights[k].data, loaded[k].data) for k in loaded)
+    state = model.state_dict()
+    assert set(rest) == set(state) - set(weights)
+    assert all(torch.equal(rest[k], state[k]) for k in rest)
+
+
 def test_files_on_disk_have_engine_names_dtypes_and_shapes(exported, model):
     layout, path, res = exported
     packed, bscale, wglob, iglob, gshape = NAMES[layout]
