@@ -1470,13 +1470,13 @@ def _run_child(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from triage.experiments.demo import _quiet
+    from triage.experiments.demo import quiet
 
     if args.run is not None:
-        with _quiet():
+        with quiet():
             return _run_child(args)
     study = resolve_study(args)
-    with _quiet():
+    with quiet():
         results, status = run_study(study, args.output, resume=args.resume, plots=not args.no_plots)
     print()
     print(markdown_table(results), end="")

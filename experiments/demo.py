@@ -103,8 +103,9 @@ def digit_share(completions, **_) -> list[float]:
 
 
 @contextlib.contextmanager
-def _quiet():
-    """Silence library warnings and progress bars for the demo's run (restored afterwards)."""
+def quiet():
+    """Silence library warnings and progress bars for a CLI run (the demo's, `triage ablate`'s; restored
+    afterwards)."""
     import transformers
 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -178,9 +179,9 @@ def _trainer_class():
 
 def level_numerics(name: str) -> dict[str, Any]:
     """The learner/sampler numerics keys of mismatch level ``name`` (``experiments/recipes/levels``)."""
-    from triage.experiments.recipes import _layer
+    from triage.experiments.recipes import load_layer
 
-    return _layer("levels", name)
+    return load_layer("levels", name)
 
 
 def describe_numerics(level: dict[str, Any]) -> tuple[str, str]:
@@ -476,7 +477,7 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def run(args: DemoConfig) -> int:
-    with _quiet():
+    with quiet():
         return _run(args)
 
 

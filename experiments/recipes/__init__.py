@@ -51,6 +51,7 @@ __all__ = [
     "merge",
     "numerics_keys",
     "check_layer",
+    "load_layer",
     "without_numerics",
     "parse_overrides",
     "parse_value",
@@ -215,7 +216,9 @@ def check_layer(kind: str, name: str, layer: Mapping[str, Any]) -> None:
             )
 
 
-def _layer(kind: str, name: str) -> dict[str, Any]:
+def load_layer(kind: str, name: str) -> dict[str, Any]:
+    """The recipe layer ``RECIPE_DIR/<kind>/<name>.yaml`` (``kind``: arms, presets or levels), checked
+    (:func:`check_layer`); an unknown name is an error listing the known ones."""
     known = {"arms": ALL_ARMS, "presets": PRESETS, "levels": LEVELS}[kind]
     if name not in known:
         raise ValueError(f"unknown {kind[:-1]} {name!r}; known: {', '.join(known)}")
@@ -236,11 +239,11 @@ def _compose(layer: Mapping[str, Any]) -> dict[str, Any]:
     """base <- preset <- arm <- level (replacing the numerics) <- the layer itself (without those keys)."""
     recipe = load_yaml(RECIPE_DIR / "base.yaml")
     if layer.get("preset") is not None:
-        recipe = merge(recipe, _layer("presets", layer["preset"]))
+        recipe = merge(recipe, load_layer("presets", layer["preset"]))
     if layer.get("arm") is not None:
-        recipe = merge(recipe, _layer("arms", layer["arm"]))
+        recipe = merge(recipe, load_layer("arms", layer["arm"]))
     if layer.get("level") is not None:
-        recipe = merge(without_numerics(recipe), _layer("levels", layer["level"]))
+        recipe = merge(without_numerics(recipe), load_layer("levels", layer["level"]))
     return merge(recipe, {k: v for k, v in layer.items() if k not in _COMPOSE_KEYS})
 
 
