@@ -84,13 +84,14 @@ def resolve_sampler(sampler: str | None, use_vllm: bool, correction: str) -> str
     return sampler
 
 
-def check_quant_recipe(value: Any, where: str) -> None:
-    """``value`` (a mapping of ``QuantRecipe`` fields, or a ``QuantRecipe``) builds a ``QuantRecipe``; else a
-    ``ValueError`` naming ``where`` and the bad field (with a close-match hint for a typo)."""
+def quant_recipe_from(value: Any, where: str = "quant_recipe"):
+    """The ``QuantRecipe`` a recipe or config value gives: None → None (the layers' defaults), a
+    ``QuantRecipe`` as is, a mapping of its fields (a recipe's ``quant_recipe``, a JSON field parsed) → the
+    recipe; else a ``ValueError`` naming ``where`` and the bad field (with a close-match hint for a typo)."""
     from triage.kernels.nvfp4.recipe import QuantRecipe
 
-    if isinstance(value, QuantRecipe):
-        return
+    if value is None or isinstance(value, QuantRecipe):
+        return value
     if not isinstance(value, Mapping):
         raise ValueError(f"{where} must be a mapping of QuantRecipe fields, got {value!r}")
     names = sorted(inspect.signature(QuantRecipe).parameters)
@@ -98,7 +99,7 @@ def check_quant_recipe(value: Any, where: str) -> None:
     if bad:
         raise ValueError(f"{where}: unknown QuantRecipe field {bad}; fields: {names}")
     try:
-        QuantRecipe(**value)
+        return QuantRecipe(**value)
     except (TypeError, ValueError) as err:
         raise ValueError(f"{where}: {err}") from None
 
@@ -143,7 +144,7 @@ def check_sampler_kwargs(kind: str | None, kwargs: Mapping | None, where: str = 
     if kwargs.get("quant_recipe") is not None:  # null: no recipe (the key as if absent)
         if kwargs.get("precision") != "nvfp4":
             raise ValueError(f"{where}.quant_recipe needs {where}.precision: nvfp4")
-        check_quant_recipe(kwargs["quant_recipe"], f"{where}.quant_recipe")
+        quant_recipe_from(kwargs["quant_recipe"], f"{where}.quant_recipe")
     if kwargs.get("kv_cache_dtype") not in (None, *KV_CACHE_DTYPES):  # what the HF sampler emulates
         raise ValueError(
             f"{where}.kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kwargs['kv_cache_dtype']!r}"
@@ -379,7 +380,7 @@ class TriageGRPOConfig(GRPOConfig):
         if self.learner_precision == "bf16" and self.quant_recipe is not None:
             raise ValueError("quant_recipe is only used with learner_precision='nvfp4'")
         if self.quant_recipe is not None:
-            check_quant_recipe(self.quant_recipe, "TriageGRPOConfig.quant_recipe")
+            quant_recipe_from(self.quant_recipe, "TriageGRPOConfig.quant_recipe")
         self.sampler = resolve_sampler(self.sampler, self.use_vllm, self.correction)
         _parse_json_field(self, "sampler_kwargs")
         if self.sampler_kwargs is not None and not isinstance(self.sampler_kwargs, dict):

@@ -74,7 +74,7 @@ from triage import (
     token_weights,
 )
 
-from .config import TriageGRPOConfig
+from .config import TriageGRPOConfig, quant_recipe_from
 from .sampling.base import SamplerSource, trainer_vocab_size
 from .sampling.validation import RolloutValidationError, prompt_head, validate_rollout
 
@@ -176,7 +176,7 @@ def resolve_sampler_kwargs(kind: str, kwargs: dict | None) -> dict:
         # the sampler's own recipe (the HF sampler first turns an NVFP4 learner's copy back to high precision)
         from triage.kernels import NVFP4Config, convert
 
-        config = NVFP4Config.from_recipe(_quant_recipe(quant_recipe))
+        config = NVFP4Config.from_recipe(quant_recipe_from(quant_recipe))
         steps.append(lambda m: convert(m, config))
     if user_prepare is not None:
         steps.append(user_prepare)
@@ -191,17 +191,6 @@ def resolve_sampler_kwargs(kind: str, kwargs: dict | None) -> dict:
     return kwargs
 
 
-def _quant_recipe(value):
-    """``QuantRecipe`` from a mapping of its fields (recipes), a JSON string, or None (the TE defaults)."""
-    from triage.kernels.nvfp4.recipe import QuantRecipe
-
-    if value is None or isinstance(value, QuantRecipe):
-        return value
-    if isinstance(value, str):
-        value = json.loads(value)
-    if not isinstance(value, dict):
-        raise ValueError(f"quant_recipe must be a mapping of QuantRecipe fields, got {value!r}")
-    return QuantRecipe(**value)
 
 
 def _check_prompt_column(**datasets) -> None:
@@ -267,7 +256,7 @@ class TriageGRPOTrainer(GRPOTrainer):
             from triage.trainers.peft_nvfp4 import nvfp4_lora_model
 
             # the activation recipe of a w4a4 base is quant_recipe too (as for the NVFP4 learner)
-            config = NVFP4Config.from_recipe(_quant_recipe(args.quant_recipe), frozen=args.lora_base_mode)
+            config = NVFP4Config.from_recipe(quant_recipe_from(args.quant_recipe, "TriageGRPOConfig.quant_recipe"), frozen=args.lora_base_mode)
             model, kwargs["peft_config"] = nvfp4_lora_model(
                 model,
                 kwargs["peft_config"],
@@ -417,7 +406,7 @@ class TriageGRPOTrainer(GRPOTrainer):
                 f"not available in this install: {err}"
             ) from err
         convert(
-            self.accelerator.unwrap_model(self.model), NVFP4Config.from_recipe(_quant_recipe(quant_recipe))
+            self.accelerator.unwrap_model(self.model), NVFP4Config.from_recipe(quant_recipe_from(quant_recipe))
         )
 
     # --- the loss ------------------------------------------------------------------------------------------

@@ -73,7 +73,7 @@ def build_learner(shape: dict, recipe: dict | None, device: torch.device, seed: 
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from triage.kernels import NVFP4Config, convert
-    from triage.trainers.grpo_trainer import _quant_recipe
+    from triage.trainers.config import quant_recipe_from
 
     torch.manual_seed(seed)
     config = Qwen3Config(**shape, bos_token_id=None, eos_token_id=2, pad_token_id=0)
@@ -81,7 +81,7 @@ def build_learner(shape: dict, recipe: dict | None, device: torch.device, seed: 
         model = Qwen3ForCausalLM(config).to(torch.bfloat16)
     model.generation_config.pad_token_id = 0
     if recipe is not None:
-        convert(model, NVFP4Config.from_recipe(_quant_recipe(recipe)))
+        convert(model, NVFP4Config.from_recipe(quant_recipe_from(recipe)))
     return model
 
 

@@ -340,13 +340,13 @@ def validate_recipe(recipe: Mapping[str, Any], *, build: bool = False) -> None:
 
     Checks: every key is a ``TriageGRPOConfig`` field or a recipe section (with a close-match hint); the
     TRIAGE fields through ``TriageConfig``; ``quant_recipe`` and ``sampler_kwargs`` with the checks
-    ``TriageGRPOConfig`` itself runs (``check_quant_recipe``, ``check_sampler_kwargs``, against the sampler
+    ``TriageGRPOConfig`` itself runs (``quant_recipe_from``, ``check_sampler_kwargs``, against the sampler
     ``resolve_sampler`` picks); the dataset specs; the reward names and options; the ``launch`` section. With
     ``build=True`` also constructs ``TriageGRPOConfig`` (on CPU, bf16 off: the device is not checked).
     """
     from triage import TriageConfig
     from triage.experiments.data import validate_spec
-    from triage.trainers.config import check_quant_recipe, check_sampler_kwargs, did_you_mean, resolve_sampler
+    from triage.trainers.config import check_sampler_kwargs, did_you_mean, quant_recipe_from, resolve_sampler
     from triage.trainers.rewards import build_reward_funcs
 
     fields = _config_fields()
@@ -376,7 +376,7 @@ def validate_recipe(recipe: Mapping[str, Any], *, build: bool = False) -> None:
     if recipe.get("quant_recipe") is not None:
         if recipe.get("learner_precision") != "nvfp4":
             raise ValueError("quant_recipe is set but learner_precision is not 'nvfp4'")
-        check_quant_recipe(recipe["quant_recipe"], "quant_recipe")
+        quant_recipe_from(recipe["quant_recipe"], "quant_recipe")
     sampler = resolve_sampler(recipe.get("sampler"), bool(recipe.get("use_vllm")), correction)
     kwargs = recipe.get("sampler_kwargs")
     if kwargs is not None and not isinstance(kwargs, Mapping):

@@ -80,18 +80,18 @@ def sampler_copy(master, **kwargs):
 def weight_only(recipe: dict):
     """``prepare_model``: the layers' weights quantized with ``recipe``, activations left as they are."""
     from triage.kernels import NVFP4Config, convert
-    from triage.trainers.grpo_trainer import _quant_recipe
+    from triage.trainers.config import quant_recipe_from
 
-    config = NVFP4Config.from_recipe(_quant_recipe(recipe), frozen="w4a16")
+    config = NVFP4Config.from_recipe(quant_recipe_from(recipe), frozen="w4a16")
     return lambda m: convert(m, config)
 
 
 def nvfp4_learner(master, recipe: dict):
     """The ``pair`` learner: ``TriageGRPOTrainer._convert_learner_to_nvfp4`` on a copy of the fp32 master."""
     from triage.kernels.conversion import NVFP4Config, convert
-    from triage.trainers.grpo_trainer import _quant_recipe
+    from triage.trainers.config import quant_recipe_from
 
-    return convert(copy.deepcopy(master), NVFP4Config.from_recipe(_quant_recipe(recipe))).eval()
+    return convert(copy.deepcopy(master), NVFP4Config.from_recipe(quant_recipe_from(recipe))).eval()
 
 
 def quantized_weights(model) -> dict:

@@ -38,11 +38,11 @@ def _torch_twins(monkeypatch):
 
 
 def _learner(tokenizer, tiny_model, dtype, recipe, moe=False):
-    from triage.trainers.grpo_trainer import _quant_recipe
+    from triage.trainers.config import quant_recipe_from
 
     model = (tiny_moe_model(tokenizer) if moe else copy.deepcopy(tiny_model)).to(dtype)
     if recipe is not None:
-        convert(model, NVFP4Config.from_recipe(_quant_recipe(recipe)))
+        convert(model, NVFP4Config.from_recipe(quant_recipe_from(recipe)))
     return model
 
 
