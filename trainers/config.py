@@ -118,7 +118,7 @@ def check_sampler_kwargs(kind: str | None, kwargs: Mapping | None, where: str = 
         return
     if kind not in SAMPLER_KINDS:
         raise ValueError(f"sampler={kind!r}: expected None or one of {SAMPLER_KINDS}")
-    from .sampling.hf import KV_CACHE_DTYPES
+    from .sampling.kvcache import KV_CACHE_DTYPES
 
     if kind != "hf":
         numerics = [k for k in SAMPLER_NUMERICS_KEYS if k in kwargs]

@@ -156,7 +156,7 @@ def resolve_sampler_kwargs(kind: str, kwargs: dict | None) -> dict:
     quant_recipe = kwargs.pop("quant_recipe", None)
     kv_cache_dtype = kwargs.get("kv_cache_dtype")
     if kv_cache_dtype is not None:
-        from .sampling.hf import KV_CACHE_DTYPES
+        from .sampling.kvcache import KV_CACHE_DTYPES
 
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(

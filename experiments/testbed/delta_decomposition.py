@@ -226,9 +226,9 @@ def score(model, kind, batch, temperature, kv="native"):
 
     dtype = next(model.parameters(), next(model.buffers())).dtype
     dtype = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
-    from triage.trainers.sampling.hf import _kv_format
+    from triage.trainers.sampling.kvcache import kv_format
 
-    path = ExecutionPath(kind, dtype=dtype, kv_cache=_kv_format(kv), temperature=temperature)
+    path = ExecutionPath(kind, dtype=dtype, kv_cache=kv_format(kv), temperature=temperature)
     store: list = []
     with capture_distributions(store):
         result = run_path(model, path, batch, capture_layers=False)
@@ -245,14 +245,13 @@ def score_learner_kv(model, batch, temperature, kv):
     on the sampler's model it reproduces the sampler's token-by-token log-probs exactly. The counterfactual
     "the learner emulates the sampler's KV format" (not a trainer option)."""
     from triage.trainers.diagnostics import paths
-    from triage.trainers.sampling.hf import _kv_format
-    from triage.trainers.sampling.kvcache import cache_argument, kv_cache
+    from triage.trainers.sampling.kvcache import cache_argument, kv_cache, kv_format
 
     ids, mask, pos, p = batch.input_ids, batch.attention_mask, batch.position_ids, batch.prompt_width
     store: list = []
     start = time.perf_counter()
     with capture_distributions(store):
-        cache = kv_cache(model.config, _kv_format(kv), "tensor", attention_mask=mask[:, :p])
+        cache = kv_cache(model.config, kv_format(kv), "tensor", attention_mask=mask[:, :p])
         name = cache_argument(model)
         out = model(input_ids=ids[:, :p], attention_mask=mask[:, :p], position_ids=pos[:, :p], use_cache=True,
                     **{name: cache})  # fmt: skip

@@ -52,6 +52,7 @@ from typing import Any, Literal
 import torch
 
 from .base import RANK_SEED_STRIDE, SamplerSource, SamplingParams, trainer_rank
+from .kvcache import kv_format
 
 
 def _logits_processors(params: SamplingParams):
@@ -79,25 +80,6 @@ def _logits_processors(params: SamplingParams):
     return procs
 
 
-KV_CACHE_DTYPES = ("auto", "native", "bf16", "fp8", "fp8_e4m3")
-_KV_FORMAT = {
-    None: "native",
-    "auto": "native",
-    "native": "native",
-    "bf16": "bf16",
-    "fp8": "fp8",
-    "fp8_e4m3": "fp8",
-}
-
-
-def _kv_format(kv_cache_dtype: str | None) -> str:
-    """``kv_cache_dtype`` → the format name of :func:`triage.trainers.sampling.kvcache.kv_cache`."""
-    if not (kv_cache_dtype is None or isinstance(kv_cache_dtype, str)) or kv_cache_dtype not in _KV_FORMAT:
-        raise ValueError(
-            f"kv_cache_dtype must be None or one of {KV_CACHE_DTYPES} (the HF sampler emulates an fp8 e4m3 "
-            f"cache only), got {kv_cache_dtype!r}"
-        )
-    return _KV_FORMAT[kv_cache_dtype]
 
 
 def _new_cache(
@@ -105,7 +87,7 @@ def _new_cache(
 ):
     from transformers import DynamicCache
 
-    fmt = _kv_format(kv_cache_dtype)
+    fmt = kv_format(kv_cache_dtype)
     if fmt != "native":
         from .kvcache import kv_cache
 
@@ -220,7 +202,7 @@ def sample_with_kv_cache(
     """
     if logprobs_mode not in ("temperature", "processed"):
         raise ValueError(f"logprobs_mode must be 'temperature' or 'processed', got {logprobs_mode!r}")
-    fmt = _kv_format(kv_cache_dtype)
+    fmt = kv_format(kv_cache_dtype)
     if not prompt_ids:
         return {"completion_ids": [], "logprobs": []}
     empty = [i for i, p in enumerate(prompt_ids) if len(p) == 0]
@@ -447,7 +429,7 @@ class HFSampler(SamplerSource):
             raise ValueError(f"logprobs_mode must be 'temperature' or 'processed', got {logprobs_mode!r}")
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        _kv_format(kv_cache_dtype)
+        kv_format(kv_cache_dtype)
         if decode not in DECODES:
             raise ValueError(f"decode must be one of {DECODES}, got {decode!r}")
         if refresh not in ("in_place", "rebuild"):

@@ -35,15 +35,37 @@ from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import DynamicLayer, StaticLayer
 
 __all__ = [
+    "KV_CACHE_DTYPES",
     "KV_FORMATS",
     "QuantizedKVLayer",
     "QuantizedStaticKVLayer",
     "cache_argument",
     "kv_cache",
+    "kv_format",
     "static_cache_refusal",
 ]
 
 KV_FORMATS = ("native", "bf16", "fp8")
+KV_CACHE_DTYPES = ("auto", "native", "bf16", "fp8", "fp8_e4m3")
+_KV_FORMAT = {
+    None: "native",
+    "auto": "native",
+    "native": "native",
+    "bf16": "bf16",
+    "fp8": "fp8",
+    "fp8_e4m3": "fp8",
+}
+
+
+def kv_format(kv_cache_dtype: str | None) -> str:
+    """A sampler's ``kv_cache_dtype`` (vLLM's names; None: the model's own cache) → the format name of
+    :func:`kv_cache` (one of :data:`KV_FORMATS`)."""
+    if not (kv_cache_dtype is None or isinstance(kv_cache_dtype, str)) or kv_cache_dtype not in _KV_FORMAT:
+        raise ValueError(
+            f"kv_cache_dtype must be None or one of {KV_CACHE_DTYPES} (the HF sampler emulates an fp8 e4m3 "
+            f"cache only), got {kv_cache_dtype!r}"
+        )
+    return _KV_FORMAT[kv_cache_dtype]
 GRANULARITIES = ("tensor", "head")
 _FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 
