@@ -83,11 +83,11 @@ def parse_args(argv: list[str], prog: str = "triage demo", description: str | No
     sets the fields from a YAML mapping, flags win; an unknown key in the file is a ``ValueError``)."""
     from trl import TrlParser
 
-    from triage.cli import _DEBUG_HELP, DEBUG_FLAG
+    from triage.cli import DEBUG_FLAG, DEBUG_HELP
 
     parser = TrlParser([DemoConfig], prog=prog, description=description)
     parser.add_argument("--config", metavar="FILE.yaml", help="a YAML mapping of DemoConfig fields")
-    parser.add_argument(DEBUG_FLAG, action="store_true", help=_DEBUG_HELP)
+    parser.add_argument(DEBUG_FLAG, action="store_true", help=DEBUG_HELP)
     return parser.parse_args_and_config(argv)[0]
 
 

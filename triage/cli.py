@@ -54,12 +54,12 @@ def _top_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"triage-rl {__version__}")
-    parser.add_argument(DEBUG_FLAG, action="store_true", help=_DEBUG_HELP)
+    parser.add_argument(DEBUG_FLAG, action="store_true", help=DEBUG_HELP)
     parser.add_argument("command", nargs="?", choices=sorted(COMMANDS), help=argparse.SUPPRESS)
     return parser
 
 
-_DEBUG_HELP = "show the traceback of an error instead of the one-line 'triage: error: ...'"
+DEBUG_HELP = "show the traceback of an error instead of the one-line 'triage: error: ...'"
 
 
 def _message(err: BaseException) -> str:
@@ -107,7 +107,7 @@ def _parse(module, name: str, text: str, rest: list[str]):
         return module.parse_args(rest, prog=f"triage {name}", description=text)
     parser = argparse.ArgumentParser(prog=f"triage {name}", description=text)
     module.add_arguments(parser)
-    parser.add_argument(DEBUG_FLAG, action="store_true", help=_DEBUG_HELP)
+    parser.add_argument(DEBUG_FLAG, action="store_true", help=DEBUG_HELP)
     return parser.parse_args(rest)
 
 
