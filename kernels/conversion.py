@@ -205,7 +205,11 @@ def _layer_configs(
 def _converted_as(module: nn.Module, config: NVFP4Config) -> bool:
     """Whether ``module`` is already what ``config`` makes of its kind (so converting again changes nothing)."""
     if isinstance(module, FrozenNVFP4Linear):
-        return config.linear is not None and config.frozen is not None and module.config == config.frozen
+        return (
+            config.frozen is not None
+            and module.config == config.frozen
+            and (config.linear is None or module.weight_recipe == config.linear.weight)
+        )
     if isinstance(module, NVFP4Linear):
         return config.frozen is None and module.config == config.linear
     if isinstance(module, NVFP4MoeExperts):

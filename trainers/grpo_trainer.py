@@ -176,7 +176,7 @@ def resolve_sampler_kwargs(kind: str, kwargs: dict | None) -> dict:
         # the sampler's own recipe (the HF sampler first turns an NVFP4 learner's copy back to high precision)
         from triage.kernels import NVFP4Config, convert
 
-        config = NVFP4Config.from_recipe(quant_recipe_from(quant_recipe))
+        config = NVFP4Config.from_recipe(quant_recipe_from(quant_recipe, "sampler_kwargs.quant_recipe"))
         steps.append(lambda m: convert(m, config))
     if user_prepare is not None:
         steps.append(user_prepare)
@@ -189,8 +189,6 @@ def resolve_sampler_kwargs(kind: str, kwargs: dict | None) -> dict:
 
         kwargs["prepare_model"] = prepare_model
     return kwargs
-
-
 
 
 def _check_prompt_column(**datasets) -> None:
@@ -256,7 +254,10 @@ class TriageGRPOTrainer(GRPOTrainer):
             from triage.trainers.peft_nvfp4 import nvfp4_lora_model
 
             # the activation recipe of a w4a4 base is quant_recipe too (as for the NVFP4 learner)
-            config = NVFP4Config.from_recipe(quant_recipe_from(args.quant_recipe, "TriageGRPOConfig.quant_recipe"), frozen=args.lora_base_mode)
+            config = NVFP4Config.from_recipe(
+                quant_recipe_from(args.quant_recipe, "TriageGRPOConfig.quant_recipe"),
+                frozen=args.lora_base_mode,
+            )
             model, kwargs["peft_config"] = nvfp4_lora_model(
                 model,
                 kwargs["peft_config"],
@@ -406,7 +407,8 @@ class TriageGRPOTrainer(GRPOTrainer):
                 f"not available in this install: {err}"
             ) from err
         convert(
-            self.accelerator.unwrap_model(self.model), NVFP4Config.from_recipe(quant_recipe_from(quant_recipe))
+            self.accelerator.unwrap_model(self.model),
+            NVFP4Config.from_recipe(quant_recipe_from(quant_recipe, "TriageGRPOConfig.quant_recipe")),
         )
 
     # --- the loss ------------------------------------------------------------------------------------------

@@ -248,6 +248,15 @@ def test_per_layer_configs_that_name_no_layer_are_errors_naming_them(tokenizer):
     with pytest.raises(ValueError, match=rf"unconvert it first.*'{q}' \(NVFP4Linear\)"):
         convert(model, layers={q: other})
     assert model.get_submodule(q).config == LINEAR
+    freeze = {q: NVFP4Config(linear=None, frozen=NVFP4FrozenConfig(compute="w4a16", **FAST))}
+    for _ in range(2):  # freezing the NVFP4Linear, then again: the frozen layer is what the entry asks
+        convert(model, NVFP4Config(linear=None, moe=None), layers=freeze)
+        assert isinstance(model.get_submodule(q), FrozenNVFP4Linear)
+    other_weight = NVFP4Config(
+        linear=dataclasses.replace(LINEAR, weight=QuantRecipe()), frozen=freeze[q].frozen
+    )
+    with pytest.raises(ValueError, match=rf"unconvert it first.*'{q}' \(FrozenNVFP4Linear\)"):
+        convert(model, layers={q: other_weight})  # frozen with another weight recipe
     unconvert(model)
     holder = nn.Module()
     holder.good, holder.odd = nn.Linear(32, 16), nn.Linear(24, 16)

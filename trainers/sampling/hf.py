@@ -80,8 +80,6 @@ def _logits_processors(params: SamplingParams):
     return procs
 
 
-
-
 def _new_cache(
     model: torch.nn.Module, kv_cache_dtype: str | None = None, attention_mask: torch.Tensor | None = None
 ):

@@ -66,6 +66,8 @@ def kv_format(kv_cache_dtype: str | None) -> str:
             f"cache only), got {kv_cache_dtype!r}"
         )
     return _KV_FORMAT[kv_cache_dtype]
+
+
 GRANULARITIES = ("tensor", "head")
 _FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 
