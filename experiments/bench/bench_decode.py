@@ -1,6 +1,7 @@
 """Built-in sampler decode speed: dynamic KV cache vs static cache vs CUDA-graph replay, BF16 vs NVFP4 copies.
 
     python experiments/bench/bench_decode.py [--shapes testbed,qwen3-4b-width] [--batches 1,16,128] [--new 128]
+        [--precisions bf16,nvfp4,w4a16] [--decodes dynamic,static,cuda_graph]
 
 For each model shape, sampler precision and batch size it samples ``--new`` tokens from ``--prompt``-token
 prompts (EOS never ends a row) with :func:`triage.trainers.sampling.sample_with_kv_cache` and prints the
@@ -15,8 +16,12 @@ Shapes (random weights, std 0.02, Qwen3 architecture from :mod:`triage.trainers.
   heads, MLP 1152; the ``testbed`` scale of ``triage ablate`` now trains 4 layers of hidden 448);
 * ``qwen3-4b-width``: Qwen3-4B's layer shape (hidden 2560, MLP 9728, 32 heads of 128, 8 KV heads), 4 layers.
 
-NVFP4 is the sampler copy's W4A4 (:func:`triage.kernels.convert`, per-row outer scales for weights and
-activations, compressed-tensors profile), the same conversion ``sampler_kwargs.precision: nvfp4`` applies.
+Precisions: ``bf16``; ``nvfp4``, the sampler copy's W4A4 (:func:`triage.kernels.convert`, per-row outer scales
+for weights and activations, compressed-tensors profile), the same conversion ``sampler_kwargs.precision:
+nvfp4`` applies; ``w4a16``, NVFP4 weights (the same weight recipe) with bf16 activations
+(``NVFP4Config.from_recipe(recipe, frozen="w4a16")``: the decode GEMV at M <= 16, the weight-only route of
+QeRL-style rollouts). ``--decodes`` picks the loops (``cuda_graph`` is checked against ``static`` only when
+both run).
 """
 
 from __future__ import annotations
@@ -41,6 +46,9 @@ SHAPES = {
 }
 
 
+PRECISIONS = ("bf16", "nvfp4", "w4a16")
+
+
 def build(shape: str, precision: str):
     from triage.kernels import NVFP4Config, convert
     from triage.kernels.nvfp4.recipe import QuantRecipe
@@ -48,8 +56,13 @@ def build(shape: str, precision: str):
 
     tok = build_tokenizer()
     model = build_model(tok, TinyModelSpec(**SHAPES[shape]), seed=0).to("cuda", torch.bfloat16).eval()
+    recipe = QuantRecipe(scale="row", profile="compressed-tensors")
     if precision == "nvfp4":
-        convert(model, NVFP4Config.from_recipe(QuantRecipe(scale="row", profile="compressed-tensors")))
+        convert(model, NVFP4Config.from_recipe(recipe))
+    elif precision == "w4a16":
+        convert(model, NVFP4Config.from_recipe(recipe, frozen="w4a16"))
+    elif precision != "bf16":
+        raise ValueError(f"--precisions: unknown precision {precision!r}, expected one of {PRECISIONS}")
     return model, tok
 
 
@@ -72,28 +85,38 @@ def main(argv=None) -> int:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--precisions", default="bf16,nvfp4", help=f"comma list of {PRECISIONS}")
+    ap.add_argument("--decodes", default="dynamic,static,cuda_graph")
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "bench_decode.json"))
     args = ap.parse_args(argv)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
     rows, ok = [], True
+    decodes = args.decodes.split(",")
+    unknown = set(decodes) - {"dynamic", "static", "cuda_graph"}
+    if unknown:
+        raise SystemExit(f"--decodes: unknown {sorted(unknown)}, expected dynamic, static, cuda_graph")
     for shape in args.shapes.split(","):
-        for precision in ("bf16", "nvfp4"):
+        for precision in args.precisions.split(","):
             model, tok = build(shape, precision)
             for batch in (int(b) for b in args.batches.split(",")):
                 gen = torch.Generator().manual_seed(batch)
                 prompts = torch.randint(10, len(tok) - 1, (batch, args.prompt), generator=gen).tolist()
                 outs, times = {}, {}
-                for decode in ("dynamic", "static", "cuda_graph"):
+                for decode in decodes:
                     run(model, prompts, args.new, decode)  # warm-up (autotune, lazy allocations)
                     reps = [run(model, prompts, args.new, decode) for _ in range(args.reps)]
                     outs[decode] = reps[0][0]
                     times[decode] = statistics.median(t for _, t in reps)
-                same = outs["cuda_graph"] == outs["static"]
-                ok &= same
-                agree = sum(
-                    a == b for ra, rb in zip(outs["dynamic"]["completion_ids"], outs["static"]["completion_ids"])
-                    for a, b in zip(ra, rb)
-                ) / (batch * args.new)
+                same = outs["cuda_graph"] == outs["static"] if {"cuda_graph", "static"} <= outs.keys() else None
+                ok &= same is not False
+                agree = (
+                    sum(
+                        a == b
+                        for ra, rb in zip(outs["dynamic"]["completion_ids"], outs["static"]["completion_ids"])
+                        for a, b in zip(ra, rb)
+                    ) / (batch * args.new)
+                    if {"dynamic", "static"} <= outs.keys() else float("nan")
+                )
                 for decode, t in times.items():
                     rows.append(dict(shape=shape, precision=precision, batch=batch, decode=decode,
                                      seconds=t, tok_s=batch * args.new / t))
@@ -104,12 +127,17 @@ def main(argv=None) -> int:
                 )
             del model
             torch.cuda.empty_cache()
-    # ratios against the peer: BF16 with the dynamic cache (the loop before the static/graph path)
-    peer = {(r["shape"], r["batch"]): r["tok_s"] for r in rows if r["precision"] == "bf16" and r["decode"] == "dynamic"}
-    print("\nspeed-up vs the BF16 dynamic-cache loop (same shape, batch):")
+    # ratios against the peers: BF16 in the same loop (the target: NVFP4 vs BF16, both in graphs), and BF16 with
+    # the dynamic cache (the loop before the static/graph path) when it ran
+    bf16 = {(r["shape"], r["batch"], r["decode"]): r["tok_s"] for r in rows if r["precision"] == "bf16"}
+    print("\nspeed-up vs BF16 in the same loop | vs the BF16 dynamic-cache loop (same shape, batch):")
     for r in rows:
-        r["vs_bf16_dynamic"] = r["tok_s"] / peer[(r["shape"], r["batch"])]
-        print(f"  {r['shape']:15s} {r['precision']:5s} B={r['batch']:<4d} {r['decode']:10s} {r['vs_bf16_dynamic']:6.2f}x")
+        same_loop = bf16.get((r["shape"], r["batch"], r["decode"]))
+        dynamic = bf16.get((r["shape"], r["batch"], "dynamic"))
+        r["vs_bf16_same_decode"] = r["tok_s"] / same_loop if same_loop else None
+        r["vs_bf16_dynamic"] = r["tok_s"] / dynamic if dynamic else None
+        cells = [f"{v:6.2f}x" if v else "     -" for v in (r["vs_bf16_same_decode"], r["vs_bf16_dynamic"])]
+        print(f"  {r['shape']:15s} {r['precision']:5s} B={r['batch']:<4d} {r['decode']:10s} {cells[0]} | {cells[1]}")
     with open(args.json, "w") as f:
         json.dump({"torch": torch.__version__, "device": torch.cuda.get_device_name(), "args": vars(args),
                    "graph_equals_static": ok, "rows": rows}, f, indent=1)

@@ -2,6 +2,8 @@
 # Run benchmark scripts on the GPU box, each under its own time limit, logs under $OUT.
 #   bash experiments/bench/run_gpu.sh "bench_quantize.py --quick" "bench_gemm.py --quick" ...
 # Each script writes its JSON/logs to $OUT (a scratch folder); everything comes back as one tarball.
+# Time limits: BENCH_LIMIT seconds per script (default 150), or BENCH_LIMITS="90,90,300" one per script in order
+# (a missing entry falls back to BENCH_LIMIT).
 # Installs carried wheels (.whl/: pip download the trl/datasets/math-verify wheels for the GPU box's Python) and the package itself (no network).
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -13,9 +15,10 @@ fi
 python3 -m pip install -q --no-build-isolation --no-deps -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
-LIMIT=${BENCH_LIMIT:-150}
+IFS=, read -r -a LIMITS <<<"${BENCH_LIMITS:-}"
 i=0
 for spec in "$@"; do
+  LIMIT=${LIMITS[$i]:-${BENCH_LIMIT:-150}}
   i=$((i + 1))
   name=$i-$(echo "$spec" | awk '{print $1}' | sed 's/\.py$//')
   echo "=== $spec (limit ${LIMIT}s)"
