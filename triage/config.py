@@ -38,7 +38,8 @@ TAU_MAX = 1.0
 #: and guards (``guard_kappa``) the amplify-down tail — δ < −τ with A < 0 — while keeping the correct-up tokens
 #: (δ < −τ, A > 0) at full weight: removing the negative updates of tokens the learner under-weights, but not
 #: the positive ones, biases every step toward raising them; it and its variants collapsed GRPO in 10 of 10 runs (§3.3,
-#: §3.4). Both are kept for comparison, not as recommendations.
+#: §3.4), and the same one-sided rule as a probability-space mask degraded 2 of 3 at temperature 1.3 (§3.6). Both are
+#: kept for comparison, not as recommendations.
 _KEEP_DOWN: dict[str, Any] = {"amplify_down": "keep", "correct_up": "keep", "amplify_up": "soft"}
 PROFILES: dict[str, dict[str, Any]] = {
     "symmetric-is": {},

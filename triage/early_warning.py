@@ -6,9 +6,9 @@ logged signals see the first part, each watched by a one-sided CUSUM:
 * **mean |δ|** (``triage/mean_abs_delta``): the per-token gap. In the mismatch testbed (docs/results.md §3)
   this is the signal that came first: it alarmed before the reward fell in all 9 collapses of vanilla GRPO
   caused by the mismatch alone that had a reward fall (2–59 steps ahead, §3.6), in the 2 collapses of TRIAGE's ``keep-down``
-  profile there (9 and 14 ahead) and in the 10 collapses a suppressing correction caused through a mismatch
-  feedback (6–87 ahead, §3.3–§3.4); in the learning-rate collapses 3 steps after the fall in one and 10
-  before it in another (and, rightly, never in the same collapses with no mismatch); 16 false alarms in 74
+  profile there (9 and 14 ahead) and in the 11 collapses a one-sided correction caused through a mismatch
+  feedback (6–87 ahead, §3.3, §3.4, §3.6); in the learning-rate collapses 3 steps after the fall in one and 10
+  before it in another (and, rightly, never in the same collapses with no mismatch); 16 false alarms in 78
   runs that did not degrade.
 * the **amplify-down share** (``triage/amplify_down/share``: tokens with δ < −τ pushed down by A < 0) and
 * the **negative-tail mass** (Σ over amplify-down tokens of |δ| / N = share · |mean δ of the class|, or a
