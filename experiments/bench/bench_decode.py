@@ -8,7 +8,8 @@ prompts (EOS never ends a row) with :func:`triage.trainers.sampling.sample_with_
 median wall time of ``--reps`` calls (after one warm-up call) as tokens/s, beside the BF16 dynamic-cache
 loop (the peer: transformers' ``DynamicCache``, what the sampler ran before). Correctness first, in the same
 run: ``cuda_graph`` must return exactly ``static``'s tokens and log-probs (same generator seed), and
-``dynamic`` vs ``static`` token agreement is printed.
+``dynamic`` vs ``static`` token agreement is printed, with whether each loop's ``--reps`` calls (same seed)
+returned identical outputs (a loop that differs from itself is nondeterministic, whatever the graph does).
 
 Shapes (random weights, std 0.02, Qwen3 architecture from :mod:`triage.trainers.tiny`):
 
@@ -101,12 +102,15 @@ def main(argv=None) -> int:
             for batch in (int(b) for b in args.batches.split(",")):
                 gen = torch.Generator().manual_seed(batch)
                 prompts = torch.randint(10, len(tok) - 1, (batch, args.prompt), generator=gen).tolist()
-                outs, times = {}, {}
+                outs, times, rerun = {}, {}, {}
                 for decode in decodes:
                     run(model, prompts, args.new, decode)  # warm-up (autotune, lazy allocations)
                     reps = [run(model, prompts, args.new, decode) for _ in range(args.reps)]
                     outs[decode] = reps[0][0]
                     times[decode] = statistics.median(t for _, t in reps)
+                    # the same loop again with the same seed: tells a graph-vs-eager difference from run-to-run
+                    # nondeterminism of the loop itself
+                    rerun[decode] = all(out == reps[0][0] for out, _ in reps[1:]) if len(reps) > 1 else None
                 same = outs["cuda_graph"] == outs["static"] if {"cuda_graph", "static"} <= outs.keys() else None
                 ok &= same is not False
                 agree = (
@@ -119,11 +123,12 @@ def main(argv=None) -> int:
                 )
                 for decode, t in times.items():
                     rows.append(dict(shape=shape, precision=precision, batch=batch, decode=decode,
-                                     seconds=t, tok_s=batch * args.new / t))
+                                     seconds=t, tok_s=batch * args.new / t, reruns_identical=rerun[decode]))
                 print(
                     f"{shape:15s} {precision:5s} B={batch:<4d} "
                     + "  ".join(f"{d} {batch * args.new / t:9.0f} tok/s" for d, t in times.items())
                     + f"  | graph==static: {same}, dynamic/static token agreement {agree:.3f}"
+                    + ", reruns identical: " + ", ".join(f"{d} {r}" for d, r in rerun.items())
                 )
             del model
             torch.cuda.empty_cache()
