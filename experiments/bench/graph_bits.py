@@ -1,0 +1,85 @@
+"""Which ops give other bits inside a CUDA graph than eagerly, at the sampler's decode shapes.
+
+    python experiments/bench/graph_bits.py [--batches 1,16,128]
+
+``bench_decode.py`` found the CUDA-graph decode loop's tokens and log-probs bit-identical to the eager static
+loop at some batch sizes and not at others. This script runs each op of a decode step alone, at Qwen3-4B's
+widths (hidden 2560, MLP 9728, 32 query / 8 KV heads of 128) and M = batch tokens, once eagerly and once as
+the replay of a ``torch.cuda.graph`` capture of the same call on the same inputs, and prints whether the two
+outputs have the same bits (and each eager call's agreement with a second eager call, to tell a graph effect
+from run-to-run nondeterminism):
+
+* bf16 ``F.linear`` (cuBLAS) at the q, k/v, o, gate/up, down and an LM-head shape;
+* the NVFP4 W4A4 and W4A16 layers (:func:`triage.kernels.convert`, the sampler copy's recipe) at gate/up;
+* ``F.scaled_dot_product_attention`` of one query token per row over a 160-token static cache (GQA).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+
+def graph_vs_eager(fn, *inputs):
+    """(eager == graph replay, eager == eager again) for ``fn(*inputs)``: bitwise, NaN-aware."""
+    eager = fn(*inputs).clone()
+    again = fn(*inputs).clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm-up on the capture stream (lazy workspaces, autotuning)
+            fn(*inputs)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(*inputs)
+    graph.replay()
+    torch.cuda.synchronize()
+    same = lambda a, b: bool(torch.equal(a.view(torch.int16), b.view(torch.int16)))  # noqa: E731
+    return same(eager, out), same(eager, again)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", default="1,16,128")
+    args = ap.parse_args(argv)
+    from triage.kernels import NVFP4Config, convert
+    from triage.kernels.nvfp4.recipe import QuantRecipe
+
+    torch.manual_seed(0)
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
+    h, i, hd, nq, nkv = 2560, 9728, 128, 32, 8
+    linears = {"q": (h, nq * hd), "k/v": (h, nkv * hd), "o": (nq * hd, h), "gate/up": (h, i), "down": (i, h),
+               "lm_head": (h, 32768)}
+    weights = {k: torch.randn(n, kk, device="cuda", dtype=torch.bfloat16) * 0.02 for k, (kk, n) in linears.items()}
+    recipe = QuantRecipe(scale="row", profile="compressed-tensors")
+    nvfp4 = {}
+    for name, frozen in (("w4a4", None), ("w4a16", "w4a16")):
+        layer = torch.nn.Sequential(torch.nn.Linear(h, i, bias=False)).to("cuda", torch.bfloat16)
+        layer[0].weight.data.copy_(weights["gate/up"])
+        nvfp4[name] = convert(layer, NVFP4Config.from_recipe(recipe, frozen=frozen)).eval()
+    print("| op | M | eager == graph | eager == eager |\n|---|---|---|---|")
+    for m in (int(b) for b in args.batches.split(",")):
+        for name, w in weights.items():
+            x = torch.randn(m, w.shape[1], device="cuda", dtype=torch.bfloat16)
+            print(f"| bf16 linear {name} {w.shape[1]}→{w.shape[0]} | {m} | %s | %s |" % graph_vs_eager(F.linear, x, w))
+        x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            for name, layer in nvfp4.items():
+                print(f"| NVFP4 {name} gate/up | {m} | %s | %s |" % graph_vs_eager(layer, x))
+        q = torch.randn(m, nq, 1, hd, device="cuda", dtype=torch.bfloat16)
+        kv = torch.randn(m, nkv, 160, hd, device="cuda", dtype=torch.bfloat16)
+        mask = torch.ones(m, 1, 1, 160, device="cuda", dtype=torch.bool)
+        mask[..., 100:] = False  # the unwritten tail of the static cache
+
+        def attn(q, k, v, mask):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+        print(f"| SDPA 1 query over a 160-slot cache | {m} | %s | %s |" % graph_vs_eager(attn, q, kv, kv.clone(), mask))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
