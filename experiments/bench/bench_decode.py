@@ -79,6 +79,22 @@ def run(model, prompts, new: int, decode: str, seed: int = 0):
     return out, time.perf_counter() - t0
 
 
+def profile_call(model, prompts, new: int, decode: str, title: str, top: int = 12) -> None:
+    """Print the ``top`` GPU kernels by total device time of one ``run`` (launch counts included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run(model, prompts, new, decode)
+    events = [e for e in prof.key_averages() if e.device_time_total > 0 and e.cpu_time_total == 0] or [
+        e for e in prof.key_averages() if e.device_time_total > 0
+    ]
+    events.sort(key=lambda e: e.device_time_total, reverse=True)
+    total = sum(e.device_time_total for e in events)
+    print(f"  profile ({title}, {decode}, {new} tokens): GPU kernel time {total / 1e3:.1f} ms")
+    for e in events[:top]:
+        print(f"    {e.device_time_total / 1e3:8.2f} ms  {e.count:6d}×  {e.key[:90]}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="testbed,qwen3-4b-width")
@@ -88,6 +104,12 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--precisions", default="bf16,nvfp4", help=f"comma list of {PRECISIONS}")
     ap.add_argument("--decodes", default="dynamic,static,cuda_graph")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the timings of each shape, precision and batch: the top GPU kernels (torch.profiler, "
+        "kernels inside graph replays included) of one call of the last loop in --decodes",
+    )
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "bench_decode.json"))
     args = ap.parse_args(argv)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
@@ -121,6 +143,8 @@ def main(argv=None) -> int:
                     ) / (batch * args.new)
                     if {"dynamic", "static"} <= outs.keys() else float("nan")
                 )
+                if args.profile:
+                    profile_call(model, prompts, args.new, decodes[-1], f"{shape} {precision} B={batch}")
                 for decode, t in times.items():
                     rows.append(dict(shape=shape, precision=precision, batch=batch, decode=decode,
                                      seconds=t, tok_s=batch * args.new / t, reruns_identical=rerun[decode]))
