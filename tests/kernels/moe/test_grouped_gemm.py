@@ -1,4 +1,6 @@
-"""Grouped NVFP4 GEMM (Triton kernel under the interpreter) against a loop of per-expert fp64 matmuls."""
+"""Grouped NVFP4 GEMM (Triton kernel; under the interpreter without CUDA) against a loop of per-expert fp64
+matmuls. Operands are drawn on the CPU (the same values everywhere) and moved to DEV: the Triton backends
+need CUDA tensors unless the interpreter runs."""
 
 import dataclasses
 
@@ -18,6 +20,8 @@ from triage.kernels.nvfp4.api import quantize
 from triage.kernels.nvfp4.matmul import gemm_reference
 from triage.kernels.nvfp4.recipe import QuantRecipe
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
 COUNTS = {
     "uneven+empty": [5, 0, 17, 3],
     "one-takes-all": [0, 0, 25, 0],
@@ -29,7 +33,12 @@ COUNTS = {
 def _offsets(counts):
     o = torch.zeros(len(counts) + 1, dtype=torch.int64)
     o[1:] = torch.tensor(counts).cumsum(0)
-    return o
+    return o.to(DEV)
+
+
+def _on(values):
+    """``torch.tensor(values)`` on DEV (offsets, gather rows)."""
+    return torch.tensor(values, device=DEV)
 
 
 ACT, WREC = QuantRecipe(), QuantRecipe(scale="expert")
@@ -38,8 +47,8 @@ ACT, WREC = QuantRecipe(), QuantRecipe(scale="expert")
 def _operands(counts, n=24, k=48, seed=0, act=ACT, wrec=WREC, scale=1.0):
     gen = torch.Generator().manual_seed(seed)
     t = sum(counts)
-    x = (torch.randn(t, k, generator=gen) * scale).to(torch.bfloat16)
-    w = torch.randn(len(counts), n, k, generator=gen).to(torch.bfloat16)
+    x = (torch.randn(t, k, generator=gen) * scale).to(DEV, torch.bfloat16)
+    w = torch.randn(len(counts), n, k, generator=gen).to(DEV, torch.bfloat16)
     w[1] *= 1e-3  # experts with very different outer scales
     return quantize(x, act, backend="torch"), quantize(w, wrec, backend="torch"), _offsets(counts)
 
@@ -109,13 +118,13 @@ def test_odd_n_and_k_not_multiple_of_tile():
 def test_grouped_mm_helper_both_forms_with_empty_experts():
     gen = torch.Generator().manual_seed(6)
     offs = _offsets([3, 0, 5, 0])
-    a = torch.randn(8, 12, generator=gen)
-    b = torch.randn(4, 7, 12, generator=gen)
+    a = torch.randn(8, 12, generator=gen).to(DEV)
+    b = torch.randn(4, 7, 12, generator=gen).to(DEV)
     y = grouped_mm(a, b, offs)
     torch.testing.assert_close(y, torch.cat([a[:3] @ b[0].T, a[3:] @ b[2].T]))
     y2 = grouped_mm(a, b.transpose(1, 2).contiguous(), offs, trans_b=True)
     torch.testing.assert_close(y2, y)
-    dy = torch.randn(8, 7, generator=gen)
+    dy = torch.randn(8, 7, generator=gen).to(DEV)
     dw = grouped_mm(dy.t(), a, offs)
     assert dw.shape == (4, 7, 12)
     torch.testing.assert_close(dw[0], dy[:3].T @ a[:3])
@@ -143,13 +152,13 @@ def test_bad_offsets_are_rejected():
     with pytest.raises(ValueError, match="does not match the token count 8"):
         grouped_gemm(a, w, _offsets([2, 2, 2, 1]), backend="triton")
     with pytest.raises(ValueError, match="decrease at expert 1"):
-        grouped_gemm(a, w, torch.tensor([0, 5, 4, 6, 8]), backend="triton")
+        grouped_gemm(a, w, _on([0, 5, 4, 6, 8]), backend="triton")
     with pytest.raises(ValueError, match="expected num_experts \\+ 1 = 5"):
-        grouped_gemm(a, w, torch.tensor([0, 4, 8]), backend="triton")
+        grouped_gemm(a, w, _on([0, 4, 8]), backend="triton")
     with pytest.raises(ValueError, match="offsets\\[0\\] = 1"):
-        check_offsets(torch.tensor([1, 2, 4, 6, 8]), 8, 4)
+        check_offsets(_on([1, 2, 4, 6, 8]), 8, 4)
     with pytest.raises(TypeError, match="integer"):
-        check_offsets(torch.tensor([0.0, 8.0]), 8, 1)
+        check_offsets(_on([0.0, 8.0]), 8, 1)
     a2, _, _ = _operands([2, 2, 2, 2], k=32)
     with pytest.raises(ValueError, match="reduction dims differ"):
         grouped_gemm(a2, w, _offsets([2, 2, 2, 2]))
@@ -160,13 +169,13 @@ def test_grouped_linear_gradients(mode):
     """Straight-through gradients: dx = dy·Ŵ[e] (scattered back to tokens), dW[e] = dy[e]ᵀ·x̂[e]."""
     gen = torch.Generator().manual_seed(7)
     tokens, e, n, k = 6, 3, 8, 32
-    x = torch.randn(tokens, k, generator=gen).requires_grad_(True)
-    w = torch.randn(e, n, k, generator=gen).requires_grad_(True)
-    gather = torch.tensor([0, 3, 1, 1, 5, 2, 4, 0, 2])  # routed rows, sorted by expert
+    x = torch.randn(tokens, k, generator=gen).to(DEV).requires_grad_(True)
+    w = torch.randn(e, n, k, generator=gen).to(DEV).requires_grad_(True)
+    gather = _on([0, 3, 1, 1, 5, 2, 4, 0, 2])  # routed rows, sorted by expert
     offs = _offsets([4, 0, 5])
     cfg = NVFP4MoEConfig(backward=mode, gemm_backend="triton")
     y = grouped_nvfp4_linear(x, w, offs, cfg, gather)
-    dy = torch.randn(y.shape, generator=gen)
+    dy = torch.randn(y.shape, generator=gen).to(DEV)
     y.backward(dy)
     if mode == "dequantized":
         xs = quantize(x.detach(), cfg.activation, backend="torch").dequantize(torch.float64)
@@ -174,8 +183,8 @@ def test_grouped_linear_gradients(mode):
     else:
         xs, ws = x.detach().double(), w.detach().double()
     seg = [(0, 4, 0), (4, 9, 2)]
-    dx = torch.zeros(tokens, k, dtype=torch.float64)
-    dw = torch.zeros(e, n, k, dtype=torch.float64)
+    dx = torch.zeros(tokens, k, dtype=torch.float64, device=DEV)
+    dw = torch.zeros(e, n, k, dtype=torch.float64, device=DEV)
     for lo, hi, ex in seg:
         dx.index_add_(0, gather[lo:hi], dy[lo:hi].double() @ ws[ex])
         dw[ex] = dy[lo:hi].double().T @ xs[gather[lo:hi]]
@@ -190,8 +199,8 @@ def test_in_kernel_gather_equals_gathering_first(backend, act):
     gen = torch.Generator().manual_seed(11)
     counts = COUNTS["uneven+empty"]
     tokens = 13
-    x = (torch.randn(tokens, 48, generator=gen) * 2).to(torch.bfloat16)
-    rows = torch.randint(0, tokens, (sum(counts),), generator=gen)
+    x = (torch.randn(tokens, 48, generator=gen) * 2).to(DEV, torch.bfloat16)
+    rows = torch.randint(0, tokens, (sum(counts),), generator=gen).to(DEV)
     a_tok = quantize(x, act, backend="torch", emit_expanded=torch.bfloat16)
     _, w, offs = _operands(counts, seed=2)
     # gathering the quantized rows == quantizing per tensor/row then gathering (same bytes and scales)
@@ -211,14 +220,14 @@ def test_in_kernel_gather_equals_gathering_first(backend, act):
 def test_bad_gather_rows_are_rejected():
     a, w, offs = _operands(COUNTS["uneven+empty"])
     with pytest.raises(ValueError, match="outside"):
-        grouped_gemm(a, w, offs, a_rows=torch.full((25,), 99))
+        grouped_gemm(a, w, offs, a_rows=torch.full((25,), 99, device=DEV))
     with pytest.raises(ValueError, match="1-D integer"):
-        grouped_gemm(a, w, offs, a_rows=torch.zeros(25))
+        grouped_gemm(a, w, offs, a_rows=torch.zeros(25, device=DEV))
 
 
 def test_hadamard_on_one_operand_is_rejected():
     a, w, offs = _operands([3, 2, 4, 1], k=32)
-    a_h = quantize(torch.randn(10, 32), QuantRecipe(hadamard=True), backend="torch")
+    a_h = quantize(torch.randn(10, 32).to(DEV), QuantRecipe(hadamard=True), backend="torch")
     with pytest.raises(ValueError, match="exactly one operand went through the Hadamard transform"):
         grouped_gemm(a_h, w, offs, backend="reference")
     with pytest.raises(ValueError, match="exactly one operand went through the Hadamard transform"):
@@ -229,7 +238,7 @@ def test_padded_hadamard_reference_keeps_the_rotated_padding():
     """K=20 padded to 32 and rotated: the padding columns are not zero, the product contracts over all 32
     (as the dense reference and the kernel do)."""
     gen = torch.Generator().manual_seed(12)
-    x, w = torch.randn(9, 20, generator=gen), torch.randn(2, 8, 20, generator=gen)
+    x, w = torch.randn(9, 20, generator=gen).to(DEV), torch.randn(2, 8, 20, generator=gen).to(DEV)
     a = quantize(x, QuantRecipe(pad=True, hadamard=True), backend="torch")
     wq = quantize(w, QuantRecipe(pad=True, hadamard=True, scale="expert"), backend="torch")
     offs = _offsets([4, 5])
@@ -253,19 +262,19 @@ def _expert(w, e):
 
 
 def test_grouped_linear_validates_offsets_and_gather():
-    x, w = torch.randn(6, 32), torch.randn(4, 16, 32)
+    x, w = torch.randn(6, 32, device=DEV), torch.randn(4, 16, 32, device=DEV)
     cfg = NVFP4MoEConfig(gemm_backend="reference")
     with pytest.raises(ValueError, match="does not match the token count 6"):
-        grouped_nvfp4_linear(x, w, torch.tensor([0, 2, 3, 4, 4]), cfg)  # rows 4, 5 belong to no expert
+        grouped_nvfp4_linear(x, w, _on([0, 2, 3, 4, 4]), cfg)  # rows 4, 5 belong to no expert
     with pytest.raises(ValueError, match="expected num_experts \\+ 1 = 5"):
-        grouped_nvfp4_linear(x, w, torch.tensor([0, 3, 6]), cfg)
+        grouped_nvfp4_linear(x, w, _on([0, 3, 6]), cfg)
     with pytest.raises(ValueError, match="does not match the token count 3"):
-        grouped_nvfp4_linear(x, w, _offsets([2, 2, 2, 0]), cfg, torch.tensor([0, 5, 1]))
+        grouped_nvfp4_linear(x, w, _offsets([2, 2, 2, 0]), cfg, _on([0, 5, 1]))
     with pytest.raises(ValueError, match="gather has entries outside \\[0, 6\\)"):
-        grouped_nvfp4_linear(x, w, _offsets([1, 1, 0, 1]), cfg, torch.tensor([0, 6, 1]))
+        grouped_nvfp4_linear(x, w, _offsets([1, 1, 0, 1]), cfg, _on([0, 6, 1]))
     with pytest.raises(TypeError, match="gather must be a 1-D integer tensor"):
-        grouped_nvfp4_linear(x, w, _offsets([1, 1, 0, 1]), cfg, torch.tensor([0.0, 2.0, 1.0]))
-    y = grouped_nvfp4_linear(x, w, _offsets([1, 1, 0, 1]), cfg, torch.tensor([0, 5, 1]))
+        grouped_nvfp4_linear(x, w, _offsets([1, 1, 0, 1]), cfg, _on([0.0, 2.0, 1.0]))
+    y = grouped_nvfp4_linear(x, w, _offsets([1, 1, 0, 1]), cfg, _on([0, 5, 1]))
     assert y.shape == (3, 16)
 
 

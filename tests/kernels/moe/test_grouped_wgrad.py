@@ -1,4 +1,5 @@
-"""Grouped ragged-K NVFP4 GEMM (the MoE weight gradient) and its padded token layout, under the interpreter."""
+"""Grouped ragged-K NVFP4 GEMM (the MoE weight gradient) and its padded token layout (Triton kernels; under
+the interpreter without CUDA). Operands are drawn on the CPU and moved to DEV."""
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ from triage.kernels.nvfp4.api import quantize
 from triage.kernels.nvfp4.matmul import gemm_reference
 from triage.kernels.nvfp4.recipe import QuantRecipe
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
 # padded segment lengths (multiples of 16; the interpreter's BLOCK_K is 32, so 16 and 48 end mid-tile and
 # segments start off the BLOCK_K grid) and an unused tail after the last segment
 SEGMENTS = {
@@ -28,7 +31,7 @@ H = QuantRecipe(hadamard=True)
 def _offsets(lengths):
     o = torch.zeros(len(lengths) + 1, dtype=torch.int64)
     o[1:] = torch.tensor(lengths).cumsum(0)
-    return o
+    return o.to(DEV)
 
 
 def _operands(lengths, tail, m=24, n=40, seed=0, recipe=H):
@@ -37,7 +40,7 @@ def _operands(lengths, tail, m=24, n=40, seed=0, recipe=H):
     gen = torch.Generator().manual_seed(seed)
     L = sum(lengths) + tail
     a = torch.randn(m, L, generator=gen) * torch.logspace(-2, 2, L)  # very different magnitudes along L
-    b = torch.randn(n, L, generator=gen)
+    a, b = a.to(DEV), torch.randn(n, L, generator=gen).to(DEV)
     return quantize(a, recipe, backend="torch"), quantize(b, recipe, backend="torch"), _offsets(lengths)
 
 
@@ -45,7 +48,7 @@ def _loop(a, b, offsets):
     """Independent twin: slices of the fp32 dequantized operands, one fp64 matmul per non-empty expert."""
     av, bv = a.dequantize(torch.float64), b.dequantize(torch.float64)
     o = offsets.tolist()
-    out = torch.zeros(len(o) - 1, av.shape[0], bv.shape[0], dtype=torch.float64)
+    out = torch.zeros(len(o) - 1, av.shape[0], bv.shape[0], dtype=torch.float64, device=av.device)
     for e in range(len(o) - 1):
         if o[e + 1] > o[e]:
             out[e] = av[:, o[e] : o[e + 1]] @ bv[:, o[e] : o[e + 1]].T
@@ -91,7 +94,7 @@ def test_launcher_writes_every_element_of_a_poisoned_output(packed):
     row = QuantRecipe(hadamard=True, scale="row")
     a, b, offs = _operands([16, 0, 48, 32], 32, recipe=row)
     g_a, g_b = a.global_scale.reshape(-1), b.global_scale.reshape(-1)
-    out = torch.full((4, 24, 40), float("nan"))
+    out = torch.full((4, 24, 40), float("nan"), device=DEV)
     if packed:
         args = (a.data, a.scale, b.data, b.scale)
     else:
@@ -123,15 +126,15 @@ def test_nan_block_only_poisons_its_expert_row():
 def test_wgrad_checks_its_inputs():
     a, b, offs = _operands([16, 32], 0)
     with pytest.raises(ValueError, match="multiples of 16"):
-        grouped_wgrad(a, b, torch.tensor([0, 8, 48]))
+        grouped_wgrad(a, b, torch.tensor([0, 8, 48], device=DEV))
     with pytest.raises(ValueError, match="past the token dim"):
-        grouped_wgrad(a, b, torch.tensor([0, 16, 64]))
+        grouped_wgrad(a, b, torch.tensor([0, 16, 64], device=DEV))
     with pytest.raises(ValueError, match="decrease"):
-        grouped_wgrad(a, b, torch.tensor([0, 32, 16]))
+        grouped_wgrad(a, b, torch.tensor([0, 32, 16], device=DEV))
     with pytest.raises(ValueError, match="Hadamard"):
-        grouped_wgrad(a, quantize(torch.randn(40, 48)), offs)
+        grouped_wgrad(a, quantize(torch.randn(40, 48, device=DEV)), offs)
     with pytest.raises(ValueError, match="token dims differ"):
-        grouped_wgrad(a, quantize(torch.randn(40, 32), H), offs)
+        grouped_wgrad(a, quantize(torch.randn(40, 32, device=DEV), H), offs)
 
 
 COUNTS = [5, 0, 17, 3, 0, 16, 1]  # not multiples of 16, empty first-in-the-middle and last, exact 16
@@ -149,11 +152,11 @@ def test_padded_segments_layout():
     assert length % 16 == 0 and length >= T + 15 * E and length >= starts[-1]
     expect = [starts[e] + i for e, c in enumerate(COUNTS) for i in range(c)]
     assert dest.tolist() == expect
-    rows = torch.arange(1, T + 1, dtype=torch.float32)[:, None].repeat(1, 3)
+    rows = torch.arange(1, T + 1, dtype=torch.float32, device=DEV)[:, None].repeat(1, 3)
     p = pad_segments(rows, dest, length)
     assert p.shape == (length, 3)
     assert torch.equal(p[dest], rows) and p.sum() == rows.sum()  # zeros everywhere else
-    gather = torch.randperm(T)
+    gather = torch.randperm(T, device=DEV)
     assert torch.equal(pad_segments(rows, dest, length, gather)[dest], rows[gather])
 
 
@@ -165,7 +168,7 @@ def test_padded_layout_blocks_equal_per_expert_quantization():
     recipe = QuantRecipe(hadamard=True, pad=True, scale="none")
     offsets = _offsets(COUNTS)
     T = sum(COUNTS)
-    dy, x = torch.randn(T, 24, generator=gen), torch.randn(T, 32, generator=gen)
+    dy, x = torch.randn(T, 24, generator=gen).to(DEV), torch.randn(T, 32, generator=gen).to(DEV)
     padded, dest, length = padded_segments(offsets, T)
     dyq = quantize(pad_segments(dy, dest, length).t().contiguous(), recipe)
     xq = quantize(pad_segments(x, dest, length).t().contiguous(), recipe)

@@ -16,6 +16,9 @@ from triage.kernels.moe.experts import (
 from triage.kernels.nvfp4.api import dequantize, quantize
 from triage.kernels.nvfp4.recipe import QuantRecipe
 
+#: the device of the tests that run the Triton backends (CUDA tensors, or the interpreter on the CPU)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 def _tiny_moe(seed=0, **kw):
     cfg = Qwen3MoeConfig(
@@ -78,18 +81,18 @@ def _reference_experts(module, hidden, idx, weights):
     hq = quantize(h, cfg.activation, backend="torch").dequantize(torch.float64)
     out = torch.stack([hq[r] @ wdn[e].T for r, e in enumerate(e_sorted)])
     out = out * weights.reshape(-1)[order, None].double()
-    return torch.zeros(hidden.shape, dtype=torch.float64).index_add_(0, token, out)
+    return torch.zeros(hidden.shape, dtype=torch.float64, device=hidden.device).index_add_(0, token, out)
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_nvfp4_experts_match_per_expert_loop(backend):
-    model = _tiny_moe(seed=1)
+    model = _tiny_moe(seed=1).to(DEV)
     convert_experts(model, NVFP4MoEConfig(gemm_backend=backend))
     experts = model.model.layers[0].mlp.experts
     gen = torch.Generator().manual_seed(2)
-    hidden = torch.randn(11, 32, generator=gen)
-    idx = torch.tensor([[0, 2]] * 5 + [[2, 3]] * 6)  # expert 1 receives nothing
-    weights = torch.rand(11, 2, generator=gen)
+    hidden = torch.randn(11, 32, generator=gen).to(DEV)
+    idx = torch.tensor([[0, 2]] * 5 + [[2, 3]] * 6, device=DEV)  # expert 1 receives nothing
+    weights = torch.rand(11, 2, generator=gen).to(DEV)
     y = experts(hidden, idx, weights)
     ref = _reference_experts(experts, hidden, idx, weights)
     torch.testing.assert_close(y.double(), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
@@ -237,9 +240,9 @@ def test_transpose_16x16_per_expert_equals_quantizing_the_transpose():
     assert torch.equal(t.global_scale, direct.global_scale)
 
 
-def _routed(seed, T=20, E=4, k=2):
+def _routed(seed, T=20, E=4, k=2, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, E - 1, (T, k), generator=gen)  # expert E-1 receives no token
+    idx = torch.randint(0, E - 1, (T, k), generator=gen).to(device)  # expert E-1 receives no token
     order, offsets = offsets_from_expert_ids(idx, E)
     return order // k, offsets
 
@@ -254,9 +257,9 @@ def _grads(cfg, x, w, gather, offsets, dy):
 @pytest.mark.parametrize("backend", ["reference", "triton_expanded", "triton"])
 def test_nvfp4_backward_matches_reference_with_nearest_rounding(backend):
     gen = torch.Generator().manual_seed(8)
-    gather, offsets = _routed(9)
-    x, w = torch.randn(20, 32, generator=gen), torch.randn(4, 48, 32, generator=gen)
-    dy = torch.randn(gather.numel(), 48, generator=gen)
+    gather, offsets = _routed(9, device=DEV)
+    x, w = torch.randn(20, 32, generator=gen).to(DEV), torch.randn(4, 48, 32, generator=gen).to(DEV)
+    dy = torch.randn(gather.numel(), 48, generator=gen).to(DEV)
     grad = QuantRecipe()  # nearest: a deterministic reference
     wgrad = QuantRecipe(hadamard=True, pad=True)
     cfg = NVFP4MoEConfig(backward="nvfp4-backward", weight=W16, grad=grad, wgrad=wgrad, gemm_backend=backend)
@@ -266,7 +269,7 @@ def test_nvfp4_backward_matches_reference_with_nearest_rounding(backend):
     wq = dequantize(quantize(w, W16)).double()
     bounds = offsets.tolist()
     dx_rows = torch.cat([dyq[s:t] @ wq[e] for e, (s, t) in enumerate(zip(bounds[:-1], bounds[1:]))])
-    ref_dx = torch.zeros(20, 32, dtype=torch.float64).index_add_(0, gather, dx_rows)
+    ref_dx = torch.zeros(20, 32, dtype=torch.float64, device=DEV).index_add_(0, gather, dx_rows)
     assert ((dx.double() - ref_dx).abs().max() / ref_dx.abs().max()) < 1e-5
     # wgrad: Q_H(dyᵀ), Q_H(xᵀ) quantized once over the padded token layout (one amax per operand, x side
     # always nearest), then per expert the product over its padded columns; the empty expert gets exactly 0
@@ -286,7 +289,7 @@ def _padded_layout(rows, bounds):
     """[C, L]: expert e's rows (bounds[e]..bounds[e+1]) as columns from a multiple of 16 on, zeros between
     segments and in the tail, L = ceil16(T + 15·E) (the static bound). Returns it and the segment starts."""
     T, E = rows.shape[0], len(bounds) - 1
-    out = torch.zeros(-(-(T + 15 * E) // 16) * 16, rows.shape[1], dtype=rows.dtype)
+    out = torch.zeros(-(-(T + 15 * E) // 16) * 16, rows.shape[1], dtype=rows.dtype, device=rows.device)
     starts = [0]
     for s, t in zip(bounds[:-1], bounds[1:]):
         out[starts[-1] : starts[-1] + t - s] = rows[s:t]
