@@ -31,8 +31,10 @@ SIGNS = torch.tensor(TE_SIGNS, dtype=torch.float32)
 
 
 def rotate64(x: torch.Tensor) -> torch.Tensor:
-    """``x_b @ H`` of every 16-block in float64 (exact for these inputs: no rounding before the cast)."""
-    return (x.double().unflatten(-1, (-1, 16)) @ hadamard16_matrix(torch.float64)).flatten(-2)
+    """``x_b @ H`` of every 16-block in float64 (exact for these inputs: no rounding before the cast), on
+    x's device."""
+    h = hadamard16_matrix(torch.float64).to(x.device)
+    return (x.double().unflatten(-1, (-1, 16)) @ h).flatten(-2)
 
 
 def huge_blocks(rows: int, k: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
