@@ -20,9 +20,13 @@ from triage.kernels.nvfp4 import (
 from triage.kernels.nvfp4.fuzz import adversarial, midpoint_tensor
 from triage.kernels.nvfp4.quantize_columns import quantize_columnwise
 
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize, per_tensor_amax_to_scale
+
+@pytest.fixture
+def torchao_nvfp4():
+    """torchao's NVFP4 quantizer module (a dev extra): the tests that compare with it skip without it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor")
 
 
 def q(x, **kw):
@@ -36,31 +40,31 @@ def scale_bytes(t):
 # ---------------------------------------------------------------- torchao's own quantizer, bit for bit
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_torchao_profile_matches_torchao_two_level(seed, dtype):
+def test_torchao_profile_matches_torchao_two_level(seed, dtype, torchao_nvfp4):
     x = adversarial(512, 512, dtype=dtype, seed=seed, specials=False)  # torchao has no defined NaN rule
     t = q(x, profile="torchao")
-    pts = per_tensor_amax_to_scale(x.float().abs().amax())
-    s, d = nvfp4_quantize(x, per_tensor_scale=pts)
+    pts = torchao_nvfp4.per_tensor_amax_to_scale(x.float().abs().amax())
+    s, d = torchao_nvfp4.nvfp4_quantize(x, per_tensor_scale=pts)
     assert torch.equal(t.global_scale, pts)
     assert torch.equal(scale_bytes(t), s.view(torch.uint8))
     assert torch.equal(t.data, d)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_torchao_profile_matches_torchao_single_level(dtype):
+def test_torchao_profile_matches_torchao_single_level(dtype, torchao_nvfp4):
     x = adversarial(256, 256, dtype=dtype, seed=7, specials=False)
     t = q(x, profile="torchao", scale="none")
-    s, d = nvfp4_quantize(x)
+    s, d = torchao_nvfp4.nvfp4_quantize(x)
     assert torch.equal(scale_bytes(t), s.view(torch.uint8))
     assert torch.equal(t.data, d)
 
 
-def test_torchao_profile_matches_torchao_per_expert():
+def test_torchao_profile_matches_torchao_per_expert(torchao_nvfp4):
     x = adversarial(4 * 64, 128, seed=3, specials=False).reshape(4, 64, 128)
     t = q(x, profile="torchao", scale="expert")
-    pts = per_tensor_amax_to_scale(x.float().abs().amax(dim=(1, 2), keepdim=True))
+    pts = torchao_nvfp4.per_tensor_amax_to_scale(x.float().abs().amax(dim=(1, 2), keepdim=True))
     assert t.global_scale.shape == (4, 1, 1)
-    s, d = nvfp4_quantize(x, per_tensor_scale=pts)
+    s, d = torchao_nvfp4.nvfp4_quantize(x, per_tensor_scale=pts)
     assert torch.equal(t.global_scale, pts)
     assert torch.equal(scale_bytes(t).reshape(s.shape), s.view(torch.uint8))
     assert torch.equal(t.data.reshape(d.shape), d)
