@@ -136,11 +136,18 @@ def test_the_no_sync_check_sees_a_host_read(monkeypatch):
         gemm(a, b, backend="cublas", b_scale_host=1.5)
 
 
-def test_host_scales_false_routes():
+def test_host_scales_false_routes(monkeypatch):
     """``gemm_plan(host_scales=False)`` (a capturable NVFP4Linear's GEMMs) never takes cuBLAS's host alpha
     for a scale the recipes do not fix: ``"auto"`` runs the Triton GEMM (the bits of ``backend="triton"``),
     ``"cublas"`` cuBLAS with an fp32 output and the scales applied on the device (the reference's value
     within fp32 rounding); with both scales recipe-given the alpha route stays (nothing to read)."""
+    # On CUDA, "auto" itself sends a GEMM below SYNC_FREE_MAX_FLOP with a dynamic per-tensor activation scale
+    # to the sync-free Triton GEMM (the host read of the alpha would stall the launch queue); the interpreter
+    # has no such rule. A zero threshold gives this small GEMM the large-GEMM route on both (cuBLAS's alpha,
+    # read on the host), which host_scales=False must then leave; fresh plan caches (the threshold is read
+    # when a plan is built).
+    monkeypatch.setattr(mm, "SYNC_FREE_MAX_FLOP", 0)
+    monkeypatch.setattr(mm, "_GEMM_PLANS", {})
     g = torch.Generator().manual_seed(4)
     a, b = random_nvfp4((70, 32), gen=g), random_nvfp4((16, 32), gen=g)  # > SMALL_M rows
     auto = mm.gemm_plan(a, b, backend="auto", host_scales=False)

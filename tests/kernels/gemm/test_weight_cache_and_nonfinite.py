@@ -11,6 +11,7 @@ import dataclasses
 
 import pytest
 import torch
+from _dense_operands import device
 from torch import nn
 
 from triage.kernels import NVFP4Linear, NVFP4LinearConfig
@@ -167,7 +168,7 @@ def test_a_nan_device_scale_reaches_the_output_even_when_the_alpha_comes_from_th
     put in the device scale must still reach every output."""
     torch.manual_seed(0)
     recipe = QuantRecipe(scale_source="static", static_amax=4.0)
-    a = quantize(torch.randn(80, 32), recipe, backend="torch")
-    b = quantize(torch.randn(16, 32), QuantRecipe(), backend="torch")
+    a = quantize(torch.randn(80, 32).to(device()), recipe, backend="torch")
+    b = quantize(torch.randn(16, 32).to(device()), QuantRecipe(), backend="torch")
     a = dataclasses.replace(a, global_scale=a.global_scale * float("nan"))
     assert gemm(a, b, out_dtype=torch.float32, backend=backend).isnan().all()
