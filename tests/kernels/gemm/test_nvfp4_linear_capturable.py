@@ -11,6 +11,7 @@ import importlib
 
 import pytest
 import torch
+from _dense_operands import device
 from _train_step import train_step
 from torch import nn
 
@@ -63,13 +64,14 @@ def test_capturable_gives_the_cached_bits(backward, rows, backend):
     inductor's GELU rounds unlike eager's). 2×40 rows: the GEMMs on expansions (with
     ``gemm_backend="triton"`` in both: the cached layer's ``"auto"`` takes cuBLAS's host alpha there, which
     the capturable one leaves for the Triton GEMM)."""
-    cached, capturable = _pair(backward, **({"gemm_backend": "triton"} if rows > 32 else {}))
+    cached, capturable = _pair(backward, device=device(), **({"gemm_backend": "triton"} if rows > 32 else {}))
     run_a = torch.compile(cached, backend=backend, fullgraph=True) if backend == "inductor" else cached
     run_b = torch.compile(capturable, backend=backend, fullgraph=True) if backend else capturable
     opt_a, opt_b = _adamw(cached), _adamw(capturable)
     g = torch.Generator().manual_seed(1)
     for step in range(3):
         x, dy = torch.randn(2, rows, 32, generator=g), torch.randn(2, rows, 16, generator=g)
+        x, dy = x.to(device()), dy.to(device())
         y_a, grads_a = train_step(run_a, opt_a, x, dy)
         y_b, grads_b = train_step(run_b, opt_b, x, dy)
         assert torch.equal(y_a, y_b), step
@@ -177,10 +179,16 @@ def test_the_compiled_graph_holds_no_op_id_and_layers_share_it(backward):
 
 
 @pytest.mark.parametrize("backend", [None, "aot_eager"])
-def test_seeds_are_drawn_by_a_forward_a_backward_can_follow(backend):
+def test_seeds_are_drawn_by_a_forward_a_backward_can_follow(monkeypatch, backend):
     """A capturable layer's nvfp4-backward seeds are drawn at the forward (the count advances there, before
     the backward), and only where a backward can follow: grad mode on and x, W or b requiring grad. A
     no-grad forward, one with nothing requiring grad, and any bf16-backward forward draw nothing."""
+    # ``requires_grad_`` below flips the parameters' flag in place. Dynamo before pytorch/pytorch#177158
+    # (torch 2.11 among them) takes a parameter for immutable while its module's ``_parameters`` dict keeps
+    # its tag, skips its tensor guards (requires_grad too) and reruns the graph traced with nothing requiring
+    # grad, which draws nothing. The rule under test is the layer's: keep those guards on every torch.
+    if hasattr(torch._dynamo.config, "skip_tensor_guards_with_matching_dict_tags"):
+        monkeypatch.setattr(torch._dynamo.config, "skip_tensor_guards_with_matching_dict_tags", False)
     cfg = NVFP4LinearConfig(backward="nvfp4-backward", capturable=True)
     layer = NVFP4Linear(32, 48, config=cfg)
     run = torch.compile(layer, backend=backend, fullgraph=True) if backend else layer
@@ -346,15 +354,24 @@ def _forbid_host_reads(monkeypatch, allowed: set) -> None:
 
 @pytest.mark.parametrize("capturable", [True, False])
 def test_the_compiled_capturable_op_reads_nothing_on_the_host(monkeypatch, capturable):
-    """The compiled ops (their real bodies, Triton launches under the interpreter) at 80 rows, where the
-    cached layer's GEMM is cuBLAS with a host alpha: forward and nvfp4-backward run with every Python-level
-    host read of tensor data refused (``.item()``, ``float()``, ``bool()``, ...; ``int()`` only of the
-    cached layer's op ids: the capturable op takes none). The cached layer fails it (``float()`` of the
+    """The compiled ops (their real bodies: the Triton kernels on CUDA, under the interpreter on a CPU) at 80
+    rows, where the cached layer's GEMM is cuBLAS with a host alpha: forward and nvfp4-backward run with
+    every Python-level host read of tensor data refused (``.item()``, ``float()``, ``bool()``, ...; ``int()``
+    only of the cached layer's op ids: the capturable op takes none). The cached layer fails it (``float()`` of the
     activation's outer scale), so the check can fail."""
-    cached, model = _pair("nvfp4-backward")
+    from triage.kernels import linear
+    from triage.kernels.nvfp4 import matmul
+
+    # On CUDA, "auto" leaves cuBLAS's alpha for the sync-free Triton GEMM below SYNC_FREE_MAX_FLOP when the
+    # activation's scale is dynamic, as these small GEMMs are (the interpreter has no such rule): a zero
+    # threshold gives them the large-GEMM routes on both, and fresh plan caches (read when a plan is built).
+    monkeypatch.setattr(matmul, "SYNC_FREE_MAX_FLOP", 0)
+    monkeypatch.setattr(matmul, "_GEMM_PLANS", {})
+    monkeypatch.setattr(linear, "_PLANS", {})
+    cached, model = _pair("nvfp4-backward", device=device())
     model = model if capturable else cached
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
-    x, dy = torch.randn(80, 32), torch.randn(80, 16)
+    x, dy = torch.randn(80, 32).to(device()), torch.randn(80, 16).to(device())
     train_step(compiled, _adamw(model), x, dy)  # compiles, and fills the caches of the cached layers
     allowed = set() if capturable else {m._op_id.data_ptr() for m in model if isinstance(m, NVFP4Linear)}
     _forbid_host_reads(monkeypatch, allowed)
