@@ -123,6 +123,38 @@ def test_eos_stops_the_row_and_is_included(tiny_model, prompt_ids):
         assert stop not in c[:-1]
 
 
+@pytest.mark.parametrize("decode", ["dynamic", "static"])
+def test_finished_rows_are_checked_every_few_steps_without_changing_the_completions(
+    tiny_model, prompt_ids, decode, monkeypatch
+):
+    from triage.trainers.sampling import hf
+
+    params = SamplingParams(max_new_tokens=24, top_k=1)
+    free = sample_with_kv_cache(tiny_model, prompt_ids, params, eos_ids=[], pad_id=0, decode=decode)
+    # EOS ids that end every row early, at different steps: each row's 2nd, 4th and 6th greedy tokens
+    stops = [free["completion_ids"][r][k] for r, k in ((0, 1), (1, 3), (2, 5))]
+    ends = [min(c.index(t) for t in stops if t in c) + 1 for c in free["completion_ids"]]
+    assert max(ends) < 8 < params.max_new_tokens
+    calls, outs = [], {}
+    hook = tiny_model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    try:
+        for every in (1, 3, hf.DONE_CHECK_EVERY):
+            monkeypatch.setattr(hf, "DONE_CHECK_EVERY", every)
+            calls.clear()
+            outs[every] = sample_with_kv_cache(
+                tiny_model, prompt_ids, params, eos_ids=stops, pad_id=0, decode=decode
+            )
+            # the prefill, then one forward per step after the first; the loop ends at the first check after
+            # the last row finished
+            assert len(calls) == min(-(-max(ends) // every) * every, params.max_new_tokens)
+    finally:
+        hook.remove()
+    for out in outs.values():
+        assert out == outs[1]
+        assert [len(c) for c in out["completion_ids"]] == ends
+        assert out["completion_ids"] == [c[:n] for c, n in zip(free["completion_ids"], ends)]
+
+
 def test_seed_makes_sampling_reproducible(tiny_model, tokenizer, prompt_ids):
     params = SamplingParams(max_new_tokens=10, temperature=1.5)
     runs = [HFSampler(tiny_model, params=params, seed=s).generate(prompt_ids) for s in (7, 7, 8)]

@@ -97,6 +97,9 @@ def _new_cache(
 
 
 DECODES = ("auto", "dynamic", "static", "cuda_graph")
+#: The decode loop checks whether every row has finished (a host read of a device flag, which waits for the
+#: GPU) once per this many steps, not after every token.
+DONE_CHECK_EVERY = 8
 #: where the sampler copy's NVFP4 activation outer scales come from (``HFSampler(activation_scale=...)``)
 ACTIVATION_SCALES = ("recipe", "calibrated")
 #: the weight outer scales of the sampler copy's fused shards (``HFSampler(fused_weight_scale=...)``)
@@ -138,8 +141,8 @@ class _GraphStep:
     :func:`sample_with_kv_cache` call, so it may read weights and weight caches as they are during that call
     (a weight sync between calls gets a new graph). A capture that fails (an op that synchronises with the
     host, say) is reported once with a warning and the loop continues with the eager static step. A replay
-    runs the captured kernels, which need not be the eager ones bit for bit (cuBLAS may choose others under
-    stream capture: docs/benchmarks.md saw equal bits at decode batch ≤ 16, not at 128)."""
+    runs the captured kernels, which need not be the eager ones bit for bit (docs/benchmarks.md saw equal bits
+    at decode batch ≤ 16 on a 10M-parameter model, not at 128, nor at batch 16 at Qwen3-4B width)."""
 
     def __init__(self, step: Callable[[], torch.Tensor]):
         self.step, self.calls, self.graph, self.logits, self.failed = step, 0, None, None, False
@@ -267,6 +270,7 @@ def sample_with_kv_cache(
             return o.logits[:, -1, :]
 
         forward = _GraphStep(step) if decode == "cuda_graph" else step
+    track_seen = params.repetition_penalty != 1.0  # the one processor that reads the tokens so far
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     tokens, logps, alive = [], [], []
     for i in range(params.max_new_tokens):
@@ -281,9 +285,13 @@ def sample_with_kv_cache(
         logps.append(logp)
         alive.append(~finished)
         finished = finished | torch.isin(token, eos)
-        if bool(finished.all()) or i == params.max_new_tokens - 1:
+        # reading `finished` waits for the GPU; doing it every DONE_CHECK_EVERY steps lets the host queue that
+        # many steps ahead. The steps after every row finished feed pads and are not recorded (a row's alive
+        # steps are a prefix), so the returned completions are the same; they only draw more random numbers.
+        if i == params.max_new_tokens - 1 or ((i + 1) % DONE_CHECK_EVERY == 0 and bool(finished.all())):
             break
-        seen = torch.cat([seen, token[:, None]], dim=1)
+        if track_seen:
+            seen = torch.cat([seen, token[:, None]], dim=1)
         if static:
             token_buf.copy_(token[:, None])
             mask4[:, 0, 0, width + i] = on  # the key this step writes
