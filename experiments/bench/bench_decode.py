@@ -5,8 +5,8 @@
 
 For each model shape, sampler precision and batch size it samples ``--new`` tokens from ``--prompt``-token
 prompts (EOS never ends a row) with :func:`triage.trainers.sampling.sample_with_kv_cache` and prints the
-median wall time of ``--reps`` calls (after one warm-up call) as tokens/s, beside the BF16 dynamic-cache
-loop (the peer: transformers' ``DynamicCache``, what the sampler ran before). Correctness first, in the same
+median wall time of ``--reps`` calls (after one warm-up call) as tokens/s, beside the peers: BF16 in the
+same loop, and the BF16 dynamic-cache loop (transformers' ``DynamicCache``, what the sampler ran before). Correctness first, in the same
 run: ``cuda_graph`` must return exactly ``static``'s tokens and log-probs (same generator seed), and
 ``dynamic`` vs ``static`` token agreement is printed, with whether each loop's ``--reps`` calls (same seed)
 returned identical outputs (a loop that differs from itself is nondeterministic, whatever the graph does).
@@ -118,6 +118,9 @@ def main(argv=None) -> int:
     unknown = set(decodes) - {"dynamic", "static", "cuda_graph"}
     if unknown:
         raise SystemExit(f"--decodes: unknown {sorted(unknown)}, expected dynamic, static, cuda_graph")
+    unknown = set(args.precisions.split(",")) - set(PRECISIONS)
+    if unknown:
+        raise SystemExit(f"--precisions: unknown {sorted(unknown)}, expected {', '.join(PRECISIONS)}")
     for shape in args.shapes.split(","):
         for precision in args.precisions.split(","):
             model, tok = build(shape, precision)

@@ -144,7 +144,7 @@ def test_adversarial_weights_give_finite_exact_results(weight):
     # scales keep huge and tiny weights in range; zero weights give exact zeros). No bound relative to |y|
     # alone holds: with all-equal weights the sums cancel, by how much depends on x.
     w64, x64 = _dense64(layer), x.detach().double()
-    ku = (32 + 1) * 2.0**-24
+    ku = (x.shape[1] + 1) * 2.0**-24
     bound = ku / (1 - ku) * (x64.abs() @ w64.abs().T)
     assert ((y.double() - x64 @ w64.T).abs() <= bound).all()
     y.sum().backward()

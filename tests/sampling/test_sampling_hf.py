@@ -109,6 +109,22 @@ def test_repetition_penalty_ignores_left_padding(tiny_model, tokenizer):
     )
 
 
+def test_repetition_penalty_sees_the_completion_so_far(tiny_model, prompt_ids):
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    prompt = prompt_ids[0]
+    params = SamplingParams(max_new_tokens=12, repetition_penalty=1.5)
+    g = torch.Generator().manual_seed(0)
+    out = sample_with_kv_cache(tiny_model, [prompt], params, [], generator=g, logprobs_mode="processed", pad_id=0)
+    completion, logps = out["completion_ids"][0], out["logprobs"][0]
+    penalty = RepetitionPenaltyLogitsProcessor(penalty=1.5)
+    with torch.no_grad():
+        logits = tiny_model(torch.tensor([prompt + completion])).logits[0].float()
+    for t, token in enumerate(completion):  # step t penalises the prompt and the t tokens drawn before it
+        scores = penalty(torch.tensor([prompt + completion[:t]]), logits[len(prompt) - 1 + t][None].clone())
+        assert abs(torch.log_softmax(scores, -1)[0, token].item() - logps[t]) < 1e-4, t
+
+
 def test_eos_stops_the_row_and_is_included(tiny_model, prompt_ids):
     params = SamplingParams(max_new_tokens=8, top_k=1)
     free = sample_with_kv_cache(tiny_model, prompt_ids, params, eos_ids=[], pad_id=0)
@@ -129,12 +145,20 @@ def test_finished_rows_are_checked_every_few_steps_without_changing_the_completi
 ):
     from triage.trainers.sampling import hf
 
-    params = SamplingParams(max_new_tokens=24, top_k=1)
-    free = sample_with_kv_cache(tiny_model, prompt_ids, params, eos_ids=[], pad_id=0, decode=decode)
-    # EOS ids that end every row early, at different steps: each row's 2nd, 4th and 6th greedy tokens
-    stops = [free["completion_ids"][r][k] for r, k in ((0, 1), (1, 3), (2, 5))]
+    params = SamplingParams(max_new_tokens=24, temperature=1.0)
+
+    def gen():
+        return torch.Generator().manual_seed(3)
+
+    free = sample_with_kv_cache(tiny_model, prompt_ids, params, eos_ids=[], generator=gen(), pad_id=0, decode=decode)
+    # EOS ids that end the rows early at different steps: for row r, its first token from step k on that no row
+    # drew before step k (so no row stops sooner on it)
+    stops = [
+        next(t for t in free["completion_ids"][r][k:] if all(t not in c[:k] for c in free["completion_ids"]))
+        for r, k in ((0, 1), (1, 3), (2, 5))
+    ]
     ends = [min(c.index(t) for t in stops if t in c) + 1 for c in free["completion_ids"]]
-    assert max(ends) < 8 < params.max_new_tokens
+    assert len(set(ends)) == 3 and max(ends) < 8 < params.max_new_tokens
     calls, outs = [], {}
     hook = tiny_model.register_forward_pre_hook(lambda module, args: calls.append(1))
     try:
@@ -142,7 +166,7 @@ def test_finished_rows_are_checked_every_few_steps_without_changing_the_completi
             monkeypatch.setattr(hf, "DONE_CHECK_EVERY", every)
             calls.clear()
             outs[every] = sample_with_kv_cache(
-                tiny_model, prompt_ids, params, eos_ids=stops, pad_id=0, decode=decode
+                tiny_model, prompt_ids, params, eos_ids=stops, generator=gen(), pad_id=0, decode=decode
             )
             # the prefill, then one forward per step after the first; the loop ends at the first check after
             # the last row finished

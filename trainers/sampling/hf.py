@@ -198,8 +198,9 @@ def sample_with_kv_cache(
     (``HFSampler(batch_size=...)``) or decode ``"dynamic"``.
 
     Returns ``{"completion_ids", "logprobs"}``; a completion ends with (and includes) the first EOS id, or stops
-    at ``params.max_new_tokens``. A finished row keeps being fed ``pad_id`` until every row has finished; those
-    steps are not recorded.
+    at ``params.max_new_tokens``. A finished row keeps being fed ``pad_id`` until the first check after every
+    row has finished (one every :data:`DONE_CHECK_EVERY` steps); those steps are not recorded, but they advance
+    ``generator`` (up to ``DONE_CHECK_EVERY`` − 1 more draws than stopping at the last row's EOS).
     """
     if logprobs_mode not in ("temperature", "processed"):
         raise ValueError(f"logprobs_mode must be 'temperature' or 'processed', got {logprobs_mode!r}")
