@@ -35,7 +35,8 @@ module call counter (deterministic run to run, different every step: :func:`_rou
 
 Forward GEMM: for more than ``SMALL_M`` rows the activation quantizer also writes the exact bf16 ``q·s``
 (``emit_expanded``) and the GEMM runs on expansions (see :mod:`triage.kernels.nvfp4.matmul`); decode-sized
-inputs stream the packed weight instead.
+inputs stream the packed weight instead, reading the activation as its exact fp16 ``q·s``, which the activation
+quantizer writes in the same pass.
 
 Weight cache. ``W_q`` (and, for the large-M path, its exact bf16 expansion ``q·s`` and its per-tensor decode
 scale as a host float) is cached on the module and reused while :func:`weight_key` of the weight is unchanged:
@@ -285,23 +286,29 @@ def _quantize(
     recipe: QuantRecipe,
     backend: str,
     seed: int | None = None,
-    expanded: bool = False,
+    expanded: torch.dtype | None = None,
     plan: RowsPlan | None = None,
 ) -> NVFP4Tensor:
-    """``quantize(x, recipe)`` (+ the exact bf16 ``q·s`` if ``expanded``) under the non-finite rule. ``plan``:
-    the Triton quantizer's plan for x's signature (:func:`_rows_plan`), run directly when x fits it."""
+    """``quantize(x, recipe)`` (+ the exact ``q·s`` in dtype ``expanded``, bf16 or fp16, when given) under the
+    non-finite rule. ``plan``: the Triton quantizer's plan for x's signature (:func:`_rows_plan`), run
+    directly when x fits it."""
     if plan is not None and x.is_contiguous() and not (plan.pairs and x.storage_offset() % 2):
         q = plan.run(x, seed)
         q.global_scale = nonfinite_scale(q, x)  # q is ours alone: no copy of the dataclass
         return q
     from triage.kernels.nvfp4 import quantize
 
-    q = quantize(x, recipe, backend=backend, seed=seed, emit_expanded=torch.bfloat16 if expanded else None)
+    q = quantize(x, recipe, backend=backend, seed=seed, emit_expanded=expanded)
     return nan_if_nonfinite(q, x)
 
 
 def _rows_plan(
-    recipe: QuantRecipe, backend: str, shape: tuple, dtype: torch.dtype, device: torch.device, expanded: bool
+    recipe: QuantRecipe,
+    backend: str,
+    shape: tuple,
+    dtype: torch.dtype,
+    device: torch.device,
+    expanded: torch.dtype | None,
 ) -> RowsPlan | None:
     """The Triton quantizer's :class:`~triage.kernels.nvfp4.quantize_rows.RowsPlan` for a contiguous input of
     ``shape``/``dtype`` on ``device`` when ``quantize(..., backend=backend)`` would run Triton there, after
@@ -317,8 +324,7 @@ def _rows_plan(
     meta = torch.empty(shape, dtype=dtype, device="meta")
     check_input(meta, recipe)
     check_runnable(torch.empty(0, device=device))
-    emit = torch.bfloat16 if expanded else None
-    return rows_plan(torch.Size(shape), dtype, recipe, emit, True, None, None, None, interpreting())
+    return rows_plan(torch.Size(shape), dtype, recipe, expanded, True, None, None, None, interpreting())
 
 
 def _quantize_t(
@@ -416,7 +422,12 @@ def _quantize_weight(weight: torch.Tensor, config: NVFP4LinearConfig) -> _Quanti
     (nothing read to the host), the same bits for the cache and for a per-call quantization."""
     uses_expanded = _uses_expanded_weight(config, weight.device)
     with torch.no_grad():  # the exact q·s written in the same pass when the large-M GEMMs want it
-        q = _quantize(weight.detach(), config.weight, config.quant_backend, expanded=uses_expanded)
+        q = _quantize(
+            weight.detach(),
+            config.weight,
+            config.quant_backend,
+            expanded=torch.bfloat16 if uses_expanded else None,
+        )
         expanded = None
         if uses_expanded:
             from triage.kernels.nvfp4.matmul import expand
@@ -478,6 +489,9 @@ class _CallPlan:
 
     ``large``: the forward and dgrad GEMMs (M = tokens) run on expansions, so x_q and dy_q are quantized
     with their exact bf16 ``q·s``; ``large_wgrad`` the same for the wgrad GEMM (M = out_features).
+    ``act_expanded``: the dtype of the exact ``q·s`` the x and dy quantizers write with the codes: bf16 when
+    ``large``, fp16 when those GEMMs run the decode kernel (few rows; it reads the activation as its fp16
+    expansion, :func:`~triage.kernels.nvfp4.matmul.decode_route`), else None.
     ``x_plan`` / ``dy_plan``: the Triton row quantizer's plans for x and dy (None where ``quantize``
     would not run Triton: the torch reference then runs through ``quantize``); ``xt_plan`` / ``dyt_plan``
     the columnwise quantizer's for the wgrad's xᵀ and dyᵀ (nvfp4-backward). ``gemms``: the
@@ -493,6 +507,7 @@ class _CallPlan:
     lead: tuple
     large: bool
     large_wgrad: bool
+    act_expanded: torch.dtype | None
     x_plan: RowsPlan | None
     dy_plan: RowsPlan | None
     xt_recipe: QuantRecipe  # the wgrad's xᵀ: the wgrad recipe with nearest rounding
@@ -538,6 +553,11 @@ def _call_plan(config: NVFP4LinearConfig, x: torch.Tensor, out_features: int) ->
     K = x.shape[-1]
     rows = x.numel() // K
     large = _large_m(config, rows, x.device)
+    act_expanded = torch.bfloat16 if large else None
+    if not large:
+        from triage.kernels.nvfp4.matmul import decode_route
+
+        act_expanded = torch.float16 if decode_route(config.gemm_backend, rows, x.device) else None
     nvfp4_bwd = config.backward == "nvfp4-backward"
     backend = config.quant_backend
     xt_recipe = replace(config.wgrad, rounding="nearest")
@@ -550,8 +570,9 @@ def _call_plan(config: NVFP4LinearConfig, x: torch.Tensor, out_features: int) ->
         lead=tuple(x.shape[:-1]),
         large=large,
         large_wgrad=large_wgrad,
-        x_plan=_rows_plan(config.activation, backend, (rows, K), x.dtype, x.device, large),
-        dy_plan=_rows_plan(config.grad, backend, (rows, out_features), x.dtype, x.device, large)
+        act_expanded=act_expanded,
+        x_plan=_rows_plan(config.activation, backend, (rows, K), x.dtype, x.device, act_expanded),
+        dy_plan=_rows_plan(config.grad, backend, (rows, out_features), x.dtype, x.device, act_expanded)
         if nvfp4_bwd
         else None,
         xt_recipe=xt_recipe,
@@ -570,7 +591,7 @@ def _linear_forward(
     """``y = Q(x)·Q(W)ᵀ + b`` for ``x`` of ``plan``'s signature and W_q ``w`` (module docstring)."""
     config = plan.config
     x2 = x.reshape(plan.rows, plan.in_features)
-    xq = _quantize(x2, config.activation, config.quant_backend, expanded=plan.large, plan=plan.x_plan)
+    xq = _quantize(x2, config.activation, config.quant_backend, expanded=plan.act_expanded, plan=plan.x_plan)
     y = plan.gemm(
         "fwd",
         xq,
@@ -639,7 +660,7 @@ def _linear_backward(
         backend = config.quant_backend
         if needs[0]:
             dy_plan = plan.dy_plan if dy2.dtype == x.dtype else None
-            dyq = _quantize(dy2, config.grad, backend, seed=seed, expanded=plan.large, plan=dy_plan)
+            dyq = _quantize(dy2, config.grad, backend, seed=seed, expanded=plan.act_expanded, plan=dy_plan)
             dx = plan.gemm(("dgrad", dy2.dtype), dyq, weight_t, out_dtype=x.dtype)
         if needs[1]:
             # dy2ᵀ, x2ᵀ quantized straight from the row-major dy2, x2 (no transposed copy; same bytes)

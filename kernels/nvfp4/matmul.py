@@ -254,6 +254,13 @@ def _pick(backend: str, M: int, device: torch.device) -> str:
     return "triton" if M <= SMALL_M else LARGE_M_BACKEND
 
 
+def decode_route(backend: str, M: int, device: torch.device) -> bool:
+    """Whether :func:`gemm` with ``backend`` and M rows of ``a`` on ``device`` runs the decode kernel, which reads
+    ``a`` as its exact fp16 ``q·s``: a quantizer that writes that expansion with the codes
+    (``emit_expanded=torch.float16``) saves the GEMM its own expansion pass."""
+    return _gpu_ready(device) and M <= SMALL_M and _pick(backend, M, device) == "triton"
+
+
 def expand(t, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Exact dense ``q·s`` of an NVFP4 operand (outer scale NOT applied) as [..., Kp] of ``dtype``.
 

@@ -103,3 +103,34 @@ def test_the_no_sync_check_sees_a_host_read(monkeypatch):
     layer = NVFP4Linear(64, 96, device="meta", config=dataclasses.replace(CFG, gemm_backend="cublas"))
     with pytest.raises((RuntimeError, NotImplementedError)):
         layer(torch.empty(128, 64, device="meta"))
+
+
+@pytest.mark.parametrize("backward", ["bf16-backward", "nvfp4-backward"])
+@pytest.mark.parametrize("scale", ["tensor", "row"])
+def test_decode_sized_calls_take_the_activation_expansion_from_the_quantizer(monkeypatch, backward, scale):
+    """At decode size the GEMMs run the decode kernel, which reads the activation (x, and dy in the dgrad) as
+    its exact fp16 q·s: the quantizer writes it with the codes, so no separate expansion pass runs, and the
+    output and gradients are the bits of quantizing, expanding and multiplying step by step."""
+    from triage.kernels.linear import nan_if_nonfinite
+    from triage.kernels.nvfp4 import dequantize_rows, quantize
+    from triage.kernels.nvfp4.matmul import decode_route, gemm
+
+    assert decode_route("triton", 9, device())
+    cfg = dataclasses.replace(CFG, backward=backward, activation=QuantRecipe(scale=scale))
+    layer = _layer(cfg)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(9, 48, generator=g).to(device())
+    dy = torch.randn(9, 80, generator=g).to(device())
+    with torch.no_grad():  # step by step: the activation quantized alone, the GEMM expands it itself
+        xq = nan_if_nonfinite(quantize(x, cfg.activation, backend="triton"), x)
+        wq = nan_if_nonfinite(quantize(layer.weight, cfg.weight, backend="triton"), layer.weight)
+        y_ref = gemm(xq, wq, out_dtype=x.dtype, bias=layer.bias, backend="triton")
+    expansions = []
+    real = dequantize_rows.expand_triton
+    monkeypatch.setattr(
+        dequantize_rows, "expand_triton", lambda *a, **k: expansions.append(a[0].shape) or real(*a, **k)
+    )
+    y, grads = _call(layer, x, dy)
+    assert torch.equal(y, y_ref)
+    assert all(torch.isfinite(t).all() for t in grads)
+    assert expansions == [], expansions
