@@ -35,8 +35,9 @@ module call counter (deterministic run to run, different every step: :func:`_rou
 
 Forward GEMM: for more than ``SMALL_M`` rows the activation quantizer also writes the exact bf16 ``q·s``
 (``emit_expanded``) and the GEMM runs on expansions (see :mod:`triage.kernels.nvfp4.matmul`); decode-sized
-inputs stream the packed weight instead, reading the activation as its exact fp16 ``q·s``, which the activation
-quantizer writes in the same pass.
+inputs on the decode kernel (:func:`~triage.kernels.nvfp4.matmul.decode_route`: ``gemm_backend="triton"``, or
+``"auto"`` below sm_100) stream the packed weight instead, reading x (and dy in the nvfp4 dgrad) as its exact
+fp16 ``q·s``, which the Triton quantizer writes in the same pass.
 
 Weight cache. ``W_q`` (and, for the large-M path, its exact bf16 expansion ``q·s`` and its per-tensor decode
 scale as a host float) is cached on the module and reused while :func:`weight_key` of the weight is unchanged:
@@ -553,13 +554,17 @@ def _call_plan(config: NVFP4LinearConfig, x: torch.Tensor, out_features: int) ->
     K = x.shape[-1]
     rows = x.numel() // K
     large = _large_m(config, rows, x.device)
+    backend = config.quant_backend
     act_expanded = torch.bfloat16 if large else None
     if not large:
+        from triage.kernels.nvfp4.device import available
         from triage.kernels.nvfp4.matmul import decode_route
 
-        act_expanded = torch.float16 if decode_route(config.gemm_backend, rows, x.device) else None
+        # the torch quantizer would write it with several ops: only the Triton one saves the GEMM's expand pass
+        triton_quantizer = backend == "triton" or (backend == "auto" and available(x.device))
+        decode = triton_quantizer and decode_route(config.gemm_backend, rows, x.device)
+        act_expanded = torch.float16 if decode else None
     nvfp4_bwd = config.backward == "nvfp4-backward"
-    backend = config.quant_backend
     xt_recipe = replace(config.wgrad, rounding="nearest")
     large_wgrad = _large_m(config, out_features, x.device)
     return _CallPlan(

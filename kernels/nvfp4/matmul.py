@@ -66,6 +66,7 @@ __all__ = [
     "LARGE_M_BACKEND",
     "SMALL_M",
     "GemmPlan",
+    "decode_route",
     "expand",
     "gemm",
     "gemm_plan",
@@ -258,7 +259,12 @@ def decode_route(backend: str, M: int, device: torch.device) -> bool:
     """Whether :func:`gemm` with ``backend`` and M rows of ``a`` on ``device`` runs the decode kernel, which reads
     ``a`` as its exact fp16 ``q·s``: a quantizer that writes that expansion with the codes
     (``emit_expanded=torch.float16``) saves the GEMM its own expansion pass."""
-    return _gpu_ready(device) and M <= SMALL_M and _pick(backend, M, device) == "triton"
+    return _gpu_ready(device) and _decode(_pick(backend, M, device), M)
+
+
+def _decode(which: str, M: int) -> bool:
+    """Whether the backend ``which`` (:func:`_pick`'s) runs a GEMM of M rows on the decode kernel."""
+    return which == "triton" and M <= SMALL_M
 
 
 def expand(t, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -563,7 +569,7 @@ def _build_gemm_plan(a, b, out_dtype, bias, backend, b_expanded, b_scale_host, h
     which = _pick(backend, M, device)
     per_tensor = ga.numel() == 1 and gb.numel() == 1
     route, launch = which, None
-    if which == "triton" and M <= SMALL_M:
+    if _decode(which, M):
         from triage.kernels.nvfp4.gemm_decode import decode_launch
 
         route, launch = "decode", decode_launch(M, N, K, K // 16, torch.float16, out_dtype)

@@ -105,26 +105,32 @@ def test_the_no_sync_check_sees_a_host_read(monkeypatch):
         layer(torch.empty(128, 64, device="meta"))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: the quantizer's paired fast path
 @pytest.mark.parametrize("backward", ["bf16-backward", "nvfp4-backward"])
 @pytest.mark.parametrize("scale", ["tensor", "row"])
-def test_decode_sized_calls_take_the_activation_expansion_from_the_quantizer(monkeypatch, backward, scale):
+def test_decode_sized_calls_take_the_activation_expansion_from_the_quantizer(monkeypatch, backward, scale, dtype):
     """At decode size the GEMMs run the decode kernel, which reads the activation (x, and dy in the dgrad) as
     its exact fp16 q·s: the quantizer writes it with the codes, so no separate expansion pass runs, and the
     output and gradients are the bits of quantizing, expanding and multiplying step by step."""
-    from triage.kernels.linear import nan_if_nonfinite
+    from triage.kernels.linear import nan_if_nonfinite, transpose_16x16
     from triage.kernels.nvfp4 import dequantize_rows, quantize
     from triage.kernels.nvfp4.matmul import decode_route, gemm
 
     assert decode_route("triton", 9, device())
     cfg = dataclasses.replace(CFG, backward=backward, activation=QuantRecipe(scale=scale))
-    layer = _layer(cfg)
+    layer = _layer(cfg).to(dtype)
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(9, 48, generator=g).to(device())
-    dy = torch.randn(9, 80, generator=g).to(device())
-    with torch.no_grad():  # step by step: the activation quantized alone, the GEMM expands it itself
+    x = torch.randn(9, 48, generator=g).to(dtype).to(device())
+    dy = torch.randn(9, 80, generator=g).to(dtype).to(device())
+    with torch.no_grad():  # step by step: each operand quantized alone, the GEMM expands it itself
         xq = nan_if_nonfinite(quantize(x, cfg.activation, backend="triton"), x)
         wq = nan_if_nonfinite(quantize(layer.weight, cfg.weight, backend="triton"), layer.weight)
         y_ref = gemm(xq, wq, out_dtype=x.dtype, bias=layer.bias, backend="triton")
+        if backward == "nvfp4-backward":  # the layer's first backward draws dy's seed grad.seed + 2
+            dyq = nan_if_nonfinite(quantize(dy, cfg.grad, backend="triton", seed=cfg.grad.seed + 2), dy)
+            dx_ref = gemm(dyq, transpose_16x16(wq), out_dtype=x.dtype, backend="triton")
+        else:
+            dx_ref = (dy @ layer.weight.to(dy.dtype)).to(x.dtype)
     expansions = []
     real = dequantize_rows.expand_triton
     monkeypatch.setattr(
@@ -132,5 +138,6 @@ def test_decode_sized_calls_take_the_activation_expansion_from_the_quantizer(mon
     )
     y, grads = _call(layer, x, dy)
     assert torch.equal(y, y_ref)
+    assert torch.equal(grads[0], dx_ref)
     assert all(torch.isfinite(t).all() for t in grads)
     assert expansions == [], expansions
