@@ -303,6 +303,13 @@ def _quantize(
     return nan_if_nonfinite(q, x)
 
 
+def _triton_quantizes(backend: str, device: torch.device) -> bool:
+    """Whether ``quantize(..., backend=backend)`` runs the Triton quantizer on ``device``."""
+    from triage.kernels.nvfp4.device import available
+
+    return backend == "triton" or (backend == "auto" and available(device))
+
+
 def _rows_plan(
     recipe: QuantRecipe,
     backend: str,
@@ -315,12 +322,12 @@ def _rows_plan(
     ``shape``/``dtype`` on ``device`` when ``quantize(..., backend=backend)`` would run Triton there, after
     the checks ``quantize`` makes on every call (they depend on the signature alone); else None."""
     from triage.kernels.nvfp4.api import check_quantize_options
-    from triage.kernels.nvfp4.device import available, check_runnable, interpreting
+    from triage.kernels.nvfp4.device import check_runnable, interpreting
     from triage.kernels.nvfp4.quantize_rows import rows_plan
     from triage.kernels.nvfp4.reference import check_input
 
     check_quantize_options("quantize", backend, None, None)
-    if not (backend == "triton" or (backend == "auto" and available(device))):
+    if not _triton_quantizes(backend, device):
         return None
     meta = torch.empty(shape, dtype=dtype, device="meta")
     check_input(meta, recipe)
@@ -358,13 +365,13 @@ def _columns_plan(
     that call would run the columnwise kernel (a plain transpose, not the row-major path of a contiguous
     ``xᵀ``), after the checks it makes; else None."""
     from triage.kernels.nvfp4.api import check_quantize_options
-    from triage.kernels.nvfp4.device import available, check_runnable, interpreting
+    from triage.kernels.nvfp4.device import check_runnable, interpreting
     from triage.kernels.nvfp4.quantize_columns import columns_plan
 
     check_quantize_options("quantize_columnwise", backend, None, None)
     rows, C = shape
-    use_triton = backend == "triton" or (backend == "auto" and available(device))
-    if not use_triton or recipe.block != "1x16" or rows == 1 or C == 1:  # xᵀ contiguous: the row-major path
+    # rows == 1 or C == 1: xᵀ is contiguous, the row-major path runs
+    if not _triton_quantizes(backend, device) or recipe.block != "1x16" or rows == 1 or C == 1:
         return None
     check_runnable(torch.empty(0, device=device))
     emit = torch.bfloat16 if expanded else None
@@ -557,12 +564,10 @@ def _call_plan(config: NVFP4LinearConfig, x: torch.Tensor, out_features: int) ->
     backend = config.quant_backend
     act_expanded = torch.bfloat16 if large else None
     if not large:
-        from triage.kernels.nvfp4.device import available
         from triage.kernels.nvfp4.matmul import decode_route
 
         # the torch quantizer would write it with several ops: only the Triton one saves the GEMM's expand pass
-        triton_quantizer = backend == "triton" or (backend == "auto" and available(x.device))
-        decode = triton_quantizer and decode_route(config.gemm_backend, rows, x.device)
+        decode = _triton_quantizes(backend, x.device) and decode_route(config.gemm_backend, rows, x.device)
         act_expanded = torch.float16 if decode else None
     nvfp4_bwd = config.backward == "nvfp4-backward"
     xt_recipe = replace(config.wgrad, rounding="nearest")
