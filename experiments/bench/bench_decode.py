@@ -23,6 +23,11 @@ nvfp4`` applies; ``w4a16``, NVFP4 weights (the same weight recipe) with bf16 act
 (``NVFP4Config.from_recipe(recipe, frozen="w4a16")``: the decode GEMV at M <= 16, the weight-only route of
 QeRL-style rollouts). ``--decodes`` picks the loops (``cuda_graph`` is checked against ``static`` only when
 both run).
+
+``--compile``: each model's one-token forward goes through ``torch.compile`` (inductor, no CUDA graphs of its
+own: the ``cuda_graph`` loop captures the compiled step; prompts stay eager), so that the norms, RoPE,
+activations and residual adds fuse into fewer kernels. A study of where the decode step's time goes, not a
+sampler option: the compile time (a minute or more per model and batch) is paid in the warm-up call.
 """
 
 from __future__ import annotations
@@ -67,6 +72,18 @@ def build(shape: str, precision: str):
     return model, tok
 
 
+def compile_decode(model) -> None:
+    """Route ``model``'s one-token forwards (the decode steps) through ``torch.compile``; other calls stay eager."""
+    eager = model.forward
+    compiled = torch.compile(eager, dynamic=False)
+
+    def forward(*args, **kwargs):
+        ids = kwargs.get("input_ids")
+        return compiled(*args, **kwargs) if ids is not None and ids.shape[1] == 1 else eager(*args, **kwargs)
+
+    model.forward = forward
+
+
 def run(model, prompts, new: int, decode: str, seed: int = 0):
     from triage.trainers.sampling import SamplingParams, sample_with_kv_cache
 
@@ -104,6 +121,13 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--precisions", default="bf16,nvfp4", help=f"comma list of {PRECISIONS}")
     ap.add_argument("--decodes", default="dynamic,static,cuda_graph")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each model's decode step (module doc)")
+    ap.add_argument(
+        "--marginal",
+        action="store_true",
+        help="also time each loop at --new/2 tokens and print the marginal ms per token, (t(new) - t(new/2)) / "
+        "(new/2): the steady per-token cost without the fixed costs of a call (prefill, cache set-up, graph capture)",
+    )
     ap.add_argument(
         "--profile",
         action="store_true",
@@ -112,7 +136,7 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "bench_decode.json"))
     args = ap.parse_args(argv)
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, compiled decode step: {args.compile}")
     rows, ok = [], True
     decodes = args.decodes.split(",")
     unknown = set(decodes) - {"dynamic", "static", "cuda_graph"}
@@ -124,10 +148,12 @@ def main(argv=None) -> int:
     for shape in args.shapes.split(","):
         for precision in args.precisions.split(","):
             model, tok = build(shape, precision)
+            if args.compile:
+                compile_decode(model)
             for batch in (int(b) for b in args.batches.split(",")):
                 gen = torch.Generator().manual_seed(batch)
                 prompts = torch.randint(10, len(tok) - 1, (batch, args.prompt), generator=gen).tolist()
-                outs, times, rerun = {}, {}, {}
+                outs, times, rerun, marginal = {}, {}, {}, {}
                 for decode in decodes:
                     run(model, prompts, args.new, decode)  # warm-up (autotune, lazy allocations)
                     reps = [run(model, prompts, args.new, decode) for _ in range(args.reps)]
@@ -136,6 +162,9 @@ def main(argv=None) -> int:
                     # the same loop again with the same seed: tells a graph-vs-eager difference from run-to-run
                     # nondeterminism of the loop itself
                     rerun[decode] = all(out == reps[0][0] for out, _ in reps[1:]) if len(reps) > 1 else None
+                    if args.marginal:
+                        half = statistics.median(run(model, prompts, args.new // 2, decode)[1] for _ in range(args.reps))
+                        marginal[decode] = (times[decode] - half) / (args.new - args.new // 2)
                 same = outs["cuda_graph"] == outs["static"] if {"cuda_graph", "static"} <= outs.keys() else None
                 ok &= same is not False
                 agree = (
@@ -150,12 +179,15 @@ def main(argv=None) -> int:
                     profile_call(model, prompts, args.new, decodes[-1], f"{shape} {precision} B={batch}")
                 for decode, t in times.items():
                     rows.append(dict(shape=shape, precision=precision, batch=batch, decode=decode,
-                                     seconds=t, tok_s=batch * args.new / t, reruns_identical=rerun[decode]))
+                                     seconds=t, tok_s=batch * args.new / t, reruns_identical=rerun[decode],
+                                     marginal_ms_per_token=marginal[decode] * 1e3 if decode in marginal else None))
                 print(
                     f"{shape:15s} {precision:5s} B={batch:<4d} "
                     + "  ".join(f"{d} {batch * args.new / t:9.0f} tok/s" for d, t in times.items())
                     + f"  | graph==static: {same}, dynamic/static token agreement {agree:.3f}"
                     + ", reruns identical: " + ", ".join(f"{d} {r}" for d, r in rerun.items())
+                    + "".join(f"\n    {d}: marginal {m * 1e3:.3f} ms/token ({batch / m:.0f} tok/s), fixed per call "
+                              f"{(times[d] - m * args.new) * 1e3:.1f} ms" for d, m in marginal.items())
                 )
             del model
             torch.cuda.empty_cache()

@@ -8,7 +8,12 @@
    (device time only); effective bandwidth = (bytes read once + bytes written) / time, against the measured
    device copy bandwidth. Also quantize + emit_expanded, expand, dequantize, and a small tile sweep.
 
-Usage:  python experiments/bench/bench_quantize.py [--quick] [--skip-exact] [--ab] [--sweep] [--columnwise]
+3. ``--decode`` (alone): decode-sized inputs (M ≤ 256 rows at Qwen3-4B's K), the default tiles (one row per
+   program up to ``FEW_ROWS`` rows) beside the bandwidth tiles (8 rows × 512 columns, 4 warps: the default for
+   large inputs) in the same run, bytes compared, µs per call (CUDA-graph replay and do_bench), with a bf16
+   ``clone`` of the input as the peer (one read + one write of the same bytes).
+
+Usage:  python experiments/bench/bench_quantize.py [--quick] [--skip-exact] [--ab] [--sweep] [--columnwise] [--decode]
         (writes $OUT/bench_quantize.json if $OUT set). ``--ab``: each case also on the general path
         (``pairs=False``, the kernel before the bf16 fast path; +hadamard included), side by side. The exact
         section checks the default (fast, Hadamard included) path and, for five variants per profile (two
@@ -358,6 +363,7 @@ def main() -> int:
     ap.add_argument("--skip-exact", action="store_true")
     ap.add_argument("--ab", action="store_true", help="also time the general path (pairs=False) per case")
     ap.add_argument("--sweep", action="store_true", help="tile sweep (BR, BK, num_warps) of the fast path")
+    ap.add_argument("--decode", action="store_true", help="only decode-sized inputs: default vs bandwidth tiles")
     ap.add_argument("--columnwise", action="store_true",
                     help="only the columnwise (transposed-operand) quantizer vs transpose + quantize")  # fmt: skip
     args = ap.parse_args()
@@ -366,6 +372,8 @@ def main() -> int:
         return 2
     if args.columnwise:
         return main_columnwise(args.quick)
+    if args.decode:
+        return main_decode()
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     ok = True
@@ -398,6 +406,53 @@ def main() -> int:
         with open(path, "w") as f:
             json.dump(out, f, indent=1)
         print(f"wrote {path}")
+    return 0 if ok else 1
+
+
+def main_decode() -> int:
+    """Decode-sized quantize: default tiles vs the bandwidth tiles, same bytes, µs per call."""
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    from triage.kernels.nvfp4 import QuantRecipe
+    from triage.kernels.nvfp4.quantize_rows import quantize_triton
+
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    wide = dict(block_rows=8, block_k=512, num_warps=4)  # the many-rows default
+
+    def us(fn) -> tuple[float, float]:
+        fn()
+        graph = do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3
+        return graph, do_bench(fn, warmup=10, rep=30, return_mode="median") * 1e3
+
+    ok, rows = True, []
+    print(f"{'recipe':14s} {'M':>4s} {'K':>5s} {'same':>5s} | graph µs: {'clone':>6s} {'wide':>7s} {'default':>7s} "
+          f"{'speed-up':>8s} | do_bench µs: {'wide':>7s} {'default':>7s}")  # fmt: skip
+    for name, recipe, expanded in (
+        ("row +fp16 exp", QuantRecipe(scale="row", profile="compressed-tensors"), torch.float16),
+        ("row", QuantRecipe(scale="row"), None),
+        ("tensor", QuantRecipe(), None),
+    ):
+        for m in (1, 16, 64, 256):
+            for k in (2560, 4096, 9728):
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 3
+                a = quantize_triton(x, recipe, emit_expanded=expanded)
+                b = quantize_triton(x, recipe, emit_expanded=expanded, **wide)
+                same = torch.equal(a.data, b.data) and torch.equal(a.scale.view(torch.uint8), b.scale.view(torch.uint8))
+                same &= torch.equal(a.global_scale, b.global_scale)
+                if expanded is not None:
+                    same &= torch.equal(a.expanded.view(torch.int16), b.expanded.view(torch.int16))
+                ok &= bool(same)
+                clone_g, _ = us(lambda x=x: x.clone())
+                wide_g, wide_b = us(lambda x=x, r=recipe, e=expanded: quantize_triton(x, r, emit_expanded=e, **wide))
+                new_g, new_b = us(lambda x=x, r=recipe, e=expanded: quantize_triton(x, r, emit_expanded=e))
+                rows.append(dict(recipe=name, m=m, k=k, same=bool(same), clone_graph_us=clone_g, wide_graph_us=wide_g,
+                                 default_graph_us=new_g, wide_us=wide_b, default_us=new_b))  # fmt: skip
+                print(f"{name:14s} {m:4d} {k:5d} {'yes' if same else 'NO':>5s} | {clone_g:16.1f} {wide_g:7.1f} "
+                      f"{new_g:7.1f} {wide_g / new_g:7.2f}x | {wide_b:20.1f} {new_b:7.1f}")  # fmt: skip
+    print("DECODE TILES BYTES IDENTICAL: " + ("yes" if ok else "NO"))
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "bench_quantize_decode.json"), "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
     return 0 if ok else 1
 
 

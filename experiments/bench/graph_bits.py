@@ -16,6 +16,11 @@ from run-to-run nondeterminism):
 
 It covers the matmuls and the attention of a decode step, not the embedding, norms, RoPE, activations or
 the sampling ops.
+
+``--model``: instead, the whole sampler loop (``sample_with_kv_cache``, ``decode="static"``, eager) twice with
+the same seed on a 4-layer BF16 model of that width, every module's output recorded by forward hooks over the
+prompt pass and the first ``--steps`` decode steps; prints the first module call whose output bits differ
+between the two runs (the loop's own run-to-run nondeterminism, if any, and where it starts).
 """
 
 from __future__ import annotations
@@ -50,10 +55,56 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(a.contiguous().view(as_int), b.contiguous().view(as_int)))
 
 
+def first_divergence(batch: int, steps: int) -> str:
+    """Run the static eager sampler loop twice (same seed) with hooks on every module; the first differing call."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_decode import build
+
+    from triage.trainers.sampling import SamplingParams, sample_with_kv_cache
+
+    model, tok = build("qwen3-4b-width", "bf16")
+    prompts = torch.randint(10, len(tok) - 1, (batch, 32), generator=torch.Generator().manual_seed(batch)).tolist()
+    records: list[list] = []
+
+    def hook(name):
+        def record(module, args, out):
+            t = out[0] if isinstance(out, tuple) else getattr(out, "logits", out)
+            if isinstance(t, torch.Tensor) and len(records[-1]) < 4000:
+                records[-1].append((name, t.detach().clone()))
+
+        return record
+
+    handles = [m.register_forward_hook(hook(n or "model")) for n, m in model.named_modules()]
+    outs = []
+    for _ in range(2):
+        records.append([])
+        params = SamplingParams(max_new_tokens=steps + 1, temperature=1.0)
+        g = torch.Generator("cuda").manual_seed(0)
+        outs.append(sample_with_kv_cache(model, prompts, params, [-1], generator=g, decode="static"))
+    for h in handles:
+        h.remove()
+    per_call = len(records[0]) // (steps + 1)
+    for i, ((name, a), (_, b)) in enumerate(zip(*records)):
+        if a.shape != b.shape or not _same_bits(a, b):
+            return (f"B={batch}: first differing output: module call {i} ({name}, forward {i // per_call}: "
+                    f"0 = prompt pass) of {len(records[0])}; tokens equal: "
+                    f"{outs[0]['completion_ids'] == outs[1]['completion_ids']}")  # fmt: skip
+    return f"B={batch}: all {len(records[0])} module outputs identical; outputs equal: {outs[0] == outs[1]}"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", default="1,16,128")
+    ap.add_argument("--model", action="store_true", help="the whole static loop twice (module doc)")
+    ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args(argv)
+    if args.model:
+        for b in (int(b) for b in args.batches.split(",")):
+            print(first_divergence(b, args.steps), flush=True)
+        return 0
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from triage.kernels import NVFP4Config, convert

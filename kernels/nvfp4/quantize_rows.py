@@ -578,16 +578,26 @@ def _quantize_step(
             )
 
 
-def _default_tiles(recipe: QuantRecipe, kp: int, pairs: bool = False) -> tuple[int, int]:
-    """(rows, blocks) per program. GPU: 8 rows (16 for 16x16 tiles) × 256 columns (16 blocks), 4 warps; the
-    bf16 fast path with 1×16 blocks 8 × 512 (32 blocks). The best of the H200 sweeps in bench_quantize.py
-    (2026-11-29, two sessions; fast path 8×512 over 8×256: static 61.4 vs 59.1 %, per-row 43.6 vs 40.1 %,
-    per-tensor 37.4 vs 36.7 % of copy)."""
+#: at most this many rows count as "few" for the tile choice (decode steps, small micro-batches)
+FEW_ROWS = 256
+
+
+def _default_tiles(recipe: QuantRecipe, kp: int, pairs: bool = False, rows: int = FEW_ROWS + 1) -> tuple[int, int, int | None]:
+    """(rows, blocks, num_warps or ``None`` for Triton's default) per program. GPU, many rows: 8 rows (16 for
+    16x16 tiles) × 256 columns (16 blocks), 4 warps; the bf16 fast path with 1×16 blocks 8 × 512 (32 blocks):
+    the best of the H200 sweeps in bench_quantize.py (2026-11-29, two sessions; fast path 8×512 over 8×256:
+    static 61.4 vs 59.1 %, per-row 43.6 vs 40.1 %, per-tensor 37.4 vs 36.7 % of copy). Few rows
+    (≤ :data:`FEW_ROWS`, 1×16 blocks): one row per program and up to 512 blocks (8192 columns) per step, 8
+    warps, so that a decode step's handful of rows is spread over as many programs as it has rows and each
+    program sweeps K in one or two steps instead of 5–38 serial steps of a mostly masked 8-row tile (the per-row
+    scale sweeps K twice). Tiles change the schedule, never the bytes."""
     if interpreting():  # big tiles: the interpreter's cost is per op, not per element
-        return 64, min(64, next_power_of_2(kp // 16))
+        return 64, min(64, next_power_of_2(kp // 16)), None
     if recipe.block == "16x16":
-        return 16, min(16, next_power_of_2(kp // 16))
-    return 8, min(32 if pairs else 16, next_power_of_2(kp // 16))
+        return 16, min(16, next_power_of_2(kp // 16)), None
+    if rows <= FEW_ROWS:
+        return 1, min(512, next_power_of_2(kp // 16)), 8
+    return 8, min(32 if pairs else 16, next_power_of_2(kp // 16)), None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -669,9 +679,11 @@ def rows_plan(
     else:
         n, slices = rows, 1
     pairs = pairs and dtype == torch.bfloat16 and k == kp
-    br_default, nb_default = _default_tiles(recipe, kp, pairs)
+    br_default, nb_default, warps_default = _default_tiles(recipe, kp, pairs, n)
     br = block_rows or br_default
     nb = block_k // 16 if block_k else nb_default
+    if num_warps is None and block_rows is None and block_k is None:
+        num_warps = warps_default
     if recipe.block == "16x16" and br % 16:
         raise ValueError(f"block_rows must be a multiple of 16 for 16x16 tiles, got {br}")
     gshape = tuple(shape[:-1]) + (1,)

@@ -197,3 +197,46 @@ def test_triton_bf16_pair_fast_path(profile, variant):
     if had:
         assert_same(x.t().contiguous().t(), recipe)  # non-contiguous: copied, then the fast path
         assert_same(x.flatten()[1 : 1 + 36 * 336].view(36, 336), recipe)  # odd offset: the general path
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+@pytest.mark.parametrize(
+    "variant",
+    [{}, {"scale": "row"}, {"rounding": "stochastic", "seed": 5}, {"hadamard": True},
+     {"hadamard": True, "scale": "row"}, {"scale_source": "static", "static_amax": 3.5}],
+    ids=lambda v: "-".join(f"{k}={v[k]}" for k in v) or "default",
+)  # fmt: skip
+def test_triton_few_rows_tiles(profile, variant):
+    """The decode-sized tiles (one row per program, :data:`FEW_ROWS`): the same bytes as the reference on the
+    fast and the general path, with the row swept in one step or in several (a partial last one), the
+    expansion included; on a GPU they are the default for ≤ FEW_ROWS rows."""
+    from triage.kernels.nvfp4.quantize_rows import quantize_triton
+
+    recipe = QuantRecipe(profile=profile, **variant)
+    for rows in (1, 3):
+        x = adversarial(rows, 16 * 21, seed=30 + rows, device=DEV)
+        ref = quantize(x, recipe, backend="torch")
+        for block_k in (16 * 32, 16 * 8):
+            for pairs in (True, False):
+                t = quantize_triton(
+                    x, recipe, pairs=pairs, block_rows=1, block_k=block_k, emit_expanded=torch.float16
+                )
+                assert_same_bytes(ref, t, recipe)
+                assert_same_values(t.expanded, ref.block_values().to(torch.float16))
+
+
+def test_few_rows_tile_rule(monkeypatch):
+    """On a GPU (not the interpreter) up to FEW_ROWS rows get one row per program and 8 warps; more rows the
+    bandwidth tiles; 16x16 blocks keep 16-row tiles."""
+    from triage.kernels.nvfp4 import quantize_rows as qr
+
+    monkeypatch.setattr(qr, "interpreting", lambda: False)
+    bf = torch.bfloat16
+    assert qr._default_tiles(QuantRecipe(scale="row"), 9728, True, 16) == (1, 512, 8)
+    assert qr._default_tiles(QuantRecipe(), 2560, False, qr.FEW_ROWS) == (1, 256, 8)
+    assert qr._default_tiles(QuantRecipe(), 2560, True, qr.FEW_ROWS + 1) == (8, 32, None)
+    assert qr._default_tiles(QuantRecipe(block="16x16"), 2560, True, 16) == (16, 16, None)
+    plan = qr.rows_plan(torch.Size((1, 2560)), bf, QuantRecipe(scale="row"), None, True, None, None, None, False)
+    assert plan.grid == (1, 1) and plan.constexprs["BR"] == 1 and plan.constexprs["num_warps"] == 8
+    plan = qr.rows_plan(torch.Size((4096, 2560)), bf, QuantRecipe(scale="row"), None, True, None, None, None, False)
+    assert plan.grid == (512, 1) and "num_warps" not in plan.constexprs
