@@ -11,6 +11,8 @@
    with a static activation scale (no sync) and with a dynamic one (one ``.item()`` sync), the Triton GEMM
    on expansions (``--sweep``: a few tile configs), and the whole forward (quantize + GEMM);
 3. decode M ∈ {1, 16, 64}: W4A16 and W4A4 (packed FP4 weights, decode kernel) vs bf16, CUDA graphs;
+   ``decode-shapes``: every distinct Linear shape of Qwen3-0.6B/1.7B/4B/8B at M ∈ {1, 16}, the same three plus
+   W4A4 with its activation quantization (per-row scale, fp16 expansion: what a W4A4 layer runs per call);
 4. NVFP4Linear forward+backward (bf16-backward, quantization included) vs bf16 nn.Linear and vs a
    fake-quant (quantize → dequantize → bf16 matmul, straight-through gradient).
 
@@ -282,6 +284,43 @@ def decode_graph_replays(x, b, K, gw, replays: int = 50) -> str:
         same &= same_bits(out, ref)
     zero = not bool(gd.splitk_counters(out.device, 1).any())
     return f"{replays} graph replays == two-kernel bits: {same}, counters zero: {zero} -> {'ok' if same and zero else 'FAIL'}"
+
+
+#: Qwen3 (hidden, intermediate, query heads, KV heads), head_dim 128
+QWEN3 = {"0.6B": (1024, 3072, 16, 8), "1.7B": (2048, 6144, 16, 8), "4B": (2560, 9728, 32, 8), "8B": (4096, 12288, 32, 8)}
+
+
+def decode_shapes() -> None:
+    """Each distinct (N, K) of the Qwen3 dense models' Linears, M = 1 and 16, CUDA-graph µs."""
+    emit("## Decode at every Qwen3 0.6B–8B Linear shape (CUDA-graph µs; W4A4 + q = with the activation's quantize)")
+    emit("| model | layer | N×K | M | bf16 | W4A16 | W4A4 | W4A4 + q | bf16/W4A16 | bf16/W4A4 | bf16/(W4A4 + q) |")
+    emit("|---|---|---|---|---|---|---|---|---|---|---|")
+    act = QuantRecipe(scale="row", profile="compressed-tensors")
+    seen = set()
+    for model, (h, i, nq, nkv) in QWEN3.items():
+        for layer, (n, k) in {"q": (nq * 128, h), "k/v": (nkv * 128, h), "o": (h, nq * 128), "gate/up": (i, h),
+                              "down": (h, i)}.items():  # fmt: skip
+            if (n, k) in seen:
+                continue
+            seen.add((n, k))
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+            b = quantize(w, QuantRecipe(scale="row", profile="compressed-tensors"))
+            for m in (1, 16):
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                a = quantize(x, act, emit_expanded=torch.float16)
+                err = rel(gemm(a, b, out_dtype=torch.float32), gemm_reference(a, b, out_dtype=torch.float64))
+                assert err < 1e-5, (model, layer, m, err)
+                t = [
+                    do_bench_cudagraph(f) * 1e3
+                    for f in (
+                        lambda: torch.mm(x, w.T),
+                        lambda: gemm_w4a16(x, b, backend="triton"),
+                        lambda: gemm(a, b, backend="triton"),
+                        lambda: gemm(quantize(x, act, emit_expanded=torch.float16), b, backend="triton"),
+                    )
+                ]
+                emit(f"| {model} | {layer} | {n}×{k} | {m} | " + " | ".join(f"{v:.1f}" for v in t)
+                     + f" | {t[0] / t[1]:.2f} | {t[0] / t[2]:.2f} | {t[0] / t[3]:.2f} |")  # fmt: skip
 
 
 def decode(quick: bool, sweep: bool) -> None:
@@ -610,6 +649,7 @@ def main() -> None:
         "correctness": lambda: correctness(args.quick),
         "w4a4": lambda: w4a4_forward(args.quick, args.sweep),
         "decode": lambda: decode(args.quick, args.sweep),
+        "decode-shapes": decode_shapes,
         "linear": lambda: linear(args.quick),
         "cache": lambda: cache_check(args.quick),
     }
