@@ -148,7 +148,7 @@ class _Recorder:
 #: bf16 under the interpreter); ``--gpu-host`` makes them pick the GPU's choices instead.
 _HOST_CHOICE_MODULES = (
     "triage.kernels.nvfp4.gemm_dense", "triage.kernels.nvfp4.gemm_decode", "triage.kernels.moe.grouped_triton",
-    "triage.kernels.nvfp4.quantize_columns",
+    "triage.kernels.nvfp4.quantize_columns", "triage.kernels.nvfp4.quantize_rows",
 )  # fmt: skip
 
 

@@ -588,7 +588,7 @@ def _default_tiles(recipe: QuantRecipe, kp: int, pairs: bool = False, rows: int 
     the best of the H200 sweeps in bench_quantize.py (2026-11-29, two sweeps; fast path 8×512 over 8×256:
     static 61.4 vs 59.1 %, per-row 43.6 vs 40.1 %, per-tensor 37.4 vs 36.7 % of copy). Few rows
     (≤ :data:`FEW_ROWS`, 1×16 blocks): one row per program and up to 512 blocks (8192 columns) per step, 8
-    warps, so that a decode step's handful of rows is spread over as many programs as it has rows and each
+    warps (4 below 256 blocks), so that a decode step's handful of rows is spread over as many programs as it has rows and each
     program sweeps K in one or two steps instead of 5–19 serial steps of a mostly masked 8-row tile (twice for
     the per-row scale). Tiles change the schedule, never the bytes."""
     if interpreting():  # big tiles: the interpreter's cost is per op, not per element
@@ -596,7 +596,8 @@ def _default_tiles(recipe: QuantRecipe, kp: int, pairs: bool = False, rows: int 
     if recipe.block == "16x16":
         return 16, min(16, next_power_of_2(kp // 16)), None
     if rows <= FEW_ROWS:
-        return 1, min(512, next_power_of_2(kp // 16)), 8
+        nb = min(512, next_power_of_2(kp // 16))
+        return 1, nb, 8 if nb >= 256 else 4
     return 8, min(32 if pairs else 16, next_power_of_2(kp // 16)), None
 
 
@@ -679,10 +680,12 @@ def rows_plan(
     else:
         n, slices = rows, 1
     pairs = pairs and dtype == torch.bfloat16 and k == kp
-    br_default, nb_default, warps_default = _default_tiles(recipe, kp, pairs, n)
+    # a tile given in part is completed from the many-rows rule (the few-rows tile is one choice, all or nothing)
+    tiled = block_rows is None and block_k is None
+    br_default, nb_default, warps_default = _default_tiles(recipe, kp, pairs, n if tiled else FEW_ROWS + 1)
     br = block_rows or br_default
     nb = block_k // 16 if block_k else nb_default
-    if num_warps is None and block_rows is None and block_k is None:
+    if num_warps is None and tiled:
         num_warps = warps_default
     if recipe.block == "16x16" and br % 16:
         raise ValueError(f"block_rows must be a multiple of 16 for 16x16 tiles, got {br}")
@@ -697,6 +700,8 @@ def rows_plan(
         amax_kind, amax_grid, amax_args, amax_kwargs = _group_amax_launch(
             recipe, dtype, rows, k, groups, kp, br, nb, pairs, interpreted
         )
+        if amax_kind != "flat" and num_warps is not None:  # the Hadamard amax passes run the quantizer's tile
+            amax_kwargs = dict(amax_kwargs, num_warps=num_warps)
         mode, rows_per_outer, n_outer = OUTER_GROUP, rows // groups, groups
         out_shape = (groups,) + (1,) * (len(shape) - 1) if recipe.scale == "expert" else ()
     else:

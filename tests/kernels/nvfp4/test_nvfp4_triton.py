@@ -213,14 +213,14 @@ def test_triton_few_rows_tiles(profile, variant):
     from triage.kernels.nvfp4.quantize_rows import quantize_triton
 
     recipe = QuantRecipe(profile=profile, **variant)
-    for rows in (1, 3):
-        x = adversarial(rows, 16 * 21, seed=30 + rows, device=DEV)
+    # on a GPU host the default tiles are 512 blocks × 8 warps at K = 4800, 32 blocks × 4 warps at K = 336
+    for rows, k, steps in ((1, 16 * 300, (512, 32)), (3, 16 * 21, (32, 8))):
+        x = adversarial(rows, k, seed=30 + rows, device=DEV)
         ref = quantize(x, recipe, backend="torch")
-        for block_k in (16 * 32, 16 * 8):
+        # explicit one-row tiles (one step, several steps), and the default
+        for tiles in [{"block_rows": 1, "block_k": 16 * nb} for nb in steps] + [{}]:
             for pairs in (True, False):
-                t = quantize_triton(
-                    x, recipe, pairs=pairs, block_rows=1, block_k=block_k, emit_expanded=torch.float16
-                )
+                t = quantize_triton(x, recipe, pairs=pairs, emit_expanded=torch.float16, **tiles)
                 assert_same_bytes(ref, t, recipe)
                 assert_same_values(t.expanded, ref.block_values().to(torch.float16))
 
@@ -240,3 +240,14 @@ def test_few_rows_tile_rule(monkeypatch):
     assert plan.grid == (1, 1) and plan.constexprs["BR"] == 1 and plan.constexprs["num_warps"] == 8
     plan = qr.rows_plan(torch.Size((4096, 2560)), bf, QuantRecipe(scale="row"), None, True, None, None, None, False)
     assert plan.grid == (512, 1) and "num_warps" not in plan.constexprs
+    assert qr._default_tiles(QuantRecipe(), 64, True, 16) == (1, 4, 4)  # a short row: fewer warps
+    # a tile given in part is completed from the many-rows rule, never mixed with the few-rows one
+    plan = qr.rows_plan(torch.Size((16, 9728)), bf, QuantRecipe(), None, True, 8, None, None, False)
+    assert (plan.constexprs["BR"], plan.constexprs["NB"]) == (8, 32) and "num_warps" not in plan.constexprs
+    plan = qr.rows_plan(torch.Size((16, 9728)), bf, QuantRecipe(), None, True, None, 512, None, False)
+    assert (plan.constexprs["BR"], plan.constexprs["NB"]) == (8, 32) and "num_warps" not in plan.constexprs
+    plan = qr.rows_plan(torch.Size((16, 9728)), bf, QuantRecipe(), None, True, None, None, 4, False)
+    assert (plan.constexprs["BR"], plan.constexprs["NB"], plan.constexprs["num_warps"]) == (1, 512, 4)
+    # the Hadamard amax pass (per-tensor scale) runs the quantizer's tile with its warps
+    plan = qr.rows_plan(torch.Size((16, 9728)), bf, QuantRecipe(hadamard=True), None, True, None, None, None, False)
+    assert plan.amax_kind == "pairs" and plan.amax_kwargs["num_warps"] == 8 and plan.amax_kwargs["NB"] == 512
