@@ -582,15 +582,17 @@ def _quantize_step(
 FEW_ROWS = 256
 
 
-def _default_tiles(recipe: QuantRecipe, kp: int, pairs: bool = False, rows: int = FEW_ROWS + 1) -> tuple[int, int, int | None]:
+def _default_tiles(
+    recipe: QuantRecipe, kp: int, pairs: bool = False, rows: int = FEW_ROWS + 1
+) -> tuple[int, int, int | None]:
     """(rows, blocks, num_warps or ``None`` for Triton's default) per program. GPU, many rows: 8 rows (16 for
     16x16 tiles) × 256 columns (16 blocks), 4 warps; the bf16 fast path with 1×16 blocks 8 × 512 (32 blocks):
     the best of the H200 sweeps in bench_quantize.py (2026-11-29, two sweeps; fast path 8×512 over 8×256:
     static 61.4 vs 59.1 %, per-row 43.6 vs 40.1 %, per-tensor 37.4 vs 36.7 % of copy). Few rows
     (≤ :data:`FEW_ROWS`, 1×16 blocks): one row per program and up to 512 blocks (8192 columns) per step, 8
-    warps (4 below 256 blocks), so that a decode step's handful of rows is spread over as many programs as it has rows and each
-    program sweeps K in one or two steps instead of 5–19 serial steps of a mostly masked 8-row tile (twice for
-    the per-row scale). Tiles change the schedule, never the bytes."""
+    warps (4 below 256 blocks), so that a decode step's handful of rows is spread over as many programs as it
+    has rows and each program sweeps K in one or two steps instead of 5–19 serial steps of a mostly masked
+    8-row tile (twice for the per-row scale). Tiles change the schedule, never the bytes."""
     if interpreting():  # big tiles: the interpreter's cost is per op, not per element
         return 64, min(64, next_power_of_2(kp // 16)), None
     if recipe.block == "16x16":
@@ -681,11 +683,11 @@ def rows_plan(
         n, slices = rows, 1
     pairs = pairs and dtype == torch.bfloat16 and k == kp
     # a tile given in part is completed from the many-rows rule (the few-rows tile is one choice, all or nothing)
-    tiled = block_rows is None and block_k is None
-    br_default, nb_default, warps_default = _default_tiles(recipe, kp, pairs, n if tiled else FEW_ROWS + 1)
+    default_tile = block_rows is None and block_k is None
+    br_default, nb_default, warps_default = _default_tiles(recipe, kp, pairs, n if default_tile else FEW_ROWS + 1)
     br = block_rows or br_default
     nb = block_k // 16 if block_k else nb_default
-    if num_warps is None and tiled:
+    if num_warps is None and default_tile:
         num_warps = warps_default
     if recipe.block == "16x16" and br % 16:
         raise ValueError(f"block_rows must be a multiple of 16 for 16x16 tiles, got {br}")
