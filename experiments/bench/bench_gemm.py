@@ -295,7 +295,7 @@ def decode_shapes() -> None:
     emit("## Decode at every Qwen3 0.6B–8B Linear shape (CUDA-graph µs; W4A4 + q = with the activation's quantize)")
     emit("| model | layer | N×K | M | bf16 | W4A16 | W4A4 | W4A4 + q | bf16/W4A16 | bf16/W4A4 | bf16/(W4A4 + q) |")
     emit("|---|---|---|---|---|---|---|---|---|---|---|")
-    act = QuantRecipe(scale="row", profile="compressed-tensors")
+    act = QuantRecipe(scale="row", profile="compressed-tensors")  # the sampler copy's recipe, weights and inputs
     seen = set()
     for model, (h, i, nq, nkv) in QWEN3.items():
         for layer, (n, k) in {"q": (nq * 128, h), "k/v": (nkv * 128, h), "o": (h, nq * 128), "gate/up": (i, h),
@@ -304,7 +304,7 @@ def decode_shapes() -> None:
                 continue
             seen.add((n, k))
             w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-            b = quantize(w, QuantRecipe(scale="row", profile="compressed-tensors"))
+            b = quantize(w, act)
             for m in (1, 16):
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 a = quantize(x, act, emit_expanded=torch.float16)

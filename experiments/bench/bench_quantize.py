@@ -414,10 +414,11 @@ def main_decode() -> int:
     from triton.testing import do_bench, do_bench_cudagraph
 
     from triage.kernels.nvfp4 import QuantRecipe
-    from triage.kernels.nvfp4.quantize_rows import quantize_triton
+    from triage.kernels.nvfp4.quantize_rows import FEW_ROWS, _default_tiles, quantize_triton
 
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
-    wide = dict(block_rows=8, block_k=512, num_warps=4)  # the many-rows default
+    br, nb, _ = _default_tiles(QuantRecipe(), 512 * 16, True, FEW_ROWS + 1)  # the many-rows tile (bf16 fast path)
+    wide = dict(block_rows=br, block_k=16 * nb, num_warps=4)
 
     def us(fn) -> tuple[float, float]:
         fn()

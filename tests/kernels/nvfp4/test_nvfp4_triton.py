@@ -226,8 +226,9 @@ def test_triton_few_rows_tiles(profile, variant):
 
 
 def test_few_rows_tile_rule(monkeypatch):
-    """On a GPU (not the interpreter) up to FEW_ROWS rows get one row per program and 8 warps; more rows the
-    bandwidth tiles; 16x16 blocks keep 16-row tiles."""
+    """On a GPU (not the interpreter) up to FEW_ROWS rows get one row per program (8 warps from 256 blocks, 4
+    below); more rows the bandwidth tiles; 16x16 blocks keep 16-row tiles; a tile given in part is completed
+    from the many-rows rule; the Hadamard amax pass gets the tile's warps."""
     from triage.kernels.nvfp4 import quantize_rows as qr
 
     monkeypatch.setattr(qr, "interpreting", lambda: False)
