@@ -89,6 +89,9 @@ class NVFP4FrozenConfig:
             cuBLAS large-M path and the input gradient; off by default (memory first).
         gemm_backend / quant_backend: passed to :func:`~triage.kernels.nvfp4.gemm` /
             :func:`~triage.kernels.nvfp4.gemm_w4a16` and :func:`~triage.kernels.nvfp4.quantize`.
+        share_inputs: ``w4a4`` siblings reading one input (q/k/v, gate/up) quantize it once
+            (:func:`~triage.kernels.linear.quantize_input`; :class:`~triage.kernels.NVFP4LinearConfig`'s
+            field of that name); the same bytes either way.
     """
 
     compute: str = "w4a4"
@@ -96,8 +99,11 @@ class NVFP4FrozenConfig:
     cache_expanded: bool = False
     gemm_backend: str = "auto"
     quant_backend: str = "auto"
+    share_inputs: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.share_inputs, bool):
+            raise TypeError(f"NVFP4FrozenConfig.share_inputs must be a bool, got {self.share_inputs!r}")
         if self.compute not in COMPUTE_MODES:
             raise ValueError(
                 f"NVFP4FrozenConfig.compute must be one of {COMPUTE_MODES}, got {self.compute!r}"
@@ -118,7 +124,10 @@ class NVFP4FrozenConfig:
         """The frozen config that computes as an :class:`~triage.kernels.NVFP4Linear` with ``config`` (an
         ``NVFP4LinearConfig``) does: ``"w4a4"`` with its activation recipe and backends."""
         return cls(
-            activation=config.activation, gemm_backend=config.gemm_backend, quant_backend=config.quant_backend
+            activation=config.activation,
+            gemm_backend=config.gemm_backend,
+            quant_backend=config.quant_backend,
+            share_inputs=config.share_inputs,
         )
 
 
@@ -319,10 +328,9 @@ class FrozenNVFP4Linear(nn.Module):
         x2 = x.reshape(-1, K)
         w = self.quantized_weight()
         if cfg.compute == "w4a4":
-            from triage.kernels.linear import nan_if_nonfinite
-            from triage.kernels.nvfp4 import quantize
+            from triage.kernels.linear import quantize_input
 
-            xq = nan_if_nonfinite(quantize(x2, cfg.activation, backend=cfg.quant_backend), x2)
+            xq = quantize_input(x, x2, cfg.activation, cfg.quant_backend, share=cfg.share_inputs)
             cached = self._expanded if cfg.cache_expanded else None
             if cached is None and cfg.cache_expanded and self._uses_cublas(x2.shape[0]):
                 cached = self.expansion()

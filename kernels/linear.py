@@ -3,7 +3,7 @@
 
 Forward (both backward settings)::
 
-    x_q = quantize(x, activation)            # 1×16 blocks along K, per call
+    x_q = quantize(x, activation)            # 1×16 blocks along K, per call (once per input: share_inputs)
     W_q = quantize(W, weight)                # cached until W changes; per call if capturable (see below)
     y   = gemm(x_q, W_q) + b                 # exact products, fp32 accumulation, one rounding
 
@@ -64,6 +64,13 @@ makes that operand's outer decode scale NaN (:func:`nan_if_nonfinite`), so the w
 as ``nn.Linear`` would be where that value enters (a superset of its NaNs: one non-finite value makes the
 operand's per-tensor scale meaningless). The check is one max-|x| reduction on the device per quantized
 operand (per weight update for W), no host sync.
+
+Shared input quantization (``NVFP4LinearConfig.share_inputs``, on by default). Sibling layers that read one
+input tensor (q/k/v read one hidden state, gate/up another) quantize it once: :func:`quantize_input` keeps the
+last input's x_q and gives it to the next call that quantizes the same unchanged tensor object with the same
+recipe, as an engine's fused ``qkv_proj`` / ``gate_up_proj`` quantizes its input once. The same bytes; a
+transformer decoder layer quantizes 4 activations (qkv, o, gate/up, down) instead of 7, each with its
+non-finite check. The key and its two rules: :func:`quantize_input`.
 
 Call plans. What a call derives from its input's signature alone (rows, the large-M choice, the Triton
 quantizers' tiles and launch arguments, the checks ``quantize`` makes, the GEMMs' plans) is a
@@ -224,12 +231,18 @@ class NVFP4LinearConfig(LayerConfig):
             cached layer; docs/kernels.md, "GPU check"). Switching a live layer to ``capturable`` continues its device seed count (0 unless it
             ran capturable before), not the host count the cached layer keeps: the seeds of its first
             backward calls then repeat earlier ones.
+        share_inputs: sibling layers that read one input tensor (q/k/v, gate/up) quantize it once, as the
+            engines' fused ``qkv_proj`` / ``gate_up_proj`` do: a layer reuses the previous call's x_q when it
+            quantized the same unchanged tensor with the same recipe (:func:`quantize_input`: the key and
+            its two rules). The same bytes either way; eager and CUDA-graph calls (not under
+            ``torch.compile``). False quantizes at every call.
     """
 
     backward_modes: ClassVar[tuple[str, ...]] = BACKWARD_MODES
 
     weight: QuantRecipe = field(default_factory=lambda: QuantRecipe(block="16x16"))
     capturable: bool = False
+    share_inputs: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -246,8 +259,9 @@ class NVFP4LinearConfig(LayerConfig):
                 )
             if self.grad.hadamard:
                 raise ValueError("NVFP4LinearConfig.grad (dgrad dy) cannot use Hadamard: W_qᵀ did not")
-        if not isinstance(self.capturable, bool):
-            raise TypeError(f"NVFP4LinearConfig.capturable must be a bool, got {self.capturable!r}")
+        for name in ("capturable", "share_inputs"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"NVFP4LinearConfig.{name} must be a bool, got {getattr(self, name)!r}")
         _register_config(self)
 
     def __setstate__(self, state: dict) -> None:
@@ -301,6 +315,53 @@ def _quantize(
 
     q = quantize(x, recipe, backend=backend, seed=seed, emit_expanded=expanded)
     return nan_if_nonfinite(q, x)
+
+
+#: The most recent forward input's quantization (:func:`quantize_input`): ``(weakref to x, key, x_q)``.
+_last_input: tuple | None = None
+
+
+def _forget_input(ref: weakref.ref) -> None:
+    global _last_input
+    last = _last_input
+    if last is not None and last[0] is ref:
+        _last_input = None
+
+
+def quantize_input(
+    x: torch.Tensor,
+    x2: torch.Tensor,
+    recipe: QuantRecipe,
+    backend: str,
+    expanded: torch.dtype | None = None,
+    plan: RowsPlan | None = None,
+    share: bool = True,
+) -> NVFP4Tensor:
+    """The forward activation ``x_q = Q(x)`` of a layer's input ``x`` (``x2``: its ``[rows, K]`` view) under
+    the non-finite rule (:func:`_quantize`), computed once for sibling layers that read one input
+    (``share=False``: computed at every call; the layer configs' ``share_inputs``).
+
+    A layer that quantizes the very tensor object the previous call quantized, unchanged since (the same
+    ``x._version``), with the same recipe, backend and expansion dtype, both inside or both outside a CUDA
+    graph capture, gets that call's ``x_q``: the same bytes, one quantizer pass and one non-finite check
+    instead of one per sibling (q/k/v read one hidden state, gate/up another, as the engines' fused
+    ``qkv_proj`` / ``gate_up_proj`` quantize it once). Only the last input is kept, by a weak reference (freed
+    with x). Not shared: stochastic rounding (each call draws its own), inference tensors (no version
+    counter), under ``torch.compile`` (the custom ops quantize per call). Two rules no key can see: an input
+    rewritten through ``.data`` between two layer calls (no version bump) must not be fed again unchanged in
+    object, and siblings that read one input object must be captured in one CUDA graph (a graph replays only
+    the quantization it captured)."""
+    global _last_input
+    if not share or recipe.rounding != "nearest" or x.is_inference() or torch.compiler.is_compiling():
+        return _quantize(x2, recipe, backend, expanded=expanded, plan=plan)
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    key = (x._version, capturing, recipe, backend, expanded)
+    last = _last_input
+    if last is not None and last[0]() is x and last[1] == key:
+        return last[2]
+    xq = _quantize(x2, recipe, backend, expanded=expanded, plan=plan)
+    _last_input = (weakref.ref(x, _forget_input), key, xq)
+    return xq
 
 
 def _triton_quantizes(backend: str, device: torch.device) -> bool:
@@ -596,12 +657,15 @@ def _call_plan(config: NVFP4LinearConfig, x: torch.Tensor, out_features: int) ->
 
 
 def _linear_forward(
-    x: torch.Tensor, bias: torch.Tensor | None, plan: _CallPlan, w: _QuantizedWeight
+    x: torch.Tensor, bias: torch.Tensor | None, plan: _CallPlan, w: _QuantizedWeight, share: bool = False
 ) -> torch.Tensor:
-    """``y = Q(x)·Q(W)ᵀ + b`` for ``x`` of ``plan``'s signature and W_q ``w`` (module docstring)."""
+    """``y = Q(x)·Q(W)ᵀ + b`` for ``x`` of ``plan``'s signature and W_q ``w`` (module docstring); ``share``:
+    Q(x) through :func:`quantize_input` (one quantization for sibling layers reading x)."""
     config = plan.config
     x2 = x.reshape(plan.rows, plan.in_features)
-    xq = _quantize(x2, config.activation, config.quant_backend, expanded=plan.act_expanded, plan=plan.x_plan)
+    xq = quantize_input(
+        x, x2, config.activation, config.quant_backend, expanded=plan.act_expanded, plan=plan.x_plan, share=share
+    )
     y = plan.gemm(
         "fwd",
         xq,
@@ -707,7 +771,7 @@ class _NVFP4LinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, plan: _CallPlan, w: _QuantizedWeight, seeds, layer: NVFP4Linear):
-        y = _linear_forward(x, bias, plan, w)
+        y = _linear_forward(x, bias, plan, w, share=plan.config.share_inputs)
         ctx.save_for_backward(x, weight, seeds)  # saved, as the op's are: a checkpoint's recompute redraws
         ctx.plan = plan
         ctx.weight_t = w.transposed  # the forward's W_qᵀ (nvfp4-backward), whatever the cache holds later

@@ -19,7 +19,8 @@ Shapes (random weights, std 0.02, Qwen3 architecture from :mod:`triage.trainers.
 
 Precisions: ``bf16``; ``nvfp4``, the sampler copy's W4A4 (:func:`triage.kernels.convert`, per-row outer scales
 for weights and activations, compressed-tensors profile), the same conversion ``sampler_kwargs.precision:
-nvfp4`` applies; ``w4a16``, NVFP4 weights (the same weight recipe) with bf16 activations
+nvfp4`` applies; ``nvfp4-unshared``, the same with ``share_inputs=False`` (every Linear quantizes its own
+input: the cost of q/k/v and gate/up quantizing one input three and two times); ``w4a16``, NVFP4 weights (the same weight recipe) with bf16 activations
 (``NVFP4Config.from_recipe(recipe, frozen="w4a16")``: the decode GEMV at M <= 16, the weight-only route of
 QeRL-style rollouts). ``--decodes`` picks the loops (``cuda_graph`` is checked against ``static`` only when
 both run).
@@ -33,6 +34,7 @@ sampler option: the compile time (a minute or more per model and batch) is paid 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -53,7 +55,7 @@ SHAPES = {
 }
 
 
-PRECISIONS = ("bf16", "nvfp4", "w4a16")
+PRECISIONS = ("bf16", "nvfp4", "nvfp4-unshared", "w4a16")
 
 
 def build(shape: str, precision: str):
@@ -66,6 +68,9 @@ def build(shape: str, precision: str):
     recipe = QuantRecipe(scale="row", profile="compressed-tensors")
     if precision == "nvfp4":
         convert(model, NVFP4Config.from_recipe(recipe))
+    elif precision == "nvfp4-unshared":
+        config = NVFP4Config.from_recipe(recipe)
+        convert(model, dataclasses.replace(config, linear=dataclasses.replace(config.linear, share_inputs=False)))
     elif precision == "w4a16":
         convert(model, NVFP4Config.from_recipe(recipe, frozen="w4a16"))
     elif precision != "bf16":
