@@ -466,7 +466,8 @@ def linear(quick: bool) -> None:
 
     for M, N, K in [(16384, 4096, 4096), (16384, 12288, 4096), (16384, 4096, 12288)][: 1 if quick else None]:
         ref = torch.nn.Linear(K, N, bias=False, device="cuda", dtype=torch.bfloat16)
-        fp4 = NVFP4Linear.from_linear(ref, NVFP4LinearConfig())
+        # one layer called on one x again and again: share_inputs=False, so that every call quantizes x
+        fp4 = NVFP4Linear.from_linear(ref, NVFP4LinearConfig(share_inputs=False))
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
 
@@ -484,7 +485,7 @@ def linear(quick: bool) -> None:
             ("static activation scale", QuantRecipe(scale_source="static", static_amax=amax)),
             ("per-row activation scale", QuantRecipe(scale="row")),
         ):
-            alt = NVFP4Linear.from_linear(ref, NVFP4LinearConfig(activation=recipe))
+            alt = NVFP4Linear.from_linear(ref, NVFP4LinearConfig(activation=recipe, share_inputs=False))
             rows.append((f"NVFP4Linear (bf16-backward), {label}", bench(lambda alt=alt: step(alt))))
         # TE-style quantized backward (dgrad on the NVFP4 GEMM, wgrad operands quantized along the tokens by
         # quantize_columnwise with the Hadamard transform and stochastic rounding)

@@ -126,8 +126,12 @@ def make_case(shape, backward: str, act_scale: str, dtype):
     from triage.kernels.nvfp4 import QuantRecipe
 
     M, K, N = shape
-    config = NVFP4LinearConfig(
-        activation=QuantRecipe(scale=act_scale), backward=backward, quant_backend="triton", gemm_backend="triton"
+    config = NVFP4LinearConfig(  # called on one x again and again: share_inputs=False quantizes it every call
+        activation=QuantRecipe(scale=act_scale),
+        backward=backward,
+        quant_backend="triton",
+        gemm_backend="triton",
+        share_inputs=False,
     )
     torch.manual_seed(0)
     layer = NVFP4Linear(K, N, bias=False, dtype=dtype, config=config)

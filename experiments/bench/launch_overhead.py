@@ -70,7 +70,7 @@ def main() -> None:
     x = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16)  # small: host-bound, not GPU-bound
     small = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
     lin = torch.nn.Linear(1024, 3072, bias=False, device="cuda", dtype=torch.bfloat16)
-    fp4 = NVFP4Linear.from_linear(lin, NVFP4LinearConfig())
+    fp4 = NVFP4Linear.from_linear(lin, NVFP4LinearConfig(share_inputs=False))  # one x: quantize every call
     buf = torch.randn(4096, device="cuda")
     wq = quantize(lin.weight.detach(), QuantRecipe(block="16x16"))
     xq = quantize(x, QuantRecipe())
