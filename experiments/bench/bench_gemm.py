@@ -290,13 +290,16 @@ def decode_graph_replays(x, b, K, gw, replays: int = 50) -> str:
 QWEN3 = {"0.6B": (1024, 3072, 16, 8), "1.7B": (2048, 6144, 16, 8), "4B": (2560, 9728, 32, 8), "8B": (4096, 12288, 32, 8)}
 
 
-def decode_shapes() -> None:
-    """Each distinct (N, K) of the Qwen3 dense models' Linears, M = 1 and 16, CUDA-graph µs."""
+def decode_shapes(sweep: bool = False) -> None:
+    """Each distinct (N, K) of the Qwen3 dense models' Linears, M = 1 and 16, CUDA-graph µs; ``sweep``: then
+    the W4A16 decode kernel at each shape with every split-K of :data:`SHAPE_SPLITS` (default tile; outputs
+    checked against the reference), the default split marked, the fastest named."""
     emit("## Decode at every Qwen3 0.6B–8B Linear shape (CUDA-graph µs; W4A4 + q = with the activation's quantize)")
     emit("| model | layer | N×K | M | bf16 | W4A16 | W4A4 | W4A4 + q | bf16/W4A16 | bf16/W4A4 | bf16/(W4A4 + q) |")
     emit("|---|---|---|---|---|---|---|---|---|---|---|")
     act = QuantRecipe(scale="row", profile="compressed-tensors")  # the sampler copy's recipe, weights and inputs
     seen = set()
+    sweeps = []
     for model, (h, i, nq, nkv) in QWEN3.items():
         for layer, (n, k) in {"q": (nq * 128, h), "k/v": (nkv * 128, h), "o": (h, nq * 128), "gate/up": (i, h),
                               "down": (h, i)}.items():  # fmt: skip
@@ -321,6 +324,47 @@ def decode_shapes() -> None:
                 ]
                 emit(f"| {model} | {layer} | {n}×{k} | {m} | " + " | ".join(f"{v:.1f}" for v in t)
                      + f" | {t[0] / t[1]:.2f} | {t[0] / t[2]:.2f} | {t[0] / t[3]:.2f} |")  # fmt: skip
+                if sweep:
+                    sweeps.append((n, k, m, t[0], _split_sweep(x, b)))
+    if sweep:
+        emit("\n## Split-K at each shape (W4A16 decode kernel, default tile, CUDA-graph µs; * = default split)")
+        emit("| N×K | M | bf16 | " + " | ".join(f"split {s}" for s in SHAPE_SPLITS) + " | best | bf16/best |")
+        emit("|---|---|---|" + "---|" * len(SHAPE_SPLITS) + "---|---|")
+        for n, k, m, t_bf16, (times, default) in sweeps:
+            cells = [
+                "-" if sp not in times else f"{times[sp]:.1f}{'*' if sp == default else ''}" for sp in SHAPE_SPLITS
+            ]
+            best = min(times, key=times.get)
+            emit(f"| {n}×{k} | {m} | {t_bf16:.1f} | " + " | ".join(cells)
+                 + f" | {best} | {t_bf16 / times[best]:.2f} |")  # fmt: skip
+
+
+#: The split-K factors ``decode_shapes(sweep=True)`` times at every shape.
+SHAPE_SPLITS = (1, 2, 4, 8, 16)
+
+
+def _split_sweep(x: torch.Tensor, b) -> tuple[dict, int]:
+    """``({split: µs}, default split)`` of the W4A16 decode kernel on ``x`` and W_q ``b`` (default tile), each
+    split's output checked against the reference first (a split that leaves < 1 K step per slice is skipped)."""
+    M, K = x.shape
+    N = b.data.shape[0]
+    gw = b.global_scale.reshape(-1)
+    ref = gemm_w4a16_reference(x, b, out_dtype=torch.float64)
+    default = gd.decode_config(M, N, K)["SPLIT_K"]
+    out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+    times = {}
+    for split in SHAPE_SPLITS:
+        c = gd.decode_config(M, N, K, split)
+        if -(-K // 16) < split * c["NB"]:
+            continue
+        out32 = torch.full((M, N), float("nan"), device="cuda")
+        gd.launch_decode(x, b.data, b.scale, K, out32, None, gw, None, config=dict(c))
+        err = rel(out32, ref)
+        assert err < 1e-5, (N, K, M, split, err)
+        times[split] = 1e3 * do_bench_cudagraph(
+            lambda c=c: gd.launch_decode(x, b.data, b.scale, K, out, None, gw, None, config=c)
+        )
+    return times, default
 
 
 def decode(quick: bool, sweep: bool) -> None:
@@ -650,7 +694,7 @@ def main() -> None:
         "correctness": lambda: correctness(args.quick),
         "w4a4": lambda: w4a4_forward(args.quick, args.sweep),
         "decode": lambda: decode(args.quick, args.sweep),
-        "decode-shapes": decode_shapes,
+        "decode-shapes": lambda: decode_shapes(args.sweep),
         "linear": lambda: linear(args.quick),
         "cache": lambda: cache_check(args.quick),
     }
