@@ -209,3 +209,64 @@ def test_decode_fused_splitk_default_counters_and_config_switch():
     with pytest.raises(ValueError, match="counters"):
         gd.launch_decode(x, w.data, w.scale, 96, out, None, g_b, None, config=cfg,
                          counters=torch.zeros(2, dtype=torch.int32, device=device()))  # fmt: skip
+
+
+def test_graph_counters_give_the_capture_one_buffer(monkeypatch):
+    """Inside ``graph_counters`` a captured launch takes the capture's one zeroed buffer (when it has enough
+    counters on that device), else its own; outside a capture the context refuses to open, and it cannot nest.
+    The capture is simulated (CPU): the buffer choice is host logic."""
+    with pytest.raises(RuntimeError, match="inside a CUDA-graph capture"):
+        with gd.graph_counters():
+            pass
+    made = []
+    real_zeros = torch.zeros
+
+    def zeros(*args, device=None, **kwargs):  # a CPU tensor standing for a device allocation
+        made.append(args[0])
+        return real_zeros(*args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch, "zeros", zeros)
+    dev = torch.device("cuda", 0)
+    with gd.graph_counters():
+        shared = gd._GRAPH_COUNTERS[1]
+        assert made == [gd._SPLITK_COUNTERS_MIN]
+        assert gd.splitk_counters(dev, 40) is shared and gd.splitk_counters(dev, 7) is shared
+        own = gd.splitk_counters(dev, gd._SPLITK_COUNTERS_MIN + 1)  # too many tiles: a buffer of its own
+        assert own is not shared and own.numel() == gd._SPLITK_COUNTERS_MIN + 1
+        assert gd.splitk_counters(torch.device("cuda", 1), 40) is not shared  # another device
+        with pytest.raises(RuntimeError, match="already open"):
+            with gd.graph_counters():
+                pass
+    assert gd._GRAPH_COUNTERS is None
+    assert gd.splitk_counters(dev, 40) is not shared  # closed: each captured launch zeroes its own again
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graph_counters_replays_match_eager():
+    """Two split-K decode launches captured under ``graph_counters`` share one counter buffer: replays give
+    the eager bits, replay after replay, with new inputs copied in."""
+    gen = torch.Generator().manual_seed(5)
+    w1, w2 = (random_nvfp4((200, 1024), gen=gen, scale="row") for _ in range(2))
+    x = torch.randn(4, 1024, generator=gen).to(torch.bfloat16).cuda()
+    cfg = dict(gd.decode_config(4, 200, 1024, 4))
+
+    def step():
+        y = torch.empty(4, 200, device="cuda", dtype=torch.float32)
+        z = torch.empty(4, 200, device="cuda", dtype=torch.float32)
+        gd.launch_decode(x, w1.data, w1.scale, 1024, y, None, w1.global_scale.reshape(-1), None, config=cfg)
+        gd.launch_decode(x, w2.data, w2.scale, 1024, z, None, w2.global_scale.reshape(-1), None, config=cfg)
+        return y, z
+
+    step()  # warm-up: compile the kernels outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), gd.graph_counters():
+        out = step()
+    for seed in range(3):
+        x.copy_(torch.randn(4, 1024, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16))
+        graph.replay()
+        eager = step()
+        assert all(torch.equal(a, b) for a, b in zip(out, eager, strict=True))
