@@ -1,7 +1,7 @@
 """Learner step tokens/s on a Qwen3-architecture model (random init, ~0.6B): NVFP4 vs BF16. CUDA only.
 
     python experiments/bench/bench_linear.py [--layers 28] [--batch 8] [--seq 1024] [--steps 10] [--compile [MODE]]
-        [--compile-scope layers|model] [--capturable]
+        [--compile-scope layers|model] [--capturable] [--compare-share]
 
 One step = forward + backward (mean next-token loss) + AdamW step, bf16 weights. NVFP4 converts every
 decoder Linear with ``triage.kernels.convert`` (lm_head and embeddings stay bf16), bf16-backward (and
@@ -171,6 +171,11 @@ def main() -> None:
         "at every forward, no host reads, an op CUDA graphs capture (eager, and under --compile's mode)",
     )
     p.add_argument(
+        "--compare-share",
+        action="store_true",
+        help="also time NVFP4 with share_inputs=False (q/k/v and gate/up each quantize their input)",
+    )
+    p.add_argument(
         "--compare-launch",
         action="store_true",
         help="also time NVFP4 with Triton's own launch path (no fast launch)",
@@ -219,6 +224,18 @@ def main() -> None:
                 f"(/ compiled BF16: {cap_c / bf16_c:.2f}; / compiled cached NVFP4: {cap_c / fp4_c:.2f}) |"
             )
         for m in model.modules():  # the sections below time the cached config
+            if isinstance(m, NVFP4Linear):
+                m.config = NVFP4LinearConfig(backward=args.backward)
+    if args.compare_share:
+        for m in model.modules():
+            if isinstance(m, NVFP4Linear):
+                m.config = NVFP4LinearConfig(backward=args.backward, share_inputs=False)
+        unshared = tokens_per_s(model, args.batch, args.seq, args.steps)
+        lines.append(
+            f"| NVFP4 ({args.backward}), share_inputs=False | {unshared:,.0f} tok/s | {unshared / bf16:.2f} "
+            f"(shared / unshared: {fp4 / unshared:.2f}) |"
+        )
+        for m in model.modules():
             if isinstance(m, NVFP4Linear):
                 m.config = NVFP4LinearConfig(backward=args.backward)
     if args.profile:
