@@ -261,8 +261,15 @@ DECODE_CONFIG = dict(BN=64, NB=8, num_warps=4, num_stages=1, PREFETCH=True)
 DECODE_CONFIG_M16 = dict(BN=64, NB=16, num_warps=2, num_stages=3, PREFETCH=False)
 
 
+#: Default split-K (:func:`decode_config`): K is split (doubling) while the programs fill fewer than
+#: ``WAVES`` waves of the GPU's SMs and every split keeps at least ``MIN_SPLIT_STEPS`` K steps.
+WAVES = 2
+MIN_SPLIT_STEPS = 4
+
+
 def decode_config(M: int, N: int, K: int, split_k: int | None = None) -> dict:
-    """Tiles of :func:`_decode_kernel`: BM = M padded to 16/32/64; K split until ~2 waves of programs."""
+    """Tiles of :func:`_decode_kernel`: BM = M padded to 16/32/64; K split (:data:`WAVES`,
+    :data:`MIN_SPLIT_STEPS`) until ~2 waves of programs."""
     bm = 16 if M <= 16 else (32 if M <= 32 else 64)
     if interpreting():
         return dict(BM=bm, BN=16, NB=2, SPLIT_K=split_k or 1, num_warps=4, num_stages=1)
@@ -271,7 +278,7 @@ def decode_config(M: int, N: int, K: int, split_k: int | None = None) -> dict:
     if split_k is None:
         tiles = cdiv(N, cfg["BN"])
         split_k = 1
-        while tiles * split_k < 2 * num_sms() and kb // (split_k * 2) >= 4 * cfg["NB"]:
+        while tiles * split_k < WAVES * num_sms() and kb // (split_k * 2) >= MIN_SPLIT_STEPS * cfg["NB"]:
             split_k *= 2
     cfg["SPLIT_K"] = split_k
     return cfg
