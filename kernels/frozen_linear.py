@@ -330,7 +330,7 @@ class FrozenNVFP4Linear(nn.Module):
         if cfg.compute == "w4a4":
             from triage.kernels.linear import quantize_input
 
-            xq = quantize_input(x, x2, cfg.activation, cfg.quant_backend, share=cfg.share_inputs)
+            xq = quantize_input(x, cfg.activation, cfg.quant_backend, share=cfg.share_inputs)
             cached = self._expanded if cfg.cache_expanded else None
             if cached is None and cfg.cache_expanded and self._uses_cublas(x2.shape[0]):
                 cached = self.expansion()

@@ -70,7 +70,8 @@ input tensor (q/k/v read one hidden state, gate/up another) quantize it once: :f
 last input's x_q and gives it to the next call that quantizes the same unchanged tensor object with the same
 recipe, as an engine's fused ``qkv_proj`` / ``gate_up_proj`` quantizes its input once. The same bytes; a
 transformer decoder layer quantizes 4 activations (qkv, o, gate/up, down) instead of 7, each with its
-non-finite check. The key and its two rules: :func:`quantize_input`.
+non-finite check. Inside a CUDA-graph capture only within :func:`capture_scope` (one graph). The key, and
+the writes into x that no key can see: :func:`quantize_input`.
 
 Call plans. What a call derives from its input's signature alone (rows, the large-M choice, the Triton
 quantizers' tiles and launch arguments, the checks ``quantize`` makes, the GEMMs' plans) is a
@@ -114,6 +115,7 @@ backends of :mod:`triage.kernels.nvfp4` (Triton on CUDA, torch reference on CPU;
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
 from dataclasses import dataclass, field, replace
@@ -164,6 +166,7 @@ def invalidate_weight_caches() -> None:
 
 def _after_optimizer_step(optimizer, args, kwargs) -> None:
     invalidate_weight_caches()
+    _forget_input()  # a fused optimizer may have written an input tensor without a version bump
 
 
 register_optimizer_step_post_hook(_after_optimizer_step)
@@ -233,9 +236,9 @@ class NVFP4LinearConfig(LayerConfig):
             backward calls then repeat earlier ones.
         share_inputs: sibling layers that read one input tensor (q/k/v, gate/up) quantize it once, as the
             engines' fused ``qkv_proj`` / ``gate_up_proj`` do: a layer reuses the previous call's x_q when it
-            quantized the same unchanged tensor with the same recipe (:func:`quantize_input`: the key and
-            its two rules). The same bytes either way; eager and CUDA-graph calls (not under
-            ``torch.compile``). False quantizes at every call.
+            quantized the same unchanged tensor with the same recipe (:func:`quantize_input`: the key, and
+            the writes no key sees). The same bytes either way; eager calls, and captured calls within a
+            :func:`capture_scope` (not under ``torch.compile``). False quantizes at every call.
     """
 
     backward_modes: ClassVar[tuple[str, ...]] = BACKWARD_MODES
@@ -319,47 +322,73 @@ def _quantize(
 
 #: The most recent forward input's quantization (:func:`quantize_input`): ``(weakref to x, key, x_q)``.
 _last_input: tuple | None = None
+#: Whether a :func:`capture_scope` is open: captured calls share only inside one.
+_capture_scope = False
 
 
-def _forget_input(ref: weakref.ref) -> None:
+def _forget_input(ref: weakref.ref | None = None) -> None:
+    """Drop the kept input quantization (all of it, or only if it is the one of ``ref``: x was freed)."""
     global _last_input
     last = _last_input
-    if last is not None and last[0] is ref:
+    if last is not None and (ref is None or last[0] is ref):
         _last_input = None
+
+
+@contextlib.contextmanager
+def capture_scope():
+    """Open inside ``torch.cuda.graph(...)``, around ONE capture on one stream: layer calls captured within
+    it share input quantizations (:func:`quantize_input`); the kept one is dropped on entry and exit, so no
+    graph reads another graph's (or eager work's) x_q. Captured calls outside a scope quantize every time.
+    The built-in sampler's CUDA-graph decode step opens it."""
+    global _capture_scope
+    if _capture_scope:
+        raise RuntimeError("capture_scope: already open (one capture at a time)")
+    _forget_input()
+    _capture_scope = True
+    try:
+        yield
+    finally:
+        _capture_scope = False
+        _forget_input()
 
 
 def quantize_input(
     x: torch.Tensor,
-    x2: torch.Tensor,
     recipe: QuantRecipe,
     backend: str,
     expanded: torch.dtype | None = None,
     plan: RowsPlan | None = None,
     share: bool = True,
 ) -> NVFP4Tensor:
-    """The forward activation ``x_q = Q(x)`` of a layer's input ``x`` (``x2``: its ``[rows, K]`` view) under
-    the non-finite rule (:func:`_quantize`), computed once for sibling layers that read one input
+    """The forward activation ``x_q = Q(x)`` of a layer's input ``x`` (quantized as its ``[rows, K]`` view)
+    under the non-finite rule (:func:`_quantize`), computed once for sibling layers that read one input
     (``share=False``: computed at every call; the layer configs' ``share_inputs``).
 
-    A layer that quantizes the very tensor object the previous call quantized, unchanged since (the same
-    ``x._version``), with the same recipe, backend and expansion dtype, both inside or both outside a CUDA
-    graph capture, gets that call's ``x_q``: the same bytes, one quantizer pass and one non-finite check
-    instead of one per sibling (q/k/v read one hidden state, gate/up another, as the engines' fused
-    ``qkv_proj`` / ``gate_up_proj`` quantize it once). Only the last input is kept, by a weak reference (freed
-    with x). Not shared: stochastic rounding (each call draws its own), inference tensors (no version
-    counter), under ``torch.compile`` (the custom ops quantize per call). Two rules no key can see: an input
-    rewritten through ``.data`` between two layer calls (no version bump) must not be fed again unchanged in
-    object, and siblings that read one input object must be captured in one CUDA graph (a graph replays only
-    the quantization it captured)."""
+    A layer that quantizes the very tensor object the previous call quantized, unchanged as far as torch can
+    tell (the same ``x._version``, data pointer, shape, strides and offset, no optimizer step in between),
+    with the same recipe, backend and expansion dtype, on the same CUDA stream, gets that call's ``x_q``: the
+    same bytes, one quantizer pass and one non-finite check instead of one per sibling (q/k/v read one hidden
+    state, gate/up another, as the engines' fused ``qkv_proj`` / ``gate_up_proj`` quantize it once). Only the
+    last input is kept, by a weak reference (dropped when x is freed; while x lives, e.g. saved for a
+    backward, its x_q stays too). Inside a CUDA-graph capture calls share only within a
+    :func:`capture_scope` (one graph). Not shared: stochastic rounding (each call draws its own), inference
+    tensors (no version counter), under ``torch.compile`` (the custom ops quantize per call). What no key
+    can see: writes into x that bypass autograd's version counter (``x.data`` writes, numpy / DLPack
+    aliases, another tensor set to x's storage, a custom kernel writing x in place) between two layer calls
+    on the same x object: pass a new tensor, or use ``share_inputs=False``."""
     global _last_input
-    if not share or recipe.rounding != "nearest" or x.is_inference() or torch.compiler.is_compiling():
-        return _quantize(x2, recipe, backend, expanded=expanded, plan=plan)
-    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-    key = (x._version, capturing, recipe, backend, expanded)
+    if not share or torch.compiler.is_compiling() or recipe.rounding != "nearest" or x.is_inference():
+        return _quantize(x.reshape(-1, x.shape[-1]), recipe, backend, expanded=expanded, plan=plan)
+    stream = None
+    if x.is_cuda:
+        if torch.cuda.is_current_stream_capturing() and not _capture_scope:
+            return _quantize(x.reshape(-1, x.shape[-1]), recipe, backend, expanded=expanded, plan=plan)
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+    key = (x._version, x.data_ptr(), x.shape, x.stride(), x.storage_offset(), stream, recipe, backend, expanded)
     last = _last_input
     if last is not None and last[0]() is x and last[1] == key:
         return last[2]
-    xq = _quantize(x2, recipe, backend, expanded=expanded, plan=plan)
+    xq = _quantize(x.reshape(-1, x.shape[-1]), recipe, backend, expanded=expanded, plan=plan)
     _last_input = (weakref.ref(x, _forget_input), key, xq)
     return xq
 
@@ -662,9 +691,8 @@ def _linear_forward(
     """``y = Q(x)·Q(W)ᵀ + b`` for ``x`` of ``plan``'s signature and W_q ``w`` (module docstring); ``share``:
     Q(x) through :func:`quantize_input` (one quantization for sibling layers reading x)."""
     config = plan.config
-    x2 = x.reshape(plan.rows, plan.in_features)
     xq = quantize_input(
-        x, x2, config.activation, config.quant_backend, expanded=plan.act_expanded, plan=plan.x_plan, share=share
+        x, config.activation, config.quant_backend, expanded=plan.act_expanded, plan=plan.x_plan, share=share
     )
     y = plan.gemm(
         "fwd",

@@ -26,6 +26,7 @@ between the two runs (the loop's own run-to-run nondeterminism, if any, and wher
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -121,7 +122,12 @@ def main(argv=None) -> int:
     for name, frozen in (("w4a4", None), ("w4a16", "w4a16")):
         layer = torch.nn.Sequential(torch.nn.Linear(h, i, bias=False)).to("cuda", torch.bfloat16)
         layer[0].weight.data.copy_(weights["gate/up"])
-        nvfp4[name] = convert(layer, NVFP4Config.from_recipe(recipe, frozen=frozen)).eval()
+        config = NVFP4Config.from_recipe(recipe, frozen=frozen)
+        # one layer run on one x again and again: every call quantizes x (no shared input quantization)
+        config = dataclasses.replace(config, linear=dataclasses.replace(config.linear, share_inputs=False))
+        if config.frozen is not None:
+            config = dataclasses.replace(config, frozen=dataclasses.replace(config.frozen, share_inputs=False))
+        nvfp4[name] = convert(layer, config).eval()
     attention = torch.nn.Module()
     attention.num_key_value_groups, attention.is_causal = nq // nkv, True  # what Qwen3Attention holds
 

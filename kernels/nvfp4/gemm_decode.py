@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 
 import torch
 import triton
@@ -289,25 +290,25 @@ def decode_config(M: int, N: int, K: int, split_k: int | None = None) -> dict:
 #: use) and never freed; every launch leaves it at zero. Grown (a new buffer, the old one kept alive) when a
 #: launch needs more tiles. While a CUDA graph is being captured each launch gets its own zeroed buffer
 #: instead: the zero-fill is captured with it and re-runs on every replay, so graphs never share tickets
-#: with each other or with eager work; inside :func:`graph_counters` (one capture on one stream) the captured
-#: launches share one buffer of that graph instead, zeroed once per replay. Launches on one stream are
+#: with each other or with eager work; inside :func:`graph_counters` the launches captured on the stream that
+#: opened it share one buffer of that graph instead, zeroed once per replay. Launches on one stream are
 #: ordered, so they can share; launches that run concurrently on one stream's buffer cannot happen. Pass
 #: ``counters=`` to :func:`launch_decode` only for a buffer the caller keeps zeroed and unshared.
 _SPLITK_COUNTERS: dict[tuple, list[torch.Tensor]] = {}
 _SPLITK_COUNTERS_MIN = 4096
-#: The buffer of the capture :func:`graph_counters` is open for: ``(device, counters)``, or None.
-_GRAPH_COUNTERS: tuple[torch.device, torch.Tensor] | None = None
+#: The capture :func:`graph_counters` is open for: ``[device, stream, thread, buffer or None]``, or None.
+_GRAPH_COUNTERS: list | None = None
 
 
 @contextlib.contextmanager
 def graph_counters(device: torch.device | None = None):
     """Open inside ``torch.cuda.graph(...)`` (a capture on ONE stream: its launches run one after another):
-    the decode launches it captures on ``device`` (default: the current one) draw their split-K ticket
-    counters from one zeroed buffer of :data:`_SPLITK_COUNTERS_MIN` counters, allocated here in the capture,
-    instead of one zeroed buffer each. Every launch leaves its counters at zero, so one zero-fill per replay (captured here) serves them
-    all: one memset node per graph instead of one per captured decode GEMM. A launch that needs more tiles
-    gets its own buffer as before. Not for captures that fork onto side streams (two launches of the graph
-    could then run at once on one buffer)."""
+    the decode launches it captures on ``device`` (default: the current one), on the stream and thread that
+    opened it, draw their split-K ticket counters from one zeroed buffer of :data:`_SPLITK_COUNTERS_MIN`
+    counters, allocated (and zeroed, in the capture) by the first such launch, instead of one zeroed buffer
+    each. Every launch leaves its counters at zero, so one zero-fill per replay serves them all: one memset
+    node per graph instead of one per captured decode GEMM. A launch that needs more tiles, or runs on
+    another stream (a side stream the capture forked onto) or thread, gets its own buffer as before."""
     global _GRAPH_COUNTERS
     device = torch.device("cuda") if device is None else torch.device(device)
     if not (device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
@@ -316,7 +317,8 @@ def graph_counters(device: torch.device | None = None):
         device = torch.device("cuda", torch.cuda.current_device())
     if _GRAPH_COUNTERS is not None:
         raise RuntimeError("graph_counters: already open for another capture")
-    _GRAPH_COUNTERS = (device, torch.zeros(_SPLITK_COUNTERS_MIN, dtype=torch.int32, device=device))
+    stream = torch.cuda.current_stream(device).cuda_stream
+    _GRAPH_COUNTERS = [device, stream, threading.get_ident(), None]
     try:
         yield
     finally:
@@ -327,8 +329,16 @@ def splitk_counters(device: torch.device, tiles: int) -> torch.Tensor:
     """Zeroed ticket counters (≥ ``tiles``) for a launch on the current stream of ``device`` (see above)."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         shared = _GRAPH_COUNTERS
-        if shared is not None and shared[0] == device and shared[1].numel() >= tiles:
-            return shared[1]  # the open capture's one buffer (graph_counters)
+        if (
+            shared is not None
+            and shared[0] == device
+            and tiles <= _SPLITK_COUNTERS_MIN
+            and shared[1] == torch.cuda.current_stream(device).cuda_stream
+            and shared[2] == threading.get_ident()
+        ):
+            if shared[3] is None:  # the graph's one buffer, zeroed on every replay
+                shared[3] = torch.zeros(_SPLITK_COUNTERS_MIN, dtype=torch.int32, device=device)
+            return shared[3]
         return torch.zeros(tiles, dtype=torch.int32, device=device)  # captured: re-zeroed on every replay
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     bufs = _SPLITK_COUNTERS.setdefault((device.type, device.index, stream), [])

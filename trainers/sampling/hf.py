@@ -154,11 +154,13 @@ class _GraphStep:
             return self.logits
         if self.failed or self.calls == 1:
             return self.step()
+        from triage.kernels.linear import capture_scope
         from triage.kernels.nvfp4.gemm_decode import graph_counters
 
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph), graph_counters():  # one split-K counter buffer for the graph
+            # one split-K counter buffer for the graph; sibling layers share input quantizations within it
+            with torch.cuda.graph(graph), graph_counters(), capture_scope():
                 logits = self.step()
         except Exception as err:  # noqa: BLE001 - any capture failure falls back to the eager path
             self.failed = True

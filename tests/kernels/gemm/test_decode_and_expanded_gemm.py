@@ -212,9 +212,13 @@ def test_decode_fused_splitk_default_counters_and_config_switch():
 
 
 def test_graph_counters_give_the_capture_one_buffer(monkeypatch):
-    """Inside ``graph_counters`` a captured launch takes the capture's one zeroed buffer (when it has enough
-    counters on that device), else its own; outside a capture the context refuses to open, and it cannot nest.
-    The capture is simulated (CPU): the buffer choice is host logic."""
+    """Inside ``graph_counters`` a captured launch on the opening stream and thread takes the capture's one
+    buffer (made, zeroed, by the first such launch) when it fits; another device, stream or thread, or more
+    tiles, gets its own. Outside a capture the context refuses to open, and it cannot nest. The capture is
+    simulated (CPU): the buffer choice is host logic."""
+    import threading
+    from types import SimpleNamespace
+
     with pytest.raises(RuntimeError, match="inside a CUDA-graph capture"):
         with gd.graph_counters():
             pass
@@ -225,18 +229,30 @@ def test_graph_counters_give_the_capture_one_buffer(monkeypatch):
         made.append(args[0])
         return real_zeros(*args, **kwargs)
 
+    stream = SimpleNamespace(cuda_stream=7)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
     monkeypatch.setattr(torch, "zeros", zeros)
     dev = torch.device("cuda", 0)
     with gd.graph_counters():
-        shared = gd._GRAPH_COUNTERS[1]
-        assert made == [gd._SPLITK_COUNTERS_MIN]
-        assert gd.splitk_counters(dev, 40) is shared and gd.splitk_counters(dev, 7) is shared
+        assert made == []  # nothing allocated until a launch needs counters
+        shared = gd.splitk_counters(dev, 40)
+        assert made == [gd._SPLITK_COUNTERS_MIN] and not shared.any()
+        assert gd.splitk_counters(dev, 7) is shared
         own = gd.splitk_counters(dev, gd._SPLITK_COUNTERS_MIN + 1)  # too many tiles: a buffer of its own
         assert own is not shared and own.numel() == gd._SPLITK_COUNTERS_MIN + 1
         assert gd.splitk_counters(torch.device("cuda", 1), 40) is not shared  # another device
+        stream.cuda_stream = 8  # a side stream of the capture
+        assert gd.splitk_counters(dev, 40) is not shared
+        stream.cuda_stream = 7
+        other = []
+        worker = threading.Thread(target=lambda: other.append(gd.splitk_counters(dev, 40)))
+        worker.start()
+        worker.join()
+        assert other[0] is not shared  # another thread
+        assert gd.splitk_counters(dev, 40) is shared
         with pytest.raises(RuntimeError, match="already open"):
             with gd.graph_counters():
                 pass
@@ -246,9 +262,9 @@ def test_graph_counters_give_the_capture_one_buffer(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_graph_counters_replays_match_eager():
-    """Two split-K decode launches captured under ``graph_counters`` share one counter buffer: replays give
-    the eager bits, replay after replay, with new inputs copied in."""
+def test_graph_counters_replays_match_eager(monkeypatch):
+    """Two split-K decode launches captured under ``graph_counters`` get one counter buffer (spied) and their
+    replays give the eager bits, replay after replay, with new inputs copied in."""
     gen = torch.Generator().manual_seed(5)
     w1, w2 = (random_nvfp4((200, 1024), gen=gen, scale="row") for _ in range(2))
     x = torch.randn(4, 1024, generator=gen).to(torch.bfloat16).cuda()
@@ -262,11 +278,16 @@ def test_graph_counters_replays_match_eager():
         return y, z
 
     step()  # warm-up: compile the kernels outside the capture
+    given = []
+    real = gd.splitk_counters
+    monkeypatch.setattr(gd, "splitk_counters", lambda *a: given.append(real(*a)) or given[-1])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph), gd.graph_counters():
         out = step()
+    assert len(given) == 2 and given[0] is given[1]
     for seed in range(3):
         x.copy_(torch.randn(4, 1024, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16))
         graph.replay()
         eager = step()
         assert all(torch.equal(a, b) for a, b in zip(out, eager, strict=True))
+    assert not given[0].any()  # every replay left the shared counters at zero

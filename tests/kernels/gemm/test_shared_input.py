@@ -175,3 +175,68 @@ def test_frozen_w4a4_siblings_share(count):
 def test_share_inputs_must_be_a_bool(cls):
     with pytest.raises(TypeError, match="share_inputs must be a bool"):
         cls(share_inputs=1)
+
+
+def test_an_optimizer_step_or_a_data_swap_drops_the_kept_quantization(count):
+    on, off = _twins(count)
+    x = torch.randn(4, 64)
+    opt = torch.optim.SGD(on.parameters(), lr=0.1)
+    with torch.no_grad():
+        on.q(x)
+    opt.step()  # (no gradients: W unchanged) a fused optimizer may write an input without a version bump
+    assert linear_mod._last_input is None
+    count.clear()
+    x0 = x.clone()
+    with torch.no_grad():
+        a = on.q(x)
+        x.data = torch.randn(4, 64)  # a new storage behind the same object, same shape, no version bump
+        b = on.k(x)
+        assert len(count) == 2 + 2  # both quantized (+2: the weights the optimizer step invalidated)
+        assert torch.equal(b, off.k(x))
+        assert torch.equal(a, off.q(x0))
+
+
+def test_capture_scope_drops_the_kept_quantization_and_does_not_nest(count):
+    on, _ = _twins(count)
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        on.q(x)
+    assert linear_mod._last_input is not None
+    with linear_mod.capture_scope():
+        assert linear_mod._last_input is None  # nothing made before the capture is shared into it
+        with pytest.raises(RuntimeError, match="already open"):
+            with linear_mod.capture_scope():
+                pass
+        with torch.no_grad():
+            on.q(x)
+    assert linear_mod._last_input is None and not linear_mod._capture_scope
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_captured_siblings_share_only_inside_a_capture_scope(count):
+    """Two graphs capturing siblings on one x never share (each replays its own quantization); one graph
+    inside ``capture_scope`` shares, and its replays give the eager outputs."""
+    torch.manual_seed(0)
+    q, k = (NVFP4Linear(256, 128, bias=False, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        eager = (q(x).clone(), k(x).clone())
+        count.clear()
+        g1, g2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g1):
+            y1 = q(x)
+        with torch.cuda.graph(g2):
+            y2 = k(x)
+        assert len(count) == 2  # no scope: each graph quantizes x itself
+        count.clear()
+        g3 = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g3), linear_mod.capture_scope():
+            y3 = (q(x), k(x))
+        assert len(count) == 1
+    g2.replay()
+    g1.replay()
+    g3.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y1, eager[0]) and torch.equal(y2, eager[1])
+    assert torch.equal(y3[0], eager[0]) and torch.equal(y3[1], eager[1])
