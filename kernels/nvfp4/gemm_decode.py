@@ -264,13 +264,15 @@ DECODE_CONFIG_M16 = dict(BN=64, NB=16, num_warps=2, num_stages=3, PREFETCH=False
 
 #: Default split-K (:func:`decode_config`): K is split (doubling) while the programs fill fewer than
 #: ``WAVES`` waves of the GPU's SMs and every split keeps at least ``MIN_SPLIT_STEPS`` K steps.
-WAVES = 2
-MIN_SPLIT_STEPS = 4
+WAVES = 3
+MIN_SPLIT_STEPS = 1
 
 
 def decode_config(M: int, N: int, K: int, split_k: int | None = None) -> dict:
-    """Tiles of :func:`_decode_kernel`: BM = M padded to 16/32/64; K split (:data:`WAVES`,
-    :data:`MIN_SPLIT_STEPS`) until ~2 waves of programs."""
+    """Tiles of :func:`_decode_kernel`: BM = M padded to 16/32/64; K split (doubling) while the programs fill
+    fewer than :data:`WAVES` waves and each split keeps :data:`MIN_SPLIT_STEPS` K steps: of the rules of this
+    form, the one fastest in total over the 17 Qwen3 0.6B–8B Linear shapes at M = 1 and 16 of an H100 split
+    sweep (docs/benchmarks.md, "Decode GEMV")."""
     bm = 16 if M <= 16 else (32 if M <= 32 else 64)
     if interpreting():
         return dict(BM=bm, BN=16, NB=2, SPLIT_K=split_k or 1, num_warps=4, num_stages=1)
