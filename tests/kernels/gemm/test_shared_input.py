@@ -78,10 +78,12 @@ def test_siblings_share_one_quantization(count):
 def test_training_gradients_match_with_sharing(count):
     on, off = _twins(count)
     x = torch.randn(6, 64)
-    for model in (on, off):
+    for model, quantizations in ((on, 2), (off, 4)):
+        count.clear()
         xg = x.clone().requires_grad_()
         model(xg).square().sum().backward()
         model.grad_x = xg.grad
+        assert len(count) == quantizations  # with grad too: q/k/v share (bf16-backward quantizes nothing)
     assert torch.equal(on.grad_x, off.grad_x)
     for (name, p_on), p_off in zip(on.named_parameters(), off.parameters(), strict=True):
         assert torch.equal(p_on.grad, p_off.grad), name
