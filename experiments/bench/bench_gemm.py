@@ -292,8 +292,9 @@ QWEN3 = {"0.6B": (1024, 3072, 16, 8), "1.7B": (2048, 6144, 16, 8), "4B": (2560, 
 
 def decode_shapes(sweep: bool = False) -> None:
     """Each distinct (N, K) of the Qwen3 dense models' Linears, M = 1 and 16, CUDA-graph µs; ``sweep``: then
-    the W4A16 decode kernel at each shape with every split-K of :data:`SHAPE_SPLITS` (default tile; outputs
-    checked against the reference), the default split marked, the fastest named."""
+    the W4A16 decode kernel at each shape with every split-K of :data:`SHAPE_SPLITS` and tile rows of
+    :data:`SHAPE_BNS` (outputs checked against the reference): the BN = 64 splits with the default marked,
+    and the fastest split at each BN."""
     emit("## Decode at every Qwen3 0.6B–8B Linear shape (CUDA-graph µs; W4A4 + q = with the activation's quantize)")
     emit("| model | layer | N×K | M | bf16 | W4A16 | W4A4 | W4A4 + q | bf16/W4A16 | bf16/W4A4 | bf16/(W4A4 + q) |")
     emit("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -327,43 +328,58 @@ def decode_shapes(sweep: bool = False) -> None:
                 if sweep:
                     sweeps.append((n, k, m, t[0], _split_sweep(x, b)))
     if sweep:
-        emit("\n## Split-K at each shape (W4A16 decode kernel, default tile, CUDA-graph µs; * = default split)")
-        emit("| N×K | M | bf16 | " + " | ".join(f"split {s}" for s in SHAPE_SPLITS) + " | best | bf16/best |")
-        emit("|---|---|---|" + "---|" * len(SHAPE_SPLITS) + "---|---|")
+        emit("\n## Split-K and tile rows at each shape (W4A16 decode kernel, CUDA-graph µs; * = the default)")
+        emit("| N×K | M | bf16 | " + " | ".join(f"split {s}" for s in SHAPE_SPLITS)
+             + " | " + " | ".join(f"best BN={bn}" for bn in SHAPE_BNS) + " | bf16/best |")  # fmt: skip
+        emit("|---|---|---|" + "---|" * (len(SHAPE_SPLITS) + len(SHAPE_BNS)) + "---|")
         for n, k, m, t_bf16, (times, default) in sweeps:
-            cells = [
-                "-" if sp not in times else f"{times[sp]:.1f}{'*' if sp == default else ''}" for sp in SHAPE_SPLITS
-            ]
-            best = min(times, key=times.get)
+            cells = []
+            for sp in SHAPE_SPLITS:
+                t = times.get((64, sp))
+                cells.append("-" if t is None else f"{t:.1f}{'*' if (64, sp) == default else ''}")
+            for bn in SHAPE_BNS:
+                mine = {sp: t for (b_, sp), t in times.items() if b_ == bn}
+                best = min(mine, key=mine.get) if mine else None
+                cells.append("-" if best is None else f"{mine[best]:.1f} (split {best})")
             emit(f"| {n}×{k} | {m} | {t_bf16:.1f} | " + " | ".join(cells)
-                 + f" | {best} | {t_bf16 / times[best]:.2f} |")  # fmt: skip
+                 + f" | {t_bf16 / min(times.values()):.2f} |")  # fmt: skip
 
 
-#: The split-K factors ``decode_shapes(sweep=True)`` times at every shape.
+#: The split-K factors and tile rows (BN, the weight rows per program; 2 warps, 1 at BN = 16) that
+#: ``decode_shapes(sweep=True)`` times at every shape.
 SHAPE_SPLITS = (1, 2, 4, 8, 16)
+SHAPE_BNS = (16, 32, 64)
 
 
-def _split_sweep(x: torch.Tensor, b) -> tuple[dict, int]:
-    """``({split: µs}, default split)`` of the W4A16 decode kernel on ``x`` and W_q ``b`` (default tile), each
-    split's output checked against the reference first (a split that leaves < 1 K step per slice is skipped)."""
+def _split_sweep(x: torch.Tensor, b) -> tuple[dict, tuple]:
+    """``({(BN, split): µs}, (BN, split) of the default)`` of the W4A16 decode kernel on ``x`` and W_q ``b``,
+    each config's output checked against the reference first (a split that leaves < 1 K step per slice is
+    skipped; a config that fails to compile or run is reported and skipped)."""
     M, K = x.shape
     N = b.data.shape[0]
     gw = b.global_scale.reshape(-1)
     ref = gemm_w4a16_reference(x, b, out_dtype=torch.float64)
-    default = gd.decode_config(M, N, K)["SPLIT_K"]
+    c0 = gd.decode_config(M, N, K)
+    default = (c0["BN"], c0["SPLIT_K"])
     out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
     times = {}
-    for split in SHAPE_SPLITS:
-        c = gd.decode_config(M, N, K, split)
-        if -(-K // 16) < split * c["NB"]:
-            continue
-        out32 = torch.full((M, N), float("nan"), device="cuda")
-        gd.launch_decode(x, b.data, b.scale, K, out32, None, gw, None, config=dict(c))
-        err = rel(out32, ref)
-        assert err < 1e-5, (N, K, M, split, err)
-        times[split] = 1e3 * do_bench_cudagraph(
-            lambda c=c: gd.launch_decode(x, b.data, b.scale, K, out, None, gw, None, config=c)
-        )
+    for bn in SHAPE_BNS:
+        for split in SHAPE_SPLITS:
+            c = dict(gd.decode_config(M, N, K, split), BN=bn, num_warps=max(1, min(2, bn // 16)))
+            if -(-K // 16) < split * c["NB"]:
+                continue
+            try:
+                out32 = torch.full((M, N), float("nan"), device="cuda")
+                gd.launch_decode(x, b.data, b.scale, K, out32, None, gw, None, config=dict(c))
+                err = rel(out32, ref)
+                assert err < 1e-5, (N, K, M, bn, split, err)
+                times[(bn, split)] = 1e3 * do_bench_cudagraph(
+                    lambda c=c: gd.launch_decode(x, b.data, b.scale, K, out, None, gw, None, config=c)
+                )
+            except Exception as ex:  # noqa: BLE001
+                if isinstance(ex, AssertionError):
+                    raise
+                emit(f"  ({N}×{K} M={M} BN={bn} split={split}: {type(ex).__name__} {str(ex)[:80]})")
     return times, default
 
 
