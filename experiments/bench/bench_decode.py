@@ -115,8 +115,48 @@ def profile_call(model, prompts, new: int, decode: str, title: str, top: int = 1
     events.sort(key=lambda e: e.device_time_total, reverse=True)
     total = sum(e.device_time_total for e in events)
     print(f"  profile ({title}, {decode}, {new} tokens): GPU kernel time {total / 1e3:.1f} ms")
+    spans = [
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+    ]
+    if spans:
+        g = kernel_gaps(spans)
+        print(f"    GPU timeline: {g['span'] / 1e3:.1f} ms from first kernel start to last kernel end, "
+              f"{g['busy'] / 1e3:.1f} ms busy; idle between kernels {g['short'] / 1e3:.1f} ms in "
+              f"{g['n_short']} gaps < {GAP_US:.0f} µs, {g['long'] / 1e3:.1f} ms in {g['n_long']} longer ones "
+              "(the GPU waiting for the host)")  # fmt: skip
     for e in events[:top]:
         print(f"    {e.device_time_total / 1e3:8.2f} ms  {e.count:6d}×  {e.key[:90]}")
+
+
+#: Idle gaps between GPU kernels shorter than this (µs) count as launch / graph-node gaps, longer ones as the
+#: GPU waiting for the host (:func:`kernel_gaps`).
+GAP_US = 20.0
+
+
+def kernel_gaps(spans: list[tuple[float, float]]) -> dict:
+    """The GPU timeline of kernel ``(start, end)`` spans (µs, one stream): ``span`` (first start to last end),
+    ``busy`` (the union of the spans), and the idle time between them: ``short`` (gaps < :data:`GAP_US`, in
+    ``n_short`` gaps) and ``long`` (the rest, ``n_long``)."""
+    spans = sorted(spans)
+    busy = short = long_ = 0.0
+    n_short = n_long = 0
+    cur_start, cur_end = spans[0]
+    for start, end in spans[1:]:
+        if start > cur_end:
+            busy += cur_end - cur_start
+            gap = start - cur_end
+            if gap < GAP_US:
+                short, n_short = short + gap, n_short + 1
+            else:
+                long_, n_long = long_ + gap, n_long + 1
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    busy += cur_end - cur_start
+    span = max(end for _, end in spans) - spans[0][0]
+    return dict(span=span, busy=busy, short=short, n_short=n_short, long=long_, n_long=n_long)
 
 
 def main(argv=None) -> int:
