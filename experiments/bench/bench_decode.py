@@ -181,7 +181,8 @@ def main(argv=None) -> int:
         "--profile",
         action="store_true",
         help="after the timings of each shape, precision and batch: the top GPU kernels (torch.profiler, "
-        "kernels inside graph replays included) of one call of the last loop in --decodes",
+        "kernels inside graph replays included) of one call of the last loop in --decodes, and its GPU "
+        "timeline: busy time and the idle gaps between kernels (kernel_gaps)",
     )
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "bench_decode.json"))
     args = ap.parse_args(argv)
