@@ -135,12 +135,18 @@ def test_share_inputs_off_quantizes_every_call(count):
     assert len(count) == 4
 
 
-def test_the_kept_quantization_dies_with_its_input(count):
+def _one_kept(count):
+    """A layer and an input whose quantization the layer's call left kept."""
     on, _ = _twins(count)
     x = torch.randn(4, 64)
     with torch.no_grad():
         on.q(x)
     assert linear_mod._last_input is not None
+    return on, x
+
+
+def test_the_kept_quantization_dies_with_its_input(count):
+    _, x = _one_kept(count)
     del x
     gc.collect()
     assert linear_mod._last_input is None
@@ -199,11 +205,7 @@ def test_an_optimizer_step_or_a_data_swap_drops_the_kept_quantization(count):
 
 
 def test_capture_scope_drops_the_kept_quantization_and_does_not_nest(count):
-    on, _ = _twins(count)
-    x = torch.randn(4, 64)
-    with torch.no_grad():
-        on.q(x)
-    assert linear_mod._last_input is not None
+    on, x = _one_kept(count)
     with linear_mod.capture_scope():
         assert linear_mod._last_input is None  # nothing made before the capture is shared into it
         with pytest.raises(RuntimeError, match="already open"):
