@@ -703,7 +703,7 @@ def _linear_forward(
         b_expanded=w.expanded if plan.large else None,
         b_scale_host=None if config.capturable else w.host_scale,
     )
-    return y.reshape(*plan.lead, plan.out_features)
+    return y if len(plan.lead) == 1 else y.reshape(*plan.lead, plan.out_features)
 
 
 def _rounding_seeds(config: NVFP4LinearConfig, layer: NVFP4Linear) -> tuple[int, int]:
@@ -749,14 +749,18 @@ def _linear_backward(
     ``weight_t``: the forward's W_qᵀ and ``seeds`` the stochastic-rounding seeds ``(dy's, dyᵀ's)``, host ints
     (:func:`_rounding_seeds`) or a device tensor (:func:`_device_seeds`), in nvfp4-backward (else None)."""
     config = plan.config
-    dy2 = dy.reshape(plan.rows, plan.out_features)
-    x2 = x.reshape(plan.rows, plan.in_features)
+    flat = len(plan.lead) == 1  # x, y already [rows, features]: no reshapes
+    dy2 = dy if flat else dy.reshape(plan.rows, plan.out_features)
+    x2 = x if flat else x.reshape(plan.rows, plan.in_features)
     dx = dw = db = None
     if config.backward == "bf16-backward":
+        dt = dy2.dtype
         if needs[0]:
-            dx = (dy2 @ weight.to(dy2.dtype)).to(x.dtype)
+            dx = dy2 @ (weight if weight.dtype == dt else weight.to(dt))
+            dx = dx if dx.dtype == x.dtype else dx.to(x.dtype)
         if needs[1]:
-            dw = (dy2.T @ x2.to(dy2.dtype)).to(weight.dtype)
+            dw = dy2.T @ (x2 if x2.dtype == dt else x2.to(dt))
+            dw = dw if dw.dtype == weight.dtype else dw.to(weight.dtype)
     else:
         seed, seed_t = seeds[0], seeds[1]
         backend = config.quant_backend
@@ -772,7 +776,7 @@ def _linear_backward(
             dw = plan.gemm(("wgrad", dy2.dtype), dyt, xt, out_dtype=torch.float32).to(weight.dtype)
     if bias_dtype is not None and needs[2]:
         db = dy2.float().sum(0).to(bias_dtype)
-    if dx is not None:
+    if dx is not None and not flat:
         dx = dx.reshape(x.shape)
     return dx, dw, db
 

@@ -103,10 +103,12 @@ def given_outer_args(recipe: QuantRecipe) -> tuple[float, float, float, bool]:
 
 @dataclasses.dataclass
 class QuantOutputs:
-    """The output buffers of one quantizer launch over ``rows`` rows of ``length`` (a multiple of 16)
-    elements: codes ``data`` uint8 [rows, length/2], block-scale bits ``scale`` uint8 [rows, length/16],
-    the optional exact expansion ``expanded`` [rows, length], and the outer scales ``enc`` / ``dec`` /
-    ``amax`` fp32 [n_outer] (``amax`` is ``enc`` when the kernel does not write it)."""
+    """The output buffers of one quantizer launch over the rows ``lead`` (their product: the kernel's rows)
+    of ``length`` (a multiple of 16) elements, allocated in the shapes the :class:`NVFP4Tensor` holds (the
+    kernels read only their contiguous storage): codes ``data`` uint8 [*lead, length/2], block-scale bits
+    ``scale`` uint8 [*lead, length/16], the optional exact expansion ``expanded`` [*lead, length], and the
+    outer scales ``enc`` / ``dec`` / ``amax`` fp32 of ``outer_shape`` (``amax`` is ``enc`` when the kernel
+    does not write it)."""
 
     data: torch.Tensor
     scale: torch.Tensor
@@ -118,31 +120,29 @@ class QuantOutputs:
 
     @classmethod
     def empty(
-        cls, rows: int, length: int, n_outer: int, write_amax: bool, emit_expanded: torch.dtype | None, device
+        cls, lead: tuple, length: int, outer_shape: tuple, write_amax: bool, emit_expanded: torch.dtype | None, device
     ) -> QuantOutputs:
-        enc = torch.empty(n_outer, dtype=torch.float32, device=device)
+        enc = torch.empty(outer_shape, dtype=torch.float32, device=device)
         return cls(
-            data=torch.empty((rows, length // 2), dtype=torch.uint8, device=device),
-            scale=torch.empty((rows, length // 16), dtype=torch.uint8, device=device),
-            expanded=None if emit_expanded is None else torch.empty((rows, length), dtype=emit_expanded, device=device),
+            data=torch.empty((*lead, length // 2), dtype=torch.uint8, device=device),
+            scale=torch.empty((*lead, length // 16), dtype=torch.uint8, device=device),
+            expanded=None if emit_expanded is None else torch.empty((*lead, length), dtype=emit_expanded, device=device),
             enc=enc, dec=torch.empty_like(enc), amax=torch.empty_like(enc) if write_amax else enc,
             write_amax=write_amax,
         )  # fmt: skip
 
-    def tensor(self, recipe: QuantRecipe, shape: torch.Size, dtype: torch.dtype, outer_shape) -> NVFP4Tensor:
-        """The :class:`NVFP4Tensor` of a quantized ``shape`` (its leading dims are the rows; the last, padded
-        to ``length``, the blocks), outer scales shaped ``outer_shape``."""
-        lead, length = tuple(shape[:-1]), self.data.shape[-1] * 2
+    def tensor(self, recipe: QuantRecipe, shape: torch.Size, dtype: torch.dtype) -> NVFP4Tensor:
+        """The :class:`NVFP4Tensor` of a quantized ``shape`` (the buffers' shapes as allocated: no reshape)."""
         return NVFP4Tensor(
-            data=self.data.reshape(*lead, length // 2),
-            scale=self.scale.view(torch.float8_e4m3fn).reshape(*lead, length // 16),
-            global_scale=self.dec.reshape(outer_shape),
+            data=self.data,
+            scale=self.scale.view(torch.float8_e4m3fn),
+            global_scale=self.dec,
             recipe=recipe,
             shape=shape,
             dtype=dtype,
-            global_encode_scale=self.enc.reshape(outer_shape),
-            amax=self.amax.reshape(outer_shape) if self.write_amax else None,
-            expanded=None if self.expanded is None else self.expanded.reshape(*lead, length),
+            global_encode_scale=self.enc,
+            amax=self.amax if self.write_amax else None,
+            expanded=self.expanded,
         )
 
 

@@ -428,8 +428,10 @@ class DecodeLaunch:
                 cnt = counters
             else:
                 cnt = splitk_counters(out.device, self.tiles)
+        if w_scale.dtype != torch.float8_e4m3fn:
+            w_scale = w_scale.view(torch.float8_e4m3fn)
         _decode_kernel[self.grid](
-            x, w32, w_scale.view(torch.float8_e4m3fn), out, part, cnt if cnt is not None else dummy,
+            x, w32, w_scale, out, part, cnt if cnt is not None else dummy,
             g_a if g_a is not None else dummy, g_b if g_b is not None else dummy, bias if bias is not None else dummy,
             self.M, self.N, self.K, self.kb, x.stride(0), w32.stride(0), w_scale.stride(0), out.stride(0),
             out.stride(1), self.out_mult, GA_MODE=scale_mode(g_a), GB_MODE=scale_mode(g_b), HAS_BIAS=bias is not None,

@@ -518,7 +518,10 @@ class GemmPlan:
         if route == "reference":
             out.copy_(gemm_reference(a, b, out_dtype=self.out_dtype, bias=bias).reshape(M, N))
             return out.reshape(*self.lead, N)
-        g_a, g_b = _scale_vector(a, self.ga_len), _scale_vector(b, self.gb_len)
+        if route in ("alpha", "scaled"):  # torch ops broadcast them: [1] or [M] / [N]
+            g_a, g_b = _scale_vector(a, self.ga_len), _scale_vector(b, self.gb_len)
+        else:  # a Triton kernel reads the scales as flat fp32 storage (1 or M / N elements)
+            g_a, g_b = _kernel_scale(a, self.ga_len), _kernel_scale(b, self.gb_len)
         if route == "decode":  # stream the packed weight
             xa = self._a_expanded(a, torch.float16)
             self.launch.run(xa, b.data, b.scale, out, g_a, g_b, bias)
@@ -543,14 +546,24 @@ class GemmPlan:
             else:
                 with _fp32_reduction():
                     out.copy_(_scaled_epilogue(_mm_fp32(xa, wb), g_a, g_b, bias, self.out_dtype))
-        return out.reshape(*self.lead, N)
+        return out if len(self.lead) == 1 else out.reshape(*self.lead, N)
 
     def _a_expanded(self, a, dtype: torch.dtype) -> torch.Tensor:
         """:func:`expand` of ``a`` as [M, K]: ``a.expanded`` when it is in ``dtype``."""
         M, K = self.M, self.K
         if self.a_cached == dtype:
-            return a.expanded.reshape(M, K)
+            e = a.expanded
+            return e if e.dim() == 2 else e.reshape(M, K)
         return _expand(a.data.reshape(M, K // 2), a.scale.reshape(M, K // 16), K, dtype)
+
+
+def _kernel_scale(t, n: int) -> torch.Tensor:
+    """The outer scale of a checked operand as a Triton kernel reads it (fp32, contiguous, 1 or ``n``
+    elements in row order, any shape): ``t.global_scale`` itself when it is one, else :func:`_scale_vector`."""
+    g = t.global_scale
+    if isinstance(g, torch.Tensor) and g.dtype == torch.float32 and g.is_contiguous():
+        return g
+    return _scale_vector(t, n)
 
 
 def _scale_vector(t, n: int) -> torch.Tensor:

@@ -535,7 +535,7 @@ class ColumnsPlan:
             _amax_colwise_kernel[self.amax_grid](
                 xa, src_arg, group_amax, self.C, self.L, sx0, sx1, *self.amax_args, **self.amax_constexprs
             )
-        out = QuantOutputs.empty(self.C, self.lp, self.n_outer, self.write_amax, self.emit_expanded, dev)
+        out = QuantOutputs.empty((self.C,), self.lp, self.out_shape, self.write_amax, self.emit_expanded, dev)
         data32, expanded, enc_t = out.data.view(torch.int32), out.expanded, out.enc
         enc_arg, dec_arg, amax_arg, C, L, lp = self.scalar_args
         key = seed_arg(self.recipe, seed)
@@ -544,7 +544,7 @@ class ColumnsPlan:
             enc_t, out.dec, out.amax, enc_t if group_amax is None else group_amax, enc_arg, dec_arg, amax_arg,
             C, L, lp, sx0, sx1, key, **self.constexprs, SEED_PTR=isinstance(key, torch.Tensor),
         )  # fmt: skip
-        return out.tensor(self.recipe, torch.Size((C, L)), self.dtype, self.out_shape)
+        return out.tensor(self.recipe, torch.Size((C, L)), self.dtype)
 
 
 @functools.lru_cache(maxsize=1024)

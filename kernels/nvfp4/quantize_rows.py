@@ -614,6 +614,7 @@ class RowsPlan:
     dtype: torch.dtype
     emit_expanded: torch.dtype | None
     rows: int
+    lead: tuple  # shape[:-1]: the rows as the outputs hold them
     k: int
     kp: int
     n: int  # rows per slice (16x16 tiles never cross slices)
@@ -624,7 +625,6 @@ class RowsPlan:
     amax_grid: tuple[int, int]
     amax_args: tuple
     amax_kwargs: dict
-    n_outer: int
     write_amax: bool
     outer_shape: tuple
     scalar_args: tuple  # enc_arg, dec_arg, amax_arg, N, K, KP, rows_per_outer
@@ -632,7 +632,7 @@ class RowsPlan:
 
     def run(self, x: torch.Tensor, seed: int | torch.Tensor | None = None) -> NVFP4Tensor:
         """Quantize ``x`` (contiguous, of the planned shape and dtype; for ``pairs`` an even storage offset)."""
-        x2 = x.reshape(self.rows, self.k)
+        x2 = x  # contiguous: the kernels read its storage as [rows, k]
         dev = x.device
         group_amax = None
         if self.groups:
@@ -643,7 +643,7 @@ class RowsPlan:
                 _amax_tiled_kernel[self.amax_grid](bits_view(x2), group_amax, *self.amax_args, **self.amax_kwargs)
             else:
                 _amax_flat_kernel[self.amax_grid](bits_view(x2), group_amax, *self.amax_args, **self.amax_kwargs)
-        out = QuantOutputs.empty(self.rows, self.kp, self.n_outer, self.write_amax, self.emit_expanded, dev)
+        out = QuantOutputs.empty(self.lead, self.kp, self.outer_shape, self.write_amax, self.emit_expanded, dev)
         data, expanded, enc_t = out.data, out.expanded, out.enc
         if self.pairs:  # int32 views: bf16 pairs in, 8 code bytes (two words) and bf16/fp16 pairs out
             xa, da = x2.view(torch.int32), data.view(torch.int32)
@@ -655,7 +655,7 @@ class RowsPlan:
             xa, da, out.scale, ea, enc_t, out.dec, out.amax, enc_t if group_amax is None else group_amax,
             *self.scalar_args, key, **self.constexprs, SEED_PTR=isinstance(key, torch.Tensor),
         )  # fmt: skip
-        return out.tensor(self.recipe, self.shape, self.dtype, self.outer_shape)
+        return out.tensor(self.recipe, self.shape, self.dtype)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -696,7 +696,7 @@ def rows_plan(
     write_amax = True
     groups, amax_kind, amax_grid, amax_args, amax_kwargs = 0, "", (0, 0), (), {}
     if recipe.scale == "row" and recipe.scale_source == "dynamic":
-        mode, rows_per_outer, n_outer, out_shape = OUTER_ROW, 1, rows, gshape
+        mode, rows_per_outer, out_shape = OUTER_ROW, 1, gshape
     elif recipe.scale_source == "dynamic" and recipe.scale in ("tensor", "expert"):
         groups = shape[0] if recipe.scale == "expert" else 1
         amax_kind, amax_grid, amax_args, amax_kwargs = _group_amax_launch(
@@ -704,11 +704,11 @@ def rows_plan(
         )
         if amax_kind != "flat" and num_warps is not None:  # the Hadamard amax passes run the quantizer's tile
             amax_kwargs = dict(amax_kwargs, num_warps=num_warps)
-        mode, rows_per_outer, n_outer = OUTER_GROUP, rows // groups, groups
+        mode, rows_per_outer = OUTER_GROUP, rows // groups
         out_shape = (groups,) + (1,) * (len(shape) - 1) if recipe.scale == "expert" else ()
     else:
         enc_arg, dec_arg, amax_arg, write_amax = given_outer_args(recipe)
-        mode, rows_per_outer, n_outer, out_shape = OUTER_GIVEN, rows, 1, ()
+        mode, rows_per_outer, out_shape = OUTER_GIVEN, rows, ()
     constexprs = dict(
         PROFILE=PROFILE_ID[recipe.profile], OUTER=mode, TILE16=recipe.block == "16x16",
         HADAMARD=recipe.hadamard, ROUND=ROUND_ID[dtype], STOCHASTIC=recipe.rounding == "stochastic",
@@ -718,9 +718,10 @@ def rows_plan(
     if num_warps is not None:
         constexprs["num_warps"] = num_warps
     return RowsPlan(
-        recipe=recipe, shape=torch.Size(shape), dtype=dtype, emit_expanded=emit_expanded, rows=rows, k=k,
+        recipe=recipe, shape=torch.Size(shape), dtype=dtype, emit_expanded=emit_expanded, rows=rows,
+        lead=tuple(shape[:-1]), k=k,
         kp=kp, n=n, pairs=pairs, grid=(cdiv(n, br), slices), groups=groups, amax_kind=amax_kind, amax_grid=amax_grid,
-        amax_args=amax_args, amax_kwargs=amax_kwargs, n_outer=n_outer, write_amax=write_amax,
+        amax_args=amax_args, amax_kwargs=amax_kwargs, write_amax=write_amax,
         outer_shape=out_shape, scalar_args=(enc_arg, dec_arg, amax_arg, n, k, kp, rows_per_outer),
         constexprs=constexprs,
     )  # fmt: skip
