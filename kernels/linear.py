@@ -1189,6 +1189,8 @@ class NVFP4Linear(nn.Linear):
             return nvfp4_linear_op(x, self.weight, self.bias, self._op_id, nvfp4_backward)[0]
         w = self._quantized_weight(self.weight)
         plan = _plan(config, x, self.weight, self.bias)
+        if not torch.is_grad_enabled():  # no backward can follow: the forward alone, no autograd node
+            return _linear_forward(x, self.bias, plan, w, share=config.share_inputs)
         return _NVFP4LinearFn.apply(x, self.weight, self.bias, plan, w, seeds, self)
 
     def extra_repr(self) -> str:
