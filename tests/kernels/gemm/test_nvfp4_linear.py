@@ -42,6 +42,18 @@ def test_forward_is_the_nvfp4_gemm_of_the_quantized_operands():
     assert rel_err(y, nn.functional.linear(x, layer.weight, layer.bias)) < 0.25
 
 
+@pytest.mark.parametrize("shape", [(18, 48), (2, 9, 48)])
+def test_grad_off_forward_gives_the_grad_on_bits_without_a_node(shape):
+    layer = _layer()
+    x = _x(18, 48).reshape(shape)
+    y = layer(x)
+    with torch.no_grad():
+        y0 = layer(x)
+    assert y.grad_fn is not None and y0.grad_fn is None and not y0.requires_grad
+    assert y0.shape == y.shape == (*shape[:-1], 32)
+    assert torch.equal(y0, y.detach())
+
+
 def test_bf16_backward_is_straight_through_on_master_tensors():
     layer = _layer()
     x = _x(20, 48).requires_grad_()
