@@ -340,7 +340,10 @@ def decode_shapes(sweep: bool = False) -> None:
             for bn in SHAPE_BNS:
                 mine = {sp: t for (b_, sp), t in times.items() if b_ == bn}
                 best = min(mine, key=mine.get) if mine else None
-                cells.append("-" if best is None else f"{mine[best]:.1f} (split {best})")
+                cell = "-" if best is None else f"{mine[best]:.1f} (split {best})"
+                if bn != 64 and default[0] == bn and default in times:  # the default outside the BN = 64 columns
+                    cell += f"; default split {default[1]}: {times[default]:.1f}*"
+                cells.append(cell)
             emit(f"| {n}×{k} | {m} | {t_bf16:.1f} | " + " | ".join(cells)
                  + f" | {t_bf16 / min(times.values()):.2f} |")  # fmt: skip
 

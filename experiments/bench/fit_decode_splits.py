@@ -7,7 +7,8 @@ and M, the BN = 64 times at split 1, 2, 4, 8, 16; ``-`` where a split was not ti
 the form of :func:`triage.kernels.nvfp4.gemm_decode.decode_config` — split doubles while ``tiles·split <
 waves·SMs`` and ``(K/16) // (2·split) ≥ steps·16`` and ``2·split ≤ largest`` — by the summed time of the
 splits it picks, over waves × steps × largest, and prints the best rules beside the library's current one
-and the fastest split per row (the floor).
+and the fastest split per row (the floor). Rows that ``decode_config`` gives narrow tiles and no split (M ≤ 16,
+K ≤ ``NARROW_K``) are left out: the rule does not apply to them.
 """
 
 from __future__ import annotations
@@ -66,6 +67,10 @@ def main() -> None:
     from triage.kernels.nvfp4 import gemm_decode as gd
 
     rows = read_sweep(args.log)
+    narrow = sum(k <= gd.NARROW_K and m <= 16 for _, k, m, *_ in rows)
+    rows = [r for r in rows if not (r[1] <= gd.NARROW_K and r[2] <= 16)]
+    if narrow:
+        print(f"{narrow} rows with K <= {gd.NARROW_K} left out (narrow tiles, no split: decode_config)")
     floor = sum(min(t.values()) for *_, t, _ in rows)
     print(f"{len(rows)} rows (N×K × M); fastest split per row: {floor:.1f} µs summed")
     if all(marked is not None for *_, marked in rows):

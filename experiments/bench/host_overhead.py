@@ -6,7 +6,7 @@ GPU beside ``nn.Linear`` and under ``torch.compile`` (``--gpu``).
     python experiments/bench/host_overhead.py --gpu [--gpu-shapes 1x2560x9728 ...] [--iters 200]
                                               [--fwd-bwd] [--compile-backend inductor] [--device cpu]
 
-``--gpu`` (CUDA, bf16, default config): for each MxKxN (default M = 1, 256, 2048 at the K, N of Qwen3-4B's
+``--gpu`` (CUDA, bf16, default config but ``share_inputs=False``): for each MxKxN (default M = 1, 256, 2048 at the K, N of Qwen3-4B's
 MLP, 2560→9728 and 9728→2560) it first checks that the custom op and the compiled layer give the eager
 layer's bits, then prints, side by side, µs per call of ``nn.Linear``, ``NVFP4Linear`` eager (autograd
 Function), the ``triage::nvfp4_linear`` custom op called eagerly, and ``NVFP4Linear`` under
@@ -188,7 +188,7 @@ def gpu_main(args) -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--gpu needs a CUDA device (--device cpu: a dry run on the torch reference backends)")
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU dry run (reference backends)"
-    print(f"{name}, torch {torch.__version__}, bf16, default NVFP4LinearConfig; µs per call")
+    print(f"{name}, torch {torch.__version__}, bf16, NVFP4LinearConfig(share_inputs=False); µs per call")
     print(f"{'case':28s} {'variant':22s} {'host µs':>8s} {'wall µs':>8s} {'host / nn.Linear':>16s}")
     for shape_s in args.gpu_shapes:
         _gpu_shape(shape_s, args)
@@ -196,7 +196,7 @@ def gpu_main(args) -> None:
 
 def _gpu_shape(shape_s: str, args) -> None:
     """The --gpu rows of one MxKxN."""
-    from triage.kernels import NVFP4Linear
+    from triage.kernels import NVFP4Linear, NVFP4LinearConfig
 
     # compiled code of one shape only: all shapes' layers share NVFP4Linear.forward's (and nn.Linear.forward's)
     # recompile limit, and each shape compiles it twice (no_grad for "fwd", grad mode for "fwd+bwd")
@@ -206,7 +206,9 @@ def _gpu_shape(shape_s: str, args) -> None:
     M, K, N = (int(v) for v in shape_s.split("x"))
     torch.manual_seed(0)
     dense = torch.nn.Linear(K, N, bias=False, device=dev, dtype=dtype)
-    layer = NVFP4Linear.from_linear(torch.nn.Linear(K, N, bias=False, device=dev, dtype=dtype))
+    # called on one x again and again: share_inputs=False quantizes it every call (as a model's layers do)
+    config = NVFP4LinearConfig(share_inputs=False)
+    layer = NVFP4Linear.from_linear(torch.nn.Linear(K, N, bias=False, device=dev, dtype=dtype), config)
     x = torch.randn(M, K, device=dev, dtype=dtype)
     op = torch.ops.triage.nvfp4_linear
     compiled = torch.compile(layer, backend=args.compile_backend, fullgraph=True)

@@ -262,6 +262,13 @@ DECODE_CONFIG = dict(BN=64, NB=8, num_warps=4, num_stages=1, PREFETCH=True)
 DECODE_CONFIG_M16 = dict(BN=64, NB=16, num_warps=2, num_stages=3, PREFETCH=False)
 
 
+#: M <= 16 with K <= NARROW_K (four 256-wide K steps or fewer): NARROW_BN weight rows per program, split 1 (H100
+#: sweep, bench_gemm.py --sections decode-shapes --sweep: 4.5–4.7 µs at N×K = 1024–3072×1024, M = 1 and 16,
+#: against 5.3–6.4 µs with 64 rows and the split rule).
+NARROW_K = 1024
+NARROW_BN = 32
+
+
 #: Default split-K (:func:`decode_config`): K is split (doubling) while the programs fill fewer than
 #: ``WAVES`` waves of the GPU's SMs and every split keeps at least ``MIN_SPLIT_STEPS`` K steps.
 WAVES = 3
@@ -269,15 +276,19 @@ MIN_SPLIT_STEPS = 1
 
 
 def decode_config(M: int, N: int, K: int, split_k: int | None = None) -> dict:
-    """Tiles of :func:`_decode_kernel`: BM = M padded to 16/32/64; K split (doubling) while the programs fill
-    fewer than :data:`WAVES` waves and each split keeps :data:`MIN_SPLIT_STEPS` K steps: of the rules of this
-    form, the one fastest in total over the 17 Qwen3 0.6B–8B Linear shapes at M = 1 and 16 of an H100 split
-    sweep (docs/benchmarks.md, "Decode GEMV")."""
+    """Tiles of :func:`_decode_kernel`: BM = M padded to 16/32/64; at M ≤ 16 and K ≤ :data:`NARROW_K`,
+    :data:`NARROW_BN` weight rows per program and no split; otherwise K split (doubling) while the programs
+    fill fewer than :data:`WAVES` waves and each split keeps :data:`MIN_SPLIT_STEPS` K steps: of the rules of
+    this form, the one fastest in total over the 17 Qwen3 0.6B–8B Linear shapes at M = 1 and 16 of an H100
+    split sweep, and again on a second sweep (docs/benchmarks.md, "Decode GEMV")."""
     bm = 16 if M <= 16 else (32 if M <= 32 else 64)
     if interpreting():
         return dict(BM=bm, BN=16, NB=2, SPLIT_K=split_k or 1, num_warps=4, num_stages=1)
     cfg = dict(DECODE_CONFIG_M16 if bm == 16 else DECODE_CONFIG, BM=bm)
     kb = -(-K // 16)
+    if bm == 16 and K <= NARROW_K:  # a few K steps per row: narrower tiles, more programs, no split
+        cfg["BN"] = NARROW_BN
+        split_k = split_k or 1
     if split_k is None:
         tiles = cdiv(N, cfg["BN"])
         split_k = 1

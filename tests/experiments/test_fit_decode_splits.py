@@ -16,12 +16,23 @@ TABLE = """\
 """
 
 
-@pytest.mark.parametrize("n,k", [(1024, 1024), (1024, 2560), (9728, 2560), (2560, 9728), (4096, 12288)])
+@pytest.mark.parametrize("n,k", [(1024, 2048), (1024, 2560), (9728, 2560), (2560, 9728), (4096, 12288)])
 def test_pick_is_the_library_rule(monkeypatch, n, k):
     monkeypatch.setattr(gd, "interpreting", lambda: False)
     monkeypatch.setattr(gd, "num_sms", lambda: 132)
-    want = gd.decode_config(1, n, k)["SPLIT_K"]
-    assert fit.pick(n, k, gd.WAVES, gd.MIN_SPLIT_STEPS, 1 << 30, 132) == want
+    cfg = gd.decode_config(1, n, k)
+    assert cfg["BN"] == 64 and k > gd.NARROW_K  # the split rule's tiles
+    assert fit.pick(n, k, gd.WAVES, gd.MIN_SPLIT_STEPS, 1 << 30, 132) == cfg["SPLIT_K"]
+
+
+@pytest.mark.parametrize("m,k,bn,split", [(1, 1024, 32, 1), (16, 1024, 32, 1), (16, 1040, 64, 4), (17, 1024, 64, 8)])
+def test_narrow_tiles_below_narrow_k(monkeypatch, m, k, bn, split):
+    """M ≤ 16 and K ≤ NARROW_K: 32-row tiles, no split; else 64 rows and the split rule (3072 rows here)."""
+    monkeypatch.setattr(gd, "interpreting", lambda: False)
+    monkeypatch.setattr(gd, "num_sms", lambda: 132)
+    cfg = gd.decode_config(m, 3072, k)
+    assert (cfg["BN"], cfg["SPLIT_K"]) == (bn, split)
+    assert gd.decode_config(m, 3072, k, 2)["SPLIT_K"] == 2  # an explicit split is kept
 
 
 def test_read_and_score(tmp_path):
