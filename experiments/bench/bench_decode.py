@@ -29,6 +29,9 @@ both run).
 own: the ``cuda_graph`` loop captures the compiled step; prompts stay eager), so that the norms, RoPE,
 activations and residual adds fuse into fewer kernels. A study of where the decode step's time goes, not a
 sampler option: the compile time (a minute or more per model and batch) is paid in the warm-up call.
+
+``--replay``: the decode step's CUDA graph alone (:func:`replay_step`): GPU and host µs per replay against its
+kernels' summed time, to tell time lost inside the graph from time lost between replays.
 """
 
 from __future__ import annotations
@@ -130,6 +133,62 @@ def profile_call(model, prompts, new: int, decode: str, title: str, top: int = 1
         print(f"    {e.device_time_total / 1e3:8.2f} ms  {e.count:6d}×  {e.key[:90]}")
 
 
+def replay_step(model, prompts, new: int, title: str, reps: int = 50) -> dict:
+    """The decode step's CUDA graph alone: run one ``cuda_graph`` call, keep the graph its step captured, then
+    replay it ``reps`` times back to back (same inputs: every replay recomputes the call's last step and
+    writes the same cache slot) and print GPU µs per replay (CUDA events around the replays), host µs per
+    ``replay()`` call, and the kernels of 10 profiled replays: their summed time and the idle gaps between
+    them (:func:`kernel_gaps`). A replay slower than its kernels' sum idles inside the graph; a loop step
+    slower than a replay loses the time outside the graph (sampling ops, host)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from triage.trainers.sampling import hf
+
+    steps, original = [], hf._GraphStep
+
+    class _Recorded(original):
+        def __init__(self, step):
+            super().__init__(step)
+            steps.append(self)
+
+    hf._GraphStep = _Recorded
+    try:
+        run(model, prompts, new, "cuda_graph")
+    finally:
+        hf._GraphStep = original
+    graph = steps[-1].graph if steps else None
+    if graph is None:
+        raise SystemExit(f"--replay ({title}): the decode step was not captured")
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    host_us = (time.perf_counter() - t0) / reps * 1e6
+    torch.cuda.synchronize()
+    gpu_us = start.elapsed_time(end) / reps * 1e3
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            graph.replay()
+        torch.cuda.synchronize()
+    spans = [
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+    ]
+    g = kernel_gaps(spans) if spans else dict(busy=0.0, short=0.0, n_short=0, long=0.0, n_long=0)
+    out = dict(gpu_us=gpu_us, host_us=host_us, kernels_us=g["busy"] / 10, kernels=len(spans) // 10,
+               idle_short_us=g["short"] / 10, idle_long_us=g["long"] / 10)  # fmt: skip
+    print(f"  replay ({title}): {gpu_us:.1f} µs GPU per replay back to back, host {host_us:.1f} µs per "
+          f"replay() call; profiled: {out['kernels']} kernels, {out['kernels_us']:.1f} µs busy, idle "
+          f"{out['idle_short_us']:.1f} µs in short gaps, {out['idle_long_us']:.1f} µs in long ones per replay")
+    return out
+
+
 #: Idle gaps between GPU kernels shorter than this (µs) count as launch / graph-node gaps, longer ones as the
 #: GPU waiting for the host (:func:`kernel_gaps`).
 GAP_US = 20.0
@@ -184,10 +243,16 @@ def main(argv=None) -> int:
         "kernels inside graph replays included) of one call of the last loop in --decodes, and its GPU "
         "timeline: busy time and the idle gaps between kernels (kernel_gaps)",
     )
+    ap.add_argument(
+        "--replay",
+        action="store_true",
+        help="after the timings of each shape, precision and batch: the decode step's CUDA graph replayed "
+        "alone (replay_step): GPU and host µs per replay against its kernels' sum",
+    )
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "bench_decode.json"))
     args = ap.parse_args(argv)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, compiled decode step: {args.compile}")
-    rows, ok = [], True
+    rows, ok, replays = [], True, {}
     decodes = args.decodes.split(",")
     unknown = set(decodes) - {"dynamic", "static", "cuda_graph"}
     if unknown:
@@ -228,6 +293,10 @@ def main(argv=None) -> int:
                     ) / (batch * args.new)
                     if {"dynamic", "static"} <= outs.keys() else float("nan")
                 )
+                if args.replay:
+                    replays[(shape, precision, batch)] = replay_step(
+                        model, prompts, args.new, f"{shape} {precision} B={batch}"
+                    )
                 if args.profile:
                     profile_call(model, prompts, args.new, decodes[-1], f"{shape} {precision} B={batch}")
                 for decode, t in times.items():
@@ -257,7 +326,9 @@ def main(argv=None) -> int:
         print(f"  {r['shape']:15s} {r['precision']:5s} B={r['batch']:<4d} {r['decode']:10s} {cells[0]} | {cells[1]}")
     with open(args.json, "w") as f:
         json.dump({"torch": torch.__version__, "device": torch.cuda.get_device_name(), "args": vars(args),
-                   "graph_equals_static": ok, "rows": rows}, f, indent=1)
+                   "graph_equals_static": ok, "rows": rows,
+                   "replays": [dict(shape=k[0], precision=k[1], batch=k[2], **v) for k, v in replays.items()]},
+                  f, indent=1)  # fmt: skip
     print(f"\nCORRECT (graph == static everywhere): {ok}")
     return 0 if ok else 1
 
