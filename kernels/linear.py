@@ -63,7 +63,9 @@ decides: a NaN or ±Inf anywhere in an operand it quantizes (x, W; dy, xᵀ, dy�
 makes that operand's outer decode scale NaN (:func:`nan_if_nonfinite`), so the whole GEMM output is NaN,
 as ``nn.Linear`` would be where that value enters (a superset of its NaNs: one non-finite value makes the
 operand's per-tensor scale meaningless). The check is one max-|x| reduction on the device per quantized
-operand (per weight update for W), no host sync.
+operand (per weight update for W), no host sync; where the Triton quantizer runs with a dynamic per-tensor
+scale it makes the check itself, from its amax pass (``rows_plan(nonfinite=True)``: same result, no extra
+launch).
 
 Shared input quantization (``NVFP4LinearConfig.share_inputs``, on by default). Sibling layers that read one
 input tensor (q/k/v read one hidden state, gate/up another) quantize it once: :func:`quantize_input` keeps the
@@ -312,7 +314,8 @@ def _quantize(
     directly when x fits it."""
     if plan is not None and x.is_contiguous() and not (plan.pairs and x.storage_offset() % 2):
         q = plan.run(x, seed)
-        q.global_scale = nonfinite_scale(q, x)  # q is ours alone: no copy of the dataclass
+        if not plan.nonfinite:  # else the kernel applied the rule (rows_plan)
+            q.global_scale = nonfinite_scale(q, x)  # q is ours alone: no copy of the dataclass
         return q
     from triage.kernels.nvfp4 import quantize
 
@@ -422,7 +425,7 @@ def _rows_plan(
     meta = torch.empty(shape, dtype=dtype, device="meta")
     check_input(meta, recipe)
     check_runnable(torch.empty(0, device=device))
-    return rows_plan(torch.Size(shape), dtype, recipe, expanded, True, None, None, None, interpreting())
+    return rows_plan(torch.Size(shape), dtype, recipe, expanded, True, None, None, None, interpreting(), True)
 
 
 def _quantize_t(

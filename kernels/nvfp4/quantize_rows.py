@@ -454,13 +454,15 @@ def _quantize_kernel(
     PROFILE: tl.constexpr, OUTER: tl.constexpr, TILE16: tl.constexpr, HADAMARD: tl.constexpr,
     ROUND: tl.constexpr, STOCHASTIC: tl.constexpr, SIGNBIT: tl.constexpr, SIGNS: tl.constexpr,
     WRITE_AMAX: tl.constexpr, EXPANDED: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr,
-    PAIRS: tl.constexpr = False, SEED_PTR: tl.constexpr = False,
+    PAIRS: tl.constexpr = False, SEED_PTR: tl.constexpr = False, NONFINITE: tl.constexpr = False,
 ):  # fmt: skip
     """Quantize rows ``[pid·BR, pid·BR + BR)`` of slice ``program_id(1)`` (16x16 tiles never cross slices).
 
     ``EXPANDED``: 0 none, 1 also write the exact ``q·s`` as bf16 (int16 bits), 2 as fp16, to ``exp_ptr``
     ``[rows, KP]``. ``PAIRS``: the bf16 fast path (``K == KP``, Hadamard or not), where ``x_ptr``, ``data_ptr``
-    and ``exp_ptr`` are int32 views (see :func:`_quantize_pairs_step`)."""
+    and ``exp_ptr`` are int32 views (see :func:`_quantize_pairs_step`). ``NONFINITE`` (per-tensor outer
+    scale only, the amax pass run with its NaN flag): the stored decode scale is NaN when the amax pass saw a
+    NaN or its amax is +Inf (:func:`rows_plan`'s ``nonfinite``)."""
     BK: tl.constexpr = 16 * NB
     pid, s = tl.program_id(0), tl.program_id(1)
     rows = pid * BR + tl.arange(0, BR)
@@ -495,7 +497,12 @@ def _quantize_kernel(
         enc, dec = outer_from_row_amax(amax[:, None], PROFILE)
         first = rmask & (grow % rows_per_outer == 0)  # the group's first row reports its scales
         tl.store(amax_ptr + e, amax, mask=first)
-        store_outer(enc_ptr, dec_ptr, e, enc, dec, first, BR)
+        if NONFINITE:  # the layers' non-finite rule on the stored decode scale only (module doc of rows_plan)
+            flag = tl.load(group_amax_ptr + 2 * e + 1, mask=rmask, other=0)
+            bad = (flag > 0) | (amax == float("inf"))
+            store_outer(enc_ptr, dec_ptr, e, enc, tl.where(bad[:, None], float("nan"), dec), first, BR)
+        else:
+            store_outer(enc_ptr, dec_ptr, e, enc, dec, first, BR)
     else:  # given as arguments (static / checkpoint / none)
         enc = one * enc_arg
         dec = one * dec_arg
@@ -619,6 +626,7 @@ class RowsPlan:
     kp: int
     n: int  # rows per slice (16x16 tiles never cross slices)
     pairs: bool
+    nonfinite: bool  # the kernel applies the layers' non-finite rule (rows_plan)
     grid: tuple[int, int]
     groups: int  # 0: no amax pass (per-row or given outer scales)
     amax_kind: str  # the amax pass's kernel: "pairs", "tiled" or "flat" (:func:`_group_amax_launch`)
@@ -669,10 +677,18 @@ def rows_plan(
     block_k: int | None = None,
     num_warps: int | None = None,
     interpreted: bool = False,
+    nonfinite: bool = False,
 ) -> RowsPlan:
     """The :class:`RowsPlan` of :func:`quantize_triton` for a contiguous input of ``shape`` and ``dtype``
     (``pairs``: the bf16 fast path is allowed, i.e. asked for and the input's storage offset is even;
-    ``interpreted``: :func:`~.device.interpreting`, which picks the tiles). Pure, cached per signature."""
+    ``interpreted``: :func:`~.device.interpreting`, which picks the tiles). Pure, cached per signature.
+
+    ``nonfinite`` (the NVFP4 layers ask for it): for a dynamic per-tensor outer scale the kernel applies the
+    layers' non-finite rule itself (:func:`triage.kernels.linear.nan_if_nonfinite`: a NaN decode scale when
+    the input, or with the Hadamard transform its rotation, holds a NaN or ±Inf), from the amax pass it runs
+    anyway, so the layer skips the rule's two torch ops; ``plan.nonfinite`` says whether it does (other
+    outer scales: no, the layer applies the rule). Codes, block scales, encode scale and amax are the same
+    bytes either way; only the stored decode scale of a non-finite input differs from the plain quantizer's."""
     k = shape[-1]
     kp = (k + BLOCK - 1) // BLOCK * BLOCK
     rows = math.prod(shape) // k
@@ -695,6 +711,7 @@ def rows_plan(
     enc_arg = dec_arg = amax_arg = 1.0
     write_amax = True
     groups, amax_kind, amax_grid, amax_args, amax_kwargs = 0, "", (0, 0), (), {}
+    nonfinite = nonfinite and recipe.scale == "tensor" and recipe.scale_source == "dynamic"
     if recipe.scale == "row" and recipe.scale_source == "dynamic":
         mode, rows_per_outer, out_shape = OUTER_ROW, 1, gshape
     elif recipe.scale_source == "dynamic" and recipe.scale in ("tensor", "expert"):
@@ -704,6 +721,8 @@ def rows_plan(
         )
         if amax_kind != "flat" and num_warps is not None:  # the Hadamard amax passes run the quantizer's tile
             amax_kwargs = dict(amax_kwargs, num_warps=num_warps)
+        if nonfinite:  # the NaN flag: read by the kernel's non-finite rule (reduced_amax ignores it but for CT)
+            amax_kwargs = dict(amax_kwargs, PROPAGATE_NAN=True)
         mode, rows_per_outer = OUTER_GROUP, rows // groups
         out_shape = (groups,) + (1,) * (len(shape) - 1) if recipe.scale == "expert" else ()
     else:
@@ -714,13 +733,14 @@ def rows_plan(
         HADAMARD=recipe.hadamard, ROUND=ROUND_ID[dtype], STOCHASTIC=recipe.rounding == "stochastic",
         SIGNBIT=recipe.profile in ("te", "torchao"), SIGNS=SIGN_MASK, WRITE_AMAX=write_amax,
         EXPANDED=0 if emit_expanded is None else EXPANDED_ID[emit_expanded], BR=br, NB=nb, PAIRS=pairs,
+        NONFINITE=nonfinite,
     )  # fmt: skip
     if num_warps is not None:
         constexprs["num_warps"] = num_warps
     return RowsPlan(
         recipe=recipe, shape=torch.Size(shape), dtype=dtype, emit_expanded=emit_expanded, rows=rows,
         lead=tuple(shape[:-1]), k=k,
-        kp=kp, n=n, pairs=pairs, grid=(cdiv(n, br), slices), groups=groups, amax_kind=amax_kind, amax_grid=amax_grid,
+        kp=kp, n=n, pairs=pairs, nonfinite=nonfinite, grid=(cdiv(n, br), slices), groups=groups, amax_kind=amax_kind, amax_grid=amax_grid,
         amax_args=amax_args, amax_kwargs=amax_kwargs, write_amax=write_amax,
         outer_shape=out_shape, scalar_args=(enc_arg, dec_arg, amax_arg, n, k, kp, rows_per_outer),
         constexprs=constexprs,

@@ -126,6 +126,44 @@ def test_a_nonfinite_weight_or_input_gives_nan_like_nn_linear(bad):
         assert layer(x).isnan().all()  # was 0 / finite: the quantizer maps NaN to finite codes
 
 
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        QuantRecipe(),  # TE: per-tensor dynamic
+        QuantRecipe(hadamard=True),
+        QuantRecipe(profile="compressed-tensors"),
+        QuantRecipe(scale="row", profile="compressed-tensors"),  # per-row: the layer applies the rule
+    ],
+    ids=["te", "te-hadamard", "ct", "ct-row"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), -float("inf"), "overflow"])
+def test_the_quantizer_plan_applies_the_nonfinite_rule_as_the_torch_ops_do(recipe, dtype, bad):
+    """The layers' Triton plan (rows_plan(nonfinite=True)) puts the non-finite rule into the quantizer for
+    per-tensor scales: the same codes, block and encode scales as the plain quantizer, and the decode
+    scale nan_if_nonfinite gives (equal bits when finite, NaN when not)."""
+    from triage.kernels.linear import _quantize, _rows_plan, nan_if_nonfinite
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(24, 64, generator=g).to(dtype)
+    if bad == "overflow":  # finite input whose rotation overflows bf16 (Hadamard); finite otherwise
+        x[5, :16] = torch.finfo(dtype).max
+    elif bad is not None:
+        x[5, 7] = bad
+    plan = _rows_plan(recipe, "triton", tuple(x.shape), dtype, x.device, None)
+    assert plan.nonfinite == (recipe.scale == "tensor")
+    got = _quantize(x, recipe, "triton", plan=plan)
+    want = nan_if_nonfinite(quantize(x, recipe, backend="triton"), x)
+    assert torch.equal(got.data, want.data) and torch.equal(got.scale.view(torch.uint8), want.scale.view(torch.uint8))
+    ge, we = got.global_encode_scale, want.global_encode_scale
+    assert torch.equal(ge.isnan(), we.isnan()) and torch.equal(ge.nan_to_num(), we.nan_to_num())
+    gs, ws = got.global_scale, want.global_scale
+    assert gs.shape == ws.shape
+    assert torch.equal(gs.isnan(), ws.isnan()) and torch.equal(gs.nan_to_num(), ws.nan_to_num())
+    if bad not in (None, "overflow"):
+        assert gs.isnan().all()
+
+
 def test_nonfinite_gradients_give_nan_in_nvfp4_backward():
     torch.manual_seed(0)
     layer = NVFP4Linear(32, 16, config=dataclasses.replace(CFG, backward="nvfp4-backward"))
