@@ -150,6 +150,7 @@ def test_the_quantizer_plan_applies_the_nonfinite_rule_as_the_torch_ops_do(recip
         x[5, :16] = torch.finfo(dtype).max
     elif bad is not None:
         x[5, 7] = bad
+    x = x.to(device())
     plan = _rows_plan(recipe, "triton", tuple(x.shape), dtype, x.device, None)
     assert plan.nonfinite == (recipe.scale == "tensor")
     got = _quantize(x, recipe, "triton", plan=plan)
