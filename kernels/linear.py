@@ -63,9 +63,9 @@ decides: a NaN or ±Inf anywhere in an operand it quantizes (x, W; dy, xᵀ, dy�
 makes that operand's outer decode scale NaN (:func:`nan_if_nonfinite`), so the whole GEMM output is NaN,
 as ``nn.Linear`` would be where that value enters (a superset of its NaNs: one non-finite value makes the
 operand's per-tensor scale meaningless). The check is one max-|x| reduction on the device per quantized
-operand (per weight update for W), no host sync; where the Triton quantizer runs with a dynamic per-tensor
-scale it makes the check itself, from its amax pass (``rows_plan(nonfinite=True)``: same result, no extra
-launch).
+operand (per weight update for W), no host sync; for x and dy with a dynamic per-tensor scale on the Triton
+quantizer the kernel makes the check itself, from its amax pass (``rows_plan(nonfinite=True)``: the same
+NaN-or-not decision and the same finite bits, no extra launch); xᵀ, dyᵀ and W keep the torch ops.
 
 Shared input quantization (``NVFP4LinearConfig.share_inputs``, on by default). Sibling layers that read one
 input tensor (q/k/v read one hidden state, gate/up another) quantize it once: :func:`quantize_input` keeps the

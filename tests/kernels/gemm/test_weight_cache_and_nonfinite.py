@@ -111,10 +111,11 @@ def test_moe_experts_follow_every_optimizer(name, backward):
 # ----------------------------------------------------------------------------------------- non-finite values
 
 
+@pytest.mark.parametrize("quant_backend", ["torch", "triton"])  # triton: the kernel-side rule (rows_plan)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
-def test_a_nonfinite_weight_or_input_gives_nan_like_nn_linear(bad):
+def test_a_nonfinite_weight_or_input_gives_nan_like_nn_linear(bad, quant_backend):
     torch.manual_seed(0)
-    layer = NVFP4Linear(32, 16, config=CFG)
+    layer = NVFP4Linear(32, 16, config=dataclasses.replace(CFG, quant_backend=quant_backend))
     x = torch.randn(4, 32)
     with torch.no_grad():
         assert torch.isfinite(layer(x)).all()
@@ -133,11 +134,15 @@ def test_a_nonfinite_weight_or_input_gives_nan_like_nn_linear(bad):
         QuantRecipe(hadamard=True),
         QuantRecipe(rounding="stochastic"),  # the nvfp4-backward grad recipe's rounding
         QuantRecipe(profile="compressed-tensors"),
+        QuantRecipe(profile="modelopt"),
         QuantRecipe(scale="row", profile="compressed-tensors"),  # per-row: the layer applies the rule
+        QuantRecipe(scale_source="static", static_amax=4.0),  # given scales: the layer applies the rule
+        QuantRecipe(scale_source="checkpoint", checkpoint_scale=600.0),
+        QuantRecipe(scale="none"),
     ],
-    ids=["te", "te-hadamard", "te-stochastic", "ct", "ct-row"],
+    ids=["te", "te-hadamard", "te-stochastic", "ct", "modelopt", "ct-row", "static", "checkpoint", "none"],
 )
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), -float("inf"), "overflow"])
 def test_the_quantizer_plan_applies_the_nonfinite_rule_as_the_torch_ops_do(recipe, dtype, bad):
     """The layers' Triton plan (rows_plan(nonfinite=True)) puts the non-finite rule into the quantizer for
@@ -153,22 +158,25 @@ def test_the_quantizer_plan_applies_the_nonfinite_rule_as_the_torch_ops_do(recip
         x[5, 7] = bad
     x = x.to(device())
     plan = _rows_plan(recipe, "triton", tuple(x.shape), dtype, x.device, None)
-    assert plan.nonfinite == (recipe.scale == "tensor")
+    assert plan.nonfinite == (recipe.scale == "tensor" and recipe.scale_source == "dynamic")
     got = _quantize(x, recipe, "triton", seed=7, plan=plan)
     want = nan_if_nonfinite(quantize(x, recipe, backend="triton", seed=7), x)
     assert torch.equal(got.data, want.data) and torch.equal(got.scale.view(torch.uint8), want.scale.view(torch.uint8))
     ge, we = got.global_encode_scale, want.global_encode_scale
     assert torch.equal(ge.isnan(), we.isnan()) and torch.equal(ge.nan_to_num(), we.nan_to_num())
-    gs, ws = got.global_scale, want.global_scale
-    assert gs.shape == ws.shape
-    assert torch.equal(gs.isnan(), ws.isnan()) and torch.equal(gs.nan_to_num(), ws.nan_to_num())
+    for a, b in ((got.amax, want.amax), (got.global_scale, want.global_scale)):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.shape == b.shape and torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
     if bad not in (None, "overflow"):
-        assert gs.isnan().all()
+        assert got.global_scale.isnan().all()
 
 
-def test_nonfinite_gradients_give_nan_in_nvfp4_backward():
+@pytest.mark.parametrize("quant_backend", ["torch", "triton"])  # triton: dy's rule in the kernel (rows_plan)
+def test_nonfinite_gradients_give_nan_in_nvfp4_backward(quant_backend):
     torch.manual_seed(0)
-    layer = NVFP4Linear(32, 16, config=dataclasses.replace(CFG, backward="nvfp4-backward"))
+    config = dataclasses.replace(CFG, backward="nvfp4-backward", quant_backend=quant_backend)
+    layer = NVFP4Linear(32, 16, config=config)
     x = torch.randn(16, 32, requires_grad=True)
     dy = torch.randn(16, 16)
     dy[3, 4] = float("nan")
