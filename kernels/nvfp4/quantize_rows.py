@@ -498,7 +498,7 @@ def _quantize_kernel(
         first = rmask & (grow % rows_per_outer == 0)  # the group's first row reports its scales
         tl.store(amax_ptr + e, amax, mask=first)
         if NONFINITE:  # the layers' non-finite rule on the stored decode scale only (module doc of rows_plan)
-            flag = tl.load(group_amax_ptr + 2 * e + 1, mask=rmask, other=0)
+            flag = tl.load(group_amax_ptr + 2 * e + 1, mask=first, other=0)  # read where it is stored
             bad = (flag > 0) | (amax == float("inf"))
             store_outer(enc_ptr, dec_ptr, e, enc, tl.where(bad[:, None], float("nan"), dec), first, BR)
         else:
