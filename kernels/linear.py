@@ -757,13 +757,10 @@ def _linear_backward(
     x2 = x if flat else x.reshape(plan.rows, plan.in_features)
     dx = dw = db = None
     if config.backward == "bf16-backward":
-        dt = dy2.dtype
         if needs[0]:
-            dx = dy2 @ (weight if weight.dtype == dt else weight.to(dt))
-            dx = dx if dx.dtype == x.dtype else dx.to(x.dtype)
+            dx = (dy2 @ weight.to(dy2.dtype)).to(x.dtype)
         if needs[1]:
-            dw = dy2.T @ (x2 if x2.dtype == dt else x2.to(dt))
-            dw = dw if dw.dtype == weight.dtype else dw.to(weight.dtype)
+            dw = (dy2.T @ x2.to(dy2.dtype)).to(weight.dtype)
     else:
         seed, seed_t = seeds[0], seeds[1]
         backend = config.quant_backend

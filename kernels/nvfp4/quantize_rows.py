@@ -640,24 +640,23 @@ class RowsPlan:
 
     def run(self, x: torch.Tensor, seed: int | torch.Tensor | None = None) -> NVFP4Tensor:
         """Quantize ``x`` (contiguous, of the planned shape and dtype; for ``pairs`` an even storage offset)."""
-        x2 = x  # contiguous: the kernels read its storage as [rows, k]
         dev = x.device
         group_amax = None
         if self.groups:
             group_amax = torch.zeros((self.groups, 2), dtype=torch.int32, device=dev)
             if self.amax_kind == "pairs":
-                _amax_pairs_kernel[self.amax_grid](x2.view(torch.int32), group_amax, *self.amax_args, **self.amax_kwargs)
+                _amax_pairs_kernel[self.amax_grid](x.view(torch.int32), group_amax, *self.amax_args, **self.amax_kwargs)
             elif self.amax_kind == "tiled":
-                _amax_tiled_kernel[self.amax_grid](bits_view(x2), group_amax, *self.amax_args, **self.amax_kwargs)
+                _amax_tiled_kernel[self.amax_grid](bits_view(x), group_amax, *self.amax_args, **self.amax_kwargs)
             else:
-                _amax_flat_kernel[self.amax_grid](bits_view(x2), group_amax, *self.amax_args, **self.amax_kwargs)
+                _amax_flat_kernel[self.amax_grid](bits_view(x), group_amax, *self.amax_args, **self.amax_kwargs)
         out = QuantOutputs.empty(self.lead, self.kp, self.outer_shape, self.write_amax, self.emit_expanded, dev)
         data, expanded, enc_t = out.data, out.expanded, out.enc
         if self.pairs:  # int32 views: bf16 pairs in, 8 code bytes (two words) and bf16/fp16 pairs out
-            xa, da = x2.view(torch.int32), data.view(torch.int32)
+            xa, da = x.view(torch.int32), data.view(torch.int32)
             ea = da if expanded is None else expanded.view(torch.int32)
         else:
-            xa, da, ea = bits_view(x2), data, data if expanded is None else bits_view(expanded)
+            xa, da, ea = bits_view(x), data, data if expanded is None else bits_view(expanded)
         key = seed_arg(self.recipe, seed)
         _quantize_kernel[self.grid](
             xa, da, out.scale, ea, enc_t, out.dec, out.amax, enc_t if group_amax is None else group_amax,
