@@ -29,6 +29,10 @@ keeps working (except for frozen layers, which have no parameters). Every replac
 the first one is installed: a layer that does not fit (its shape, a NaN weight to freeze) raises an error
 naming it and leaves the model unchanged.
 
+The converted layers of each fused group (q/k/v, gate/up of one parent) are linked
+(:func:`~triage.kernels.siblings.link_siblings`): at decode sizes, grad-free, they run their GEMMs as one
+launch.
+
 Where the numerics live: the recipes (block size, scales, rounding, Hadamard: ``QuantRecipe`` in
 ``kernels/nvfp4/recipe.py``) are fields of the three layer configs; the layers' forward and backward are in
 ``kernels/linear.py`` (dense), ``kernels/moe/experts.py`` (experts) and ``kernels/frozen_linear.py``
@@ -156,6 +160,9 @@ def convert(
         replacements.append((name, new))
     for name, new in replacements:
         model.set_submodule(name, new)
+    from triage.kernels.siblings import link_siblings
+
+    link_siblings(model)  # q/k/v, gate/up: one decode launch per group (triage.kernels.siblings)
     return model
 
 

@@ -152,6 +152,9 @@ class FrozenNVFP4Linear(nn.Module):
     (an ``NVFP4Tensor``, e.g. from :func:`~triage.kernels.nvfp4.load_nvfp4_checkpoint`).
     """
 
+    #: The fused group this layer runs its decode GEMMs with (:func:`~triage.kernels.siblings.link_siblings`).
+    _siblings = None
+
     def __init__(
         self,
         weight: NVFP4Tensor,
@@ -314,6 +317,10 @@ class FrozenNVFP4Linear(nn.Module):
             raise TypeError(f"FrozenNVFP4Linear: input must be floating point, got {x.dtype}")
         if torch.is_grad_enabled() and x.requires_grad:
             return _FrozenNVFP4Fn.apply(x, self)
+        if self._siblings is not None:  # one decode launch for q/k/v, gate/up (triage.kernels.siblings)
+            y = self._siblings.output(self, x)
+            if y is not None:
+                return y
         return self._compute(x)
 
     def _outer(self) -> torch.Tensor:
@@ -342,6 +349,30 @@ class FrozenNVFP4Linear(nn.Module):
         else:  # weight-only with fp32 activations, or the cached-expansion cuBLAS path
             y = self._dense_matmul(x2)
         return y.reshape(*x.shape[:-1], N)
+
+    def _decode_operands(self, x: torch.Tensor) -> tuple | None:
+        """What this layer's forward on ``x`` gives the decode kernel, when it runs that kernel: the activation
+        as the kernel reads it (``w4a16``: x as ``[rows, K]``; ``w4a4``: the fp16 expansion of x_q), its outer
+        scale (None for ``w4a16``), the weight (``NVFP4Tensor``), the bias, and the activation's source (x, or
+        x_q for ``w4a4``: siblings launch together only on one source); else None
+        (:mod:`triage.kernels.siblings`)."""
+        from triage.kernels.nvfp4 import matmul as mm
+
+        cfg, K = self.config, self.in_features
+        rows = x.numel() // K
+        w4a16 = cfg.compute == "w4a16"
+        if rows == 0 or (w4a16 and x.dtype not in (torch.bfloat16, torch.float16)):
+            return None
+        if not mm.decode_route(cfg.gemm_backend, rows, x.device, weight_only=w4a16):
+            return None
+        w = self.quantized_weight()
+        if w4a16:
+            return x.reshape(rows, K), None, w, self.bias, x
+        from triage.kernels.linear import quantize_input
+
+        xq = quantize_input(x, cfg.activation, cfg.quant_backend, share=cfg.share_inputs)
+        plan = mm.gemm_plan(xq, w, out_dtype=x.dtype, bias=self.bias, backend=cfg.gemm_backend)
+        return plan.decode_operands(xq, w, self.bias)
 
     def _uses_cublas(self, m: int) -> bool:
         from triage.kernels.nvfp4 import matmul as g

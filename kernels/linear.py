@@ -327,14 +327,36 @@ def _quantize(
 _last_input: tuple | None = None
 #: Whether a :func:`capture_scope` is open: captured calls share only inside one.
 _capture_scope = False
+#: Bumped whenever everything kept for sibling layers is dropped (:func:`_forget_input` without ``ref``):
+#: part of :func:`input_key`, so work kept before (sibling outputs included) never matches after.
+_input_epoch = 0
 
 
 def _forget_input(ref: weakref.ref | None = None) -> None:
     """Drop the kept input quantization (all of it, or only if it is the one of ``ref``: x was freed)."""
-    global _last_input
+    global _last_input, _input_epoch
+    if ref is None:
+        _input_epoch += 1
     last = _last_input
     if last is not None and (ref is None or last[0] is ref):
         _last_input = None
+
+
+def input_key(x: torch.Tensor) -> tuple | None:
+    """The key under which sibling layers reuse work done on their input ``x`` (:func:`quantize_input`,
+    :class:`~triage.kernels.siblings.SiblingGroup`): x's ``_version``, data pointer, shape, strides and
+    offset, the current CUDA stream and :data:`_input_epoch` (bumped at optimizer steps and on entering or
+    leaving a :func:`capture_scope`); compared together with x's identity (a weak reference). None where no
+    key can tell x unchanged or the reuse is not allowed: under ``torch.compile``, for inference tensors (no
+    version counter) and inside a CUDA-graph capture outside a :func:`capture_scope`."""
+    if torch.compiler.is_compiling() or x.is_inference():
+        return None
+    stream = None
+    if x.is_cuda:
+        if torch.cuda.is_current_stream_capturing() and not _capture_scope:
+            return None
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+    return (_input_epoch, x._version, x.data_ptr(), x.shape, x.stride(), x.storage_offset(), stream)
 
 
 @contextlib.contextmanager
@@ -380,14 +402,10 @@ def quantize_input(
     aliases, another tensor set to x's storage, a custom kernel writing x in place) between two layer calls
     on the same x object: pass a new tensor, or use ``share_inputs=False``."""
     global _last_input
-    if not share or torch.compiler.is_compiling() or recipe.rounding != "nearest" or x.is_inference():
+    key = input_key(x) if share and recipe.rounding == "nearest" else None
+    if key is None:
         return _quantize(x.reshape(-1, x.shape[-1]), recipe, backend, expanded=expanded, plan=plan)
-    stream = None
-    if x.is_cuda:
-        if torch.cuda.is_current_stream_capturing() and not _capture_scope:
-            return _quantize(x.reshape(-1, x.shape[-1]), recipe, backend, expanded=expanded, plan=plan)
-        stream = torch.cuda.current_stream(x.device).cuda_stream
-    key = (x._version, x.data_ptr(), x.shape, x.stride(), x.storage_offset(), stream, recipe, backend, expanded)
+    key = (*key, recipe, backend, expanded)
     last = _last_input
     if last is not None and last[0]() is x and last[1] == key:
         return last[2]
@@ -617,8 +635,15 @@ class _CallPlan:
     gemms: dict = field(default_factory=dict, compare=False)
 
     def gemm(self, name, a, b, *, out_dtype, bias=None, b_expanded=None, b_scale_host=None) -> torch.Tensor:
-        """``gemm(a, b, ...)`` through this call's plan for GEMM ``name`` (built on first use; a capturable
-        config's reads no outer scale on the host: ``gemm_plan(host_scales=False)``)."""
+        """``gemm(a, b, ...)`` through this call's plan for GEMM ``name`` (:meth:`gemm_plan`)."""
+        plan = self.gemm_plan(
+            name, a, b, out_dtype=out_dtype, bias=bias, b_expanded=b_expanded, b_scale_host=b_scale_host
+        )
+        return plan.run(a, b, bias=bias, b_expanded=b_expanded, b_scale_host=b_scale_host)
+
+    def gemm_plan(self, name, a, b, *, out_dtype, bias=None, b_expanded=None, b_scale_host=None):
+        """This call's :class:`~triage.kernels.nvfp4.matmul.GemmPlan` for GEMM ``name``, built on first use (a
+        capturable config's reads no outer scale on the host: ``gemm_plan(host_scales=False)``)."""
         plan = self.gemms.get(name)
         if plan is None:
             from triage.kernels.nvfp4.matmul import gemm_plan
@@ -627,7 +652,7 @@ class _CallPlan:
                 a, b, out_dtype=out_dtype, bias=bias, backend=self.config.gemm_backend, b_expanded=b_expanded,
                 b_scale_host=b_scale_host, host_scales=not self.config.capturable,
             )  # fmt: skip
-        return plan.run(a, b, bias=bias, b_expanded=b_expanded, b_scale_host=b_scale_host)
+        return plan
 
 
 #: Call plans by signature (:func:`_plan`), shared by every layer.
@@ -1088,6 +1113,9 @@ class NVFP4Linear(nn.Linear):
     ``in_features`` must be a multiple of 16 unless the recipes pad (``QuantRecipe(pad=True)``).
     """
 
+    #: The fused group this layer runs its decode GEMMs with (:func:`~triage.kernels.siblings.link_siblings`).
+    _siblings = None
+
     def __init__(
         self,
         in_features: int,
@@ -1167,6 +1195,26 @@ class NVFP4Linear(nn.Linear):
             return _quantize_weight(weight, self.config)
         return self._weight_cache.get(weight, self.config)
 
+    def _decode_operands(self, x: torch.Tensor) -> tuple | None:
+        """What this layer's grad-free forward on ``x`` gives the decode kernel, when it runs that kernel: the
+        activation as the kernel reads it (the fp16 expansion of x_q, ``[rows, K]``), its outer scale, W_q
+        (``NVFP4Tensor``), the bias and x_q; else None (:mod:`triage.kernels.siblings`)."""
+        config = self.config
+        if config.capturable or x.numel() == 0:
+            return None
+        plan = _plan(config, x, self.weight, self.bias)
+        from triage.kernels.nvfp4.matmul import decode_route
+
+        if plan.large or not decode_route(config.gemm_backend, plan.rows, x.device):
+            return None
+        w = self._quantized_weight(self.weight)
+        xq = quantize_input(
+            x, config.activation, config.quant_backend, expanded=plan.act_expanded, plan=plan.x_plan,
+            share=config.share_inputs,
+        )  # fmt: skip
+        gemm = plan.gemm_plan("fwd", xq, w.quantized, out_dtype=x.dtype, bias=self.bias, b_scale_host=w.host_scale)
+        return gemm.decode_operands(xq, w.quantized, self.bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"NVFP4Linear: input has last dim {x.shape[-1]}, expected {self.in_features}")
@@ -1187,6 +1235,10 @@ class NVFP4Linear(nn.Linear):
                 return nvfp4_linear_capturable_op(x, self.weight, self.bias, seeds, config._op_key)[0]
             nvfp4_backward = config.backward == "nvfp4-backward"
             return nvfp4_linear_op(x, self.weight, self.bias, self._op_id, nvfp4_backward)[0]
+        if not torch.is_grad_enabled() and self._siblings is not None:  # one launch for q/k/v, gate/up
+            y = self._siblings.output(self, x)
+            if y is not None:
+                return y
         w = self._quantized_weight(self.weight)
         plan = _plan(config, x, self.weight, self.bias)
         if not torch.is_grad_enabled():  # no backward can follow: the forward alone, no autograd node

@@ -22,7 +22,9 @@ for weights and activations, compressed-tensors profile), the same conversion ``
 nvfp4`` applies; ``nvfp4-unshared``, the same with ``share_inputs=False`` (every Linear quantizes its own
 input: the cost of q/k/v and gate/up quantizing one input three and two times); ``w4a16``, NVFP4 weights (the same weight recipe) with bf16 activations
 (``NVFP4Config.from_recipe(recipe, frozen="w4a16")``: the decode GEMV at M <= 16, the weight-only route of
-QeRL-style rollouts). ``--decodes`` picks the loops (``cuda_graph`` is checked against ``static`` only when
+QeRL-style rollouts); ``nvfp4-unfused`` / ``w4a16-unfused``: those conversions with every Linear its own
+decode launch (``link_siblings(model, fused_groups=())``: q/k/v and gate/up unfused,
+:mod:`triage.kernels.siblings`). ``--decodes`` picks the loops (``cuda_graph`` is checked against ``static`` only when
 both run).
 
 ``--compile``: each model's one-token forward goes through ``torch.compile`` (inductor, no CUDA graphs of its
@@ -58,7 +60,7 @@ SHAPES = {
 }
 
 
-PRECISIONS = ("bf16", "nvfp4", "nvfp4-unshared", "w4a16")
+PRECISIONS = ("bf16", "nvfp4", "nvfp4-unshared", "w4a16", "nvfp4-unfused", "w4a16-unfused")
 
 
 def build(shape: str, precision: str):
@@ -69,6 +71,12 @@ def build(shape: str, precision: str):
     tok = build_tokenizer()
     model = build_model(tok, TinyModelSpec(**SHAPES[shape]), seed=0).to("cuda", torch.bfloat16).eval()
     recipe = QuantRecipe(scale="row", profile="compressed-tensors")
+    if precision.endswith("-unfused"):  # the same conversion, each Linear its own decode launch
+        from triage.kernels.siblings import link_siblings
+
+        model, tok = build(shape, precision.removesuffix("-unfused"))
+        link_siblings(model, fused_groups=())
+        return model, tok
     if precision == "nvfp4":
         convert(model, NVFP4Config.from_recipe(recipe))
     elif precision == "nvfp4-unshared":

@@ -2,6 +2,7 @@
 """H200 check + benchmark of the NVFP4 dense GEMMs. Run on a CUDA machine:
 
     python experiments/bench/bench_gemm.py [--quick] [--sections correctness,w4a4,decode,linear,cache] [--sweep]
+    (other sections: decode-shapes, decode-groups)
 
 1. correctness vs the torch reference (dequantize, fp64 matmul) on real shapes, every backend (decode,
    dense-on-expanded, cuBLAS alpha, fused), per-tensor and per-row scales, a NaN block scale, and the
@@ -346,6 +347,56 @@ def decode_shapes(sweep: bool = False) -> None:
                 cells.append(cell)
             emit(f"| {n}×{k} | {m} | {t_bf16:.1f} | " + " | ".join(cells)
                  + f" | {t_bf16 / min(times.values()):.2f} |")  # fmt: skip
+
+
+def decode_groups() -> None:
+    """The sibling groups of the Qwen3 dense models (q/k/v, gate/up) at M = 1 and 16, CUDA-graph µs: each
+    member its own W4A16 decode launch (summed in one graph) against one group launch
+    (``launch_decode_group``), beside bf16 ``torch.mm`` per member and on the concatenated weight (what an
+    engine with a fused ``qkv_proj`` runs). Checked first: the group's outputs are the lone launches' bits
+    with the group's tiles and split, and within fp32 rounding of the fp64 reference."""
+    emit("## Sibling groups: one decode launch per group (CUDA-graph µs, W4A16, the sampler copy's recipe)")
+    emit("| model | group | N×K | M | bf16 mm each | bf16 mm fused | W4A16 each | W4A16 group | each/group | "
+         "bf16 each/group | check |")  # fmt: skip
+    emit("|---|---|---|---|---|---|---|---|---|---|---|")
+    act = QuantRecipe(scale="row", profile="compressed-tensors")
+    for model, (h, i, nq, nkv) in QWEN3.items():
+        for name, widths in (("q/k/v", (nq * 128, nkv * 128, nkv * 128)), ("gate/up", (i, i))):
+            ws = [torch.randn(n, h, device="cuda", dtype=torch.bfloat16) * 0.02 for n in widths]
+            qs = [quantize(w, act) for w in ws]
+            fused_w = torch.cat(ws)
+            for m in (1, 16):
+                x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
+                cfg = gd.decode_config(m, sum(widths), h)
+                outs = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for n in widths]
+                members = [(q.data, q.scale, o, q.global_scale.reshape(-1), None) for q, o in zip(qs, outs)]
+                gd.launch_decode_group(x, members, h, None)
+                same = True
+                for q, o in zip(qs, outs):
+                    lone = torch.empty_like(o)
+                    gd.launch_decode(x, q.data, q.scale, h, lone, None, q.global_scale.reshape(-1), None,
+                                     config=dict(cfg))  # fmt: skip
+                    same &= same_bits(o, lone)
+                err = max(rel(o.float(), gemm_w4a16_reference(x, q, out_dtype=torch.float64))
+                          for q, o in zip(qs, outs))  # fmt: skip
+                ok = same and err < 1e-2  # bf16 outputs: one rounding
+
+                def each_bf16():
+                    for w in ws:
+                        torch.mm(x, w.T)
+
+                def each_w4a16():
+                    for q in qs:
+                        gemm_w4a16(x, q, backend="triton")
+
+                t = [
+                    do_bench_cudagraph(f) * 1e3
+                    for f in (each_bf16, lambda: torch.mm(x, fused_w.T), each_w4a16,
+                              lambda: gd.launch_decode_group(x, members, h, None))
+                ]  # fmt: skip
+                emit(f"| {model} | {name} | {sum(widths)}×{h} | {m} | " + " | ".join(f"{v:.1f}" for v in t)
+                     + f" | {t[2] / t[3]:.2f} | {t[0] / t[3]:.2f} | {'ok' if ok else 'FAIL'} (err {err:.1e}, "
+                     f"lone bits {same}) |")  # fmt: skip
 
 
 #: The split-K factors and tile rows (BN, the weight rows per program; 2 warps, 1 at BN = 16) that
@@ -714,6 +765,7 @@ def main() -> None:
         "w4a4": lambda: w4a4_forward(args.quick, args.sweep),
         "decode": lambda: decode(args.quick, args.sweep),
         "decode-shapes": lambda: decode_shapes(args.sweep),
+        "decode-groups": decode_groups,
         "linear": lambda: linear(args.quick),
         "cache": lambda: cache_check(args.quick),
     }

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -106,13 +107,13 @@ def _decode_loads(
 
 @triton.jit
 def _splitk_last_reduces(
-    part_ptr, cnt_ptr, tile, mask, offs_m, offs_n, M, N, c_ptr, stride_cm, stride_cn, ga_ptr, gb_ptr, bias_ptr,
-    out_mult, GA_MODE: tl.constexpr, GB_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, BF16_BY_HAND: tl.constexpr,
+    part_ptr, cnt_ptr, tile, part_stride, mask, offs_m, offs_n, M, N, c_ptr, stride_cm, stride_cn, ga_ptr, gb_ptr,
+    bias_ptr, out_mult, GA_MODE: tl.constexpr, GB_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, BF16_BY_HAND: tl.constexpr,
     SPLIT_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
     """Split-K reduction folded into the kernel ("last program reduces"), called right after this program
-    stored its partial ``part[pid_k]`` of the tile: take a ticket from the tile's counter ``cnt_ptr``; the
-    program that draws ticket SPLIT_K - 1 (every other partial of the tile is stored by then) sums
+    stored its partial ``part[pid_k]`` of the tile (``part_stride`` elements per slice): take a ticket from the
+    tile's counter ``cnt_ptr``; the program that draws ticket SPLIT_K - 1 (every other partial of the tile is stored by then) sums
     ``part[0..SPLIT_K-1]`` in slice order (the same fp32 additions as ``gemm_dense._splitk_reduce_kernel``, so the
     same bits), runs the epilogue and puts the counter back to 0 for the next launch (CUDA-graph replays
     included: no host-side zeroing).
@@ -128,7 +129,7 @@ def _splitk_last_reduces(
     if ticket == SPLIT_K - 1:
         total = tl.zeros((BM, BN), dtype=tl.float32)
         for s in tl.static_range(SPLIT_K):  # unrolled: the SPLIT_K independent loads issue together
-            total += tl.load(part_ptr + s * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
+            total += tl.load(part_ptr + s * part_stride + tile, mask=mask, other=0.0, cache_modifier=".cg")
         epilogue(
             total, offs_m, offs_n, M, N, c_ptr, stride_cm, stride_cn, ga_ptr, gb_ptr, bias_ptr, out_mult,
             GA_MODE, GB_MODE, HAS_BIAS, BF16_BY_HAND,
@@ -173,7 +174,11 @@ def _decode_kernel(
     NB: tl.constexpr,
     PREFETCH: tl.constexpr = True,
     FUSED_REDUCE: tl.constexpr = False,
-):
+    NPART=0,
+    MEMBERS: tl.constexpr = 1,
+    w1_ptr=None, ws1_ptr=None, c1_ptr=None, gb1_ptr=None, bias1_ptr=None, N1=0, T1=0,
+    w2_ptr=None, ws2_ptr=None, c2_ptr=None, gb2_ptr=None, bias2_ptr=None, N2=0, T2=0,
+):  # fmt: skip
     """Small-M (decode) ``C[M, N] = x[M, K]·Wᵀ`` streaming the packed weight once.
 
     Swap-AB: the program computes ``Cᵀ`` tile ``[BN, BM] = W_tile[BN, BK] · xᵀ[BK, BM]``, so the unpacked
@@ -187,12 +192,37 @@ def _decode_kernel(
     (deterministic): by :func:`~.gemm_dense.splitk_reduce` (a second launch), or with ``FUSED_REDUCE`` here, by
     the program of the N tile that draws the last ticket of ``cnt[pid_n]`` (:func:`_splitk_last_reduces`).
     ``EVEN_N`` / ``EVEN_K``: no row / K-tail masks in the loop (N % BN == 0, KB % NB == 0).
+
+    ``MEMBERS`` = 2 or 3: one launch for sibling weights that read the same x (q/k/v, gate/up): member 0 is
+    ``w_ptr``/``ws_ptr``/``c_ptr``/``gb_ptr``/``bias_ptr`` with ``N`` rows, member j its ``*j_ptr`` with ``Nj``
+    rows; the N tiles ``[Tj, Tj+1)`` are member j's (``T1``, ``T2``: the first tile of members 1 and 2), each
+    member's outputs contiguous ``[M, Nj]``, all with the same K, strides, scale modes and tiles. Split-K
+    partials live at the tile's place in ``part[pid_k, M, NPART]`` (``NPART``: N for one member, all members'
+    tiles × BN for a group); a group needs ``FUSED_REDUCE``. Every output element is computed as a one-member
+    launch with the same tiles and split computes it: the same bits.
     """
     BK: tl.constexpr = 16 * NB
     BW: tl.constexpr = 2 * NB
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_g = pid_n * BN + tl.arange(0, BN)  # the tile's columns in the split-K partials
+    if MEMBERS > 1:  # the member whose tiles hold pid_n: its pointers, rows and first tile
+        zero = pid_n * 0  # int32 scalars in both branches (an int argument equal to 1 is a constexpr)
+        N = zero + N
+        t0 = zero
+        if pid_n >= T1:
+            w_ptr, ws_ptr, c_ptr, gb_ptr, N, t0 = w1_ptr, ws1_ptr, c1_ptr, gb1_ptr, zero + N1, zero + T1
+            if HAS_BIAS:
+                bias_ptr = bias1_ptr
+        if MEMBERS > 2:
+            if pid_n >= T2:
+                w_ptr, ws_ptr, c_ptr, gb_ptr, N, t0 = w2_ptr, ws2_ptr, c2_ptr, gb2_ptr, zero + N2, zero + T2
+                if HAS_BIAS:
+                    bias_ptr = bias2_ptr
+        stride_cm = N  # each member's output is a contiguous [M, Nj]
+        offs_n = offs_g - t0 * BN
+    else:
+        offs_n = offs_g
     offs_m = tl.arange(0, BM)
     n_ok = offs_n < N
     m_ok = offs_m < M
@@ -241,12 +271,13 @@ def _decode_kernel(
         )  # fmt: skip
     else:
         mask = m_ok[:, None] & n_ok[None, :]
-        tile = offs_m[:, None] * N + offs_n[None, :]
-        tl.store(part_ptr + pid_k * M * N + tile, acc, mask=mask)
+        tile = offs_m[:, None] * NPART + offs_g[None, :]
+        tl.store(part_ptr + pid_k * M * NPART + tile, acc, mask=mask)
         if FUSED_REDUCE:
             _splitk_last_reduces(
-                part_ptr, cnt_ptr + pid_n, tile, mask, offs_m, offs_n, M, N, c_ptr, stride_cm, stride_cn, ga_ptr,
-                gb_ptr, bias_ptr, out_mult, GA_MODE, GB_MODE, HAS_BIAS, BF16_BY_HAND, SPLIT_K, BM, BN,
+                part_ptr, cnt_ptr + pid_n, tile, M * NPART, mask, offs_m, offs_n, M, N, c_ptr, stride_cm,
+                stride_cn, ga_ptr, gb_ptr, bias_ptr, out_mult, GA_MODE, GB_MODE, HAS_BIAS, BF16_BY_HAND, SPLIT_K,
+                BM, BN,
             )  # fmt: skip
 
 
@@ -393,12 +424,55 @@ def launch_decode(
     return launch.run(x, w, w_scale, out, g_a, g_b, bias, counters)
 
 
+def launch_decode_group(
+    x: torch.Tensor,
+    members: Sequence[tuple],
+    K: int,
+    g_a: torch.Tensor | None,
+    *,
+    split_k: int | None = None,
+    config: dict | None = None,
+    counters: torch.Tensor | None = None,
+) -> list[torch.Tensor]:
+    """:func:`launch_decode` for 2 or 3 weights that read the same ``x`` (sibling layers: q/k/v, gate/up), in
+    ONE launch: ``members`` = ``(w, w_scale, out, g_b, bias)`` per weight, as :func:`launch_decode` takes them
+    (every ``out`` a contiguous ``[M, Nj]`` of one dtype; the weights of one K, row strides and scale kinds:
+    ``g_b`` all None, all one element or all per row; ``bias`` all None or none). The tiles and the split
+    are :func:`decode_config`'s for the members' total rows; the split-K partials are summed in the kernel.
+    Each member's output has the bits a :func:`launch_decode` of that member with the same ``config``
+    (tiles and split) gives. Returns the outputs."""
+    outs = [m[2] for m in members]
+    M = outs[0].shape[0]
+    if M > 64:
+        raise ValueError(f"launch_decode_group handles M <= 64, got M={M}")
+    launch = decode_launch(
+        M, tuple(o.shape[1] for o in outs), K, members[0][1].shape[-1], x.dtype, outs[0].dtype,
+        split_k=split_k, config=config, fused_reduce=True,
+    )  # fmt: skip
+    launch.run_group(x, members, g_a, counters)
+    return outs
+
+
+def _words(w: torch.Tensor, w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed codes as int32 words and the block scales as e4m3, both with unit column stride."""
+    if w.stride(-1) != 1 or w_scale.stride(-1) != 1:
+        w, w_scale = w.contiguous(), w_scale.contiguous()
+    try:  # the codes stream as int32 words (rows are 8-byte multiples: K % 16 == 0)
+        w32 = w.view(torch.int32)
+    except RuntimeError:  # storage offset or row stride not 4-byte aligned
+        w32 = w.contiguous().view(torch.int32)
+    if w_scale.dtype != torch.float8_e4m3fn:
+        w_scale = w_scale.view(torch.float8_e4m3fn)
+    return w32, w_scale
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeLaunch:
     """What :func:`launch_decode` derives from M, N, K, the scale blocks, x's and the output's dtypes and the
     tiles alone (grid, split-K, the reduction, the unpack trick, constexprs): built by :func:`decode_launch`,
     kept by a caller's plan (``matmul.GemmPlan``); :meth:`run` views the weight as int32 words, takes the
-    ticket counters and launches."""
+    ticket counters and launches. A sibling group's launch (``members``: each member's rows) runs with
+    :meth:`run_group`."""
 
     M: int
     N: int
@@ -410,52 +484,89 @@ class DecodeLaunch:
     fused: bool
     out_mult: float
     kwargs: dict  # constexprs, num_warps, num_stages
+    members: tuple[int, ...] = ()  # a group's rows per member (their sum is N); () for one weight
+    starts: tuple[int, ...] = ()  # the first N tile of each member after the first
 
     def run(self, x, w, w_scale, out, g_a, g_b, bias, counters=None) -> torch.Tensor:
         """:func:`launch_decode` for operands of the planned shapes and dtypes."""
         if x.stride(-1) != 1:
             x = x.contiguous()
-        if w.stride(-1) != 1 or w_scale.stride(-1) != 1:
-            w, w_scale = w.contiguous(), w_scale.contiguous()
-        try:  # the codes stream as int32 words (rows are 8-byte multiples: K % 16 == 0)
-            w32 = w.view(torch.int32)
-        except RuntimeError:  # storage offset or row stride not 4-byte aligned
-            w32 = w.contiguous().view(torch.int32)
+        w32, w_scale = _words(w, w_scale)
         split, dummy = self.split, out
         part = torch.empty((split, self.M, self.N), device=out.device, dtype=torch.float32) if split > 1 else dummy
-        cnt = None
-        if split > 1 and self.fused:
-            if counters is not None:
-                if (
-                    counters.dtype != torch.int32
-                    or counters.numel() < self.tiles
-                    or counters.device != out.device
-                    or not counters.is_contiguous()
-                ):
-                    raise ValueError(
-                        f"counters must be a contiguous, zeroed int32 tensor with >= {self.tiles} elements on "
-                        f"{out.device}"
-                    )
-                cnt = counters
-            else:
-                cnt = splitk_counters(out.device, self.tiles)
-        if w_scale.dtype != torch.float8_e4m3fn:
-            w_scale = w_scale.view(torch.float8_e4m3fn)
+        cnt = self._counters(out.device, counters) if split > 1 and self.fused else None
         _decode_kernel[self.grid](
             x, w32, w_scale, out, part, cnt if cnt is not None else dummy,
             g_a if g_a is not None else dummy, g_b if g_b is not None else dummy, bias if bias is not None else dummy,
             self.M, self.N, self.K, self.kb, x.stride(0), w32.stride(0), w_scale.stride(0), out.stride(0),
             out.stride(1), self.out_mult, GA_MODE=scale_mode(g_a), GB_MODE=scale_mode(g_b), HAS_BIAS=bias is not None,
-            FUSED_REDUCE=cnt is not None, **self.kwargs,
+            FUSED_REDUCE=cnt is not None, NPART=self.N, **self.kwargs,
         )  # fmt: skip
         if split > 1 and cnt is None:
             splitk_reduce(part, out, g_a, g_b, bias, self.out_mult, split)
         return out
 
+    def run_group(self, x, members, g_a, counters=None) -> None:
+        """:func:`launch_decode_group` for operands of the planned shapes and dtypes (``members``: its
+        ``(w, w_scale, out, g_b, bias)`` tuples, as many as :attr:`members`)."""
+        if len(members) != len(self.members):
+            raise ValueError(f"run_group: planned for {len(self.members)} members, got {len(members)}")
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        words = [_words(m[0], m[1]) for m in members]
+        outs = [m[2] for m in members]
+        w32, ws = words[0]
+        for j, ((wj, sj), out) in enumerate(zip(words, outs)):
+            if wj.stride(0) != w32.stride(0) or sj.stride(0) != ws.stride(0):
+                raise ValueError(f"run_group: member {j}'s weight rows are strided unlike member 0's")
+            if tuple(out.shape) != (self.M, self.members[j]) or not out.is_contiguous() or out.dtype != outs[0].dtype:
+                raise ValueError(
+                    f"run_group: member {j}'s output must be a contiguous {outs[0].dtype} "
+                    f"[{self.M}, {self.members[j]}], got {out.dtype} {tuple(out.shape)}"
+                )
+        g_bs, biases = [m[3] for m in members], [m[4] for m in members]
+        modes = {scale_mode(g) for g in g_bs}
+        if len(modes) != 1 or len({b is None for b in biases}) != 1:
+            raise ValueError("run_group: the members' outer scales (g_b) and biases must be of one kind")
+        npart = self.tiles * self.kwargs["BN"]
+        part = torch.empty((self.split, self.M, npart), device=x.device, dtype=torch.float32) if self.split > 1 else outs[0]
+        cnt = self._counters(x.device, counters) if self.split > 1 else outs[0]
+        extra = {}
+        for j in range(1, len(members)):
+            dummy = outs[j]
+            extra.update({
+                f"w{j}_ptr": words[j][0], f"ws{j}_ptr": words[j][1], f"c{j}_ptr": outs[j],
+                f"gb{j}_ptr": g_bs[j] if g_bs[j] is not None else dummy,
+                f"bias{j}_ptr": biases[j] if biases[j] is not None else dummy,
+                f"N{j}": self.members[j], f"T{j}": self.starts[j - 1],
+            })  # fmt: skip
+        dummy = outs[0]
+        _decode_kernel[self.grid](
+            x, w32, ws, outs[0], part, cnt, g_a if g_a is not None else dummy,
+            g_bs[0] if g_bs[0] is not None else dummy, biases[0] if biases[0] is not None else dummy,
+            self.M, self.members[0], self.K, self.kb, x.stride(0), w32.stride(0), ws.stride(0), outs[0].stride(0), 1,
+            self.out_mult, GA_MODE=scale_mode(g_a), GB_MODE=modes.pop(), HAS_BIAS=biases[0] is not None,
+            FUSED_REDUCE=self.split > 1, NPART=npart, MEMBERS=len(members), **extra, **self.kwargs,
+        )  # fmt: skip
+
+    def _counters(self, device: torch.device, counters: torch.Tensor | None) -> torch.Tensor:
+        if counters is None:
+            return splitk_counters(device, self.tiles)
+        if (
+            counters.dtype != torch.int32
+            or counters.numel() < self.tiles
+            or counters.device != device
+            or not counters.is_contiguous()
+        ):
+            raise ValueError(
+                f"counters must be a contiguous, zeroed int32 tensor with >= {self.tiles} elements on {device}"
+            )
+        return counters
+
 
 def decode_launch(
     M: int,
-    N: int,
+    N: int | tuple[int, ...],
     K: int,
     kb: int,
     x_dtype: torch.dtype,
@@ -466,21 +577,32 @@ def decode_launch(
     fused_reduce: bool | None = None,
 ) -> DecodeLaunch:
     """The :class:`DecodeLaunch` of :func:`launch_decode` (``kb``: the weight's scale blocks per row;
-    ``config``: tiles, default :func:`decode_config`)."""
+    ``config``: tiles, default :func:`decode_config` of the total rows). ``N`` a tuple of 2 or 3 row counts:
+    a sibling group's launch (:func:`launch_decode_group`; its split-K reduction is always fused)."""
+    members = tuple(N) if isinstance(N, tuple) else ()
+    if members and not 2 <= len(members) <= 3:
+        raise ValueError(f"a decode group has 2 or 3 members, got {len(members)}")
+    total = sum(members) if members else N
     dot_dtype, precision = dot_dtypes(x_dtype, False, torch.uint8, True, "decode")
-    cfg = dict(config) if config else decode_config(M, N, K, split_k)
+    cfg = dict(config) if config else decode_config(M, total, K, split_k)
     fused = cfg.pop("FUSED_REDUCE", True)
     fused = fused if fused_reduce is None else fused_reduce
+    if members and not fused:
+        raise ValueError("a decode group sums its split-K partials in the kernel (fused_reduce=True)")
     # bf16 bit trick on the GPU (its code-1 value is a bf16 subnormal, which the interpreter flushes): the
     # interpreter runs the fp16 trick and an fp32 dot instead, exact as well
     bf16 = x_dtype == torch.bfloat16 and not interpreting()
+    rows = members or (N,)
     kwargs = dict(
         BF16_BY_HAND=bf16_by_hand(out_dtype), DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision,
-        EVEN_N=N % cfg["BN"] == 0, EVEN_K=kb % cfg["NB"] == 0 and K == 16 * kb, BF16=bf16, **cfg,
+        EVEN_N=all(n % cfg["BN"] == 0 for n in rows), EVEN_K=kb % cfg["NB"] == 0 and K == 16 * kb, BF16=bf16,
+        **cfg,
     )  # fmt: skip
-    tiles = cdiv(N, cfg["BN"])
+    counts = [cdiv(n, cfg["BN"]) for n in rows]
+    tiles = sum(counts)
+    starts = tuple(sum(counts[:j]) for j in range(1, len(counts))) if members else ()
     return DecodeLaunch(
-        M=M, N=N, K=K, kb=kb, grid=(tiles, cfg["SPLIT_K"]), split=cfg["SPLIT_K"], tiles=tiles, fused=fused,
+        M=M, N=total, K=K, kb=kb, grid=(tiles, cfg["SPLIT_K"]), split=cfg["SPLIT_K"], tiles=tiles, fused=fused,
         out_mult=2.0**7 if bf16 else UNPACK_FACTOR,  # undoes the unpack bias (see _unpack_words)
-        kwargs=kwargs,
+        kwargs=kwargs, members=members, starts=starts,
     )  # fmt: skip

@@ -255,11 +255,17 @@ def _pick(backend: str, M: int, device: torch.device) -> str:
     return "triton" if M <= SMALL_M else LARGE_M_BACKEND
 
 
-def decode_route(backend: str, M: int, device: torch.device) -> bool:
-    """Whether :func:`gemm` with ``backend`` and M rows of ``a`` on ``device`` runs the decode kernel, which reads
-    ``a`` as its exact fp16 ``q·s``: a quantizer that writes that expansion with the codes
-    (``emit_expanded=torch.float16``) saves the GEMM its own expansion pass."""
-    return _gpu_ready(device) and _decode(_pick(backend, M, device), M)
+def decode_route(backend: str, M: int, device: torch.device, weight_only: bool = False) -> bool:
+    """Whether :func:`gemm` (``weight_only``: :func:`gemm_w4a16`) with ``backend`` and M rows of ``a`` on
+    ``device`` runs the decode kernel, which reads ``a`` as its exact fp16 ``q·s`` (W4A4): a quantizer that
+    writes that expansion with the codes (``emit_expanded=torch.float16``) saves the GEMM its own expansion
+    pass."""
+    if not _gpu_ready(device):
+        return False
+    which = _pick(backend, M, device)
+    if weight_only and which == "dot_scaled":  # no bf16-operand form of dot_scaled: gemm_w4a16 runs Triton
+        which = "triton"
+    return _decode(which, M)
 
 
 def _decode(which: str, M: int) -> bool:
@@ -548,6 +554,14 @@ class GemmPlan:
                     out.copy_(_scaled_epilogue(_mm_fp32(xa, wb), g_a, g_b, bias, self.out_dtype))
         return out if len(self.lead) == 1 else out.reshape(*self.lead, N)
 
+    def decode_operands(self, a, b, bias=None) -> tuple | None:
+        """What :meth:`run` hands the decode kernel for these operands: ``(a as the kernel reads it (its
+        fp16 expansion [M, K]), a's outer scale as the kernel reads it, b, bias, a)`` (sibling layers,
+        :mod:`triage.kernels.siblings`); None unless the route is ``"decode"``."""
+        if self.route != "decode":
+            return None
+        return self._a_expanded(a, torch.float16), _kernel_scale(a, self.ga_len), b, bias, a
+
     def _a_expanded(self, a, dtype: torch.dtype) -> torch.Tensor:
         """:func:`expand` of ``a`` as [M, K]: ``a.expanded`` when it is in ``dtype``."""
         M, K = self.M, self.K
@@ -668,7 +682,7 @@ def gemm_w4a16(
     M, N, K = _check_w4a16(x, w, bias, out_dtype)
     out_dtype = out_dtype or x.dtype
     which = _pick(backend, M, x.device)
-    if which == "dot_scaled":  # no bf16-operand form of dot_scaled here
+    if which == "dot_scaled":  # no bf16-operand form of dot_scaled here (decode_route's weight_only rule)
         which = "triton"
     out = _out_buffer(out, M, N, out_dtype, x.device)
     if which == "reference":

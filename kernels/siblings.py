@@ -1,0 +1,202 @@
+"""Sibling layers that read one input run their decode GEMMs as ONE launch.
+
+q/k/v read one hidden state and gate/up another (:data:`~triage.kernels.fused_groups.FUSED_GROUPS`). The
+engines run each group as one GEMM (vLLM's ``qkv_proj`` / ``gate_up_proj``); a Hugging Face model calls the
+layers one by one. At decode sizes a GEMV costs its launch and its ramp more than its bytes (a ~5 µs floor
+on an H100, docs/benchmarks.md "Decode GEMV"), so :func:`link_siblings` (run by
+:func:`~triage.kernels.convert`) gives the NVFP4 layers of each group (``NVFP4Linear``,
+``FrozenNVFP4Linear``) one :class:`SiblingGroup`. When a member's forward runs the decode kernel (≤
+``SMALL_M`` rows, no autograd graph to build), the first member called on an input ``x`` computes every
+member's output in one launch (:func:`~triage.kernels.nvfp4.gemm_decode.launch_decode_group`), returns its
+own and keeps the others'; each other member gets its output when it is called on the same ``x``.
+
+Rules:
+
+* Same ``x``: the very tensor object, unchanged as far as torch can tell
+  (:func:`~triage.kernels.linear.input_key`, the rule sibling layers already share x's quantization by:
+  version counter, pointer, shape, strides, offset, stream, nothing kept across optimizer steps; inside a
+  CUDA-graph capture only within :func:`~triage.kernels.linear.capture_scope`).
+* Same operands: a kept output is handed out only if the member's forward would launch the decode kernel
+  on the very operands the group launch read (the activation, its scale, the weight's codes, block and
+  outer scales, the bias: a weight sync or a re-quantized weight between the two calls makes the member
+  compute alone). Each kept output is handed out once; a second call computes again.
+* Otherwise every member computes alone, as without a group: more rows than ``SMALL_M``, grad mode with an
+  input that requires grad, ``torch.compile``, backends that do not run the decode kernel, members whose
+  activations differ (``share_inputs=False`` with W4A4, other recipes).
+* Bits: each output is what the member's own decode launch with the group's tiles and split-K gives; the
+  split is chosen for the group's total rows (:func:`~triage.kernels.nvfp4.gemm_decode.decode_config`), so
+  it may differ from a lone launch's in the last bits (fp32 partial sums in another order). The outputs are
+  contiguous views of one buffer.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from triage.kernels.fused_groups import FUSED_GROUPS, fused_group_members
+
+__all__ = ["SiblingGroup", "link_siblings"]
+
+
+class SiblingGroup:
+    """The members (2 or 3 layers, :func:`link_siblings`) of one fused group of one parent module, and the
+    outputs the last group launch computed for members not yet called (module docstring)."""
+
+    def __init__(self, members: Sequence[nn.Module]) -> None:
+        if not 2 <= len(members) <= 3:
+            raise ValueError(f"SiblingGroup: 2 or 3 members, got {len(members)}")
+        self.members = list(members)
+        self._kept: tuple | None = None  # (weakref to x, input_key(x), {member index: (y, operands)})
+
+    def output(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """``layer``'s forward output on ``x`` from the group's launch (made now, or kept from the launch a
+        sibling made on the same ``x``), or None: the layer computes alone (module docstring)."""
+        from triage.kernels.linear import input_key
+
+        key = input_key(x)
+        index = next((i for i, m in enumerate(self.members) if m is layer), None)
+        if key is None or index is None:
+            return None
+        kept = self._kept
+        if kept is not None and kept[0]() is x and kept[1] == key and index in kept[2]:
+            y, used = kept[2].pop(index)
+            if not kept[2]:
+                self._kept = None
+            now = layer._decode_operands(x)
+            if now is not None and _same_operands(now, used):
+                return y
+            return None
+        outputs = self._launch(x)
+        if outputs is None:
+            return None
+        y, _ = outputs.pop(index)
+        self._kept = (weakref.ref(x, self._forget), key, outputs) if outputs else None
+        return y
+
+    def _forget(self, ref: weakref.ref) -> None:
+        kept = self._kept
+        if kept is not None and kept[0] is ref:
+            self._kept = None
+
+    def _launch(self, x: torch.Tensor) -> dict | None:
+        """Every member's output on ``x`` from one decode launch, ``{index: (y, operands)}``; None when a
+        member would not run the decode kernel or the members' operands do not fit one launch."""
+        from triage.kernels.nvfp4.gemm_decode import launch_decode_group
+        from triage.kernels.nvfp4.matmul import _kernel_scale
+
+        operands = [m._decode_operands(x) for m in self.members]
+        if any(o is None for o in operands):
+            return None
+        xa, g_a = operands[0][0], operands[0][1]
+        if any(not _same_activation(o, operands[0]) for o in operands[1:]):
+            return None
+        widths = [int(o[2].shape[0]) for o in operands]
+        if len({o[2].data.shape[-1] for o in operands}) != 1 or len({o[3] is None for o in operands}) != 1:
+            return None
+        g_bs = [_kernel_scale(o[2], 1 if _per_tensor(o[2]) else n) for o, n in zip(operands, widths)]
+        if len({g.numel() == 1 for g in g_bs}) != 1:
+            return None
+        rows = xa.shape[0]
+        flat = torch.empty(rows * sum(widths), dtype=x.dtype, device=x.device)
+        outs, start = [], 0
+        for n in widths:
+            outs.append(flat[start : start + rows * n].view(rows, n))
+            start += rows * n
+        members = [(o[2].data, o[2].scale, out, g, o[3]) for o, out, g in zip(operands, outs, g_bs)]
+        launch_decode_group(xa, members, xa.shape[1], g_a)  # K as the member's own launch takes it
+        lead = tuple(x.shape[:-1])
+        return {i: (out.view(*lead, n), _record(o)) for i, (out, n, o) in enumerate(zip(outs, widths, operands))}
+
+    def __deepcopy__(self, memo):
+        new = SiblingGroup([copy.deepcopy(m, memo) for m in self.members])
+        memo[id(self)] = new
+        return new
+
+    def __getstate__(self):
+        return {"members": self.members, "_kept": None}
+
+
+def _per_tensor(w) -> bool:
+    g = w.global_scale
+    return not isinstance(g, torch.Tensor) or g.numel() == 1
+
+
+def _same_activation(a: tuple, b: tuple) -> bool:
+    """Two members' decode operands read one activation: the same source object (x for W4A16, the one x_q
+    of W4A4), from which the kernel's activation and its scale follow."""
+    return a[4] is b[4]
+
+
+def _record(operands: tuple) -> tuple:
+    """What a kept output remembers of the operands its launch read (:func:`_same_operands`): the source by
+    a weak reference (a kept output must not keep x alive), the weight's tensors and the bias."""
+    w = operands[2]
+    return weakref.ref(operands[4]), w.data, w.scale, w.global_scale, operands[3]
+
+
+def _same_operands(now: tuple, used: tuple) -> bool:
+    """A member's decode operands now are those a group launch read (``used``, :func:`_record`): one
+    activation source, the same weight codes, block scales, outer scale and bias objects."""
+    w = now[2]
+    return (
+        used[0]() is now[4]
+        and w.data is used[1]
+        and w.scale is used[2]
+        and w.global_scale is used[3]
+        and now[3] is used[4]
+    )
+
+
+def link_siblings(model: nn.Module, fused_groups=FUSED_GROUPS) -> int:
+    """Give the NVFP4 layers of ``model`` (``NVFP4Linear``, ``FrozenNVFP4Linear``) in each fused group (the
+    layers ``<parent>.<leaf>`` of one parent whose leaves are one entry of ``fused_groups``,
+    :func:`~triage.kernels.fused_groups.fused_group_members`) one :class:`SiblingGroup`, where they can run
+    as one decode launch: 2 or 3 layers of one class, ``in_features``, config, device, bias presence and
+    outer-scale kind (per tensor or per row), W4A4 with ``share_inputs`` (one activation quantization), not
+    ``capturable``. Every link made before is dropped first (``fused_groups=()``: unlink all). Returns the
+    number of groups linked."""
+    from triage.kernels.frozen_linear import FrozenNVFP4Linear
+    from triage.kernels.linear import NVFP4Linear
+
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, (NVFP4Linear, FrozenNVFP4Linear))}
+    for m in layers.values():
+        m._siblings = None
+    linked, seen = 0, set()
+    for members in fused_group_members(layers, fused_groups).values():
+        if members in seen:
+            continue
+        seen.add(members)
+        group = [layers[n] for n in members]
+        if 2 <= len(group) <= 3 and _fit(group):
+            siblings = SiblingGroup(group)
+            for m in group:
+                m._siblings = siblings
+            linked += 1
+    return linked
+
+
+def _fit(group: list[nn.Module]) -> bool:
+    """Whether the layers of ``group`` can share one decode launch (:func:`link_siblings`' conditions)."""
+    from triage.kernels.frozen_linear import FrozenNVFP4Linear
+
+    first = group[0]
+    if any(type(m) is not type(first) or m.config != first.config for m in group):
+        return False
+    if len({m.in_features for m in group}) != 1 or len({m.bias is None for m in group}) != 1:
+        return False
+    if isinstance(first, FrozenNVFP4Linear):
+        devices = {m.qweight.device for m in group}
+        kinds = {m.weight_scale_2.numel() == 1 for m in group}
+        w4a4 = first.config.compute == "w4a4"
+    else:
+        devices = {m.weight.device for m in group}
+        kinds = {m.config.weight.scale for m in group}
+        w4a4 = True
+        if first.config.capturable:
+            return False
+    return len(devices) == 1 and len(kinds) == 1 and (first.config.share_inputs or not w4a4)

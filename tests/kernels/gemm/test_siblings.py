@@ -1,0 +1,260 @@
+"""Sibling layers (q/k/v, gate/up) run their decode GEMMs as one launch (:mod:`triage.kernels.siblings`).
+
+The group kernel (``launch_decode_group``) against each member's own decode launch with the same tiles and
+split, bit for bit, and the fp64 reference; the layer-level rules (same x, same operands, each kept output
+handed out once, no group with autograd or above SMALL_M rows); which layers ``link_siblings`` links.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import gc
+import io
+
+import pytest
+import torch
+from _dense_operands import device, random_nvfp4, rel_err
+from torch import nn
+
+import triage.kernels.nvfp4.gemm_decode as gd
+from triage.kernels import NVFP4Config, NVFP4LinearConfig, convert
+from triage.kernels.nvfp4 import QuantRecipe
+from triage.kernels.nvfp4.matmul import SMALL_M, gemm_w4a16_reference
+from triage.kernels.siblings import SiblingGroup, link_siblings
+
+
+def _members(widths, K, gen, scale, bias, odtype):
+    ws = [random_nvfp4((n, K), gen=gen, scale=scale, zero_block_frac=0.1) for n in widths]
+    bs = [torch.randn(n, generator=gen).to(odtype).to(device()) if bias else None for n in widths]
+    return ws, bs
+
+
+@pytest.mark.parametrize(
+    "widths,K,split,scale,bias,xdtype",
+    [
+        ((32, 48), 96, 1, "row", False, torch.bfloat16),
+        ((40, 16, 16), 96, 3, "row", True, torch.float16),
+        ((37, 20, 9), 208, 2, "tensor", True, torch.bfloat16),  # ragged: tiles shorter than BN
+        ((16, 16, 16), 64, 4, "tensor", False, torch.float16),
+    ],
+)
+@pytest.mark.parametrize("M", [1, 5, 16])
+def test_group_launch_gives_each_members_lone_bits(widths, K, split, scale, bias, xdtype, M):
+    gen = torch.Generator().manual_seed(M * 7 + split)
+    x = torch.randn(M, K, generator=gen).to(xdtype).to(device())
+    ws, bs = _members(widths, K, gen, scale, bias, torch.float32)
+    cfg = dict(gd.decode_config(M, sum(widths), K), SPLIT_K=split)
+    outs = [torch.full((M, n), float("nan"), device=device()) for n in widths]
+    members = [(w.data, w.scale, o, w.global_scale.reshape(-1), b) for w, o, b in zip(ws, outs, bs)]
+    for _ in range(2):  # twice: the split-K tickets are back at zero after a launch
+        assert gd.launch_decode_group(x, members, K, None, config=dict(cfg)) == outs
+        for w, o, b in zip(ws, outs, bs):
+            assert not o.isnan().any(), "unwritten output"
+            lone = torch.full_like(o, float("nan"))
+            gd.launch_decode(x, w.data, w.scale, K, lone, None, w.global_scale.reshape(-1), b, config=dict(cfg))
+            assert torch.equal(o, lone)
+            ref = gemm_w4a16_reference(x, w, out_dtype=torch.float64, bias=b)
+            assert rel_err(o, ref) < 2e-6
+
+
+def test_group_launch_with_an_activation_scale_and_a_nan_block():
+    """W4A4's form (per-row activation scale g_a) and the non-finite rule: a NaN block scale in one member
+    makes exactly that member's output row NaN."""
+    gen = torch.Generator().manual_seed(3)
+    M, K, widths = 4, 64, (24, 16)
+    x = torch.randn(M, K, generator=gen).to(torch.float16).to(device())
+    g_a = (torch.rand(M, generator=gen) + 0.5).to(device())
+    ws, _ = _members(widths, K, gen, "tensor", False, torch.float32)
+    sc = ws[1].scale.view(torch.uint8).clone()
+    sc[5, 1] = 0x7F  # e4m3 NaN
+    ws[1].scale = sc.view(torch.float8_e4m3fn)
+    outs = [torch.empty(M, n, device=device()) for n in widths]
+    members = [(w.data, w.scale, o, w.global_scale.reshape(-1), None) for w, o in zip(ws, outs)]
+    gd.launch_decode_group(x, members, K, g_a)
+    assert not outs[0].isnan().any()
+    assert outs[1][:, 5].isnan().all() and not outs[1][:, [i for i in range(16) if i != 5]].isnan().any()
+    ref = gemm_w4a16_reference(x, ws[0], out_dtype=torch.float64) * g_a.double()[:, None]
+    assert rel_err(outs[0], ref) < 2e-6
+
+
+def test_group_launch_refuses_members_that_do_not_fit():
+    gen = torch.Generator().manual_seed(4)
+    K = 64
+    x = torch.randn(2, K, generator=gen).to(torch.float16).to(device())
+    (w0, w1), _ = _members((16, 32), K, gen, "row", False, torch.float32)
+    out0, out1 = torch.empty(2, 16, device=device()), torch.empty(2, 32, device=device())
+
+    def member(w, out, g="row", bias=None):
+        return (w.data, w.scale, out, w.global_scale.reshape(-1)[: 1 if g == "tensor" else None], bias)
+
+    with pytest.raises(ValueError, match="of one kind"):
+        gd.launch_decode_group(x, [member(w0, out0), member(w1, out1, "tensor")], K, None)
+    with pytest.raises(ValueError, match="of one kind"):
+        gd.launch_decode_group(x, [member(w0, out0), member(w1, out1, bias=torch.zeros(32, device=device()))], K, None)
+    with pytest.raises(ValueError, match="member 1's output"):
+        gd.launch_decode_group(x, [member(w0, out0), member(w1, torch.empty(2, 32, 2, device=device())[..., 0])], K, None)
+    with pytest.raises(ValueError, match="2 or 3 members"):
+        gd.launch_decode_group(x, [member(w0, out0)] * 4, K, None)
+    with pytest.raises(ValueError, match="fused_reduce"):
+        gd.decode_launch(2, (16, 32), K, K // 16, torch.float16, torch.float32, fused_reduce=False)
+    with pytest.raises(ValueError, match="M <= 64"):
+        gd.launch_decode_group(torch.zeros(65, K, device=device()), [member(w0, torch.empty(65, 16))] * 2, K, None)
+
+
+# -- layers ------------------------------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    """A decoder layer's Linears under the names the fused groups know (q/k/v, o; gate/up, down)."""
+
+    def __init__(self, h: int = 64, bias: bool = False) -> None:
+        super().__init__()
+        self.self_attn, self.mlp = nn.Module(), nn.Module()
+        a, m = self.self_attn, self.mlp
+        a.q_proj, a.k_proj, a.v_proj = nn.Linear(h, 64, bias), nn.Linear(h, 32, bias), nn.Linear(h, 32, bias)
+        a.o_proj = nn.Linear(64, h, bias)
+        m.gate_proj, m.up_proj, m.down_proj = nn.Linear(h, 80, bias), nn.Linear(h, 80, bias), nn.Linear(80, h, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, m = self.self_attn, self.mlp
+        h = x + a.o_proj(a.q_proj(x) * torch.cat([a.k_proj(x), a.v_proj(x)], -1))
+        return h + m.down_proj(nn.functional.silu(m.gate_proj(h)) * m.up_proj(h))
+
+
+ACT = QuantRecipe(scale="row", profile="compressed-tensors")
+CONFIGS = {
+    "nvfp4": NVFP4Config.from_recipe(ACT),
+    "w4a4": NVFP4Config.from_recipe(ACT, frozen="w4a4"),
+    "w4a16": NVFP4Config.from_recipe(ACT, frozen="w4a16"),
+}
+
+
+def _block(kind: str, bias: bool = False, seed: int = 0) -> Block:
+    torch.manual_seed(seed)
+    block = Block(bias=bias).to(device(), torch.float16)
+    return convert(block, CONFIGS[kind])
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Group launches made (``DecodeLaunch.run_group`` calls)."""
+    calls = []
+    real = gd.DecodeLaunch.run_group
+
+    def counting(self, *args, **kwargs):
+        calls.append(len(self.members))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(gd.DecodeLaunch, "run_group", counting)
+    return calls
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+@pytest.mark.parametrize("bias", [False, True])
+def test_linked_layers_give_the_unlinked_outputs(kind, bias, launches):
+    linked = _block(kind, bias)
+    assert link_siblings(copy.deepcopy(linked)) == 2  # q/k/v and gate/up
+    unlinked = copy.deepcopy(linked)
+    link_siblings(unlinked, fused_groups=())
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(1)).to(device(), torch.float16)
+    with torch.no_grad():
+        y = linked(x)
+        assert launches == [3, 2]  # one launch for q/k/v, one for gate/up
+        y_alone = unlinked(x)
+        assert launches == [3, 2]
+    # the interpreter's tiles never split K (decode_config): the same bits as each layer's own launch
+    assert torch.equal(y, y_alone)
+
+
+def test_no_group_launch_above_small_m_or_with_autograd(launches):
+    block = _block("w4a16")
+    with torch.no_grad():
+        block(torch.randn(SMALL_M + 1, 64, device=device(), dtype=torch.float16))
+    assert launches == []
+    x = torch.randn(4, 64, device=device(), dtype=torch.float16, requires_grad=True)
+    y = block(x)  # the frozen layers' input gradient needs their own autograd nodes
+    assert launches == [] and y.requires_grad
+    y.sum().backward()
+    assert x.grad is not None
+
+
+def test_kept_outputs_are_handed_out_once_for_the_same_x_and_operands(launches):
+    block = _block("w4a16")
+    a = block.self_attn
+    twin = copy.deepcopy(block)
+    link_siblings(twin, fused_groups=())
+    b = twin.self_attn
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 64, generator=gen).to(device(), torch.float16)
+    with torch.no_grad():
+        q = a.q_proj(x)
+        assert launches == [3]
+        q2 = a.q_proj(x)  # called again: a new launch, a new tensor
+        assert launches == [3, 3] and q2 is not q and torch.equal(q, q2)
+        assert torch.equal(a.k_proj(x), b.k_proj(x)) and launches == [3, 3]  # kept from the second launch
+        x.add_(1.0)  # x changed in place (version counter): v computes again, on the new x
+        assert torch.equal(a.v_proj(x), b.v_proj(x)) and launches == [3, 3, 3]
+        assert torch.equal(a.q_proj(x), b.q_proj(x)) and launches == [3, 3, 3]  # kept from v's launch
+        new = b.k_proj.quantized_weight()  # k's weight replaced between the launch and k's call
+        other = copy.deepcopy(new)
+        other.data = new.data.flip(0).contiguous()
+        a.k_proj.replace_weight(other)
+        b.k_proj.replace_weight(other)
+        assert torch.equal(a.k_proj(x), b.k_proj(x))  # not the kept output of the old weight: k alone
+        assert launches == [3, 3, 3] and a.k_proj._siblings._kept is None
+        # another tensor with x's values is another input
+        assert torch.equal(a.v_proj(x.clone()), b.v_proj(x)) and launches == [3, 3, 3, 3]
+
+
+def test_kept_outputs_die_with_their_input():
+    block = _block("w4a16")
+    group = block.self_attn.q_proj._siblings
+    x = torch.randn(2, 64, device=device(), dtype=torch.float16)
+    with torch.no_grad():
+        block.self_attn.q_proj(x)
+    assert group._kept is not None
+    del x
+    gc.collect()
+    assert group._kept is None
+
+
+def test_link_siblings_links_only_layers_that_fit():
+    block = _block("nvfp4")
+    a, m = block.self_attn, block.mlp
+    group = a.q_proj._siblings
+    assert isinstance(group, SiblingGroup) and group.members == [a.q_proj, a.k_proj, a.v_proj]
+    assert m.gate_proj._siblings.members == [m.gate_proj, m.up_proj]
+    assert a.o_proj._siblings is None and m.down_proj._siblings is None
+    a.v_proj.config = dataclasses.replace(a.v_proj.config, activation=QuantRecipe())  # another activation
+    m.up_proj.config = dataclasses.replace(m.up_proj.config, capturable=True)
+    assert link_siblings(block) == 0
+    assert all(layer._siblings is None for layer in (a.q_proj, a.k_proj, m.gate_proj))
+    for layer in (a.v_proj, m.up_proj):
+        layer.config = a.q_proj.config
+    assert link_siblings(block) == 2
+    unshared = NVFP4Config.from_recipe(ACT, frozen="w4a4")
+    unshared = dataclasses.replace(unshared, frozen=dataclasses.replace(unshared.frozen, share_inputs=False))
+    torch.manual_seed(0)
+    assert link_siblings(convert(Block().to(device(), torch.float16), unshared)) == 0  # one x_q per layer
+    only_linear = convert(Block(), NVFP4Config(linear=NVFP4LinearConfig(), skip=("*k_proj", "*up_proj")))
+    assert only_linear.self_attn.q_proj._siblings.members == [only_linear.self_attn.q_proj,
+                                                              only_linear.self_attn.v_proj]  # fmt: skip
+    assert only_linear.mlp.gate_proj._siblings is None  # alone in its group
+
+
+def test_deepcopy_and_pickle_keep_each_model_its_own_groups(launches):
+    block = _block("w4a16")
+    dup = copy.deepcopy(block)
+    assert dup.self_attn.q_proj._siblings.members == [dup.self_attn.q_proj, dup.self_attn.k_proj,
+                                                      dup.self_attn.v_proj]  # fmt: skip
+    assert dup.self_attn.q_proj._siblings is not block.self_attn.q_proj._siblings
+    x = torch.randn(1, 64, device=device(), dtype=torch.float16)
+    with torch.no_grad():
+        block.self_attn.q_proj(x)  # keeps k and v: neither the copy nor a pickle carries them
+        buf = io.BytesIO()
+        torch.save(block, buf)
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=False)
+        assert loaded.self_attn.k_proj._siblings._kept is None
+        assert torch.equal(loaded(x), block(x))
