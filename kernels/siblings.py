@@ -158,12 +158,19 @@ def link_siblings(model: nn.Module, fused_groups=FUSED_GROUPS) -> int:
     :func:`~triage.kernels.fused_groups.fused_group_members`) one :class:`SiblingGroup`, where they can run
     as one decode launch: 2 or 3 layers of one class, ``in_features``, config, device, bias presence and
     outer-scale kind (per tensor or per row), W4A4 with ``share_inputs`` (one activation quantization), not
-    ``capturable``. Every link made before is dropped first (``fused_groups=()``: unlink all). Returns the
-    number of groups linked."""
+    ``capturable``. A layer wrapped by PEFT (``q_proj.base_layer``) counts as its wrapper (``q_proj``): LoRA
+    calls its base layer on the wrapper's input. Every link made before is dropped first
+    (``fused_groups=()``: unlink all). Links are to the layer objects: they survive wrapping, and a deep
+    copy of the model links its own copies. Returns the number of groups linked."""
     from triage.kernels.frozen_linear import FrozenNVFP4Linear
     from triage.kernels.linear import NVFP4Linear
 
-    layers = {n: m for n, m in model.named_modules() if isinstance(m, (NVFP4Linear, FrozenNVFP4Linear))}
+    # a PEFT-wrapped layer (``q_proj.base_layer``) is its wrapper's shard: the wrapper calls it on its own x
+    layers = {
+        n.removesuffix(".base_layer"): m
+        for n, m in model.named_modules()
+        if isinstance(m, (NVFP4Linear, FrozenNVFP4Linear))
+    }
     for m in layers.values():
         m._siblings = None
     linked, seen = 0, set()

@@ -115,9 +115,11 @@ class Block(nn.Module):
         a.q_proj, a.k_proj, a.v_proj = nn.Linear(h, 64, bias), nn.Linear(h, 32, bias), nn.Linear(h, 32, bias)
         a.o_proj = nn.Linear(64, h, bias)
         m.gate_proj, m.up_proj, m.down_proj = nn.Linear(h, 80, bias), nn.Linear(h, 80, bias), nn.Linear(80, h, bias)
+        self.gain = nn.Parameter(torch.ones(h))  # a parameter that stays when every Linear is frozen
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a, m = self.self_attn, self.mlp
+        x = x * self.gain
         h = x + a.o_proj(a.q_proj(x) * torch.cat([a.k_proj(x), a.v_proj(x)], -1))
         return h + m.down_proj(nn.functional.silu(m.gate_proj(h)) * m.up_proj(h))
 
@@ -258,3 +260,58 @@ def test_deepcopy_and_pickle_keep_each_model_its_own_groups(launches):
         loaded = torch.load(buf, weights_only=False)
         assert loaded.self_attn.k_proj._siblings._kept is None
         assert torch.equal(loaded(x), block(x))
+
+
+def test_lora_base_layers_stay_linked(launches):
+    """PEFT calls a LoRA layer's frozen base on the wrapper's input: the bases of q/k/v and gate/up keep one
+    launch per group, whether linked before wrapping (by convert) or after (``q_proj.base_layer``)."""
+    from peft import LoraConfig, get_peft_model
+
+    from triage.trainers.peft_nvfp4 import nvfp4_lora
+
+    torch.manual_seed(0)
+    block, lora = nvfp4_lora(Block().to(device(), torch.float16), LoraConfig(r=4, target_modules="all-linear"),
+                             CONFIGS["w4a16"])  # fmt: skip
+    model = get_peft_model(block, lora)
+    bases = [m for n, m in model.named_modules() if n.endswith("q_proj.base_layer")]
+    assert len(bases) == 1 and bases[0]._siblings is not None
+    assert link_siblings(model) == 2
+    x = torch.randn(2, 64, device=device(), dtype=torch.float16)
+    with torch.no_grad():
+        y = model(x)
+        assert launches == [3, 2]
+        link_siblings(model, fused_groups=())
+        assert torch.equal(y, model(x)) and launches == [3, 2]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["w4a16", "nvfp4"])
+@pytest.mark.parametrize("rows", [1, 16])
+def test_a_captured_group_replays_the_eager_group(kind, rows, launches):
+    """Captured inside ``capture_scope`` (as the sampler's graph step), a block's groups replay the eager
+    outputs on new inputs copied into the graph's x; a capture outside the scope launches every member alone."""
+    from triage.kernels.linear import capture_scope
+    from triage.kernels.nvfp4.gemm_decode import graph_counters
+
+    block = _block(kind)
+    block.to(torch.bfloat16)
+    x = torch.randn(rows, 64, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        block(x)  # warm-up: compiles, quantizes the weights
+        launches.clear()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph), graph_counters(), capture_scope():
+            y = block(x)
+        assert launches == [3, 2]
+        plain = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(plain):
+            y_plain = block(x)
+        assert launches == [3, 2]
+        for seed in range(3):
+            x.copy_(torch.randn(rows, 64, generator=torch.Generator().manual_seed(seed)).to(x))
+            graph.replay()
+            plain.replay()
+            torch.cuda.synchronize()
+            eager = block(x.clone())
+            assert torch.equal(y, eager) and torch.equal(y_plain, eager)
