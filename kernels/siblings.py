@@ -96,7 +96,7 @@ class SiblingGroup:
         if any(not _same_activation(o, operands[0]) for o in operands[1:]):
             return None
         widths = [int(o[2].shape[0]) for o in operands]
-        if len({o[2].data.shape[-1] for o in operands}) != 1 or len({o[3] is None for o in operands}) != 1:
+        if len({o[2].data.shape[-1] for o in operands}) != 1 or len({_dtype(o[3]) for o in operands}) != 1:
             return None
         g_bs = [_kernel_scale(o[2], 1 if _per_tensor(o[2]) else n) for o, n in zip(operands, widths)]
         if len({g.numel() == 1 for g in g_bs}) != 1:
@@ -119,6 +119,11 @@ class SiblingGroup:
 
     def __getstate__(self):
         return {"members": self.members, "_kept": None}
+
+
+def _dtype(bias: torch.Tensor | None) -> torch.dtype | None:
+    """A bias's dtype (None: no bias): one kernel reads every member's bias through one pointer type."""
+    return None if bias is None else bias.dtype
 
 
 def _per_tensor(w) -> bool:
@@ -156,8 +161,8 @@ def link_siblings(model: nn.Module, fused_groups=FUSED_GROUPS) -> int:
     """Give the NVFP4 layers of ``model`` (``NVFP4Linear``, ``FrozenNVFP4Linear``) in each fused group (the
     layers ``<parent>.<leaf>`` of one parent whose leaves are one entry of ``fused_groups``,
     :func:`~triage.kernels.fused_groups.fused_group_members`) one :class:`SiblingGroup`, where they can run
-    as one decode launch: 2 or 3 layers of one class, ``in_features``, config, device, bias presence and
-    outer-scale kind (per tensor or per row), W4A4 with ``share_inputs`` (one activation quantization), not
+    as one decode launch: 2 or 3 layers of one class, ``in_features``, config, device, bias dtype (or no bias)
+    and outer-scale kind (per tensor or per row), W4A4 with ``share_inputs`` (one activation quantization), not
     ``capturable``. A layer wrapped by PEFT (``q_proj.base_layer``) counts as its wrapper (``q_proj``): LoRA
     calls its base layer on the wrapper's input. Every link made before is dropped first
     (``fused_groups=()``: unlink all). Links are to the layer objects: they survive wrapping, and a deep
@@ -194,7 +199,7 @@ def _fit(group: list[nn.Module]) -> bool:
     first = group[0]
     if any(type(m) is not type(first) or m.config != first.config for m in group):
         return False
-    if len({m.in_features for m in group}) != 1 or len({m.bias is None for m in group}) != 1:
+    if len({m.in_features for m in group}) != 1 or len({_dtype(m.bias) for m in group}) != 1:
         return False
     if isinstance(first, FrozenNVFP4Linear):
         devices = {m.qweight.device for m in group}

@@ -437,7 +437,7 @@ def launch_decode_group(
     """:func:`launch_decode` for 2 or 3 weights that read the same ``x`` (sibling layers: q/k/v, gate/up), in
     ONE launch: ``members`` = ``(w, w_scale, out, g_b, bias)`` per weight, as :func:`launch_decode` takes them
     (every ``out`` a contiguous ``[M, Nj]`` of one dtype; the weights of one K, row strides and scale kinds:
-    ``g_b`` all None, all one element or all per row; ``bias`` all None or none). The tiles and the split
+    ``g_b`` all None, all one element or all per row; ``bias`` all None or all of one dtype). The tiles and the split
     are :func:`decode_config`'s for the members' total rows; the split-K partials are summed in the kernel.
     Each member's output has the bits a :func:`launch_decode` of that member with the same ``config``
     (tiles and split) gives. Returns the outputs."""
@@ -526,7 +526,7 @@ class DecodeLaunch:
                 )
         g_bs, biases = [m[3] for m in members], [m[4] for m in members]
         modes = {scale_mode(g) for g in g_bs}
-        if len(modes) != 1 or len({b is None for b in biases}) != 1:
+        if len(modes) != 1 or len({None if b is None else b.dtype for b in biases}) != 1:
             raise ValueError("run_group: the members' outer scales (g_b) and biases must be of one kind")
         npart = self.tiles * self.kwargs["BN"]
         part = torch.empty((self.split, self.M, npart), device=x.device, dtype=torch.float32) if self.split > 1 else outs[0]

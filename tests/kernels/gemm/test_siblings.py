@@ -92,6 +92,10 @@ def test_group_launch_refuses_members_that_do_not_fit():
         gd.launch_decode_group(x, [member(w0, out0), member(w1, out1, "tensor")], K, None)
     with pytest.raises(ValueError, match="of one kind"):
         gd.launch_decode_group(x, [member(w0, out0), member(w1, out1, bias=torch.zeros(32, device=device()))], K, None)
+    with pytest.raises(ValueError, match="of one kind"):  # one pointer type reads every member's bias
+        gd.launch_decode_group(x, [member(w0, out0, bias=torch.zeros(16, device=device())),
+                                   member(w1, out1, bias=torch.zeros(32, device=device(), dtype=torch.float16))],
+                               K, None)  # fmt: skip
     with pytest.raises(ValueError, match="member 1's output"):
         gd.launch_decode_group(x, [member(w0, out0), member(w1, torch.empty(2, 32, 2, device=device())[..., 0])], K, None)
     with pytest.raises(ValueError, match="2 or 3 members"):
