@@ -15,7 +15,9 @@ Shapes (random weights, std 0.02, Qwen3 architecture from :mod:`triage.trainers.
 
 * ``testbed``: the shape of the mismatch testbed's first pilot (hidden 384, 6 layers, 6 heads of 64, 2 KV
   heads, MLP 1152; the ``testbed`` scale of ``triage ablate`` now trains 4 layers of hidden 448);
-* ``qwen3-4b-width``: Qwen3-4B's layer shape (hidden 2560, MLP 9728, 32 heads of 128, 8 KV heads), 4 layers.
+* ``qwen3-4b-width``: Qwen3-4B's layer shape (hidden 2560, MLP 9728, 32 heads of 128, 8 KV heads), 4 layers;
+* ``qwen3-4b``: the same layers, 36 of them (Qwen3-4B's depth; the tiny tokenizer's vocabulary, so the LM
+  head is small).
 
 Precisions: ``bf16``; ``nvfp4``, the sampler copy's W4A4 (:func:`triage.kernels.convert`, per-row outer scales
 for weights and activations, compressed-tensors profile), the same conversion ``sampler_kwargs.precision:
@@ -57,6 +59,10 @@ SHAPES = {
         hidden_size=2560, intermediate_size=9728, num_hidden_layers=4, num_attention_heads=32,
         num_key_value_heads=8, head_dim=128,
     ),
+    "qwen3-4b": dict(
+        hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128,
+    ),
 }
 
 
@@ -69,7 +75,8 @@ def build(shape: str, precision: str):
     from triage.trainers.tiny import TinyModelSpec, build_model, build_tokenizer
 
     tok = build_tokenizer()
-    model = build_model(tok, TinyModelSpec(**SHAPES[shape]), seed=0).to("cuda", torch.bfloat16).eval()
+    with torch.device("cuda"):  # initialised on the GPU: seconds, where 36 layers on the CPU take minutes
+        model = build_model(tok, TinyModelSpec(**SHAPES[shape]), seed=0).to(torch.bfloat16).eval()
     recipe = QuantRecipe(scale="row", profile="compressed-tensors")
     if precision.endswith("-unfused"):  # the same conversion, each Linear its own decode launch
         from triage.kernels.siblings import link_siblings
