@@ -350,12 +350,10 @@ class FrozenNVFP4Linear(nn.Module):
             y = self._dense_matmul(x2)
         return y.reshape(*x.shape[:-1], N)
 
-    def _decode_operands(self, x: torch.Tensor) -> tuple | None:
-        """What this layer's forward on ``x`` gives the decode kernel, when it runs that kernel: the activation
-        as the kernel reads it (``w4a16``: x as ``[rows, K]``; ``w4a4``: the fp16 expansion of x_q), its outer
-        scale (None for ``w4a16``), the weight (``NVFP4Tensor``), the bias, and the activation's source (x, or
-        x_q for ``w4a4``: siblings launch together only on one source); else None
-        (:mod:`triage.kernels.siblings`)."""
+    def _decode_activation(self, x: torch.Tensor) -> tuple | None:
+        """When this layer's forward on ``x`` runs the decode kernel: the activation as the kernel reads it
+        (``w4a16``: x as ``[rows, K]``; ``w4a4``: the fp16 expansion of x_q), its outer scale (None for
+        ``w4a16``) and the activation's source (x, or x_q); else None (:mod:`triage.kernels.siblings`)."""
         from triage.kernels.nvfp4 import matmul as mm
 
         cfg, K = self.config, self.in_features
@@ -365,14 +363,19 @@ class FrozenNVFP4Linear(nn.Module):
             return None
         if not mm.decode_route(cfg.gemm_backend, rows, x.device, weight_only=w4a16):
             return None
-        w = self.quantized_weight()
         if w4a16:
-            return x.reshape(rows, K), None, w, self.bias, x
+            return x.reshape(rows, K), None, x
         from triage.kernels.linear import quantize_input
 
         xq = quantize_input(x, cfg.activation, cfg.quant_backend, share=cfg.share_inputs)
-        plan = mm.gemm_plan(xq, w, out_dtype=x.dtype, bias=self.bias, backend=cfg.gemm_backend)
-        return plan.decode_operands(xq, w, self.bias)
+        plan = mm.gemm_plan(xq, self.quantized_weight(), out_dtype=x.dtype, bias=self.bias, backend=cfg.gemm_backend)
+        return plan.decode_activation(xq)
+
+    def _decode_weight(self) -> tuple:
+        """``(weight, bias, token)`` for the decode kernel (:mod:`triage.kernels.siblings`); ``token``: the
+        objects whose identity means the same operands (the config, the weight's tensors, the bias)."""
+        token = (self.config, self.qweight, self.weight_scale, self.weight_scale_2, self.bias)
+        return self.quantized_weight(), self.bias, token
 
     def _uses_cublas(self, m: int) -> bool:
         from triage.kernels.nvfp4 import matmul as g

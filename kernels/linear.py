@@ -1195,10 +1195,10 @@ class NVFP4Linear(nn.Linear):
             return _quantize_weight(weight, self.config)
         return self._weight_cache.get(weight, self.config)
 
-    def _decode_operands(self, x: torch.Tensor) -> tuple | None:
-        """What this layer's grad-free forward on ``x`` gives the decode kernel, when it runs that kernel: the
-        activation as the kernel reads it (the fp16 expansion of x_q, ``[rows, K]``), its outer scale, W_q
-        (``NVFP4Tensor``), the bias and x_q; else None (:mod:`triage.kernels.siblings`)."""
+    def _decode_activation(self, x: torch.Tensor) -> tuple | None:
+        """When this layer's grad-free forward on ``x`` runs the decode kernel: the activation as the kernel
+        reads it (the fp16 expansion of x_q, ``[rows, K]``), its outer scale and x_q (the activation's source);
+        else None (:mod:`triage.kernels.siblings`)."""
         config = self.config
         if config.capturable or x.numel() == 0:
             return None
@@ -1213,7 +1213,13 @@ class NVFP4Linear(nn.Linear):
             share=config.share_inputs,
         )  # fmt: skip
         gemm = plan.gemm_plan("fwd", xq, w.quantized, out_dtype=x.dtype, bias=self.bias, b_scale_host=w.host_scale)
-        return gemm.decode_operands(xq, w.quantized, self.bias)
+        return gemm.decode_activation(xq)
+
+    def _decode_weight(self) -> tuple:
+        """``(W_q, bias, token)`` for the decode kernel (:mod:`triage.kernels.siblings`); ``token``: the
+        objects whose identity means the same operands (the config, the cached W_q, the bias)."""
+        w = self._quantized_weight(self.weight)
+        return w.quantized, self.bias, (self.config, w, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:

@@ -64,13 +64,10 @@ class SiblingGroup:
             return None
         kept = self._kept
         if kept is not None and kept[0]() is x and kept[1] == key and index in kept[2]:
-            y, used = kept[2].pop(index)
+            y, token = kept[2].pop(index)
             if not kept[2]:
                 self._kept = None
-            now = layer._decode_operands(x)
-            if now is not None and _same_operands(now, used):
-                return y
-            return None
+            return y if _same(layer._decode_weight()[2], token) else None
         outputs = self._launch(x)
         if outputs is None:
             return None
@@ -84,21 +81,24 @@ class SiblingGroup:
             self._kept = None
 
     def _launch(self, x: torch.Tensor) -> dict | None:
-        """Every member's output on ``x`` from one decode launch, ``{index: (y, operands)}``; None when a
-        member would not run the decode kernel or the members' operands do not fit one launch."""
+        """Every member's output on ``x`` from one decode launch, ``{index: (y, weight token)}``; None when the
+        members would not run the decode kernel or their operands do not fit one launch."""
         from triage.kernels.nvfp4.gemm_decode import launch_decode_group
         from triage.kernels.nvfp4.matmul import _kernel_scale
 
-        operands = [m._decode_operands(x) for m in self.members]
-        if any(o is None for o in operands):
+        first = self.members[0]
+        config = first.config
+        if any(m.config is not config and m.config != config for m in self.members[1:]):
+            return None  # one config: one activation (recipe, backends) and one route for all
+        act = first._decode_activation(x)
+        if act is None:
             return None
-        xa, g_a = operands[0][0], operands[0][1]
-        if any(not _same_activation(o, operands[0]) for o in operands[1:]):
+        xa, g_a, _ = act
+        weights = [m._decode_weight() for m in self.members]
+        widths = [int(w.shape[0]) for w, _, _ in weights]
+        if len({w.data.shape[-1] for w, _, _ in weights}) != 1 or len({_dtype(b) for _, b, _ in weights}) != 1:
             return None
-        widths = [int(o[2].shape[0]) for o in operands]
-        if len({o[2].data.shape[-1] for o in operands}) != 1 or len({_dtype(o[3]) for o in operands}) != 1:
-            return None
-        g_bs = [_kernel_scale(o[2], 1 if _per_tensor(o[2]) else n) for o, n in zip(operands, widths)]
+        g_bs = [_kernel_scale(w, 1 if _per_tensor(w) else n) for (w, _, _), n in zip(weights, widths)]
         if len({g.numel() == 1 for g in g_bs}) != 1:
             return None
         rows = xa.shape[0]
@@ -107,10 +107,10 @@ class SiblingGroup:
         for n in widths:
             outs.append(flat[start : start + rows * n].view(rows, n))
             start += rows * n
-        members = [(o[2].data, o[2].scale, out, g, o[3]) for o, out, g in zip(operands, outs, g_bs)]
+        members = [(w.data, w.scale, out, g, b) for (w, b, _), out, g in zip(weights, outs, g_bs)]
         launch_decode_group(xa, members, xa.shape[1], g_a)  # K as the member's own launch takes it
         lead = tuple(x.shape[:-1])
-        return {i: (out.view(*lead, n), _record(o)) for i, (out, n, o) in enumerate(zip(outs, widths, operands))}
+        return {i: (out.view(*lead, n), w[2]) for i, (out, n, w) in enumerate(zip(outs, widths, weights))}
 
     def __deepcopy__(self, memo):
         new = SiblingGroup([copy.deepcopy(m, memo) for m in self.members])
@@ -131,30 +131,9 @@ def _per_tensor(w) -> bool:
     return not isinstance(g, torch.Tensor) or g.numel() == 1
 
 
-def _same_activation(a: tuple, b: tuple) -> bool:
-    """Two members' decode operands read one activation: the same source object (x for W4A16, the one x_q
-    of W4A4), from which the kernel's activation and its scale follow."""
-    return a[4] is b[4]
-
-
-def _record(operands: tuple) -> tuple:
-    """What a kept output remembers of the operands its launch read (:func:`_same_operands`): the source by
-    a weak reference (a kept output must not keep x alive), the weight's tensors and the bias."""
-    w = operands[2]
-    return weakref.ref(operands[4]), w.data, w.scale, w.global_scale, operands[3]
-
-
-def _same_operands(now: tuple, used: tuple) -> bool:
-    """A member's decode operands now are those a group launch read (``used``, :func:`_record`): one
-    activation source, the same weight codes, block scales, outer scale and bias objects."""
-    w = now[2]
-    return (
-        used[0]() is now[4]
-        and w.data is used[1]
-        and w.scale is used[2]
-        and w.global_scale is used[3]
-        and now[3] is used[4]
-    )
+def _same(token: tuple, used: tuple) -> bool:
+    """Two weight tokens (``_decode_weight``) of one member name the same objects."""
+    return len(token) == len(used) and all(a is b for a, b in zip(token, used))
 
 
 def link_siblings(model: nn.Module, fused_groups=FUSED_GROUPS) -> int:

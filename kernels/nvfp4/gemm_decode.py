@@ -445,12 +445,27 @@ def launch_decode_group(
     M = outs[0].shape[0]
     if M > 64:
         raise ValueError(f"launch_decode_group handles M <= 64, got M={M}")
-    launch = decode_launch(
-        M, tuple(o.shape[1] for o in outs), K, members[0][1].shape[-1], x.dtype, outs[0].dtype,
-        split_k=split_k, config=config, fused_reduce=True,
-    )  # fmt: skip
+    widths, kb = tuple(o.shape[1] for o in outs), members[0][1].shape[-1]
+    if split_k is None and config is None:  # the default tiles: one plan per signature (and device: SM count)
+        key = (M, widths, K, kb, x.dtype, outs[0].dtype, x.device)
+        launch = _GROUP_LAUNCHES.get(key)
+        if launch is None:
+            launch = _GROUP_LAUNCHES[key] = decode_launch(M, widths, K, kb, x.dtype, outs[0].dtype)
+    else:
+        launch = decode_launch(
+            M, widths, K, kb, x.dtype, outs[0].dtype, split_k=split_k, config=config, fused_reduce=True
+        )
     launch.run_group(x, members, g_a, counters)
     return outs
+
+
+#: The kernel's argument names of group members 1 and 2 (:meth:`DecodeLaunch.run_group`).
+_MEMBER_ARGS = {j: (f"w{j}_ptr", f"ws{j}_ptr", f"c{j}_ptr", f"gb{j}_ptr", f"bias{j}_ptr", f"N{j}", f"T{j}")
+                for j in (1, 2)}  # fmt: skip
+
+#: :func:`launch_decode_group`'s launches with the default tiles, by signature (a few per model: one per
+#: group shape and row count).
+_GROUP_LAUNCHES: dict[tuple, DecodeLaunch] = {}
 
 
 def _words(w: torch.Tensor, w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -533,13 +548,10 @@ class DecodeLaunch:
         cnt = self._counters(x.device, counters) if self.split > 1 else outs[0]
         extra = {}
         for j in range(1, len(members)):
-            dummy = outs[j]
-            extra.update({
-                f"w{j}_ptr": words[j][0], f"ws{j}_ptr": words[j][1], f"c{j}_ptr": outs[j],
-                f"gb{j}_ptr": g_bs[j] if g_bs[j] is not None else dummy,
-                f"bias{j}_ptr": biases[j] if biases[j] is not None else dummy,
-                f"N{j}": self.members[j], f"T{j}": self.starts[j - 1],
-            })  # fmt: skip
+            out, g, b = outs[j], g_bs[j], biases[j]
+            values = (*words[j], out, out if g is None else g, out if b is None else b, self.members[j],
+                      self.starts[j - 1])  # fmt: skip
+            extra.update(zip(_MEMBER_ARGS[j], values))
         dummy = outs[0]
         _decode_kernel[self.grid](
             x, w32, ws, outs[0], part, cnt, g_a if g_a is not None else dummy,

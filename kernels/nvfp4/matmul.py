@@ -554,13 +554,13 @@ class GemmPlan:
                     out.copy_(_scaled_epilogue(_mm_fp32(xa, wb), g_a, g_b, bias, self.out_dtype))
         return out if len(self.lead) == 1 else out.reshape(*self.lead, N)
 
-    def decode_operands(self, a, b, bias=None) -> tuple | None:
-        """What :meth:`run` hands the decode kernel for these operands: ``(a as the kernel reads it (its
-        fp16 expansion [M, K]), a's outer scale as the kernel reads it, b, bias, a)`` (sibling layers,
+    def decode_activation(self, a) -> tuple | None:
+        """What :meth:`run` hands the decode kernel for the activation ``a``: ``(a as the kernel reads it (its
+        fp16 expansion [M, K]), a's outer scale as the kernel reads it, a)`` (sibling layers,
         :mod:`triage.kernels.siblings`); None unless the route is ``"decode"``."""
         if self.route != "decode":
             return None
-        return self._a_expanded(a, torch.float16), _kernel_scale(a, self.ga_len), b, bias, a
+        return self._a_expanded(a, torch.float16), _kernel_scale(a, self.ga_len), a
 
     def _a_expanded(self, a, dtype: torch.dtype) -> torch.Tensor:
         """:func:`expand` of ``a`` as [M, K]: ``a.expanded`` when it is in ``dtype``."""
