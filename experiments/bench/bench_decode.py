@@ -34,8 +34,8 @@ own: the ``cuda_graph`` loop captures the compiled step; prompts stay eager), so
 activations and residual adds fuse into fewer kernels. A study of where the decode step's time goes, not a
 sampler option: the compile time (a minute or more per model and batch) is paid in the warm-up call.
 
-``--replay``: the decode step's CUDA graph alone (:func:`replay_step`): GPU and host µs per replay against its
-kernels' summed time, to tell time lost inside the graph from time lost between replays.
+``--replay``: the decode step's graph replays timed inside one call (:func:`replay_step`): GPU and host µs per
+replay, against the loop's ms per step, to tell time lost inside the graph from time lost between replays.
 """
 
 from __future__ import annotations
@@ -148,60 +148,42 @@ def profile_call(model, prompts, new: int, decode: str, title: str, top: int = 1
         print(f"    {e.device_time_total / 1e3:8.2f} ms  {e.count:6d}×  {e.key[:90]}")
 
 
-def replay_step(model, prompts, new: int, title: str, reps: int = 50) -> dict:
-    """The decode step's CUDA graph alone: run one ``cuda_graph`` call, keep the graph its step captured, then
-    replay it ``reps`` times back to back (same inputs: every replay recomputes the call's last step and
-    writes the same cache slot) and print GPU µs per replay (CUDA events around the replays), host µs per
-    ``replay()`` call, and the kernels of 10 profiled replays: their summed time and the idle gaps between
-    them (:func:`kernel_gaps`). A replay slower than its kernels' sum idles inside the graph; a loop step
-    slower than a replay loses the time outside the graph (sampling ops, host)."""
-    from torch.profiler import ProfilerActivity, profile
-
+def replay_step(model, prompts, new: int, title: str) -> dict:
+    """The decode step's CUDA graph replays inside one ``cuda_graph`` call: each replay of the call timed on the
+    GPU (CUDA events around ``graph.replay()``) and on the host (the ``replay()`` call itself); prints the
+    median GPU µs per replay and host µs per ``replay()``. Against the loop's marginal ms per step
+    (``--marginal``): a step slower than its replay loses the difference outside the graph (the sampling
+    ops between replays, the host); a replay's GPU time is its kernels plus the gaps between them."""
     from triage.trainers.sampling import hf
 
-    steps, original = [], hf._GraphStep
+    timed, original = [], hf._GraphStep
 
-    class _Recorded(original):
-        def __init__(self, step):
-            super().__init__(step)
-            steps.append(self)
+    class _Timed(original):
+        def __call__(self):
+            if self.graph is None:
+                return super().__call__()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            t0 = time.perf_counter()
+            self.graph.replay()
+            host = time.perf_counter() - t0
+            end.record()
+            timed.append((start, end, host))
+            return self.logits
 
-    hf._GraphStep = _Recorded
+    hf._GraphStep = _Timed
     try:
         run(model, prompts, new, "cuda_graph")
     finally:
         hf._GraphStep = original
-    graph = steps[-1].graph if steps else None
-    if graph is None:
-        raise SystemExit(f"--replay ({title}): the decode step was not captured")
-    for _ in range(5):
-        graph.replay()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0 = time.perf_counter()
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    host_us = (time.perf_counter() - t0) / reps * 1e6
-    torch.cuda.synchronize()
-    gpu_us = start.elapsed_time(end) / reps * 1e3
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(10):
-            graph.replay()
-        torch.cuda.synchronize()
-    spans = [
-        (e.time_range.start, e.time_range.end)
-        for e in prof.events()
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
-    ]
-    g = kernel_gaps(spans) if spans else dict(busy=0.0, short=0.0, n_short=0, long=0.0, n_long=0)
-    out = dict(gpu_us=gpu_us, host_us=host_us, kernels_us=g["busy"] / 10, kernels=len(spans) // 10,
-               idle_short_us=g["short"] / 10, idle_long_us=g["long"] / 10)  # fmt: skip
-    print(f"  replay ({title}): {gpu_us:.1f} µs GPU per replay back to back, host {host_us:.1f} µs per "
-          f"replay() call; profiled: {out['kernels']} kernels, {out['kernels_us']:.1f} µs busy, idle "
-          f"{out['idle_short_us']:.1f} µs in short gaps, {out['idle_long_us']:.1f} µs in long ones per replay")
-    return out
+    if not timed:
+        raise RuntimeError(f"--replay ({title}): the decode step was not captured")
+    gpu_us = statistics.median(s.elapsed_time(e) * 1e3 for s, e, _ in timed)
+    host_us = statistics.median(h * 1e6 for _, _, h in timed)
+    print(f"  replay ({title}): {gpu_us:.1f} µs GPU per replay, host {host_us:.1f} µs per replay() call "
+          f"(medians over the call's {len(timed)} replays)")
+    return dict(gpu_us=gpu_us, host_us=host_us, replays=len(timed))
 
 
 #: Idle gaps between GPU kernels shorter than this (µs) count as launch / graph-node gaps, longer ones as the
@@ -261,8 +243,8 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--replay",
         action="store_true",
-        help="after the timings of each shape, precision and batch: the decode step's CUDA graph replayed "
-        "alone (replay_step): GPU and host µs per replay against its kernels' sum",
+        help="after the timings of each shape, precision and batch: the GPU and host µs of each decode-step "
+        "graph replay inside one cuda_graph call (replay_step)",
     )
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "bench_decode.json"))
     args = ap.parse_args(argv)
@@ -308,12 +290,6 @@ def main(argv=None) -> int:
                     ) / (batch * args.new)
                     if {"dynamic", "static"} <= outs.keys() else float("nan")
                 )
-                if args.replay:
-                    replays[(shape, precision, batch)] = replay_step(
-                        model, prompts, args.new, f"{shape} {precision} B={batch}"
-                    )
-                if args.profile:
-                    profile_call(model, prompts, args.new, decodes[-1], f"{shape} {precision} B={batch}")
                 for decode, t in times.items():
                     rows.append(dict(shape=shape, precision=precision, batch=batch, decode=decode,
                                      seconds=t, tok_s=batch * args.new / t, reruns_identical=rerun[decode],
@@ -326,6 +302,15 @@ def main(argv=None) -> int:
                     + "".join(f"\n    {d}: marginal {m * 1e3:.3f} ms/step ({batch / m:.0f} tok/s), fixed per call "
                               f"{(times[d] - m * args.new) * 1e3:.1f} ms" for d, m in marginal.items())
                 )
+                if args.replay:
+                    try:
+                        replays[(shape, precision, batch)] = replay_step(
+                            model, prompts, args.new, f"{shape} {precision} B={batch}"
+                        )
+                    except Exception as err:  # noqa: BLE001 - a study: report and keep the timings
+                        print(f"  replay ({shape} {precision} B={batch}) failed: {type(err).__name__}: {err}")
+                if args.profile:
+                    profile_call(model, prompts, args.new, decodes[-1], f"{shape} {precision} B={batch}")
             del model
             torch.cuda.empty_cache()
     # ratios against the peers: BF16 in the same loop (the target: NVFP4 vs BF16, both in graphs), and BF16 with

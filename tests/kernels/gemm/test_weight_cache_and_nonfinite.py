@@ -115,8 +115,8 @@ def test_moe_experts_follow_every_optimizer(name, backward):
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_a_nonfinite_weight_or_input_gives_nan_like_nn_linear(bad, quant_backend):
     torch.manual_seed(0)
-    layer = NVFP4Linear(32, 16, config=dataclasses.replace(CFG, quant_backend=quant_backend))
-    x = torch.randn(4, 32)
+    layer = NVFP4Linear(32, 16, config=dataclasses.replace(CFG, quant_backend=quant_backend)).to(device())
+    x = torch.randn(4, 32).to(device())
     with torch.no_grad():
         assert torch.isfinite(layer(x)).all()
         xb = x.clone()
@@ -176,9 +176,9 @@ def test_the_quantizer_plan_applies_the_nonfinite_rule_as_the_torch_ops_do(recip
 def test_nonfinite_gradients_give_nan_in_nvfp4_backward(quant_backend):
     torch.manual_seed(0)
     config = dataclasses.replace(CFG, backward="nvfp4-backward", quant_backend=quant_backend)
-    layer = NVFP4Linear(32, 16, config=config)
-    x = torch.randn(16, 32, requires_grad=True)
-    dy = torch.randn(16, 16)
+    layer = NVFP4Linear(32, 16, config=config).to(device())
+    x = torch.randn(16, 32).to(device()).requires_grad_()
+    dy = torch.randn(16, 16).to(device())
     dy[3, 4] = float("nan")
     layer(x).backward(dy)
     assert x.grad.isnan().all() and layer.weight.grad.isnan().all()
