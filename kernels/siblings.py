@@ -51,7 +51,7 @@ class SiblingGroup:
         if not 2 <= len(members) <= 3:
             raise ValueError(f"SiblingGroup: 2 or 3 members, got {len(members)}")
         self.members = list(members)
-        self._kept: tuple | None = None  # (weakref to x, input_key(x), {member index: (y, operands)})
+        self._kept: tuple | None = None  # (weakref to x, input_key(x), {member index: (y, weight token)})
 
     def output(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         """``layer``'s forward output on ``x`` from the group's launch (made now, or kept from the launch a
@@ -113,8 +113,10 @@ class SiblingGroup:
         return {i: (out.view(*lead, n), w[2]) for i, (out, n, w) in enumerate(zip(outs, widths, weights))}
 
     def __deepcopy__(self, memo):
-        new = SiblingGroup([copy.deepcopy(m, memo) for m in self.members])
+        # registered before the members are copied: each member's copy reaches this group again
+        new = SiblingGroup.__new__(SiblingGroup)
         memo[id(self)] = new
+        new.members, new._kept = [copy.deepcopy(m, memo) for m in self.members], None
         return new
 
     def __getstate__(self):

@@ -255,6 +255,10 @@ def test_deepcopy_and_pickle_keep_each_model_its_own_groups(launches):
     assert dup.self_attn.q_proj._siblings.members == [dup.self_attn.q_proj, dup.self_attn.k_proj,
                                                       dup.self_attn.v_proj]  # fmt: skip
     assert dup.self_attn.q_proj._siblings is not block.self_attn.q_proj._siblings
+    for model in (block, dup):  # one group object per group: a member's kept output reaches its siblings
+        a, m = model.self_attn, model.mlp
+        assert a.q_proj._siblings is a.k_proj._siblings is a.v_proj._siblings
+        assert m.gate_proj._siblings is m.up_proj._siblings
     x = torch.randn(1, 64, device=device(), dtype=torch.float16)
     with torch.no_grad():
         block.self_attn.q_proj(x)  # keeps k and v: neither the copy nor a pickle carries them
@@ -263,7 +267,9 @@ def test_deepcopy_and_pickle_keep_each_model_its_own_groups(launches):
         buf.seek(0)
         loaded = torch.load(buf, weights_only=False)
         assert loaded.self_attn.k_proj._siblings._kept is None
-        assert torch.equal(loaded(x), block(x))
+        assert loaded.self_attn.q_proj._siblings is loaded.self_attn.v_proj._siblings
+        launches.clear()
+        assert torch.equal(loaded(x), block(x)) and launches == [3, 2, 3, 2]
 
 
 def test_lora_base_layers_stay_linked(launches):
