@@ -337,7 +337,8 @@ class FrozenNVFP4Linear(nn.Module):
         if cfg.compute == "w4a4":
             from triage.kernels.linear import quantize_input
 
-            xq = quantize_input(x, cfg.activation, cfg.quant_backend, share=cfg.share_inputs)
+            expanded = self._act_expanded(x2.shape[0], x.device)
+            xq = quantize_input(x, cfg.activation, cfg.quant_backend, expanded=expanded, share=cfg.share_inputs)
             cached = self._expanded if cfg.cache_expanded else None
             if cached is None and cfg.cache_expanded and self._uses_cublas(x2.shape[0]):
                 cached = self.expansion()
@@ -367,9 +368,22 @@ class FrozenNVFP4Linear(nn.Module):
             return x.reshape(rows, K), None, x
         from triage.kernels.linear import quantize_input
 
-        xq = quantize_input(x, cfg.activation, cfg.quant_backend, share=cfg.share_inputs)
+        expanded = self._act_expanded(rows, x.device)
+        xq = quantize_input(x, cfg.activation, cfg.quant_backend, expanded=expanded, share=cfg.share_inputs)
         plan = mm.gemm_plan(xq, self.quantized_weight(), out_dtype=x.dtype, bias=self.bias, backend=cfg.gemm_backend)
         return plan.decode_activation(xq)
+
+    def _act_expanded(self, rows: int, device: torch.device) -> torch.dtype | None:
+        """``w4a4``: fp16 when the GEMM on ``rows`` rows runs the decode kernel and the Triton quantizer runs:
+        the quantizer then writes x_q's exact fp16 ``q·s`` with the codes, which the decode kernel reads (no
+        expansion pass; the same bits), as :class:`~triage.kernels.NVFP4Linear` does. Else None."""
+        from triage.kernels.linear import _triton_quantizes
+        from triage.kernels.nvfp4.matmul import decode_route
+
+        cfg = self.config
+        if _triton_quantizes(cfg.quant_backend, device) and decode_route(cfg.gemm_backend, rows, device):
+            return torch.float16
+        return None
 
     def _decode_weight(self) -> tuple:
         """``(weight, bias, token)`` for the decode kernel (:mod:`triage.kernels.siblings`); ``token``: the

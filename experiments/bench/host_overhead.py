@@ -3,6 +3,7 @@ GPU beside ``nn.Linear`` and under ``torch.compile`` (``--gpu``).
 
     python experiments/bench/host_overhead.py [--dtype bf16] [--shapes 16x256x256 128x256x256 ...]
                                               [--iters 200] [--profile CASE] [--verbose]
+    python experiments/bench/host_overhead.py --siblings [--iters 200]
     python experiments/bench/host_overhead.py --gpu [--gpu-shapes 1x2560x9728 ...] [--iters 200]
                                               [--fwd-bwd] [--compile-backend inductor] [--device cpu]
 
@@ -248,6 +249,58 @@ def _gpu_shape(shape_s: str, args) -> None:
             print(f"{what + ' ' + shape_s:28s} {name:22s} {host:8.1f} {wall:8.1f} {host / peer:15.2f}x")
 
 
+def siblings_main(args, stubs) -> None:
+    """``--siblings``: a decoder layer's seven Linears (q/k/v, o, gate/up, down; hidden 64, 4 rows, fp16)
+    converted three ways (``NVFP4Linear``, frozen W4A4 and W4A16; Triton backends), forward under no_grad,
+    linked (q/k/v and gate/up one group launch each) against unlinked; stubbed launches, so the figures are
+    the Python part only (the launches a group saves are not in them)."""
+    import copy
+    import dataclasses
+
+    from torch import nn
+
+    from triage.kernels import NVFP4Config, convert
+    from triage.kernels.nvfp4 import QuantRecipe
+    from triage.kernels.siblings import link_siblings
+
+    class Layer(nn.Module):
+        def __init__(self, h: int = 64) -> None:
+            super().__init__()
+            self.self_attn, self.mlp = nn.Module(), nn.Module()
+            a, m = self.self_attn, self.mlp
+            a.q_proj, a.k_proj, a.v_proj, a.o_proj = (nn.Linear(i, o, bias=False)
+                                                      for i, o in ((h, 64), (h, 32), (h, 32), (64, h)))  # fmt: skip
+            m.gate_proj, m.up_proj, m.down_proj = (nn.Linear(i, o, bias=False) for i, o in ((h, 96), (h, 96), (96, h)))
+
+        def forward(self, x):
+            a, m = self.self_attn, self.mlp
+            h = x + a.o_proj(a.q_proj(x) * torch.cat([a.k_proj(x), a.v_proj(x)], -1))
+            return h + m.down_proj(nn.functional.silu(m.gate_proj(h)) * m.up_proj(h))
+
+    act = QuantRecipe(scale="row", profile="compressed-tensors")  # the sampler copy's recipe
+    triton = dict(quant_backend="triton", gemm_backend="triton")
+    configs = {"NVFP4Linear (W4A4)": NVFP4Config.from_recipe(act), "frozen W4A4": NVFP4Config.from_recipe(act, frozen="w4a4"),
+               "frozen W4A16": NVFP4Config.from_recipe(act, frozen="w4a16")}  # fmt: skip
+    print("CPU, fp16, Triton launches stubbed; host µs per decoder-layer forward (4 rows), no_grad")
+    print(f"{'layers':22s} {'linked µs':>10s} {'launches':>8s} {'unlinked µs':>12s} {'launches':>8s}")
+    for name, config in configs.items():
+        if config.frozen is not None:
+            config = dataclasses.replace(config, frozen=dataclasses.replace(config.frozen, **triton))
+        else:
+            config = dataclasses.replace(config, linear=dataclasses.replace(config.linear, **triton))
+        torch.manual_seed(0)
+        linked = convert(Layer().to(torch.float16), config)
+        unlinked = copy.deepcopy(linked)
+        link_siblings(unlinked, fused_groups=())
+        x = torch.randn(4, 64, dtype=torch.float16)
+        cells = []
+        with torch.no_grad():
+            for model in (linked, unlinked):
+                us, launches, _ = measure(lambda model=model, x=x: model(x), stubs, args.iters)
+                cells.append((us, sum(launches.values())))
+        print(f"{name:22s} {cells[0][0]:10.0f} {cells[0][1]:8d} {cells[1][0]:12.0f} {cells[1][1]:8d}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description="Host time per NVFP4Linear call: stubbed Triton launches on CPU (default) or --gpu."
@@ -267,11 +320,15 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--profile", default=None, help="cProfile one case, e.g. fwd/bf16-backward/tensor/256x1024x3072")
     p.add_argument("--verbose", action="store_true", help="name the launches and torch ops of each case")
+    p.add_argument("--siblings", action="store_true",
+                   help="a decoder layer's forward with q/k/v and gate/up linked vs unlinked (siblings_main)")  # fmt: skip
     args = p.parse_args()
     if args.gpu:
         return gpu_main(args)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     stubs = stub_kernels()
+    if args.siblings:
+        return siblings_main(args, stubs)
     print(f"CPU, {args.dtype}, Triton launches stubbed; host µs per call (the Python part only)")
     print("op µs: the forward as the triage::nvfp4_linear custom op (what torch.compile runs), called eagerly")
     print(f"{'case':48s} {'µs':>7s} {'triton':>6s} {'torch':>5s}  {'op µs':>6s}  nn.Linear µs")
