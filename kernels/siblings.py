@@ -15,7 +15,9 @@ Rules:
 * Same ``x``: the very tensor object, unchanged as far as torch can tell
   (:func:`~triage.kernels.linear.input_key`, the rule sibling layers already share x's quantization by:
   version counter, pointer, shape, strides, offset, stream, nothing kept across optimizer steps; inside a
-  CUDA-graph capture only within :func:`~triage.kernels.linear.capture_scope`).
+  CUDA-graph capture only within :func:`~triage.kernels.linear.capture_scope`; never for inference tensors,
+  which have no version counter: under ``torch.inference_mode()`` every member computes alone, so decode
+  under ``torch.no_grad()``, as the built-in sampler and ``generate`` do).
 * Same operands: a kept output is handed out only if the member's forward would launch the decode kernel
   on the very operands the group launch read (the activation, its scale, the weight's codes, block and
   outer scales, the bias: a weight sync or a re-quantized weight between the two calls makes the member
