@@ -59,13 +59,17 @@ example a hand-written ``p.data.add_(...)`` update loop): call :func:`invalidate
 NVFP4 layer) or :meth:`NVFP4Linear.invalidate_cache` (one layer) after it.
 
 Non-finite values. The quantizers keep the engines' bytes (a NaN becomes a finite code there), so the layer
-decides: a NaN or ±Inf anywhere in an operand it quantizes (x, W; dy, xᵀ, dyᵀ in ``nvfp4-backward``)
-makes that operand's outer decode scale NaN (:func:`nan_if_nonfinite`), so the whole GEMM output is NaN,
-as ``nn.Linear`` would be where that value enters (a superset of its NaNs: one non-finite value makes the
-operand's per-tensor scale meaningless). The check is one max-|x| reduction on the device per quantized
-operand (per weight update for W), no host sync; for x and dy with a dynamic per-tensor scale on the Triton
-quantizer the kernel makes the check itself, from its amax pass (``rows_plan(nonfinite=True)``: the same
-NaN-or-not decision and the same finite bits, no extra launch); xᵀ, dyᵀ and W keep the torch ops.
+decides: a NaN or ±Inf in an operand it quantizes (x, W; dy, xᵀ, dyᵀ in ``nvfp4-backward``) makes the
+outer decode scale it feeds NaN (:func:`nan_if_nonfinite`), so every output that scale multiplies is NaN,
+as ``nn.Linear`` would be where that value enters (a superset of its NaNs). With a per-tensor (or
+per-expert) scale that is the whole GEMM output: one non-finite value makes the shared scale meaningless.
+With a per-row scale over 1×16 blocks it is the operand's row alone (an x row: that output row; a W row:
+that output column), exactly ``nn.Linear``'s NaNs: the row's blocks and scale hold no other row's values,
+so the other rows quantize as they would without it (16×16 tiles span 16 rows: the whole output there).
+The check is one max-|x| reduction on the device per quantized operand (per weight update for W), no
+host sync; for x and dy with a dynamic per-tensor or per-row scale on the Triton quantizer the kernel makes
+the check itself, from the amax pass it runs anyway (``rows_plan(nonfinite=True)``: the same NaN-or-not
+decision and the same finite bits, no extra launch); xᵀ, dyᵀ and W keep the torch ops.
 
 Shared input quantization (``NVFP4LinearConfig.share_inputs``, on by default). Sibling layers that read one
 input tensor (q/k/v read one hidden state, gate/up another) quantize it once: :func:`quantize_input` keeps the
@@ -182,7 +186,8 @@ def weight_key(weight: torch.Tensor) -> tuple:
 
 def nan_if_nonfinite(q: NVFP4Tensor, source: torch.Tensor) -> NVFP4Tensor:
     """``q`` (the quantization of ``source``) with a NaN outer decode scale if ``source`` holds a NaN or ±Inf,
-    else ``q`` with the same values: ``g' = g + 0·max|source|`` (``0·max`` is 0, or NaN for a NaN/Inf max).
+    else ``q`` with the same values: ``g' = g + 0·max|source|`` (``0·max`` is 0, or NaN for a NaN/Inf max);
+    per row (:func:`row_local`: ``g'_r = g_r + 0·max|source_r|``) for a per-row scale over 1×16 blocks.
 
     The quantizer maps NaN to finite codes (the engines' bytes) and Inf to a saturated block; every GEMM
     applies the outer scale in its epilogue, so a NaN ``g'`` makes every output of a product with ``q`` NaN.
@@ -193,14 +198,25 @@ def nan_if_nonfinite(q: NVFP4Tensor, source: torch.Tensor) -> NVFP4Tensor:
     return replace(q, global_scale=nonfinite_scale(q, source))
 
 
+def row_local(recipe: QuantRecipe) -> bool:
+    """Whether the non-finite rule acts per row for operands quantized with ``recipe`` (module docstring):
+    a per-row outer scale over 1×16 blocks, whose every block and scale belong to one row."""
+    return recipe.scale == "row" and recipe.block == "1x16"
+
+
 def nonfinite_scale(q: NVFP4Tensor, source: torch.Tensor) -> torch.Tensor:
     """The outer decode scale of :func:`nan_if_nonfinite`: ``g + 0·max|source|`` (+ ``0·max(amax)`` with
-    the Hadamard rule), two device ops (``add(g, peak, alpha=0)`` is ``g + 0·peak``), no host sync."""
+    the Hadamard rule), two device ops (``add(g, peak, alpha=0)`` is ``g + 0·peak``), no host sync; the
+    maxima per row where :func:`row_local` (``source`` then has ``q``'s shape: its rows are q's rows)."""
+    g, amax = q.global_scale, q.amax
+    rotated = q.recipe.hadamard and q.recipe.scale_source == "dynamic" and amax is not None
+    if row_local(q.recipe) and tuple(source.shape) == tuple(q.shape):
+        peak = torch.linalg.vector_norm(source.detach(), float("inf"), dim=-1, keepdim=True, dtype=torch.float32)
+        g = torch.add(g, peak.reshape(g.shape), alpha=0)
+        return torch.add(g, amax.reshape(g.shape), alpha=0) if rotated else g
     peak = torch.linalg.vector_norm(source.detach(), float("inf"), dtype=torch.float32)  # NaN/Inf iff one
-    g = torch.add(q.global_scale, peak, alpha=0)
-    if q.recipe.hadamard and q.recipe.scale_source == "dynamic" and q.amax is not None:
-        g = torch.add(g, q.amax.amax(), alpha=0)
-    return g
+    g = torch.add(g, peak, alpha=0)
+    return torch.add(g, amax.amax(), alpha=0) if rotated else g
 
 
 @dataclass(frozen=True)
@@ -460,12 +476,12 @@ def _quantize_t(
     x's signature (:func:`_columns_plan`), run directly when x takes that path."""
     if plan is not None and x.dtype == plan.dtype and not x.t().is_contiguous():
         q = plan.run(x, seed, None)
-        q.global_scale = nonfinite_scale(q, x)  # q is ours alone: no copy of the dataclass
+        q.global_scale = nonfinite_scale(q, x.t())  # q is ours alone: no copy of the dataclass
         return q
     from triage.kernels.nvfp4.quantize_columns import quantize_columnwise
 
     emit = torch.bfloat16 if expanded else None
-    return nan_if_nonfinite(quantize_columnwise(x, recipe, backend=backend, seed=seed, emit_expanded=emit), x)
+    return nan_if_nonfinite(quantize_columnwise(x, recipe, backend=backend, seed=seed, emit_expanded=emit), x.t())
 
 
 def _columns_plan(

@@ -460,9 +460,11 @@ def _quantize_kernel(
 
     ``EXPANDED``: 0 none, 1 also write the exact ``q·s`` as bf16 (int16 bits), 2 as fp16, to ``exp_ptr``
     ``[rows, KP]``. ``PAIRS``: the bf16 fast path (``K == KP``, Hadamard or not), where ``x_ptr``, ``data_ptr``
-    and ``exp_ptr`` are int32 views (see :func:`_quantize_pairs_step`). ``NONFINITE`` (per-tensor outer
-    scale only, the amax pass run with its NaN flag): the stored decode scale is NaN when the amax pass saw a
-    NaN or its amax is +Inf (:func:`rows_plan`'s ``nonfinite``)."""
+    and ``exp_ptr`` are int32 views (see :func:`_quantize_pairs_step`). ``NONFINITE`` (:func:`rows_plan`'s
+    ``nonfinite``): per-tensor outer scale (the amax pass run with its NaN flag): the stored decode scale is
+    NaN when the amax pass saw a NaN or its amax is +Inf; per-row: a row's stored decode scale is NaN when
+    its sweep saw a NaN (a NaN-propagating max beside the amax, which ignores NaN but for compressed-tensors)
+    or its amax is +Inf."""
     BK: tl.constexpr = 16 * NB
     pid, s = tl.program_id(0), tl.program_id(1)
     rows = pid * BR + tl.arange(0, BR)
@@ -472,6 +474,7 @@ def _quantize_kernel(
     one = tl.full((BR, 1), 1.0, tl.float32)
     if OUTER == 2:  # per row, computed here: sweep K once for the row amax
         m = tl.zeros((BR, NB), tl.float32)
+        seen = tl.zeros((BR, NB), tl.float32)  # NONFINITE, amax ignoring NaN: the NaN-propagating max
         for k0 in range(0, KP, BK):
             if PAIRS:
                 cb = k0 // 16 + tl.arange(0, NB)
@@ -481,16 +484,28 @@ def _quantize_kernel(
                 m3 = (rmask[:, None] & (cb[None, :] < KP // 16))[:, :, None]
                 a0, b0, a1, b1 = _load_pairs(x_ptr, off, m3, BR, NB, HADAMARD, SIGNS, True)
                 bm = _amax4(a0, b0, a1, b1, PROFILE != 3)
+                if NONFINITE and PROFILE != 3:
+                    seen = max_nan(seen, _amax4(a0, b0, a1, b1, False))
                 if HADAMARD:  # the bf16 rounding on the block max, not every element
                     bm = _rht_amax_finish(bm)
                 m = max_nan(m, bm)
             else:
                 x = _load_blocks(x_ptr, row0, rows, N, k0, K, BR, NB, HADAMARD, ROUND, SIGNS)
                 m = max_nan(m, _block_amax(x, PROFILE != 3))  # NaN-free unless compressed-tensors
+                if NONFINITE and PROFILE != 3:
+                    seen = max_nan(seen, _block_amax(x, False))
         amax = tl.reduce(m, 1, max_nan)
         enc, dec = outer_from_row_amax(amax[:, None], PROFILE)
         tl.store(amax_ptr + grow, amax, mask=rmask)
-        store_outer(enc_ptr, dec_ptr, grow, enc, dec, rmask, BR)
+        if NONFINITE:  # the layers' non-finite rule, per row, on the stored decode scale only (rows_plan)
+            if PROFILE != 3:
+                seen_row = tl.reduce(seen, 1, max_nan)
+            else:
+                seen_row = amax
+            bad = (seen_row != seen_row) | (amax == float("inf"))
+            store_outer(enc_ptr, dec_ptr, grow, enc, tl.where(bad[:, None], float("nan"), dec), rmask, BR)
+        else:
+            store_outer(enc_ptr, dec_ptr, grow, enc, dec, rmask, BR)
     elif OUTER == 1:  # per group (tensor or expert) from the reduced amax bits
         e = grow // rows_per_outer
         amax = reduced_amax(group_amax_ptr, e, rmask, PROFILE)
@@ -682,10 +697,11 @@ def rows_plan(
     (``pairs``: the bf16 fast path is allowed, i.e. asked for and the input's storage offset is even;
     ``interpreted``: :func:`~.device.interpreting`, which picks the tiles). Pure, cached per signature.
 
-    ``nonfinite`` (the NVFP4 layers ask for it): for a dynamic per-tensor outer scale the kernel applies the
-    layers' non-finite rule itself (:func:`triage.kernels.linear.nan_if_nonfinite`: a NaN decode scale when
-    the input, or with the Hadamard transform its rotation, holds a NaN or ±Inf), from the amax pass it runs
-    anyway, so the layer skips the rule's two torch ops; ``plan.nonfinite`` says whether it does (other
+    ``nonfinite`` (the NVFP4 layers ask for it): for a dynamic per-tensor outer scale, or a per-row one over
+    1×16 blocks, the kernel applies the layers' non-finite rule itself
+    (:func:`triage.kernels.linear.nan_if_nonfinite`: a NaN decode scale when the input, per row for per-row
+    scales, or with the Hadamard transform its rotation, holds a NaN or ±Inf), from the amax pass or sweep it
+    runs anyway, so the layer skips the rule's two torch ops; ``plan.nonfinite`` says whether it does (other
     outer scales: no, the layer applies the rule). Codes, block scales, encode scale and amax are the same
     bytes either way; only the stored decode scale of a non-finite input differs from the plain quantizer's."""
     k = shape[-1]
@@ -710,7 +726,10 @@ def rows_plan(
     enc_arg = dec_arg = amax_arg = 1.0
     write_amax = True
     groups, amax_kind, amax_grid, amax_args, amax_kwargs = 0, "", (0, 0), (), {}
-    nonfinite = nonfinite and recipe.scale == "tensor" and recipe.scale_source == "dynamic"
+    # per tensor: from the amax pass; per row: from the kernel's own sweep (1×16 blocks: the rule is per row)
+    nonfinite = nonfinite and recipe.scale_source == "dynamic" and (
+        recipe.scale == "tensor" or (recipe.scale == "row" and recipe.block == "1x16")
+    )
     if recipe.scale == "row" and recipe.scale_source == "dynamic":
         mode, rows_per_outer, out_shape = OUTER_ROW, 1, gshape
     elif recipe.scale_source == "dynamic" and recipe.scale in ("tensor", "expert"):

@@ -127,6 +127,29 @@ def test_a_nonfinite_weight_or_input_gives_nan_like_nn_linear(bad, quant_backend
         assert layer(x).isnan().all()  # was 0 / finite: the quantizer maps NaN to finite codes
 
 
+@pytest.mark.parametrize("quant_backend", ["torch", "triton"])  # triton: the kernel's per-row rule
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_per_row_scales_keep_a_nonfinite_value_in_its_row_like_nn_linear(bad, quant_backend):
+    """Per-row outer scales over 1×16 blocks: a NaN/±Inf in x row r makes output row r NaN, in W row n
+    output column n; every other output is what it is without that value (nn.Linear's NaN pattern)."""
+    torch.manual_seed(0)
+    row = QuantRecipe(scale="row", profile="compressed-tensors")
+    config = dataclasses.replace(CFG, activation=row, weight=row, quant_backend=quant_backend)
+    layer = NVFP4Linear(32, 16, config=config).to(device())
+    x = torch.randn(4, 32).to(device())
+    with torch.no_grad():
+        clean = layer(x)
+        assert clean.isfinite().all()
+        xb = x.clone()
+        xb[1, 3] = bad
+        y = layer(xb)
+        assert y[1].isnan().all() and torch.equal(y[[0, 2, 3]], clean[[0, 2, 3]])
+        layer.weight[2, 5] = bad
+        y = layer(x)
+        others = [n for n in range(16) if n != 2]
+        assert y[:, 2].isnan().all() and torch.equal(y[:, others], clean[:, others])
+
+
 @pytest.mark.parametrize(
     "recipe",
     [
@@ -135,19 +158,22 @@ def test_a_nonfinite_weight_or_input_gives_nan_like_nn_linear(bad, quant_backend
         QuantRecipe(rounding="stochastic"),  # the nvfp4-backward grad recipe's rounding
         QuantRecipe(profile="compressed-tensors"),
         QuantRecipe(profile="modelopt"),
-        QuantRecipe(scale="row", profile="compressed-tensors"),  # per-row: the layer applies the rule
+        QuantRecipe(scale="row", profile="compressed-tensors"),  # per-row: the rule per row, in the kernel
+        QuantRecipe(scale="row"),  # per-row TE: the amax ignores NaN, the kernel's second max sees it
+        QuantRecipe(scale="row", hadamard=True),
         QuantRecipe(scale_source="static", static_amax=4.0),  # given scales: the layer applies the rule
         QuantRecipe(scale_source="checkpoint", checkpoint_scale=600.0),
         QuantRecipe(scale="none"),
     ],
-    ids=["te", "te-hadamard", "te-stochastic", "ct", "modelopt", "ct-row", "static", "checkpoint", "none"],
+    ids=["te", "te-hadamard", "te-stochastic", "ct", "modelopt", "ct-row", "te-row", "te-row-hadamard", "static",
+         "checkpoint", "none"],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), -float("inf"), "overflow"])
 def test_the_quantizer_plan_applies_the_nonfinite_rule_as_the_torch_ops_do(recipe, dtype, bad):
     """The layers' Triton plan (rows_plan(nonfinite=True)) puts the non-finite rule into the quantizer for
-    per-tensor scales: the same codes, block and encode scales as the plain quantizer, and the decode
-    scale nan_if_nonfinite gives (equal bits when finite, NaN when not)."""
+    per-tensor and per-row scales: the same codes, block and encode scales as the plain quantizer, and the
+    decode scale nan_if_nonfinite gives (equal bits when finite, NaN when not; per row: row 5 alone)."""
     from triage.kernels.linear import _quantize, _rows_plan, nan_if_nonfinite
 
     g = torch.Generator().manual_seed(1)
@@ -158,7 +184,7 @@ def test_the_quantizer_plan_applies_the_nonfinite_rule_as_the_torch_ops_do(recip
         x[5, 7] = bad
     x = x.to(device())
     plan = _rows_plan(recipe, "triton", tuple(x.shape), dtype, x.device, None)
-    assert plan.nonfinite == (recipe.scale == "tensor" and recipe.scale_source == "dynamic")
+    assert plan.nonfinite == (recipe.scale in ("tensor", "row") and recipe.scale_source == "dynamic")
     got = _quantize(x, recipe, "triton", seed=7, plan=plan)
     want = nan_if_nonfinite(quantize(x, recipe, backend="triton", seed=7), x)
     assert torch.equal(got.data, want.data) and torch.equal(got.scale.view(torch.uint8), want.scale.view(torch.uint8))
@@ -169,7 +195,10 @@ def test_the_quantizer_plan_applies_the_nonfinite_rule_as_the_torch_ops_do(recip
         if a is not None:
             assert a.shape == b.shape and torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
     if bad not in (None, "overflow"):
-        assert got.global_scale.isnan().all()
+        if recipe.scale == "row":  # the rule per row: row 5 alone
+            assert got.global_scale.reshape(-1).isnan().tolist() == [r == 5 for r in range(24)]
+        else:
+            assert got.global_scale.isnan().all()
 
 
 @pytest.mark.parametrize("quant_backend", ["torch", "triton"])  # triton: dy's rule in the kernel (rows_plan)
