@@ -386,9 +386,11 @@ class FrozenNVFP4Linear(nn.Module):
         return None
 
     def _decode_weight(self) -> tuple:
-        """``(weight, bias, token)`` for the decode kernel (:mod:`triage.kernels.siblings`); ``token``: the
-        objects whose identity means the same operands (the config, the weight's tensors, the bias)."""
-        token = (self.config, self.qweight, self.weight_scale, self.weight_scale_2, self.bias)
+        """``(weight, bias, token)`` for the decode kernel (:mod:`triage.kernels.siblings`); ``token``: what
+        means the same operands (the config, the weight's tensors and the bias, each with its version
+        counter: replaced or written in place)."""
+        tensors = (self.qweight, self.weight_scale, self.weight_scale_2, self.bias)
+        token = (self.config, *tensors, *(None if t is None else t._version for t in tensors))
         return self.quantized_weight(), self.bias, token
 
     def _uses_cublas(self, m: int) -> bool:

@@ -1232,10 +1232,12 @@ class NVFP4Linear(nn.Linear):
         return gemm.decode_activation(xq)
 
     def _decode_weight(self) -> tuple:
-        """``(W_q, bias, token)`` for the decode kernel (:mod:`triage.kernels.siblings`); ``token``: the
-        objects whose identity means the same operands (the config, the cached W_q, the bias)."""
+        """``(W_q, bias, token)`` for the decode kernel (:mod:`triage.kernels.siblings`); ``token``: what
+        means the same operands (the config, the cached W_q — re-quantized when W changes —, the bias and its
+        version counter)."""
         w = self._quantized_weight(self.weight)
-        return w.quantized, self.bias, (self.config, w, self.bias)
+        bias = self.bias
+        return w.quantized, bias, (self.config, w, bias, None if bias is None else bias._version)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:

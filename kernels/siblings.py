@@ -33,7 +33,6 @@ Rules:
 
 from __future__ import annotations
 
-import copy
 import weakref
 from collections.abc import Sequence
 
@@ -100,29 +99,34 @@ class SiblingGroup:
         widths = [int(w.shape[0]) for w, _, _ in weights]
         if len({w.data.shape[-1] for w, _, _ in weights}) != 1 or len({_dtype(b) for _, b, _ in weights}) != 1:
             return None
+        if any(w.data.device != x.device or (b is not None and b.device != x.device) for w, b, _ in weights):
+            return None  # a member moved (offloaded, another device): each computes alone, as it would
         g_bs = [_kernel_scale(w, 1 if _per_tensor(w) else n) for (w, _, _), n in zip(weights, widths)]
         if len({g.numel() == 1 for g in g_bs}) != 1:
             return None
         rows = xa.shape[0]
-        flat = torch.empty(rows * sum(widths), dtype=x.dtype, device=x.device)
+        align = max(1, 16 // x.element_size())  # every output starts 16-byte aligned, as an allocation does
+        sizes = [-(-rows * n // align) * align for n in widths]
+        flat = torch.empty(sum(sizes), dtype=x.dtype, device=x.device)
         outs, start = [], 0
-        for n in widths:
+        for n, size in zip(widths, sizes):
             outs.append(flat[start : start + rows * n].view(rows, n))
-            start += rows * n
+            start += size
         members = [(w.data, w.scale, out, g, b) for (w, b, _), out, g in zip(weights, outs, g_bs)]
         launch_decode_group(xa, members, xa.shape[1], g_a)  # K as the member's own launch takes it
         lead = tuple(x.shape[:-1])
         return {i: (out.view(*lead, n), w[2]) for i, (out, n, w) in enumerate(zip(outs, widths, weights))}
 
     def __deepcopy__(self, memo):
-        # registered before the members are copied: each member's copy reaches this group again
-        new = SiblingGroup.__new__(SiblingGroup)
-        memo[id(self)] = new
-        new.members, new._kept = [copy.deepcopy(m, memo) for m in self.members], None
-        return new
+        return None  # links stay with the layers they were made for: a copy is linked again (link_siblings)
 
-    def __getstate__(self):
-        return {"members": self.members, "_kept": None}
+    def __reduce__(self):
+        return _unlinked, ()  # a pickled layer loads unlinked (its siblings are not pickled with it)
+
+
+def _unlinked() -> None:
+    """What a pickled :class:`SiblingGroup` loads as: no group."""
+    return None
 
 
 def _dtype(bias: torch.Tensor | None) -> torch.dtype | None:
@@ -136,8 +140,11 @@ def _per_tensor(w) -> bool:
 
 
 def _same(token: tuple, used: tuple) -> bool:
-    """Two weight tokens (``_decode_weight``) of one member name the same objects."""
-    return len(token) == len(used) and all(a is b for a, b in zip(token, used))
+    """Two weight tokens (``_decode_weight``) of one member are the same: the same objects, equal version
+    counts (ints)."""
+    return len(token) == len(used) and all(
+        a == b if isinstance(a, int) else a is b for a, b in zip(token, used)
+    )
 
 
 def link_siblings(model: nn.Module, fused_groups=FUSED_GROUPS) -> int:
@@ -146,10 +153,11 @@ def link_siblings(model: nn.Module, fused_groups=FUSED_GROUPS) -> int:
     :func:`~triage.kernels.fused_groups.fused_group_members`) one :class:`SiblingGroup`, where they can run
     as one decode launch: 2 or 3 layers of one class, ``in_features``, config, device, bias dtype (or no bias)
     and outer-scale kind (per tensor or per row), W4A4 with ``share_inputs`` (one activation quantization), not
-    ``capturable``. A layer wrapped by PEFT (``q_proj.base_layer``) counts as its wrapper (``q_proj``): LoRA
-    calls its base layer on the wrapper's input. Every link made before is dropped first
-    (``fused_groups=()``: unlink all). Links are to the layer objects: they survive wrapping, and a deep
-    copy of the model links its own copies. Returns the number of groups linked."""
+    ``capturable``; W4A4 with nearest rounding. A layer wrapped by PEFT (``q_proj.base_layer``) counts as its
+    wrapper (``q_proj``): LoRA calls its base layer on the wrapper's input. Every link made before is dropped
+    first (``fused_groups=()``: unlink all). Links are to the layer objects: they survive wrapping, not
+    copying — a deep copy or a pickled model loads unlinked (link it again with this function; the built-in
+    sampler links its copy). Returns the number of groups linked."""
     from triage.kernels.frozen_linear import FrozenNVFP4Linear
     from triage.kernels.linear import NVFP4Linear
 
@@ -194,4 +202,7 @@ def _fit(group: list[nn.Module]) -> bool:
         w4a4 = True
         if first.config.capturable:
             return False
-    return len(devices) == 1 and len(kinds) == 1 and (first.config.share_inputs or not w4a4)
+    # W4A4: one activation quantization for all, as share_inputs gives (never for stochastic rounding, where
+    # each layer draws its own)
+    shared = not w4a4 or (first.config.share_inputs and first.config.activation.rounding == "nearest")
+    return len(devices) == 1 and len(kinds) == 1 and shared

@@ -626,6 +626,9 @@ class HFSampler(SamplerSource):
             except ValueError as err:
                 raise ValueError(f"HFSampler(activation_scale='calibrated'): {err}") from None
         self._share_fused_weight_scales(dup)
+        from triage.kernels.siblings import link_siblings
+
+        link_siblings(dup)  # a copy loads unlinked: q/k/v and gate/up one decode launch per group again
         dup.requires_grad_(False)
         return dup.eval()
 

@@ -211,6 +211,11 @@ def test_kept_outputs_are_handed_out_once_for_the_same_x_and_operands(launches):
         assert launches == [3, 3, 3] and a.k_proj._siblings._kept is None
         # another tensor with x's values is another input
         assert torch.equal(a.v_proj(x.clone()), b.v_proj(x)) and launches == [3, 3, 3, 3]
+        # a buffer written in place (its version counter) between the launch and the call: alone again
+        a.q_proj(x)
+        for layer in (a.k_proj, b.k_proj):
+            layer.weight_scale_2.mul_(2.0)
+        assert torch.equal(a.k_proj(x), b.k_proj(x)) and launches == [3, 3, 3, 3, 3]
 
 
 def test_kept_outputs_die_with_their_input():
@@ -223,6 +228,21 @@ def test_kept_outputs_die_with_their_input():
     del x
     gc.collect()
     assert group._kept is None
+
+
+def test_an_in_place_bias_update_or_a_moved_member_is_never_served_a_stale_output(launches):
+    block, twin = _block("nvfp4", bias=True), None
+    twin = copy.deepcopy(block)
+    link_siblings(twin, fused_groups=())
+    a, b = block.self_attn, twin.self_attn
+    x = torch.randn(2, 64, device=device(), dtype=torch.float16)
+    with torch.no_grad():
+        a.q_proj(x)
+        for layer in (a.k_proj, b.k_proj):
+            layer.bias.add_(100.0)
+        assert torch.equal(a.k_proj(x), b.k_proj(x)) and launches == [3]
+        a.v_proj.to("meta")  # offloaded: the others compute alone, not through a launch that reads it
+        assert torch.equal(a.q_proj(x), b.q_proj(x)) and launches == [3]
 
 
 def test_link_siblings_links_only_layers_that_fit():
@@ -243,33 +263,37 @@ def test_link_siblings_links_only_layers_that_fit():
     unshared = dataclasses.replace(unshared, frozen=dataclasses.replace(unshared.frozen, share_inputs=False))
     torch.manual_seed(0)
     assert link_siblings(convert(Block().to(device(), torch.float16), unshared)) == 0  # one x_q per layer
+    stochastic = NVFP4Config.from_recipe(QuantRecipe(rounding="stochastic"), frozen="w4a4")
+    assert link_siblings(convert(Block().to(device(), torch.float16), stochastic)) == 0  # one draw per layer
     only_linear = convert(Block(), NVFP4Config(linear=NVFP4LinearConfig(), skip=("*k_proj", "*up_proj")))
     assert only_linear.self_attn.q_proj._siblings.members == [only_linear.self_attn.q_proj,
                                                               only_linear.self_attn.v_proj]  # fmt: skip
     assert only_linear.mlp.gate_proj._siblings is None  # alone in its group
 
 
-def test_deepcopy_and_pickle_keep_each_model_its_own_groups(launches):
+def test_copies_and_pickles_load_unlinked_and_link_again(launches):
+    """A deep copy or a pickle carries no link (nor a sibling it would drag along, nor kept outputs);
+    ``link_siblings`` links the copy to its own layers, one group object per group."""
     block = _block("w4a16")
-    dup = copy.deepcopy(block)
-    assert dup.self_attn.q_proj._siblings.members == [dup.self_attn.q_proj, dup.self_attn.k_proj,
-                                                      dup.self_attn.v_proj]  # fmt: skip
-    assert dup.self_attn.q_proj._siblings is not block.self_attn.q_proj._siblings
-    for model in (block, dup):  # one group object per group: a member's kept output reaches its siblings
-        a, m = model.self_attn, model.mlp
-        assert a.q_proj._siblings is a.k_proj._siblings is a.v_proj._siblings
-        assert m.gate_proj._siblings is m.up_proj._siblings
     x = torch.randn(1, 64, device=device(), dtype=torch.float16)
     with torch.no_grad():
-        block.self_attn.q_proj(x)  # keeps k and v: neither the copy nor a pickle carries them
-        buf = io.BytesIO()
-        torch.save(block, buf)
-        buf.seek(0)
-        loaded = torch.load(buf, weights_only=False)
-        assert loaded.self_attn.k_proj._siblings._kept is None
-        assert loaded.self_attn.q_proj._siblings is loaded.self_attn.v_proj._siblings
+        block.self_attn.q_proj(x)  # keeps k's and v's outputs
+    single = copy.deepcopy(block.self_attn.q_proj)
+    assert single._siblings is None  # k and v are not copied with it
+    buf = io.BytesIO()
+    torch.save(block, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    for model in (copy.deepcopy(block), loaded):
+        assert all(getattr(m, "_siblings", None) is None for m in model.modules())
+        assert link_siblings(model) == 2
+        a, m = model.self_attn, model.mlp
+        assert a.q_proj._siblings is a.k_proj._siblings is a.v_proj._siblings
+        assert a.q_proj._siblings.members == [a.q_proj, a.k_proj, a.v_proj]
+        assert m.gate_proj._siblings is m.up_proj._siblings is not block.mlp.gate_proj._siblings
         launches.clear()
-        assert torch.equal(loaded(x), block(x)) and launches == [3, 2, 3, 2]
+        with torch.no_grad():
+            assert torch.equal(model(x), block(x)) and launches == [3, 2, 3, 2]
 
 
 def test_lora_base_layers_stay_linked(launches):
