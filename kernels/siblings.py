@@ -18,13 +18,15 @@ Rules:
   CUDA-graph capture only within :func:`~triage.kernels.linear.capture_scope`; never for inference tensors,
   which have no version counter: under ``torch.inference_mode()`` every member computes alone, so decode
   under ``torch.no_grad()``, as the built-in sampler and ``generate`` do).
-* Same operands: a kept output is handed out only if the member's forward would launch the decode kernel
-  on the very operands the group launch read (the activation, its scale, the weight's codes, block and
-  outer scales, the bias: a weight sync or a re-quantized weight between the two calls makes the member
+* Same operands: a kept output is handed out only if the member's config, weight (codes, block and outer
+  scales; an ``NVFP4Linear``'s cached W_q) and bias are the objects the group launch read, with the same
+  version counters (a weight sync, a re-quantized weight or an in-place write in between makes the member
   compute alone). Each kept output is handed out once; a second call computes again.
 * Otherwise every member computes alone, as without a group: more rows than ``SMALL_M``, grad mode with an
   input that requires grad, ``torch.compile``, backends that do not run the decode kernel, members whose
-  activations differ (``share_inputs=False`` with W4A4, other recipes).
+  configs differ, a member not on x's device.
+* Links are to layer objects: a deep copy or a pickle of a model (or of one layer) loads unlinked; link it
+  with :func:`link_siblings` (the built-in sampler links its copy).
 * Bits: each output is what the member's own decode launch with the group's tiles and split-K gives; the
   split is chosen for the group's total rows (:func:`~triage.kernels.nvfp4.gemm_decode.decode_config`), so
   it may differ from a lone launch's in the last bits (fp32 partial sums in another order). The outputs are
