@@ -63,9 +63,9 @@ decides: a NaN or ±Inf in an operand it quantizes (x, W; dy, xᵀ, dyᵀ in ``n
 outer decode scale it feeds NaN (:func:`nan_if_nonfinite`), so every output that scale multiplies is NaN,
 as ``nn.Linear`` would be where that value enters (a superset of its NaNs). With a per-tensor (or
 per-expert) scale that is the whole GEMM output: one non-finite value makes the shared scale meaningless.
-With a per-row scale over 1×16 blocks it is the operand's row alone (an x row: that output row; a W row:
-that output column), exactly ``nn.Linear``'s NaNs: the row's blocks and scale hold no other row's values,
-so the other rows quantize as they would without it (16×16 tiles span 16 rows: the whole output there).
+With a per-row scale (1×16 blocks: a recipe cannot pair it with 16×16 tiles) it is the operand's row alone
+(an x row: that output row; a W row: that output column), exactly ``nn.Linear``'s NaNs: the row's blocks
+and scale hold no other row's values, so the other rows quantize as they would without it.
 The check is one max-|x| reduction on the device per quantized operand (per weight update for W), no
 host sync; for x and dy with a dynamic per-tensor or per-row scale on the Triton quantizer the kernel makes
 the check itself, from the amax pass it runs anyway (``rows_plan(nonfinite=True)``: the same NaN-or-not
@@ -200,7 +200,8 @@ def nan_if_nonfinite(q: NVFP4Tensor, source: torch.Tensor) -> NVFP4Tensor:
 
 def row_local(recipe: QuantRecipe) -> bool:
     """Whether the non-finite rule acts per row for operands quantized with ``recipe`` (module docstring):
-    a per-row outer scale over 1×16 blocks, whose every block and scale belong to one row."""
+    a per-row outer scale over 1×16 blocks, whose every block and scale belong to one row (``QuantRecipe``
+    refuses per-row scales with 16×16 tiles; the block test keeps the rule whole-tensor if it ever did not)."""
     return recipe.scale == "row" and recipe.block == "1x16"
 
 
