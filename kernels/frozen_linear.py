@@ -72,6 +72,10 @@ __all__ = [
 ]
 
 COMPUTE_MODES = ("w4a4", "w4a16")
+#: W4A4 activation plans by (config id, rows, K, dtype, device): ``(config, expansion dtype, quantizer plan)``
+#: (:meth:`FrozenNVFP4Linear._x_plan`); the last :data:`X_PLANS_KEPT` signatures are kept.
+_X_PLANS: dict[tuple, tuple] = {}
+X_PLANS_KEPT = 256
 #: Buffers holding the quantized weight: shared by deepcopy, never cast by ``.to(dtype)``.
 QUANT_BUFFERS = ("qweight", "weight_scale", "weight_scale_2", "weight_encode_scale")
 
@@ -337,8 +341,10 @@ class FrozenNVFP4Linear(nn.Module):
         if cfg.compute == "w4a4":
             from triage.kernels.linear import quantize_input
 
-            expanded = self._act_expanded(x2.shape[0], x.device)
-            xq = quantize_input(x, cfg.activation, cfg.quant_backend, expanded=expanded, share=cfg.share_inputs)
+            expanded, plan = self._x_plan(x)
+            xq = quantize_input(
+                x, cfg.activation, cfg.quant_backend, expanded=expanded, plan=plan, share=cfg.share_inputs
+            )
             cached = self._expanded if cfg.cache_expanded else None
             if cached is None and cfg.cache_expanded and self._uses_cublas(x2.shape[0]):
                 cached = self.expansion()
@@ -368,22 +374,35 @@ class FrozenNVFP4Linear(nn.Module):
             return x.reshape(rows, K), None, x
         from triage.kernels.linear import quantize_input
 
-        expanded = self._act_expanded(rows, x.device)
-        xq = quantize_input(x, cfg.activation, cfg.quant_backend, expanded=expanded, share=cfg.share_inputs)
-        plan = mm.gemm_plan(xq, self.quantized_weight(), out_dtype=x.dtype, bias=self.bias, backend=cfg.gemm_backend)
-        return plan.decode_activation(xq)
+        expanded, plan = self._x_plan(x)
+        xq = quantize_input(x, cfg.activation, cfg.quant_backend, expanded=expanded, plan=plan, share=cfg.share_inputs)
+        gemm = mm.gemm_plan(xq, self.quantized_weight(), out_dtype=x.dtype, bias=self.bias, backend=cfg.gemm_backend)
+        return gemm.decode_activation(xq)
 
-    def _act_expanded(self, rows: int, device: torch.device) -> torch.dtype | None:
-        """``w4a4``: fp16 when the GEMM on ``rows`` rows runs the decode kernel and the Triton quantizer runs:
-        the quantizer then writes x_q's exact fp16 ``q·s`` with the codes, which the decode kernel reads (no
-        expansion pass; the same bits), as :class:`~triage.kernels.NVFP4Linear` does. Else None."""
-        from triage.kernels.linear import _triton_quantizes
+    def _x_plan(self, x: torch.Tensor) -> tuple:
+        """``w4a4``: ``(expansion dtype, quantizer plan)`` of x's activation quantization, kept per signature
+        (:data:`_X_PLANS`). The expansion: fp16 when the GEMM runs the decode kernel and the Triton quantizer
+        runs, which then writes x_q's exact fp16 ``q·s`` with the codes for the decode kernel (no expansion
+        pass; the same bits), as :class:`~triage.kernels.NVFP4Linear` does; else None. The plan: the Triton
+        quantizer's (``linear._rows_plan``, with the non-finite rule in the kernel where it applies), or None
+        (the torch quantizer through ``quantize``)."""
+        cfg, K = self.config, x.shape[-1]
+        rows = x.numel() // K
+        key = (id(cfg), rows, K, x.dtype, x.device)
+        hit = _X_PLANS.get(key)
+        if hit is not None and hit[0] is cfg:  # the entry holds cfg: its id cannot be reused while kept
+            return hit[1], hit[2]
+        from triage.kernels.linear import _rows_plan, _triton_quantizes
         from triage.kernels.nvfp4.matmul import decode_route
 
-        cfg = self.config
-        if _triton_quantizes(cfg.quant_backend, device) and decode_route(cfg.gemm_backend, rows, device):
-            return torch.float16
-        return None
+        expanded = None
+        if _triton_quantizes(cfg.quant_backend, x.device) and decode_route(cfg.gemm_backend, rows, x.device):
+            expanded = torch.float16
+        plan = _rows_plan(cfg.activation, cfg.quant_backend, (rows, K), x.dtype, x.device, expanded)
+        if len(_X_PLANS) >= X_PLANS_KEPT:
+            _X_PLANS.pop(next(iter(_X_PLANS), None), None)
+        _X_PLANS[key] = (cfg, expanded, plan)
+        return expanded, plan
 
     def _decode_weight(self) -> tuple:
         """``(weight, bias, token)`` for the decode kernel (:mod:`triage.kernels.siblings`); ``token``: what

@@ -14,7 +14,7 @@ import torch
 from _dense_operands import device
 from torch import nn
 
-from triage.kernels import NVFP4Linear, NVFP4LinearConfig
+from triage.kernels import FrozenNVFP4Linear, NVFP4Linear, NVFP4LinearConfig
 from triage.kernels.moe.experts import NVFP4MoEConfig, NVFP4MoeExperts
 from triage.kernels.nvfp4 import QuantRecipe, quantize
 from triage.kernels.nvfp4.matmul import gemm
@@ -143,6 +143,10 @@ def test_per_row_scales_keep_a_nonfinite_value_in_its_row_like_nn_linear(bad, qu
         xb = x.clone()
         xb[1, 3] = bad
         y = layer(xb)
+        assert y[1].isnan().all() and torch.equal(y[[0, 2, 3]], clean[[0, 2, 3]])
+        frozen = FrozenNVFP4Linear.from_linear(layer)  # W4A4 with the same activation recipe and backends
+        assert torch.equal(frozen(x), clean)
+        y = frozen(xb)
         assert y[1].isnan().all() and torch.equal(y[[0, 2, 3]], clean[[0, 2, 3]])
         layer.weight[2, 5] = bad
         y = layer(x)
