@@ -188,8 +188,7 @@ def test_no_group_launch_above_small_m_or_with_autograd(launches):
 def test_kept_outputs_are_handed_out_once_for_the_same_x_and_operands(launches):
     block = _block("w4a16")
     a = block.self_attn
-    twin = copy.deepcopy(block)
-    link_siblings(twin, fused_groups=())
+    twin = copy.deepcopy(block)  # a copy loads unlinked: every layer alone
     b = twin.self_attn
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(3, 64, generator=gen).to(device(), torch.float16)
@@ -231,9 +230,8 @@ def test_kept_outputs_die_with_their_input():
 
 
 def test_an_in_place_bias_update_or_a_moved_member_is_never_served_a_stale_output(launches):
-    block, twin = _block("nvfp4", bias=True), None
-    twin = copy.deepcopy(block)
-    link_siblings(twin, fused_groups=())
+    block = _block("nvfp4", bias=True)
+    twin = copy.deepcopy(block)  # a copy loads unlinked: every layer alone
     a, b = block.self_attn, twin.self_attn
     x = torch.randn(2, 64, device=device(), dtype=torch.float16)
     with torch.no_grad():
