@@ -74,16 +74,16 @@ def build(shape: str, precision: str):
     from triage.kernels.nvfp4.recipe import QuantRecipe
     from triage.trainers.tiny import TinyModelSpec, build_model, build_tokenizer
 
-    tok = build_tokenizer()
-    with torch.device("cuda"):  # initialised on the GPU: seconds, where 36 layers on the CPU take minutes
-        model = build_model(tok, TinyModelSpec(**SHAPES[shape]), seed=0).to(torch.bfloat16).eval()
-    recipe = QuantRecipe(scale="row", profile="compressed-tensors")
     if precision.endswith("-unfused"):  # the same conversion, each Linear its own decode launch
         from triage.kernels.siblings import link_siblings
 
         model, tok = build(shape, precision.removesuffix("-unfused"))
         link_siblings(model, fused_groups=())
         return model, tok
+    tok = build_tokenizer()
+    with torch.device("cuda"):  # initialised on the GPU: seconds, where 36 layers on the CPU take minutes
+        model = build_model(tok, TinyModelSpec(**SHAPES[shape]), seed=0).to(torch.bfloat16).eval()
+    recipe = QuantRecipe(scale="row", profile="compressed-tensors")
     if precision == "nvfp4":
         convert(model, NVFP4Config.from_recipe(recipe))
     elif precision == "nvfp4-unshared":

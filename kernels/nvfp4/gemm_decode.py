@@ -450,6 +450,8 @@ def launch_decode_group(
         key = (M, widths, K, kb, x.dtype, outs[0].dtype, x.device)
         launch = _GROUP_LAUNCHES.get(key)
         if launch is None:
+            if len(_GROUP_LAUNCHES) >= GROUP_LAUNCHES_KEPT:
+                _GROUP_LAUNCHES.pop(next(iter(_GROUP_LAUNCHES), None), None)
             launch = _GROUP_LAUNCHES[key] = decode_launch(M, widths, K, kb, x.dtype, outs[0].dtype)
     else:
         launch = decode_launch(
@@ -464,8 +466,9 @@ _MEMBER_ARGS = {j: (f"w{j}_ptr", f"ws{j}_ptr", f"c{j}_ptr", f"gb{j}_ptr", f"bias
                 for j in (1, 2)}  # fmt: skip
 
 #: :func:`launch_decode_group`'s launches with the default tiles, by signature (a few per model: one per
-#: group shape and row count).
+#: group shape and row count); the last :data:`GROUP_LAUNCHES_KEPT` are kept.
 _GROUP_LAUNCHES: dict[tuple, DecodeLaunch] = {}
+GROUP_LAUNCHES_KEPT = 256
 
 
 def _words(w: torch.Tensor, w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
