@@ -375,8 +375,12 @@ class FrozenNVFP4Linear(nn.Module):
         from triage.kernels.linear import quantize_input
 
         expanded, plan = self._x_plan(x)
-        xq = quantize_input(x, cfg.activation, cfg.quant_backend, expanded=expanded, plan=plan, share=cfg.share_inputs)
-        gemm = mm.gemm_plan(xq, self.quantized_weight(), out_dtype=x.dtype, bias=self.bias, backend=cfg.gemm_backend)
+        xq = quantize_input(
+            x, cfg.activation, cfg.quant_backend, expanded=expanded, plan=plan, share=cfg.share_inputs
+        )
+        gemm = mm.gemm_plan(
+            xq, self.quantized_weight(), out_dtype=x.dtype, bias=self.bias, backend=cfg.gemm_backend
+        )
         return gemm.decode_activation(xq)
 
     def _x_plan(self, x: torch.Tensor) -> tuple:
@@ -411,6 +415,12 @@ class FrozenNVFP4Linear(nn.Module):
         tensors = (self.qweight, self.weight_scale, self.weight_scale_2, self.bias)
         token = (self.config, *tensors, *(None if t is None else t._version for t in tensors))
         return self.quantized_weight(), self.bias, token
+
+    def _graph_key(self) -> tuple:
+        """What a captured CUDA graph of this layer's forward reads beside its buffers
+        (:func:`~triage.kernels.capture.graph_key`): the config, the sibling group, the cached expansion."""
+        e = self._expanded
+        return (self.config, self._siblings, None if e is None else (e.data_ptr(), tuple(e.shape), e.dtype))
 
     def _uses_cublas(self, m: int) -> bool:
         from triage.kernels.nvfp4 import matmul as g

@@ -212,7 +212,9 @@ def nonfinite_scale(q: NVFP4Tensor, source: torch.Tensor) -> torch.Tensor:
     g, amax = q.global_scale, q.amax
     rotated = q.recipe.hadamard and q.recipe.scale_source == "dynamic" and amax is not None
     if row_local(q.recipe) and tuple(source.shape) == tuple(q.shape):
-        peak = torch.linalg.vector_norm(source.detach(), float("inf"), dim=-1, keepdim=True, dtype=torch.float32)
+        peak = torch.linalg.vector_norm(
+            source.detach(), float("inf"), dim=-1, keepdim=True, dtype=torch.float32
+        )
         g = torch.add(g, peak.reshape(g.shape), alpha=0)
         return torch.add(g, amax.reshape(g.shape), alpha=0) if rotated else g
     peak = torch.linalg.vector_norm(source.detach(), float("inf"), dtype=torch.float32)  # NaN/Inf iff one
@@ -482,7 +484,9 @@ def _quantize_t(
     from triage.kernels.nvfp4.quantize_columns import quantize_columnwise
 
     emit = torch.bfloat16 if expanded else None
-    return nan_if_nonfinite(quantize_columnwise(x, recipe, backend=backend, seed=seed, emit_expanded=emit), x.t())
+    return nan_if_nonfinite(
+        quantize_columnwise(x, recipe, backend=backend, seed=seed, emit_expanded=emit), x.t()
+    )
 
 
 def _columns_plan(
@@ -573,15 +577,64 @@ def _quantize_weight(weight: torch.Tensor, config: NVFP4LinearConfig) -> _Quanti
     return _QuantizedWeight(q, expanded, transposed)
 
 
-class _WeightCache:
-    """The :class:`_QuantizedWeight` of one weight, valid while the weight's key is unchanged."""
+def _entry_tensors(entry: _QuantizedWeight) -> list:
+    """Every tensor slot of ``entry`` in a fixed order (None where a slot is empty): W_q's, W_qᵀ's, the
+    expansion."""
+    out = []
+    for q in (entry.quantized, entry.transposed):
+        if q is None:
+            out.extend((None,) * 6)
+        else:
+            out.extend((q.data, q.scale, q.global_scale, q.global_encode_scale, q.amax, q.expanded))
+    out.append(entry.expanded)
+    return out
 
-    def __init__(self) -> None:
+
+def _tensor_addresses(tensors) -> tuple:
+    """``(data_ptr, shape, dtype)`` of each tensor (a non-tensor as itself): where a captured kernel reads."""
+    return tuple(
+        (t.data_ptr(), tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in tensors
+    )
+
+
+def _refresh_into(old: _QuantizedWeight, new: _QuantizedWeight) -> bool:
+    """Write ``new``'s tensors into ``old``'s (same addresses) when every slot matches in kind, shape, dtype
+    and device; False (nothing written) otherwise."""
+    pairs = list(zip(_entry_tensors(old), _entry_tensors(new)))
+    for a, b in pairs:
+        if (a is None) != (b is None) or (
+            isinstance(a, torch.Tensor)
+            and not (
+                isinstance(b, torch.Tensor)
+                and (a.shape, a.dtype, a.device, a.stride()) == (b.shape, b.dtype, b.device, b.stride())
+            )
+        ):
+            return False
+        if a is not None and not isinstance(a, torch.Tensor) and a != b:  # a float outer scale
+            return False
+    written = set()
+    for a, b in pairs:
+        if isinstance(a, torch.Tensor) and (a.data_ptr(), a.shape) not in written:  # aliases written once
+            written.add((a.data_ptr(), a.shape))
+            a.copy_(b)
+    old.scale_host = None
+    return True
+
+
+class _WeightCache:
+    """The :class:`_QuantizedWeight` of one weight, valid while the weight's key is unchanged.
+
+    ``in_place`` (:func:`~triage.kernels.capture.keep_weight_addresses`): a new quantization of a weight of
+    the same dtype, shape, device and config is written into the cached tensors instead of replacing them,
+    so that a captured CUDA graph reading them stays valid; anyone holding the old W_q sees the new values."""
+
+    def __init__(self, in_place: bool = False) -> None:
         self.key: tuple | None = None
         self.source: torch.Tensor | None = None
         self.entry: _QuantizedWeight | None = None
         self.hits = 0
         self.misses = 0
+        self.in_place = in_place
 
     def get(self, weight: torch.Tensor, config: NVFP4LinearConfig) -> _QuantizedWeight:
         # what it holds depends on the config (W_qᵀ, expansions), not only W's recipe
@@ -590,7 +643,10 @@ class _WeightCache:
             self.hits += 1
             return self.entry
         self.misses += 1
-        self.entry = _quantize_weight(weight, config)
+        fresh = _quantize_weight(weight, config)
+        same_layout = self.key is not None and self.key[3:] == key[3:]  # dtype, shape, device, config
+        if not (self.in_place and same_layout and _refresh_into(self.entry, fresh)):
+            self.entry = fresh
         self.key = key
         # keeps the keyed storage alive, so its address (in the key) cannot be reused by a new weight while
         # this entry is cached; a reference to the master weight, not a copy (an old weight replaced through
@@ -599,7 +655,7 @@ class _WeightCache:
         return self.entry
 
     def clear(self) -> None:
-        self.__init__()
+        self.__init__(self.in_place)
 
 
 def _uses_expanded_weight(config: NVFP4LinearConfig, device: torch.device) -> bool:
@@ -1229,16 +1285,29 @@ class NVFP4Linear(nn.Linear):
             x, config.activation, config.quant_backend, expanded=plan.act_expanded, plan=plan.x_plan,
             share=config.share_inputs,
         )  # fmt: skip
-        gemm = plan.gemm_plan("fwd", xq, w.quantized, out_dtype=x.dtype, bias=self.bias, b_scale_host=w.host_scale)
+        gemm = plan.gemm_plan(
+            "fwd", xq, w.quantized, out_dtype=x.dtype, bias=self.bias, b_scale_host=w.host_scale
+        )
         return gemm.decode_activation(xq)
 
     def _decode_weight(self) -> tuple:
         """``(W_q, bias, token)`` for the decode kernel (:mod:`triage.kernels.siblings`); ``token``: what
-        means the same operands (the config, the cached W_q — re-quantized when W changes —, the bias and its
-        version counter)."""
+        means the same operands (the config, the cached W_q and the weight key it was quantized under — both
+        change when W does, even where the cache refreshes in place —, the bias and its version counter)."""
         w = self._quantized_weight(self.weight)
         bias = self.bias
-        return w.quantized, bias, (self.config, w, bias, None if bias is None else bias._version)
+        version = None if bias is None else bias._version
+        return w.quantized, bias, (self.config, w, self._weight_cache.key, bias, version)
+
+    def _graph_key(self) -> tuple:
+        """What a captured CUDA graph of this layer's forward reads beside its parameters and buffers
+        (:func:`~triage.kernels.capture.graph_key`): the config, the sibling group and the cached W_q's
+        tensor addresses (its values may change: a graph replays whatever they hold). Refreshes a stale W_q
+        first, as a forward would."""
+        if self.config.capturable:  # quantized inside the captured forward: nothing cached
+            return (self.config, self._siblings)
+        w = self._quantized_weight(self.weight)
+        return (self.config, self._siblings, *_tensor_addresses(_entry_tensors(w)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:

@@ -390,6 +390,16 @@ class NVFP4MoeExperts(nn.Module):
         for cache in self._caches:
             cache.clear()
 
+    def _graph_key(self) -> tuple:
+        """What a captured CUDA graph of this module's forward reads beside its parameters
+        (:func:`~triage.kernels.capture.graph_key`): the config and the cached quantized weights, named by the
+        weight keys they were quantized under and the weights' current keys (any weight change changes it:
+        the caches quantize into new tensors)."""
+        from triage.kernels.linear import weight_key
+
+        weights = (weight_key(self.gate_up_proj), weight_key(self.down_proj))
+        return (self.config, *weights, *(cache.key for cache in self._caches))
+
     def forward(self, hidden_states, top_k_index, top_k_weights):
         cfg = self.config
         hidden = self.gate_up_proj.shape[-1]

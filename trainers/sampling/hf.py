@@ -52,6 +52,7 @@ from typing import Any, Literal
 import torch
 
 from .base import RANK_SEED_STRIDE, SamplerSource, SamplingParams, trainer_rank
+from .graphs import DecodeGraphs, static_cache_length
 from .kvcache import kv_format
 
 
@@ -131,52 +132,6 @@ def _resolve_decode(decode: str, model: torch.nn.Module, device: torch.device) -
     return decode
 
 
-class _GraphStep:
-    """One decode forward (``step()`` → last-position logits), replayed from a CUDA graph after the first call.
-
-    The first call runs eagerly: it warms every lazy allocation (static-cache buffers, kernel autotuning,
-    weight caches). The second call captures the step and replays it; later calls replay. The graph's
-    inputs are the caller's static buffers (token, position, 4-D mask), updated in place before each call;
-    the static cache advances its own device-side length inside the graph. A graph lives for one
-    :func:`sample_with_kv_cache` call, so it may read weights and weight caches as they are during that call
-    (a weight sync between calls gets a new graph). A capture that fails (an op that synchronises with the
-    host, say) is reported once with a warning and the loop continues with the eager static step. A replay
-    runs the captured kernels, which need not be the eager ones bit for bit (docs/benchmarks.md saw equal bits
-    at decode batch ≤ 16 on a 10M-parameter model, not at 128, nor at batch 16 at Qwen3-4B width)."""
-
-    def __init__(self, step: Callable[[], torch.Tensor]):
-        self.step, self.calls, self.graph, self.logits, self.failed = step, 0, None, None, False
-
-    def __call__(self) -> torch.Tensor:
-        self.calls += 1
-        if self.graph is not None:
-            self.graph.replay()
-            return self.logits
-        if self.failed or self.calls == 1:
-            return self.step()
-        from triage.kernels.linear import capture_scope
-        from triage.kernels.nvfp4.gemm_decode import graph_counters
-
-        graph = torch.cuda.CUDAGraph()
-        try:
-            # one split-K counter buffer for the graph; sibling layers share input quantizations within it
-            with torch.cuda.graph(graph), graph_counters(), capture_scope():
-                logits = self.step()
-        except Exception as err:  # noqa: BLE001 - any capture failure falls back to the eager path
-            self.failed = True
-            warnings.warn(
-                f"HFSampler: CUDA-graph capture of the decode step failed ({type(err).__name__}: {err}); "
-                "decoding eagerly with the static cache instead",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            torch.cuda.synchronize()
-            return self.step()
-        self.graph, self.logits = graph, logits
-        graph.replay()  # capture records the step without running it
-        return self.logits
-
-
 @torch.no_grad()
 def sample_with_kv_cache(
     model: torch.nn.Module,
@@ -188,18 +143,24 @@ def sample_with_kv_cache(
     pad_id: int = 0,
     kv_cache_dtype: str | None = None,
     decode: str = "dynamic",
+    decode_state: DecodeGraphs | None = None,
 ) -> dict[str, list[list]]:
     """Sample one completion per prompt with left padding and an incremental KV cache.
 
     ``kv_cache_dtype``: precision of the stored keys/values (module docstring; ``None`` = the model's).
     ``decode``: ``"dynamic"`` (transformers' growing ``DynamicCache``), ``"static"`` (a pre-allocated
-    ``StaticCache`` of prompt width + ``max_new_tokens`` − 1 positions and a 4-D mask updated in place),
-    ``"cuda_graph"`` (the static path with each decode step replayed from a CUDA graph, :class:`_GraphStep`)
-    or ``"auto"`` (``"cuda_graph"`` on CUDA, else ``"dynamic"``). The static cache attends over the whole
-    buffer with the unwritten positions masked, so its attention may round differently from the dynamic
-    cache's in the last bits. It holds all those positions for every row from the start, where the dynamic
-    cache grows to the longest completion so far: with a long ``max_new_tokens``, bound the rows per call
-    (``HFSampler(batch_size=...)``) or decode ``"dynamic"``.
+    ``StaticCache`` of :func:`~triage.trainers.sampling.graphs.static_cache_length` positions — prompt width
+    + ``max_new_tokens`` − 1, rounded up to a bucket — and a 4-D mask updated in place), ``"cuda_graph"``
+    (the static path with each decode step replayed from a CUDA graph,
+    :class:`~triage.trainers.sampling.graphs.GraphStep`) or ``"auto"`` (``"cuda_graph"`` on CUDA, else
+    ``"dynamic"``). The static cache attends over the whole buffer with the unwritten positions masked, so
+    its attention may round differently from the dynamic cache's in the last bits. It holds all those
+    positions for every row from the start, where the dynamic cache grows to the longest completion so far:
+    with a long ``max_new_tokens``, bound the rows per call (``HFSampler(batch_size=...)``) or decode
+    ``"dynamic"``.
+    ``decode_state``: a :class:`~triage.trainers.sampling.graphs.DecodeGraphs` whose static cache, buffers and graph
+    the static paths reuse from earlier calls of the same shape and leave for later ones (None: built for this
+    call alone).
 
     Returns ``{"completion_ids", "logprobs"}``; a completion ends with (and includes) the first EOS id, or stops
     at ``params.max_new_tokens``. A finished row keeps being fed ``pad_id`` until the first check after every
@@ -227,15 +188,18 @@ def sample_with_kv_cache(
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     eos = torch.tensor(sorted(set(int(e) for e in eos_ids)), dtype=torch.long, device=device)
     processors = _logits_processors(params)
-    from .kvcache import cache_argument, kv_cache
+    from .kvcache import cache_argument
 
     cache_name = cache_argument(model)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(base.forward).parameters else {}
     static = decode != "dynamic"
-    if static:  # the last sampled token is never fed back: width + max_new_tokens - 1 positions suffice
-        length = width + max(params.max_new_tokens - 1, 1)
-        cache = kv_cache(model.config, fmt, attention_mask=mask, max_cache_len=length)
+    if static:
+        length = static_cache_length(width, params.max_new_tokens)
+        state = (decode_state if decode_state is not None else DecodeGraphs()).state(
+            model, batch, length, fmt, decode == "cuda_graph", cache_name
+        )
+        cache = state.begin(mask)
     else:
         cache = _new_cache(model, kv_cache_dtype, attention_mask=mask)
 
@@ -255,26 +219,7 @@ def sample_with_kv_cache(
     if static:
         # decode inputs as static buffers, updated in place: the token, its position, and the 4-D mask over
         # the whole cache (prompt keys as the padding mask says, generated keys switched on as written)
-        token_buf = torch.full((batch, 1), pad_id, dtype=torch.long, device=device)
-        pos_buf = next_pos[:, None].clone()
-        attend = torch.zeros((batch, 1, 1, length), dtype=torch.bool, device=device)
-        attend[:, 0, 0, :width] = mask.bool()
-        if model.config._attn_implementation == "eager":  # eager attention adds its mask: 0 or dtype min
-            mask4, on = torch.where(attend, 0.0, torch.finfo(logits.dtype).min).to(logits.dtype), 0.0
-        else:
-            mask4, on = attend, True
-
-        def step() -> torch.Tensor:
-            o = model(
-                input_ids=token_buf,
-                attention_mask=mask4,
-                position_ids=pos_buf,
-                use_cache=True,
-                **{cache_name: cache},
-            )
-            return o.logits[:, -1, :]
-
-        forward = _GraphStep(step) if decode == "cuda_graph" else step
+        state.start(mask, next_pos, logits.dtype)
     track_seen = params.repetition_penalty != 1.0  # the one processor that reads the tokens so far
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     tokens, logps, alive = [], [], []
@@ -298,10 +243,7 @@ def sample_with_kv_cache(
         if track_seen:
             seen = torch.cat([seen, token[:, None]], dim=1)
         if static:
-            token_buf.copy_(token[:, None])
-            mask4[:, 0, 0, width + i] = on  # the key this step writes
-            logits = forward()
-            pos_buf.add_(1)
+            logits = state.advance(token, width + i)  # the key this step writes: position width + i
         else:
             mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype, device=device)], dim=1)
             out = model(
@@ -404,6 +346,11 @@ class HFSampler(SamplerSource):
             in-place refresh, once the new weights are written, gives each fused-shard ``NVFP4Linear``
             ``QuantRecipe(scale_source="static", static_amax=<max over its group's current weight amax>)``
             (:func:`~triage.kernels.calibration.set_fused_weight_scales`); other layers keep their own scale.
+        keep_decode: keep the static KV cache, the decode step's buffers and its CUDA graph from one call to
+            the next (default; :mod:`triage.trainers.sampling.graphs`): a call of a shape seen before
+            (batch rows, bucketed cache length) prefills and replays at once, across weight syncs, instead of
+            warming up and capturing anew. They stay allocated between calls (while the learner trains):
+            ``False`` frees them after every call.
     """
 
     name = "hf"
@@ -426,6 +373,7 @@ class HFSampler(SamplerSource):
         refresh: Literal["in_place", "rebuild"] = "in_place",
         activation_scale: Literal["recipe", "calibrated"] = "recipe",
         fused_weight_scale: Literal["independent", "shared"] = "independent",
+        keep_decode: bool = True,
     ):
         super().__init__(params=params, weight_sync=weight_sync, validate=validate)
         if sampler_model not in ("shared", "copy"):
@@ -468,6 +416,9 @@ class HFSampler(SamplerSource):
         self.activation_amax: dict[str, float] | None = None
         self._calibration_prompts: list[list[int]] | None = None
         self.decode = decode
+        self.keep_decode = keep_decode
+        #: the static decode states kept across calls (``keep_decode``)
+        self.decode_graphs = DecodeGraphs()
         self.refresh = refresh
         self.model = model
         self.sampler_model = sampler_model
@@ -554,6 +505,7 @@ class HFSampler(SamplerSource):
                     pad_id=int(pad_id),
                     kv_cache_dtype=self.kv_cache_dtype,
                     decode=self.decode,
+                    decode_state=self.decode_graphs if self.keep_decode else None,
                 )
                 for k in result:
                     result[k].extend(part[k])
@@ -629,6 +581,11 @@ class HFSampler(SamplerSource):
         from triage.kernels.siblings import link_siblings
 
         link_siblings(dup)  # a copy loads unlinked: q/k/v and gate/up one decode launch per group again
+        from triage.kernels.capture import keep_weight_addresses
+
+        keep_weight_addresses(
+            dup
+        )  # its W_q re-quantized in place at each sync: a kept decode graph stays valid
         dup.requires_grad_(False)
         return dup.eval()
 
@@ -705,6 +662,7 @@ class HFSampler(SamplerSource):
                 # ``forward`` over the trainer's module, dropped by the build): copy the module it wraps
                 source = source._orig_mod if is_compiled_module(source) else source
                 if not self._refreshed_in_place(source):
+                    self.decode_graphs.clear()  # they hold the old copy
                     self.copy = None  # free the old copy before building the new one
                     self.copy = self._build_copy(source)
                     if self.refresh == "in_place":

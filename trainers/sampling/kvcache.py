@@ -93,6 +93,14 @@ class _RoundedKV:
         self.fmt, self.granularity = fmt, granularity
         self.attention_mask = attention_mask  # the prefill's (B, T); calibration skips its 0 positions
         self.scales: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._stale = False  # recalibrate() was called: the next update calibrates into the same tensors
+
+    def recalibrate(self, attention_mask: torch.Tensor | None) -> None:
+        """Calibrate the scales anew on the next ``update`` (a reused static cache's prefill), on
+        ``attention_mask``'s positions, writing them into the scale tensors already held (a captured graph
+        reads them where they are)."""
+        self.attention_mask = attention_mask
+        self._stale = self.scales is not None
 
     def _scale(self, x: torch.Tensor) -> torch.Tensor:
         a = x.detach().float().abs()
@@ -112,8 +120,14 @@ class _RoundedKV:
         return (q.float() * scale).to(x.dtype)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if self.scales is None and self.fmt == "fp8":
-            self.scales = (self._scale(key_states), self._scale(value_states))
+        if self.fmt == "fp8" and (self.scales is None or self._stale):
+            scales = (self._scale(key_states), self._scale(value_states))
+            if self.scales is None:
+                self.scales = scales
+            else:
+                for kept, new in zip(self.scales, scales):
+                    kept.copy_(new)
+            self._stale = False
         ks, vs = self.scales if self.scales is not None else (None, None)
         return super().update(self.round(key_states, ks), self.round(value_states, vs), *args, **kwargs)
 

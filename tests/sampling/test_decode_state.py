@@ -1,0 +1,169 @@
+"""The static decode state kept across sampler calls (:mod:`triage.trainers.sampling.graphs`).
+
+A call on a kept state (cache zeroed in place, fp8 KV scales recalibrated in place, buffers refilled) samples
+exactly what a call on a fresh state samples; states are kept per shape, at most ``KEPT``; a kept CUDA graph is
+captured once and re-captured only when :func:`~triage.kernels.capture.graph_key` changes (the CUDA graph is
+faked here: the real one is the GPU test at the end).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+
+from triage.trainers.sampling import HFSampler, SamplingParams, sample_with_kv_cache
+from triage.trainers.sampling import graphs as g
+
+PARAMS = SamplingParams(max_new_tokens=7, temperature=1.0)
+SHORT = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+OTHER = [[30, 31], [40, 41, 42, 43, 44, 45], [50, 51, 52]]  # another width, the same cache-length bucket
+
+
+def test_cache_length_buckets():
+    assert g.static_cache_length(32, 128) == 192  # 159 positions → a multiple of 64
+    assert g.static_cache_length(4, 1) == 64  # at least one decode position
+    for n in range(1, 6000, 7):
+        length = g.static_cache_length(n, 1)
+        assert n + 1 <= length < n + 1 + max(64, (n + 1) / 8)
+        assert g.static_cache_length(n - 1, 3) == length  # width + max_new_tokens - 1 is all that counts
+    assert g.static_cache_length(4, 7) == g.static_cache_length(6, 7)
+
+
+def _run(model, prompts, state, kv=None, seed=3):
+    return sample_with_kv_cache(
+        model, prompts, PARAMS, [], torch.Generator().manual_seed(seed), pad_id=0, kv_cache_dtype=kv,
+        decode="static", decode_state=state,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("kv", [None, "fp8_e4m3"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_a_kept_state_samples_what_a_fresh_one_does(tiny_model, kv, attn):
+    model = copy.deepcopy(tiny_model)
+    model.config._attn_implementation = attn
+    kept = g.DecodeGraphs()
+    for prompts, seed in ((SHORT, 3), (OTHER, 4), (SHORT, 5), (SHORT, 5)):
+        fresh_state = g.DecodeGraphs()
+        fresh = _run(model, prompts, fresh_state, kv, seed)
+        assert _run(model, prompts, kept, kv, seed) == fresh  # tokens and float log-probs, exactly
+        (state,), (new,) = kept.states.values(), fresh_state.states.values()
+        if kv is not None:  # recalibrated on this call's prefill, into the tensors the first call made
+            for a, b in zip(state.cache.layers, new.cache.layers):
+                assert all(torch.equal(x, y) for x, y in zip(a.scales, b.scales))
+    assert state.calls == 4  # one state served every call (same batch, same bucket)
+    assert _run(model, OTHER, kept, kv, 4) != _run(model, SHORT, kept, kv, 4)
+
+
+def test_states_are_kept_per_shape_least_recent_first(tiny_model):
+    kept = g.DecodeGraphs()
+    _run(tiny_model, SHORT, kept)
+    first = next(iter(kept.states.values()))
+    _run(tiny_model, SHORT[:2], kept)  # another batch
+    _run(tiny_model, SHORT, kept)  # the first again: moved to most recent
+    assert len(kept.states) == g.KEPT and list(kept.states.values())[-1] is first
+    long = SamplingParams(max_new_tokens=90, temperature=1.0)  # another cache length
+    sample_with_kv_cache(tiny_model, SHORT, long, [], pad_id=0, decode="static", decode_state=kept)
+    assert len(kept.states) == g.KEPT and first in kept.states.values()  # the batch-2 state went
+    assert {k[1:3] for k in kept.states} == {(3, 64), (3, g.static_cache_length(5, 90))}
+
+
+def test_sampler_keeps_one_state_per_chunk_shape_and_samples_as_without(tiny_model):
+    prompts = SHORT + OTHER[:2]  # chunks of 2, 2, 1 rows
+    kept = HFSampler(tiny_model, params=PARAMS, seed=9, batch_size=2, decode="static")
+    fresh = HFSampler(tiny_model, params=PARAMS, seed=9, batch_size=2, decode="static", keep_decode=False)
+    for _ in range(2):
+        assert kept.generate(prompts) == fresh.generate(prompts)
+    assert len(kept.decode_graphs.states) == 2 and not fresh.decode_graphs.states
+    assert sorted(s.calls for s in kept.decode_graphs.states.values()) == [2, 4]
+
+
+class _FakeGraph:
+    """Stands in for ``torch.cuda.CUDAGraph`` on CPU: a replay runs nothing (the logits stay the captured
+    ones); what is tested is when the sampler warms up and captures, not what a replay computes (the GPU
+    test below)."""
+
+    def replay(self):
+        pass
+
+
+@pytest.fixture
+def fake_graphs(monkeypatch):
+    from triage.kernels.nvfp4 import gemm_decode
+    from triage.trainers.sampling import hf
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph: contextlib.nullcontext())
+    monkeypatch.setattr(gemm_decode, "graph_counters", contextlib.nullcontext)
+    monkeypatch.setattr(hf, "_resolve_decode", lambda decode, model, device: decode)
+
+
+def test_a_kept_graph_is_captured_once_and_again_when_an_address_changes(tiny_model, fake_graphs):
+    """Eager decode forwards per call: 2 (warm-up, capture) on a new graph, 0 on a kept one; values written
+    in place keep it, a reallocated parameter drops it."""
+    model = copy.deepcopy(tiny_model)
+    kept, eager = g.DecodeGraphs(), []
+    hook = model.register_forward_pre_hook(
+        lambda m, args, kwargs: eager.append(kwargs["input_ids"].shape[1] == 1), with_kwargs=True
+    )
+
+    def decode_forwards():
+        eager.clear()
+        sample_with_kv_cache(model, SHORT, PARAMS, [], pad_id=0, decode="cuda_graph", decode_state=kept)
+        return sum(eager)
+
+    try:
+        assert decode_forwards() == 2
+        assert decode_forwards() == 0
+        with torch.no_grad():  # a weight sync writes in place: the graph reads the new values
+            model.model.norm.weight.mul_(1.5)
+        assert decode_forwards() == 0
+        norm = model.model.norm
+        norm.weight = torch.nn.Parameter(
+            norm.weight.detach().clone()
+        )  # reallocated: the graph would read freed memory
+        assert decode_forwards() == 2
+        assert decode_forwards() == 0
+        kept.clear()
+        assert decode_forwards() == 2
+    finally:
+        hook.remove()
+    (state,) = kept.states.values()
+    assert state.step.captures == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("precision", ["bf16", "nvfp4"])
+def test_one_kept_cuda_graph_serves_every_weight_sync(tiny_model, precision):
+    """A sampler copy refreshed in place (its NVFP4 caches too) keeps one captured graph across syncs, and
+    every call samples exactly what a graph captured for that call samples."""
+    from triage.kernels import NVFP4Config, convert
+    from triage.kernels.nvfp4 import QuantRecipe
+
+    learner = copy.deepcopy(tiny_model).cuda().to(torch.bfloat16)
+    recipe = QuantRecipe(scale="row", profile="compressed-tensors")
+    prepare = (lambda m: convert(m, NVFP4Config.from_recipe(recipe))) if precision == "nvfp4" else None
+    samplers = [
+        HFSampler(sampler_model="copy", prepare_model=prepare, params=PARAMS, seed=1, decode="cuda_graph",
+                  keep_decode=keep)
+        for keep in (True, False)
+    ]  # fmt: skip
+    for s in samplers:
+        s.copy = s._build_copy(learner)
+    outs = []
+    for step in range(3):
+        if step:  # a weight sync: the learner moved, the copies take its state in place
+            with torch.no_grad():
+                for p in learner.parameters():
+                    p.add_(torch.randn_like(p) * 0.02)
+            for s in samplers:
+                s.copy.load_state_dict(learner.state_dict())
+        kept, fresh = (s.generate(SHORT, model=s.copy) for s in samplers)
+        assert kept == fresh
+        outs.append(kept)
+    assert outs[0] != outs[-1]  # the weights moved and the kept graph followed them
+    (state,) = samplers[0].decode_graphs.states.values()
+    assert state.step.captures == 1 and state.calls == 3

@@ -1,0 +1,203 @@
+"""The static decode state of the built-in sampler: a static KV cache, the decode step's input buffers and its
+CUDA graph, kept from one :func:`~triage.trainers.sampling.hf.sample_with_kv_cache` call to the next.
+
+A decode step reads three input buffers updated in place (the token, its position, the 4-D attention mask
+over the whole cache) and the static cache, and returns the last position's logits. With
+``decode="cuda_graph"`` the step is captured once and replayed (:class:`GraphStep`). Capturing is not free: an
+eager warm-up step first (lazy allocations, kernel compilation, weight caches), then the capture, each a full
+eager forward's host time, per call where the graph lives for one call. :class:`DecodeGraphs` keeps the
+state instead (the built-in ``HFSampler`` keeps one per sampler), so that the next call of the same shape
+resets the cache in place, prefills and replays at once:
+
+* shape: one state per ``(model, batch, cache length, KV format, decode path, attention implementation)``;
+  the cache length is :func:`static_cache_length` of the prompt width and ``max_new_tokens`` (rounded up to a
+  bucket, so that calls whose prompts differ a little in width share a state); :data:`KEPT` states at most
+  (the last used; an ``HFSampler(batch_size=...)`` call's full chunks and its last, smaller one).
+* weights: a kept graph is replayed only while :func:`~triage.kernels.capture.graph_key` of the model is the
+  one it was captured under (every parameter, buffer and NVFP4 weight cache at the same address): checked
+  after each call's prefill, which refreshes the NVFP4 weight caches. Values written in place (a weight
+  sync into the sampler copy, an optimizer step on the trainer's model) are read by the replay; anything
+  reallocated (a rebuilt copy, an NVFP4 cache quantized into new tensors) drops the graph, and the next
+  steps warm up and capture again. The sampler's copy refreshes its NVFP4 caches in place
+  (:func:`~triage.kernels.capture.keep_weight_addresses`), so one capture serves every weight sync.
+* memory: a kept state holds its KV cache (batch × cache length × layers × KV heads × head dim × 2 values)
+  and its graph's private memory pool between calls, while the learner trains; ``HFSampler(keep_decode=False)``
+  frees them at the end of every call instead (each call then captures anew).
+* bits: a call on a kept state computes what a call on a fresh state computes (the cache is zeroed, the fp8
+  KV scales recalibrated in place on the prefill, the same length); a replay runs the captured kernels,
+  which need not be the eager ones bit for bit (docs/benchmarks.md saw equal bits at decode batch ≤ 16 on a
+  10M-parameter model, not at 128, nor at batch 16 at Qwen3-4B width).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["DecodeGraphs", "GraphStep", "StaticDecode", "static_cache_length"]
+
+#: States a :class:`DecodeGraphs` keeps (least recently used dropped first).
+KEPT = 2
+#: The cache-length bucket: lengths round up to a multiple of max(BUCKET_MIN, next_power_of_2(n) / BUCKET_SPLIT).
+BUCKET_MIN, BUCKET_SPLIT = 64, 16
+
+
+def static_cache_length(width: int, max_new_tokens: int) -> int:
+    """Positions of the static cache for prompts ``width`` wide and ``max_new_tokens`` new tokens: the last
+    sampled token is never fed back, so ``n = width + max(max_new_tokens − 1, 1)`` suffice, rounded up to a
+    multiple of ``max(64, next_power_of_2(n) / 16)``: fewer than ``max(64, n / 8)`` positions more than
+    needed, masked like the not-yet-written ones."""
+    n = width + max(max_new_tokens - 1, 1)
+    step = max(BUCKET_MIN, (1 << (n - 1).bit_length()) // BUCKET_SPLIT)
+    return -(-n // step) * step
+
+
+class GraphStep:
+    """One decode forward (``step()`` → last-position logits), replayed from a CUDA graph once captured.
+
+    The first call after :meth:`reset` runs eagerly: it warms every lazy allocation (static-cache buffers,
+    kernel compilation, weight caches). The next captures the step and replays it; later calls replay. A
+    capture that fails (an op that synchronises with the host, say) is reported once with a warning and the
+    step runs eagerly until the next :meth:`reset`."""
+
+    def __init__(self, step: Callable[[], torch.Tensor]):
+        self.step = step
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+        self.calls, self.failed, self.captures = 0, False, 0
+
+    def reset(self) -> None:
+        """Drop the graph (its memory pool is freed): the next call warms up again."""
+        self.graph, self.logits, self.calls, self.failed = None, None, 0, False
+
+    def __call__(self) -> torch.Tensor:
+        self.calls += 1
+        if self.graph is not None:
+            self.graph.replay()
+            return self.logits
+        if self.failed or self.calls == 1:
+            return self.step()
+        from triage.kernels.linear import capture_scope
+        from triage.kernels.nvfp4.gemm_decode import graph_counters
+
+        graph = torch.cuda.CUDAGraph()
+        try:
+            # one split-K counter buffer for the graph; sibling layers share input quantizations within it
+            with torch.cuda.graph(graph), graph_counters(), capture_scope():
+                logits = self.step()
+        except Exception as err:  # noqa: BLE001 - any capture failure falls back to the eager path
+            self.failed = True
+            warnings.warn(
+                f"HFSampler: CUDA-graph capture of the decode step failed ({type(err).__name__}: {err}); "
+                "decoding eagerly with the static cache instead",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            torch.cuda.synchronize()
+            return self.step()
+        self.graph, self.logits = graph, logits
+        self.captures += 1
+        graph.replay()  # capture records the step without running it
+        return self.logits
+
+
+class StaticDecode:
+    """A static KV cache for ``batch`` rows and ``length`` positions, the step's input buffers and the step
+    (eager, or a :class:`GraphStep`): what one decode runs on, reusable by the next call of the same shape
+    (module docstring)."""
+
+    def __init__(
+        self, model: torch.nn.Module, batch: int, length: int, fmt: str, graph: bool, cache_name: str
+    ) -> None:
+        from .kvcache import kv_cache
+
+        device = next(model.parameters()).device
+        self.model, self.length, self.cache_name = model, length, cache_name
+        self.cache = kv_cache(model.config, fmt, max_cache_len=length)
+        self.token = torch.zeros((batch, 1), dtype=torch.long, device=device)
+        self.position = torch.zeros((batch, 1), dtype=torch.long, device=device)
+        self.mask4: torch.Tensor | None = None  # built on the first call: its dtype is the logits'
+        self.on = self.off = None
+        self.step = GraphStep(self._forward) if graph else self._forward
+        self.weights: tuple | None = None  # graph_key(model) the graph was captured under
+        self.calls = 0
+
+    def _forward(self) -> torch.Tensor:
+        out = self.model(
+            input_ids=self.token,
+            attention_mask=self.mask4,
+            position_ids=self.position,
+            use_cache=True,
+            **{self.cache_name: self.cache},
+        )
+        return out.logits[:, -1, :]
+
+    def begin(self, attention_mask: torch.Tensor):
+        """The cache for this call's prefill: emptied in place (zeros, length 0) after the first call, the fp8
+        KV scales set to be calibrated anew on ``attention_mask``'s positions (written into the same
+        tensors)."""
+        if self.calls:
+            self.cache.reset()
+        for layer in self.cache.layers:
+            if hasattr(layer, "recalibrate"):
+                layer.recalibrate(attention_mask)
+        self.calls += 1
+        return self.cache
+
+    def start(self, attention_mask: torch.Tensor, next_position: torch.Tensor, dtype: torch.dtype) -> None:
+        """After the prefill: the mask over the prompt keys (generated keys switched on as written), the first
+        decode position, and, for a graph, the weights check (:func:`~triage.kernels.capture.graph_key`)."""
+        batch, width = attention_mask.shape
+        additive = self.model.config._attn_implementation == "eager"  # eager attention adds it: 0 or min
+        mask_dtype = dtype if additive else torch.bool
+        if self.mask4 is None or self.mask4.dtype != mask_dtype:  # new, or the logits' dtype changed
+            self.on, self.off = (0.0, torch.finfo(dtype).min) if additive else (True, False)
+            self.mask4 = torch.empty((batch, 1, 1, self.length), dtype=mask_dtype, device=self.token.device)
+            if isinstance(self.step, GraphStep):
+                self.step.reset()  # a graph would read the old mask
+        self.mask4.fill_(self.off)
+        self.mask4[:, 0, 0, :width].masked_fill_(attention_mask.bool(), self.on)
+        self.position.copy_(next_position[:, None])
+        if isinstance(self.step, GraphStep):
+            from triage.kernels.capture import graph_key
+
+            weights = graph_key(self.model)
+            if weights != self.weights:
+                self.step.reset()
+                self.weights = weights
+
+    def advance(self, token: torch.Tensor, written: int) -> torch.Tensor:
+        """One decode step: feed ``token`` (B,), switch on the key position it is written to, return the
+        logits of the next position."""
+        self.token.copy_(token[:, None])
+        self.mask4[:, 0, 0, written] = self.on
+        logits = self.step()
+        self.position.add_(1)
+        return logits
+
+
+class DecodeGraphs:
+    """The :class:`StaticDecode` states kept across calls (module docstring): at most :data:`KEPT`, the least
+    recently used dropped first. ``clear()`` frees them all (a rebuilt sampler copy, ``keep_decode=False``)."""
+
+    def __init__(self) -> None:
+        self.states: OrderedDict[tuple, StaticDecode] = OrderedDict()
+
+    def clear(self) -> None:
+        self.states.clear()
+
+    def state(
+        self, model: torch.nn.Module, batch: int, length: int, fmt: str, graph: bool, cache_name: str
+    ) -> StaticDecode:
+        """The kept state of this shape, or a new one (dropping the oldest beyond :data:`KEPT` first)."""
+        key = (model, batch, length, fmt, graph, cache_name, model.config._attn_implementation)
+        state = self.states.pop(key, None)
+        if state is None:
+            while len(self.states) >= KEPT:
+                self.states.popitem(last=False)
+            state = StaticDecode(model, batch, length, fmt, graph, cache_name)
+        self.states[key] = state
+        return state
