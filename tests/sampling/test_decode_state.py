@@ -167,3 +167,17 @@ def test_one_kept_cuda_graph_serves_every_weight_sync(tiny_model, precision):
     assert outs[0] != outs[-1]  # the weights moved and the kept graph followed them
     (state,) = samplers[0].decode_graphs.states.values()
     assert state.step.captures == 1 and state.calls == 3
+
+
+def test_a_kept_state_does_not_keep_its_model_alive(tiny_model):
+    import gc
+    import weakref
+
+    kept, model = g.DecodeGraphs(), copy.deepcopy(tiny_model)
+    _run(model, SHORT, kept)
+    _run(tiny_model, SHORT, kept)
+    assert len(kept.states) == 2
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None and len(kept.states) == 1

@@ -9,7 +9,8 @@ eager forward's host time, per call where the graph lives for one call. :class:`
 state instead (the built-in ``HFSampler`` keeps one per sampler), so that the next call of the same shape
 resets the cache in place, prefills and replays at once:
 
-* shape: one state per ``(model, batch, cache length, KV format, decode path, attention implementation)``;
+* shape: one state per ``(model, batch, cache length, KV format, decode path, attention implementation)``,
+  held without holding the model (a state goes when its model is freed);
   the cache length is :func:`static_cache_length` of the prompt width and ``max_new_tokens`` (rounded up to a
   bucket, so that calls whose prompts differ a little in width share a state); :data:`KEPT` states at most
   (the last used; an ``HFSampler(batch_size=...)`` call's full chunks and its last, smaller one).
@@ -32,6 +33,7 @@ resets the cache in place, prefills and replays at once:
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -115,7 +117,8 @@ class StaticDecode:
         from .kvcache import kv_cache
 
         device = next(model.parameters()).device
-        self.model, self.length, self.cache_name = model, length, cache_name
+        self._model = weakref.ref(model)  # a kept state does not keep its model alive (DecodeGraphs drops it)
+        self.length, self.cache_name = length, cache_name
         self.cache = kv_cache(model.config, fmt, max_cache_len=length)
         self.token = torch.zeros((batch, 1), dtype=torch.long, device=device)
         self.position = torch.zeros((batch, 1), dtype=torch.long, device=device)
@@ -124,6 +127,10 @@ class StaticDecode:
         self.step = GraphStep(self._forward) if graph else self._forward
         self.weights: tuple | None = None  # graph_key(model) the graph was captured under
         self.calls = 0
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self._model()
 
     def _forward(self) -> torch.Tensor:
         out = self.model(
@@ -193,11 +200,12 @@ class DecodeGraphs:
         self, model: torch.nn.Module, batch: int, length: int, fmt: str, graph: bool, cache_name: str
     ) -> StaticDecode:
         """The kept state of this shape, or a new one (dropping the oldest beyond :data:`KEPT` first)."""
-        key = (model, batch, length, fmt, graph, cache_name, model.config._attn_implementation)
+        key = (id(model), batch, length, fmt, graph, cache_name, model.config._attn_implementation)
         state = self.states.pop(key, None)
-        if state is None:
+        if state is None or state.model is not model:
             while len(self.states) >= KEPT:
                 self.states.popitem(last=False)
             state = StaticDecode(model, batch, length, fmt, graph, cache_name)
+            weakref.finalize(model, self.states.pop, key, None)  # a freed model's states go with it
         self.states[key] = state
         return state
