@@ -50,6 +50,8 @@ LoRA layer over this base, AQN, adapter save/load) is in ``triage.trainers.lora`
 from __future__ import annotations
 
 import copy
+import itertools
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -192,6 +194,7 @@ class FrozenNVFP4Linear(nn.Module):
             bias = bias.detach().to(weight.data.device)
         self.register_buffer("bias", bias)
         self._expanded: torch.Tensor | None = None
+        _register(self)
 
     # -- construction -----------------------------------------------------------------------------------------
 
@@ -321,8 +324,15 @@ class FrozenNVFP4Linear(nn.Module):
             raise TypeError(f"FrozenNVFP4Linear: input must be floating point, got {x.dtype}")
         if torch.is_grad_enabled() and x.requires_grad:
             return _FrozenNVFP4Fn.apply(x, self)
+        if torch.compiler.is_compiling():  # one opaque op: no graph break at the Triton launches
+            return frozen_nvfp4_linear_op(x, self._op_id, self.out_features)
+        return self._grad_free(x)
+
+    def _grad_free(self, x: torch.Tensor, separate: bool = False) -> torch.Tensor:
+        """The forward without autograd: the sibling group's launch (q/k/v, gate/up; ``separate`` outputs
+        inside a compiled graph, :meth:`~triage.kernels.siblings.SiblingGroup.output`) or the layer alone."""
         if self._siblings is not None:  # one decode launch for q/k/v, gate/up (triage.kernels.siblings)
-            y = self._siblings.output(self, x)
+            y = self._siblings.output(self, x, separate)
             if y is not None:
                 return y
         return self._compute(x)
@@ -502,9 +512,14 @@ class FrozenNVFP4Linear(nn.Module):
                 }
             elif key == "_expanded":
                 new.__dict__[key] = value  # immutable: shared like the bytes it expands
-            else:
+            elif key != "_op_id":
                 new.__dict__[key] = copy.deepcopy(value, memo)
+        _register(new)  # a layer of its own for the custom op
         return new
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        _register(self)  # an unpickled layer is a layer of its own for the custom op
 
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
@@ -682,3 +697,35 @@ def _model_device(model: nn.Module) -> torch.device:
     for t in model.buffers():
         return t.device
     return torch.device("cpu")
+
+
+# ---------------------------------------------------------------------------------------------------
+# torch.library custom op: the grad-free forward as one opaque op, for torch.compile
+# ---------------------------------------------------------------------------------------------------
+
+#: Live layers by their op id (``FrozenNVFP4Linear._op_id``, a 0-d int64 CPU tensor attribute: an input of the
+#: compiled graph, so layers of one signature share a graph, as ``NVFP4Linear``'s op id does).
+_LAYERS: weakref.WeakValueDictionary[int, FrozenNVFP4Linear] = weakref.WeakValueDictionary()
+_layer_ids = itertools.count()
+
+
+def _register(layer: FrozenNVFP4Linear) -> None:
+    op_id = next(_layer_ids)
+    layer._op_id = torch.tensor(op_id, dtype=torch.int64, device="cpu")
+    _LAYERS[op_id] = layer
+
+
+@torch.library.custom_op("triage::frozen_nvfp4_linear", mutates_args=())
+def frozen_nvfp4_linear_op(x: torch.Tensor, layer: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``triage::frozen_nvfp4_linear``: the grad-free forward of the ``FrozenNVFP4Linear`` whose op id is
+    ``layer`` (its sibling group run at run time, each output its own allocation), what a compiled graph calls
+    (a layer's forward under ``torch.compile`` without autograd; with autograd it runs eagerly)."""
+    mod = _LAYERS.get(int(layer))
+    if mod is None:
+        raise RuntimeError(f"triage::frozen_nvfp4_linear: no live FrozenNVFP4Linear has op id {int(layer)}")
+    return mod._grad_free(x, separate=True)
+
+
+@frozen_nvfp4_linear_op.register_fake
+def _(x, layer, out_features):
+    return x.new_empty((*x.shape[:-1], out_features))

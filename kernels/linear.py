@@ -966,12 +966,16 @@ def _forward_outputs(
     """Both forward ops' core: ``(y, W_qᵀ codes, W_qᵀ scales, W_qᵀ outer scale)`` for W_q ``w``, the last
     three the forward's transposed weight for nvfp4-backward (empty otherwise). The eager forward's code and
     plans, so the same bits."""
-    y = _linear_forward(x, bias, _plan(config, x, weight, bias), w)
+    return _linear_forward(x, bias, _plan(config, x, weight, bias), w), *_transposed_outputs(w, x.device)
+
+
+def _transposed_outputs(w: _QuantizedWeight, device: torch.device) -> tuple:
+    """The forward ops' last three outputs: W_qᵀ's codes, scales and outer scale (empty without W_qᵀ)."""
     wt = w.transposed
     if wt is None:
-        return y, _empty(x.device), _empty(x.device, torch.float8_e4m3fn), _empty(x.device, torch.float32)
+        return _empty(device), _empty(device, torch.float8_e4m3fn), _empty(device, torch.float32)
     # detached aliases: the cache keeps its own tensors, the graph gets new ones (nothing copied)
-    return y, wt.data.detach(), wt.scale.detach(), wt.global_scale.detach()
+    return wt.data.detach(), wt.scale.detach(), wt.global_scale.detach()
 
 
 def _forward_fake(x: torch.Tensor, weight: torch.Tensor, nvfp4_backward: bool) -> tuple:
@@ -1003,7 +1007,12 @@ def _op_forward(
     (:func:`_forward_outputs`, W_q from the layer's weight cache). ``nvfp4_backward``: whether the layer's
     config is ``nvfp4-backward`` (the output shapes depend on it; the fake cannot read the id)."""
     mod = _layer_of(layer)
-    return _forward_outputs(mod.config, x, weight, bias, mod._quantized_weight(weight))
+    w = mod._quantized_weight(weight)
+    if not torch.is_grad_enabled() and mod._siblings is not None:  # grad-free: q/k/v, gate/up one launch
+        y = mod._siblings.output(mod, x, separate=True)
+        if y is not None:
+            return y, *_transposed_outputs(w, x.device)
+    return _forward_outputs(mod.config, x, weight, bias, w)
 
 
 def _op_forward_fake(x, weight, bias, layer, nvfp4_backward):

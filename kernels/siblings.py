@@ -30,7 +30,10 @@ Rules:
 * Bits: each output is what the member's own decode launch with the group's tiles and split-K gives; the
   split is chosen for the group's total rows (:func:`~triage.kernels.nvfp4.gemm_decode.decode_config`), so
   it may differ from a lone launch's in the last bits (fp32 partial sums in another order). The outputs are
-  contiguous views of one buffer.
+  contiguous views of one buffer (separate allocations inside a compiled graph's custom ops).
+* Under ``torch.compile`` the grad-free forward of each layer is one custom op (``triage::nvfp4_linear``,
+  ``triage::frozen_nvfp4_linear``) whose implementation runs the group at run time: the compiled graph hands
+  q/k/v the very buffer its norm wrote, so the same-x rule holds there as in eager code.
 """
 
 from __future__ import annotations
@@ -56,9 +59,12 @@ class SiblingGroup:
         self.members = list(members)
         self._kept: tuple | None = None  # (weakref to x, input_key(x), {member index: (y, weight token)})
 
-    def output(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    def output(self, layer: nn.Module, x: torch.Tensor, separate: bool = False) -> torch.Tensor | None:
         """``layer``'s forward output on ``x`` from the group's launch (made now, or kept from the launch a
-        sibling made on the same ``x``), or None: the layer computes alone (module docstring)."""
+        sibling made on the same ``x``), or None: the layer computes alone (module docstring). ``separate``:
+        a launch made now gives each member an allocation of its own instead of views of one buffer (what a
+        custom op inside a compiled graph must return: inductor may reuse an op output's storage once that
+        output is dead)."""
         from triage.kernels.linear import input_key
 
         key = input_key(x)
@@ -71,7 +77,7 @@ class SiblingGroup:
             if not kept[2]:
                 self._kept = None
             return y if _same(layer._decode_weight()[2], token) else None
-        outputs = self._launch(x)
+        outputs = self._launch(x, separate)
         if outputs is None:
             return None
         y, _ = outputs.pop(index)
@@ -83,7 +89,7 @@ class SiblingGroup:
         if kept is not None and kept[0] is ref:
             self._kept = None
 
-    def _launch(self, x: torch.Tensor) -> dict | None:
+    def _launch(self, x: torch.Tensor, separate: bool = False) -> dict | None:
         """Every member's output on ``x`` from one decode launch, ``{index: (y, weight token)}``; None when the
         members would not run the decode kernel or their operands do not fit one launch."""
         from triage.kernels.nvfp4.gemm_decode import launch_decode_group
@@ -99,7 +105,10 @@ class SiblingGroup:
         xa, g_a, _ = act
         weights = [m._decode_weight() for m in self.members]
         widths = [int(w.shape[0]) for w, _, _ in weights]
-        if len({w.data.shape[-1] for w, _, _ in weights}) != 1 or len({_dtype(b) for _, b, _ in weights}) != 1:
+        if (
+            len({w.data.shape[-1] for w, _, _ in weights}) != 1
+            or len({_dtype(b) for _, b, _ in weights}) != 1
+        ):
             return None
         if any(w.data.device != x.device or (b is not None and b.device != x.device) for w, b, _ in weights):
             return None  # a member moved (offloaded, another device): each computes alone, as it would
@@ -107,13 +116,18 @@ class SiblingGroup:
         if len({g.numel() == 1 for g in g_bs}) != 1:
             return None
         rows = xa.shape[0]
-        align = max(1, 16 // x.element_size())  # every output starts 16-byte aligned, as an allocation does
-        sizes = [-(-rows * n // align) * align for n in widths]
-        flat = torch.empty(sum(sizes), dtype=x.dtype, device=x.device)
-        outs, start = [], 0
-        for n, size in zip(widths, sizes):
-            outs.append(flat[start : start + rows * n].view(rows, n))
-            start += size
+        if separate:
+            outs = [torch.empty((rows, n), dtype=x.dtype, device=x.device) for n in widths]
+        else:
+            align = max(
+                1, 16 // x.element_size()
+            )  # every output starts 16-byte aligned, as an allocation does
+            sizes = [-(-rows * n // align) * align for n in widths]
+            flat = torch.empty(sum(sizes), dtype=x.dtype, device=x.device)
+            outs, start = [], 0
+            for n, size in zip(widths, sizes):
+                outs.append(flat[start : start + rows * n].view(rows, n))
+                start += size
         members = [(w.data, w.scale, out, g, b) for (w, b, _), out, g in zip(weights, outs, g_bs)]
         launch_decode_group(xa, members, xa.shape[1], g_a)  # K as the member's own launch takes it
         lead = tuple(x.shape[:-1])

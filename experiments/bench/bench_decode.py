@@ -31,10 +31,11 @@ captured in every call) and ``kept_graph`` (the CUDA-graph loop on one ``DecodeG
 warm-up and the timed calls, as ``HFSampler`` keeps it: the timed calls capture nothing); ``cuda_graph`` is
 checked against ``static``, and ``kept_graph`` against ``cuda_graph``, when both run.
 
-``--compile``: each model's one-token forward goes through ``torch.compile`` (inductor, no CUDA graphs of its
-own: the ``cuda_graph`` loop captures the compiled step; prompts stay eager), so that the norms, RoPE,
-activations and residual adds fuse into fewer kernels. A study of where the decode step's time goes, not a
-sampler option: the compile time (a minute or more per model and batch) is paid in the warm-up call.
+``--compile``: the sampler's ``compile_decode=True`` (:mod:`triage.trainers.sampling.graphs`): each decode step
+goes through ``torch.compile`` (inductor, no CUDA graphs of its own: the graph loops capture the compiled step;
+prompts stay eager), so that the norms, RoPE, activations and residual adds fuse into fewer kernels; the NVFP4
+layers are custom ops, their sibling groups one launch. The compile time (a minute or more per model and
+shape) is paid in the warm-up call.
 
 ``--replay``: the decode step's graph replays timed inside one call (:func:`replay_step`): GPU and host µs per
 replay, against the loop's ms per step, to tell time lost inside the graph from time lost between replays.
@@ -44,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import os
 import statistics
@@ -113,17 +113,8 @@ def build(shape: str, precision: str):
     return model, tok
 
 
-def compile_decode(model) -> None:
-    """Route ``model``'s one-token forwards (the decode steps) through ``torch.compile``; other calls stay eager."""
-    eager = model.forward
-    compiled = torch.compile(eager, dynamic=False)
-
-    @functools.wraps(eager)  # the sampler reads the signature (logits_to_keep)
-    def forward(*args, **kwargs):
-        ids = kwargs.get("input_ids")
-        return compiled(*args, **kwargs) if ids is not None and ids.shape[1] == 1 else eager(*args, **kwargs)
-
-    model.forward = forward
+#: ``--compile``: every call's decode step through torch.compile (``compile_decode=True``)
+COMPILE = False
 
 
 def run(model, prompts, new: int, decode: str, seed: int = 0, state=None):
@@ -138,7 +129,7 @@ def run(model, prompts, new: int, decode: str, seed: int = 0, state=None):
     t0 = time.perf_counter()
     out = sample_with_kv_cache(
         model, prompts, params, [-1], generator=g, pad_id=0, decode="cuda_graph" if kept else decode,
-        decode_state=state if kept else None,
+        decode_state=state if kept else None, compile_decode=COMPILE,
     )  # fmt: skip
     torch.cuda.synchronize()
     return out, time.perf_counter() - t0
@@ -275,6 +266,8 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "bench_decode.json"))
     args = ap.parse_args(argv)
+    global COMPILE
+    COMPILE = args.compile
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, compiled decode step: {args.compile}")
     rows, ok, replays = [], True, {}
     decodes = args.decodes.split(",")
@@ -287,8 +280,6 @@ def main(argv=None) -> int:
     for shape in args.shapes.split(","):
         for precision in args.precisions.split(","):
             model, tok = build(shape, precision)
-            if args.compile:
-                compile_decode(model)
             for batch in (int(b) for b in args.batches.split(",")):
                 gen = torch.Generator().manual_seed(batch)
                 prompts = torch.randint(10, len(tok) - 1, (batch, args.prompt), generator=gen).tolist()

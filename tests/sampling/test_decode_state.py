@@ -181,3 +181,38 @@ def test_a_kept_state_does_not_keep_its_model_alive(tiny_model):
     del model
     gc.collect()
     assert gone() is None and len(kept.states) == 1
+
+
+def _nvfp4(model, frozen):
+    from triage.kernels import NVFP4Config, convert
+    from triage.kernels.nvfp4 import QuantRecipe
+
+    recipe = QuantRecipe(scale="row", profile="compressed-tensors")
+    return convert(copy.deepcopy(model), NVFP4Config.from_recipe(recipe, frozen=frozen))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "w4a16", "w4a4"])
+def test_a_compiled_decode_step_samples_what_the_eager_one_does(tiny_model, precision, monkeypatch):
+    """``compile_decode``: the decode step through torch.compile (``aot_eager`` here: the graph dynamo traces,
+    without inductor's code generation) — one graph, no break, at the NVFP4 layers either (their custom ops,
+    sibling groups inside) — and the same samples as the eager step."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the NVFP4 layers' torch twins: fast on CPU
+    monkeypatch.setattr(g, "COMPILE_BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    model = {
+        "fp32": lambda m: copy.deepcopy(m),
+        "w4a16": lambda m: _nvfp4(m, "w4a16"),
+        "w4a4": lambda m: _nvfp4(m, None),
+    }[precision](tiny_model)
+    runs = [
+        sample_with_kv_cache(
+            model, SHORT, PARAMS, [], torch.Generator().manual_seed(2), pad_id=0, decode="static",
+            compile_decode=compiled,
+        )
+        for compiled in (False, True)
+    ]  # fmt: skip
+    assert runs[0]["completion_ids"] == runs[1]["completion_ids"]
+    for a, b in zip(runs[0]["logprobs"], runs[1]["logprobs"]):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+    counts = torch._dynamo.utils.counters
+    assert counts["stats"]["unique_graphs"] >= 1 and not counts["graph_break"]

@@ -21,6 +21,13 @@ resets the cache in place, prefills and replays at once:
   reallocated (a rebuilt copy, an NVFP4 cache quantized into new tensors) drops the graph, and the next
   steps warm up and capture again. The sampler's copy refreshes its NVFP4 caches in place
   (:func:`~triage.kernels.capture.keep_weight_addresses`), so one capture serves every weight sync.
+* compiled (``compile_decode=True``): the step's forward goes through ``torch.compile`` (inductor; static
+  shapes), so that the norms, RoPE, activations and residual adds of an eager Hugging Face layer fuse into
+  fewer kernels; the NVFP4 layers are one custom op each (``triage::nvfp4_linear``,
+  ``triage::frozen_nvfp4_linear``), their sibling groups still one launch. The graph captures the compiled
+  step. Compiling costs time at the first step of each new shape (a minute or more at Qwen3-4B size), and
+  torch's recompile limit (``torch._dynamo.config.recompile_limit``, 8 by default) bounds the shapes one
+  process compiles; past it the step runs uncompiled.
 * memory: a kept state holds its KV cache (batch × cache length × layers × KV heads × head dim × 2 values)
   and its graph's private memory pool between calls, while the learner trains; ``HFSampler(keep_decode=False)``
   frees them at the end of every call instead (each call then captures anew).
@@ -106,13 +113,38 @@ class GraphStep:
         return self.logits
 
 
+#: The ``torch.compile`` backend of a compiled decode step (``compile_decode``).
+COMPILE_BACKEND = "inductor"
+_COMPILED: dict[str, Callable] = {}
+
+
+def _step(model: torch.nn.Module, **inputs) -> torch.Tensor:
+    """One decode forward: the last position's logits."""
+    return model(**inputs).logits[:, -1, :]
+
+
+def _compiled_step() -> Callable:
+    """:func:`_step` through ``torch.compile`` (static shapes: one graph per batch and cache length), one per
+    backend for the process. The model is an argument, so nothing here keeps a model alive."""
+    if COMPILE_BACKEND not in _COMPILED:
+        _COMPILED[COMPILE_BACKEND] = torch.compile(_step, dynamic=False, backend=COMPILE_BACKEND)
+    return _COMPILED[COMPILE_BACKEND]
+
+
 class StaticDecode:
     """A static KV cache for ``batch`` rows and ``length`` positions, the step's input buffers and the step
     (eager, or a :class:`GraphStep`): what one decode runs on, reusable by the next call of the same shape
     (module docstring)."""
 
     def __init__(
-        self, model: torch.nn.Module, batch: int, length: int, fmt: str, graph: bool, cache_name: str
+        self,
+        model: torch.nn.Module,
+        batch: int,
+        length: int,
+        fmt: str,
+        graph: bool,
+        cache_name: str,
+        compiled: bool = False,
     ) -> None:
         from .kvcache import kv_cache
 
@@ -127,20 +159,22 @@ class StaticDecode:
         self.step = GraphStep(self._forward) if graph else self._forward
         self.weights: tuple | None = None  # graph_key(model) the graph was captured under
         self.calls = 0
+        self.compiled = compiled
 
     @property
     def model(self) -> torch.nn.Module:
         return self._model()
 
     def _forward(self) -> torch.Tensor:
-        out = self.model(
+        step = _compiled_step() if self.compiled else _step
+        return step(
+            self.model,
             input_ids=self.token,
             attention_mask=self.mask4,
             position_ids=self.position,
             use_cache=True,
             **{self.cache_name: self.cache},
         )
-        return out.logits[:, -1, :]
 
     def begin(self, attention_mask: torch.Tensor):
         """The cache for this call's prefill: emptied in place (zeros, length 0) after the first call, the fp8
@@ -197,15 +231,22 @@ class DecodeGraphs:
         self.states.clear()
 
     def state(
-        self, model: torch.nn.Module, batch: int, length: int, fmt: str, graph: bool, cache_name: str
+        self,
+        model: torch.nn.Module,
+        batch: int,
+        length: int,
+        fmt: str,
+        graph: bool,
+        cache_name: str,
+        compiled: bool = False,
     ) -> StaticDecode:
         """The kept state of this shape, or a new one (dropping the oldest beyond :data:`KEPT` first)."""
-        key = (id(model), batch, length, fmt, graph, cache_name, model.config._attn_implementation)
+        key = (id(model), batch, length, fmt, graph, cache_name, model.config._attn_implementation, compiled)
         state = self.states.pop(key, None)
         if state is None or state.model is not model:
             while len(self.states) >= KEPT:
                 self.states.popitem(last=False)
-            state = StaticDecode(model, batch, length, fmt, graph, cache_name)
+            state = StaticDecode(model, batch, length, fmt, graph, cache_name, compiled)
             weakref.finalize(model, self.states.pop, key, None)  # a freed model's states go with it
         self.states[key] = state
         return state

@@ -144,6 +144,7 @@ def sample_with_kv_cache(
     kv_cache_dtype: str | None = None,
     decode: str = "dynamic",
     decode_state: DecodeGraphs | None = None,
+    compile_decode: bool = False,
 ) -> dict[str, list[list]]:
     """Sample one completion per prompt with left padding and an incremental KV cache.
 
@@ -160,7 +161,8 @@ def sample_with_kv_cache(
     ``"dynamic"``.
     ``decode_state``: a :class:`~triage.trainers.sampling.graphs.DecodeGraphs` whose static cache, buffers and graph
     the static paths reuse from earlier calls of the same shape and leave for later ones (None: built for this
-    call alone).
+    call alone). ``compile_decode``: the static paths' decode step through ``torch.compile``
+    (:mod:`triage.trainers.sampling.graphs`); the dynamic path ignores it.
 
     Returns ``{"completion_ids", "logprobs"}``; a completion ends with (and includes) the first EOS id, or stops
     at ``params.max_new_tokens``. A finished row keeps being fed ``pad_id`` until the first check after every
@@ -197,7 +199,7 @@ def sample_with_kv_cache(
     if static:
         length = static_cache_length(width, params.max_new_tokens)
         state = (decode_state if decode_state is not None else DecodeGraphs()).state(
-            model, batch, length, fmt, decode == "cuda_graph", cache_name
+            model, batch, length, fmt, decode == "cuda_graph", cache_name, compile_decode
         )
         cache = state.begin(mask)
     else:
@@ -351,6 +353,9 @@ class HFSampler(SamplerSource):
             (batch rows, bucketed cache length) prefills and replays at once, across weight syncs, instead of
             warming up and capturing anew. They stay allocated between calls (while the learner trains):
             ``False`` frees them after every call.
+        compile_decode: run the decode step's forward through ``torch.compile`` (static and CUDA-graph decode;
+            :mod:`triage.trainers.sampling.graphs`): fewer, fused kernels per step, for a compile at the first
+            step of each new shape.
     """
 
     name = "hf"
@@ -374,6 +379,7 @@ class HFSampler(SamplerSource):
         activation_scale: Literal["recipe", "calibrated"] = "recipe",
         fused_weight_scale: Literal["independent", "shared"] = "independent",
         keep_decode: bool = True,
+        compile_decode: bool = False,
     ):
         super().__init__(params=params, weight_sync=weight_sync, validate=validate)
         if sampler_model not in ("shared", "copy"):
@@ -417,6 +423,7 @@ class HFSampler(SamplerSource):
         self._calibration_prompts: list[list[int]] | None = None
         self.decode = decode
         self.keep_decode = keep_decode
+        self.compile_decode = compile_decode
         #: the static decode states kept across calls (``keep_decode``)
         self.decode_graphs = DecodeGraphs()
         self.refresh = refresh
@@ -506,6 +513,7 @@ class HFSampler(SamplerSource):
                     kv_cache_dtype=self.kv_cache_dtype,
                     decode=self.decode,
                     decode_state=self.decode_graphs if self.keep_decode else None,
+                    compile_decode=self.compile_decode,
                 )
                 for k in result:
                     result[k].extend(part[k])
