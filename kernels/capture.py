@@ -16,8 +16,12 @@ call to the next exactly while every tensor it reads sits where it sat at captur
   instead, so that a weight sync (``load_state_dict``, an optimizer step) leaves :func:`graph_key` unchanged
   and a kept graph serves the new weights.
 
-Python state a capture baked in beyond tensors (a config's static scale, a route chosen by shape) is part of
-the layers' configs, hence of the key; shapes are part of the caller's key (batch, cache length).
+Python state a capture baked in beyond tensors: a config's static scale or a route chosen by shape is part of
+the layers' configs, hence of the key; a decode scale a cuBLAS GEMM read to the host (an ``NVFP4Linear`` above
+``SMALL_M`` rows with static activation scales) is in the key by value, so a weight sync that changes it makes
+the next call capture anew; train/eval mode and a PEFT layer's active, disabled and merged adapters are in it
+too. Shapes are part of the caller's key (batch, cache length). Other Python attributes a forward reads (a
+custom module's flags) are not: change them only between calls that capture anew.
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ def graph_key(model: nn.Module) -> tuple:
     over the modules (~1 µs per parameter on a CPU host)."""
     parts: list = []
     for module in model.modules():
+        parts.append(module.training)
+        if hasattr(module, "active_adapters"):  # a PEFT layer: which adapters run, merged or not
+            parts.append(_adapters(module))
         for group in (module._parameters, module._buffers):
             for name, t in group.items():
                 if t is not None:
@@ -54,3 +61,13 @@ def keep_weight_addresses(model: nn.Module) -> int:
             module._weight_cache.in_place = True
             n += 1
     return n
+
+
+def _adapters(module: nn.Module) -> tuple:
+    """A PEFT tuner layer's Python switches a capture bakes in: active, disabled, merged adapters."""
+    active = module.active_adapters
+    return (
+        tuple(active) if isinstance(active, (list, tuple)) else active,
+        getattr(module, "disable_adapters", None),
+        tuple(getattr(module, "merged_adapters", ()) or ()),
+    )

@@ -1002,20 +1002,23 @@ def _op_forward(
     bias: torch.Tensor | None,
     layer: torch.Tensor,
     nvfp4_backward: bool,
+    grad_free: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``triage::nvfp4_linear``, the forward of the cached NVFP4Linear ``layer`` (its op id tensor) as one op
     (:func:`_forward_outputs`, W_q from the layer's weight cache). ``nvfp4_backward``: whether the layer's
-    config is ``nvfp4-backward`` (the output shapes depend on it; the fake cannot read the id)."""
+    config is ``nvfp4-backward`` (the output shapes depend on it; the fake cannot read the id). ``grad_free``:
+    the caller runs without autograd (told by the call site: an op's implementation always runs with grad
+    off), so sibling layers may share one decode launch as in the eager grad-free forward."""
     mod = _layer_of(layer)
     w = mod._quantized_weight(weight)
-    if not torch.is_grad_enabled() and mod._siblings is not None:  # grad-free: q/k/v, gate/up one launch
+    if grad_free and mod._siblings is not None:  # grad-free: q/k/v, gate/up one launch
         y = mod._siblings.output(mod, x, separate=True)
         if y is not None:
             return y, *_transposed_outputs(w, x.device)
     return _forward_outputs(mod.config, x, weight, bias, w)
 
 
-def _op_forward_fake(x, weight, bias, layer, nvfp4_backward):
+def _op_forward_fake(x, weight, bias, layer, nvfp4_backward, grad_free=False):
     return _forward_fake(x, weight, nvfp4_backward)
 
 
@@ -1310,13 +1313,16 @@ class NVFP4Linear(nn.Linear):
 
     def _graph_key(self) -> tuple:
         """What a captured CUDA graph of this layer's forward reads beside its parameters and buffers
-        (:func:`~triage.kernels.capture.graph_key`): the config, the sibling group and the cached W_q's
-        tensor addresses (its values may change: a graph replays whatever they hold). Refreshes a stale W_q
-        first, as a forward would."""
+        (:func:`~triage.kernels.capture.graph_key`): the config, the sibling group, the cached W_q's tensor
+        addresses (its values may change: a graph replays whatever they hold) and the decode scale a host
+        GEMM read from it (a constant in a graph). Refreshes a stale W_q first, as a forward would."""
         if self.config.capturable:  # quantized inside the captured forward: nothing cached
             return (self.config, self._siblings)
         w = self._quantized_weight(self.weight)
-        return (self.config, self._siblings, *_tensor_addresses(_entry_tensors(w)))
+        # scale_host: the decode scale a cuBLAS-alpha GEMM (more than SMALL_M rows) read to the host and a
+        # capture baked in as a constant; an in-place refresh resets it and the next large forward reads the
+        # new one (a changed key: the graph is captured anew)
+        return (self.config, self._siblings, w.scale_host, *_tensor_addresses(_entry_tensors(w)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
@@ -1337,7 +1343,8 @@ class NVFP4Linear(nn.Linear):
             if config.capturable:  # no CPU tensor, no per-layer constant: the config's key, a str
                 return nvfp4_linear_capturable_op(x, self.weight, self.bias, seeds, config._op_key)[0]
             nvfp4_backward = config.backward == "nvfp4-backward"
-            return nvfp4_linear_op(x, self.weight, self.bias, self._op_id, nvfp4_backward)[0]
+            grad_free = not torch.is_grad_enabled()
+            return nvfp4_linear_op(x, self.weight, self.bias, self._op_id, nvfp4_backward, grad_free)[0]
         if not torch.is_grad_enabled() and self._siblings is not None:  # one launch for q/k/v, gate/up
             y = self._siblings.output(self, x)
             if y is not None:

@@ -216,3 +216,49 @@ def test_a_compiled_decode_step_samples_what_the_eager_one_does(tiny_model, prec
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
     counts = torch._dynamo.utils.counters
     assert counts["stats"]["unique_graphs"] >= 1 and not counts["graph_break"]
+
+
+def test_nothing_outlives_a_call_without_kept_states_nor_a_dropped_sampler(tiny_model):
+    import gc
+    import weakref
+
+    def live_states():
+        gc.collect()
+        return sum(isinstance(o, g.StaticDecode) for o in gc.get_objects())
+
+    before = live_states()
+    _run(tiny_model, SHORT, None)
+    sampler = HFSampler(tiny_model, params=PARAMS, seed=1, decode="static", keep_decode=False)
+    sampler.generate(SHORT)
+    assert live_states() == before
+    sampler = HFSampler(tiny_model, params=PARAMS, seed=1, decode="static")
+    sampler.generate(SHORT)
+    assert live_states() == before + 1
+    kept = weakref.ref(sampler.decode_graphs)
+    del sampler
+    assert live_states() == before and kept() is None  # the model lives on; the sampler's states went with it
+
+
+def test_a_model_cast_between_calls_gets_a_state_of_its_dtype(tiny_model):
+    model, kept = copy.deepcopy(tiny_model), g.DecodeGraphs()
+    _run(model, SHORT, kept)
+    model.to(torch.bfloat16)
+    assert _run(model, SHORT, kept) == _run(model, SHORT, None)
+    model.to(torch.float32)  # (weights rounded through bf16 now)
+    assert _run(model, SHORT, kept) == _run(model, SHORT, None)
+    assert len(kept.states) == 2
+
+
+def test_every_chunk_of_a_call_shares_one_cache_length(tiny_model):
+    prompts = [
+        [5, 6],
+        [7, 8],
+        [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28] * 4,
+        [3],
+    ]
+    long = SamplingParams(max_new_tokens=3, temperature=1.0)  # chunk widths 2, 80, 1: three buckets alone
+    sampler = HFSampler(tiny_model, params=long, seed=9, batch_size=2, decode="static")
+    for _ in range(3):
+        sampler.generate(prompts + [[4, 5]])  # chunks of 2, 2, 1 rows
+    assert len(sampler.decode_graphs.states) == 2
+    assert sorted(s.calls for s in sampler.decode_graphs.states.values()) == [3, 6]

@@ -9,18 +9,23 @@ eager forward's host time, per call where the graph lives for one call. :class:`
 state instead (the built-in ``HFSampler`` keeps one per sampler), so that the next call of the same shape
 resets the cache in place, prefills and replays at once:
 
-* shape: one state per ``(model, batch, cache length, KV format, decode path, attention implementation)``,
-  held without holding the model (a state goes when its model is freed);
+* shape: one state per model, batch, cache length, KV format, decode path (static or graph; compiled or not),
+  cache argument name, attention implementation, parameter dtype and device and autocast dtype, held without
+  holding the model (a state goes when its model is freed);
   the cache length is :func:`static_cache_length` of the prompt width and ``max_new_tokens`` (rounded up to a
-  bucket, so that calls whose prompts differ a little in width share a state); :data:`KEPT` states at most
-  (the last used; an ``HFSampler(batch_size=...)`` call's full chunks and its last, smaller one).
+  bucket, so that calls whose prompts differ a little in width share a state; ``HFSampler`` sizes every
+  chunk of a call by the call's widest prompt); :data:`KEPT` states at most (the last used: an
+  ``HFSampler(batch_size=...)`` call's full chunks and its last, smaller one).
 * weights: a kept graph is replayed only while :func:`~triage.kernels.capture.graph_key` of the model is the
-  one it was captured under (every parameter, buffer and NVFP4 weight cache at the same address): checked
-  after each call's prefill, which refreshes the NVFP4 weight caches. Values written in place (a weight
-  sync into the sampler copy, an optimizer step on the trainer's model) are read by the replay; anything
-  reallocated (a rebuilt copy, an NVFP4 cache quantized into new tensors) drops the graph, and the next
-  steps warm up and capture again. The sampler's copy refreshes its NVFP4 caches in place
-  (:func:`~triage.kernels.capture.keep_weight_addresses`), so one capture serves every weight sync.
+  one it was captured under (every parameter, buffer and NVFP4 weight cache at the same address, the
+  configs, train/eval mode, PEFT adapter switches, host-read decode scales): checked after each call's
+  prefill, which refreshes the NVFP4 weight caches. Values written in place (a weight sync into the sampler
+  copy, an optimizer step on the trainer's model) are read by the replay; anything reallocated (a rebuilt
+  copy, an NVFP4 cache quantized into new tensors) or changed in Python drops the graph, and the next steps
+  warm up and capture again. The sampler's copy refreshes its NVFP4 caches in place
+  (:func:`~triage.kernels.capture.keep_weight_addresses`), so one capture serves every weight sync, except
+  where a sync changes a config (``fused_weight_scale="shared"``: new static weight scales) or a host-read
+  scale (more than ``SMALL_M`` rows per decode step with static activation scales: cuBLAS alpha GEMMs).
 * compiled (``compile_decode=True``): the step's forward goes through ``torch.compile`` (inductor; static
   shapes), so that the norms, RoPE, activations and residual adds of an eager Hugging Face layer fuse into
   fewer kernels; the NVFP4 layers are one custom op each (``triage::nvfp4_linear``,
@@ -32,7 +37,8 @@ resets the cache in place, prefills and replays at once:
   and its graph's private memory pool between calls, while the learner trains; ``HFSampler(keep_decode=False)``
   frees them at the end of every call instead (each call then captures anew).
 * bits: a call on a kept state computes what a call on a fresh state computes (the cache is zeroed, the fp8
-  KV scales recalibrated in place on the prefill, the same length); a replay runs the captured kernels,
+  KV scales recalibrated in place on the prefill, the same length), except that with a kept graph its first
+  decode step is a replay where a new graph runs that step eagerly; a replay runs the captured kernels,
   which need not be the eager ones bit for bit (docs/benchmarks.md saw equal bits at decode batch ≤ 16 on a
   10M-parameter model, not at 128, nor at batch 16 at Qwen3-4B width).
 """
@@ -226,6 +232,7 @@ class DecodeGraphs:
 
     def __init__(self) -> None:
         self.states: OrderedDict[tuple, StaticDecode] = OrderedDict()
+        self._watched: set[int] = set()  # ids of the models a finalizer drops the states of
 
     def clear(self) -> None:
         self.states.clear()
@@ -241,12 +248,26 @@ class DecodeGraphs:
         compiled: bool = False,
     ) -> StaticDecode:
         """The kept state of this shape, or a new one (dropping the oldest beyond :data:`KEPT` first)."""
-        key = (id(model), batch, length, fmt, graph, cache_name, model.config._attn_implementation, compiled)
+        param = next(model.parameters())
+        autocast = torch.is_autocast_enabled(param.device.type)
+        key = (id(model), batch, length, fmt, graph, cache_name, model.config._attn_implementation, compiled,
+               param.dtype, param.device, autocast and torch.get_autocast_dtype(param.device.type))  # fmt: skip
         state = self.states.pop(key, None)
         if state is None or state.model is not model:
             while len(self.states) >= KEPT:
                 self.states.popitem(last=False)
             state = StaticDecode(model, batch, length, fmt, graph, cache_name, compiled)
-            weakref.finalize(model, self.states.pop, key, None)  # a freed model's states go with it
+            if id(model) not in self._watched:  # a freed model's states go with it
+                self._watched.add(id(model))
+                weakref.finalize(model, _forget_model, weakref.ref(self), id(model))
         self.states[key] = state
         return state
+
+
+def _forget_model(graphs: weakref.ref, model_id: int) -> None:
+    """A model was freed: drop its states from the :class:`DecodeGraphs` (if that still exists)."""
+    kept = graphs()
+    if kept is not None:
+        kept._watched.discard(model_id)
+        for key in [k for k in kept.states if k[0] == model_id]:
+            del kept.states[key]

@@ -52,7 +52,7 @@ from typing import Any, Literal
 import torch
 
 from .base import RANK_SEED_STRIDE, SamplerSource, SamplingParams, trainer_rank
-from .graphs import DecodeGraphs, static_cache_length
+from .graphs import DecodeGraphs, StaticDecode, static_cache_length
 from .kvcache import kv_format
 
 
@@ -145,6 +145,7 @@ def sample_with_kv_cache(
     decode: str = "dynamic",
     decode_state: DecodeGraphs | None = None,
     compile_decode: bool = False,
+    cache_width: int | None = None,
 ) -> dict[str, list[list]]:
     """Sample one completion per prompt with left padding and an incremental KV cache.
 
@@ -162,7 +163,9 @@ def sample_with_kv_cache(
     ``decode_state``: a :class:`~triage.trainers.sampling.graphs.DecodeGraphs` whose static cache, buffers and graph
     the static paths reuse from earlier calls of the same shape and leave for later ones (None: built for this
     call alone). ``compile_decode``: the static paths' decode step through ``torch.compile``
-    (:mod:`triage.trainers.sampling.graphs`); the dynamic path ignores it.
+    (:mod:`triage.trainers.sampling.graphs`); the dynamic path ignores it. ``cache_width``: size the static
+    cache for prompts this wide at least (``HFSampler`` passes its call's widest prompt, so that every chunk of
+    a call shares one cache length, hence one kept state per chunk size).
 
     Returns ``{"completion_ids", "logprobs"}``; a completion ends with (and includes) the first EOS id, or stops
     at ``params.max_new_tokens``. A finished row keeps being fed ``pad_id`` until the first check after every
@@ -197,10 +200,12 @@ def sample_with_kv_cache(
     keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(base.forward).parameters else {}
     static = decode != "dynamic"
     if static:
-        length = static_cache_length(width, params.max_new_tokens)
-        state = (decode_state if decode_state is not None else DecodeGraphs()).state(
-            model, batch, length, fmt, decode == "cuda_graph", cache_name, compile_decode
-        )
+        length = static_cache_length(max(width, cache_width or 0), params.max_new_tokens)
+        shape = (batch, length, fmt, decode == "cuda_graph", cache_name, compile_decode)
+        if decode_state is not None:
+            state = decode_state.state(model, *shape)
+        else:  # this call's alone: freed with it
+            state = StaticDecode(model, *shape)
         cache = state.begin(mask)
     else:
         cache = _new_cache(model, kv_cache_dtype, attention_mask=mask)
@@ -497,6 +502,7 @@ class HFSampler(SamplerSource):
         device = next(model.parameters()).device
         generator = self._generator_for(device)
         step = self.batch_size or max(len(prompt_ids), 1)
+        widest = max((len(p) for p in prompt_ids), default=0)
         result = {"completion_ids": [], "logprobs": []}
         was_training = model.training
         model.eval()
@@ -514,6 +520,7 @@ class HFSampler(SamplerSource):
                     decode=self.decode,
                     decode_state=self.decode_graphs if self.keep_decode else None,
                     compile_decode=self.compile_decode,
+                    cache_width=widest,
                 )
                 for k in result:
                     result[k].extend(part[k])

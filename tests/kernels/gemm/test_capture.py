@@ -113,3 +113,37 @@ def test_the_key_refreshes_a_stale_weight_cache_first():
     with torch.no_grad():
         layer(torch.randn(2, 32))
     assert graph_key(layer) == key
+
+
+def test_a_host_read_decode_scale_is_in_the_key_by_value():
+    """A cuBLAS-alpha GEMM (more than SMALL_M rows) reads W_q's decode scale to the host and a capture bakes
+    it in: an in-place refresh that changes it changes the key (the graph is captured anew)."""
+    torch.manual_seed(0)
+    layer = NVFP4Linear(32, 16, config=CFG)
+    keep_weight_addresses(layer)
+    with torch.no_grad():
+        layer(torch.randn(2, 32))
+    entry = layer._weight_cache.entry
+    entry.host_scale()  # what a large forward reads
+    key = graph_key(layer)
+    layer.load_state_dict({k: 1.5 * v for k, v in layer.state_dict().items()})
+    assert graph_key(layer) != key  # refreshed in place: the scale is unread (None) until a large forward
+    assert layer._weight_cache.entry is entry and entry.scale_host is None
+    entry.host_scale()
+    assert graph_key(layer) != key
+
+
+def test_train_mode_and_peft_switches_are_in_the_key():
+    from peft import LoraConfig, get_peft_model
+
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16))
+    model = get_peft_model(model, LoraConfig(r=2, target_modules=["0"]))
+    model.eval()
+    key = graph_key(model)
+    model.train()
+    assert graph_key(model) != key
+    model.eval()
+    assert graph_key(model) == key
+    with model.disable_adapter():
+        assert graph_key(model) != key
+    assert graph_key(model) == key

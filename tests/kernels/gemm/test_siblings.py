@@ -380,3 +380,16 @@ def test_compiled_layers_still_run_their_groups(kind, launches):
     torch.testing.assert_close(
         y, eager, atol=2e-3, rtol=2e-3
     )  # elementwise ops may fuse (no fp16 rounding between)
+
+
+def test_compiled_layers_with_autograd_compute_alone_as_eager_ones_do(launches):
+    """With autograd (a compiled training step) every NVFP4Linear computes alone, as in eager code: the op is
+    told by its call site (inside an op's implementation grad is always off)."""
+    block = _block("nvfp4")
+    x = torch.randn(2, 64, device=device(), dtype=torch.float16, requires_grad=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend="aot_eager" if device().type == "cpu" else "inductor")
+    launches.clear()
+    compiled(x).sum().backward()
+    block(x).sum().backward()
+    assert launches == []
