@@ -147,3 +147,35 @@ def test_train_mode_and_peft_switches_are_in_the_key():
     with model.disable_adapter():
         assert graph_key(model) != key
     assert graph_key(model) == key
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows", [16, 128])  # the decode kernel (device scales) / cuBLAS alpha (a host scale)
+def test_a_kept_graph_replays_a_refreshed_weight_or_its_key_changes(rows):
+    """After an in-place refresh a captured forward either reads the new weight (same key, replay == eager) or,
+    where the capture baked the old decode scale in (a cuBLAS alpha GEMM), the key changed."""
+    torch.manual_seed(0)
+    static = QuantRecipe(scale_source="static", static_amax=4.0)
+    layer = NVFP4Linear(1024, 1024, config=NVFP4LinearConfig(activation=static)).cuda().to(torch.bfloat16)
+    keep_weight_addresses(layer)
+    x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        layer(x)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            layer(x)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = layer(x)
+        key = graph_key(layer)
+        layer.load_state_dict({k: v * 1.5 for k, v in layer.state_dict().items()})
+        eager = layer(x)
+        graph.replay()
+        torch.cuda.synchronize()
+    if rows <= 64:
+        assert graph_key(layer) == key and torch.equal(out, eager)
+    else:
+        assert layer._weight_cache.entry.scale_host is not None and graph_key(layer) != key
