@@ -37,8 +37,11 @@ def graph_key(model: nn.Module) -> tuple:
     parts: list = []
     for module in model.modules():
         parts.append(module.training)
-        if hasattr(module, "active_adapters"):  # a PEFT layer: which adapters run, merged or not
-            parts.append(_adapters(module))
+        active = getattr(module, "active_adapters", None)
+        if active is not None and not callable(
+            active
+        ):  # a PEFT layer (a property; transformers' is a method)
+            parts.append(_adapters(module, active))
         for group in (module._parameters, module._buffers):
             for name, t in group.items():
                 if t is not None:
@@ -63,11 +66,13 @@ def keep_weight_addresses(model: nn.Module) -> int:
     return n
 
 
-def _adapters(module: nn.Module) -> tuple:
-    """A PEFT tuner layer's Python switches a capture bakes in: active, disabled, merged adapters."""
-    active = module.active_adapters
+def _adapters(module: nn.Module, active) -> tuple:
+    """A PEFT tuner layer's Python switches a capture bakes in: active, disabled, merged adapters (names and
+    flags only: the key must not hold the module, or a kept state would keep its model alive)."""
+    disabled = getattr(module, "disable_adapters", None)
+    merged = getattr(module, "merged_adapters", None)
     return (
-        tuple(active) if isinstance(active, (list, tuple)) else active,
-        getattr(module, "disable_adapters", None),
-        tuple(getattr(module, "merged_adapters", ()) or ()),
+        tuple(str(a) for a in active) if isinstance(active, (list, tuple)) else str(active),
+        None if callable(disabled) else bool(disabled),
+        tuple(str(a) for a in merged) if isinstance(merged, (list, tuple)) else None,
     )

@@ -1322,7 +1322,8 @@ class NVFP4Linear(nn.Linear):
         # scale_host: the decode scale a cuBLAS-alpha GEMM (more than SMALL_M rows) read to the host and a
         # capture baked in as a constant; an in-place refresh resets it and the next large forward reads the
         # new one (a changed key: the graph is captured anew)
-        return (self.config, self._siblings, w.scale_host, *_tensor_addresses(_entry_tensors(w)))
+        host = None if w.scale_host is None else float(w.scale_host).hex()  # NaN equals NaN
+        return (self.config, self._siblings, host, *_tensor_addresses(_entry_tensors(w)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:

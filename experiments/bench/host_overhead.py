@@ -119,7 +119,8 @@ def _linear_calls(module, shape, dtype):
 
 def _op_args(layer) -> tuple:
     """The arguments after ``x`` with which ``layer.forward`` calls the ``triage::nvfp4_linear`` op."""
-    return layer.weight, layer.bias, layer._op_id, layer.config.backward == "nvfp4-backward"
+    grad_free = not torch.is_grad_enabled()
+    return layer.weight, layer.bias, layer._op_id, layer.config.backward == "nvfp4-backward", grad_free
 
 
 def make_case(shape, backward: str, act_scale: str, dtype):

@@ -131,7 +131,7 @@ def test_a_kept_graph_is_captured_once_and_again_when_an_address_changes(tiny_mo
     finally:
         hook.remove()
     (state,) = kept.states.values()
-    assert state.step.captures == 1
+    assert state.graph_step.captures == 1
 
 
 @pytest.mark.gpu
@@ -166,7 +166,7 @@ def test_one_kept_cuda_graph_serves_every_weight_sync(tiny_model, precision):
         outs.append(kept)
     assert outs[0] != outs[-1]  # the weights moved and the kept graph followed them
     (state,) = samplers[0].decode_graphs.states.values()
-    assert state.step.captures == 1 and state.calls == 3
+    assert state.graph_step.captures == 1 and state.calls == 3
 
 
 def test_a_kept_state_does_not_keep_its_model_alive(tiny_model):
@@ -218,25 +218,39 @@ def test_a_compiled_decode_step_samples_what_the_eager_one_does(tiny_model, prec
     assert counts["stats"]["unique_graphs"] >= 1 and not counts["graph_break"]
 
 
-def test_nothing_outlives_a_call_without_kept_states_nor_a_dropped_sampler(tiny_model):
+@pytest.mark.parametrize("decode", ["static", "cuda_graph"])
+def test_nothing_outlives_a_call_without_kept_states_nor_a_dropped_sampler(tiny_model, decode, fake_graphs):
+    """Freed by reference counting alone (the cycle collector off): a call's own state at its end, a
+    sampler's states with the sampler, a model's states with the model (no key or step holds it)."""
     import gc
     import weakref
 
     def live_states():
-        gc.collect()
         return sum(isinstance(o, g.StaticDecode) for o in gc.get_objects())
 
-    before = live_states()
-    _run(tiny_model, SHORT, None)
-    sampler = HFSampler(tiny_model, params=PARAMS, seed=1, decode="static", keep_decode=False)
-    sampler.generate(SHORT)
-    assert live_states() == before
-    sampler = HFSampler(tiny_model, params=PARAMS, seed=1, decode="static")
-    sampler.generate(SHORT)
-    assert live_states() == before + 1
-    kept = weakref.ref(sampler.decode_graphs)
-    del sampler
-    assert live_states() == before and kept() is None  # the model lives on; the sampler's states went with it
+    gc.collect()
+    gc.disable()
+    try:
+        before = live_states()
+        sample_with_kv_cache(tiny_model, SHORT, PARAMS, [], pad_id=0, decode=decode)
+        sampler = HFSampler(tiny_model, params=PARAMS, seed=1, decode=decode, keep_decode=False)
+        sampler.generate(SHORT)
+        assert live_states() == before
+        sampler = HFSampler(tiny_model, params=PARAMS, seed=1, decode=decode)
+        sampler.generate(SHORT)
+        assert live_states() == before + 1
+        kept = weakref.ref(sampler.decode_graphs)
+        del sampler
+        assert live_states() == before and kept() is None  # the model lives on; the sampler's states went
+        model = copy.deepcopy(tiny_model)
+        sampler = HFSampler(model, params=PARAMS, seed=1, decode=decode)
+        sampler.generate(SHORT)
+        gone = weakref.ref(model)
+        sampler.model = None
+        del model
+        assert gone() is None and not sampler.decode_graphs.states
+    finally:
+        gc.enable()
 
 
 def test_a_model_cast_between_calls_gets_a_state_of_its_dtype(tiny_model):

@@ -162,7 +162,8 @@ class StaticDecode:
         self.position = torch.zeros((batch, 1), dtype=torch.long, device=device)
         self.mask4: torch.Tensor | None = None  # built on the first call: its dtype is the logits'
         self.on = self.off = None
-        self.step = GraphStep(self._forward) if graph else self._forward
+        forward = weakref.WeakMethod(self._forward)  # no cycle: a state is freed as soon as it is dropped
+        self.graph_step = GraphStep(lambda: forward()()) if graph else None
         self.weights: tuple | None = None  # graph_key(model) the graph was captured under
         self.calls = 0
         self.compiled = compiled
@@ -203,25 +204,31 @@ class StaticDecode:
         if self.mask4 is None or self.mask4.dtype != mask_dtype:  # new, or the logits' dtype changed
             self.on, self.off = (0.0, torch.finfo(dtype).min) if additive else (True, False)
             self.mask4 = torch.empty((batch, 1, 1, self.length), dtype=mask_dtype, device=self.token.device)
-            if isinstance(self.step, GraphStep):
-                self.step.reset()  # a graph would read the old mask
+            if self.graph_step is not None:
+                self.graph_step.reset()  # a graph would read the old mask
         self.mask4.fill_(self.off)
         self.mask4[:, 0, 0, :width].masked_fill_(attention_mask.bool(), self.on)
         self.position.copy_(next_position[:, None])
-        if isinstance(self.step, GraphStep):
+        if self.graph_step is not None:
             from triage.kernels.capture import graph_key
 
-            weights = graph_key(self.model)
-            if weights != self.weights:
-                self.step.reset()
-                self.weights = weights
+            if graph_key(self.model) != self.weights:
+                self.graph_step.reset()
 
     def advance(self, token: torch.Tensor, written: int) -> torch.Tensor:
         """One decode step: feed ``token`` (B,), switch on the key position it is written to, return the
         logits of the next position."""
         self.token.copy_(token[:, None])
         self.mask4[:, 0, 0, written] = self.on
-        logits = self.step()
+        step = self.graph_step
+        if step is None:
+            logits = self._forward()
+        else:
+            logits = step()
+            if step.calls == 2:  # captured just now (or failed to): the key of what it read, as it read it
+                from triage.kernels.capture import graph_key
+
+                self.weights = graph_key(self.model)
         self.position.add_(1)
         return logits
 
@@ -236,6 +243,9 @@ class DecodeGraphs:
 
     def clear(self) -> None:
         self.states.clear()
+
+    def __reduce__(self):
+        return DecodeGraphs, ()  # a copy or a pickle starts empty (the states are this process's GPU memory)
 
     def state(
         self,
