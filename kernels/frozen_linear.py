@@ -385,12 +385,8 @@ class FrozenNVFP4Linear(nn.Module):
         from triage.kernels.linear import quantize_input
 
         expanded, plan = self._x_plan(x)
-        xq = quantize_input(
-            x, cfg.activation, cfg.quant_backend, expanded=expanded, plan=plan, share=cfg.share_inputs
-        )
-        gemm = mm.gemm_plan(
-            xq, self.quantized_weight(), out_dtype=x.dtype, bias=self.bias, backend=cfg.gemm_backend
-        )
+        xq = quantize_input(x, cfg.activation, cfg.quant_backend, expanded=expanded, plan=plan, share=cfg.share_inputs)
+        gemm = mm.gemm_plan(xq, self.quantized_weight(), out_dtype=x.dtype, bias=self.bias, backend=cfg.gemm_backend)
         return gemm.decode_activation(xq)
 
     def _x_plan(self, x: torch.Tensor) -> tuple:

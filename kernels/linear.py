@@ -212,9 +212,7 @@ def nonfinite_scale(q: NVFP4Tensor, source: torch.Tensor) -> torch.Tensor:
     g, amax = q.global_scale, q.amax
     rotated = q.recipe.hadamard and q.recipe.scale_source == "dynamic" and amax is not None
     if row_local(q.recipe) and tuple(source.shape) == tuple(q.shape):
-        peak = torch.linalg.vector_norm(
-            source.detach(), float("inf"), dim=-1, keepdim=True, dtype=torch.float32
-        )
+        peak = torch.linalg.vector_norm(source.detach(), float("inf"), dim=-1, keepdim=True, dtype=torch.float32)
         g = torch.add(g, peak.reshape(g.shape), alpha=0)
         return torch.add(g, amax.reshape(g.shape), alpha=0) if rotated else g
     peak = torch.linalg.vector_norm(source.detach(), float("inf"), dtype=torch.float32)  # NaN/Inf iff one
@@ -484,9 +482,7 @@ def _quantize_t(
     from triage.kernels.nvfp4.quantize_columns import quantize_columnwise
 
     emit = torch.bfloat16 if expanded else None
-    return nan_if_nonfinite(
-        quantize_columnwise(x, recipe, backend=backend, seed=seed, emit_expanded=emit), x.t()
-    )
+    return nan_if_nonfinite(quantize_columnwise(x, recipe, backend=backend, seed=seed, emit_expanded=emit), x.t())
 
 
 def _columns_plan(
@@ -1297,9 +1293,7 @@ class NVFP4Linear(nn.Linear):
             x, config.activation, config.quant_backend, expanded=plan.act_expanded, plan=plan.x_plan,
             share=config.share_inputs,
         )  # fmt: skip
-        gemm = plan.gemm_plan(
-            "fwd", xq, w.quantized, out_dtype=x.dtype, bias=self.bias, b_scale_host=w.host_scale
-        )
+        gemm = plan.gemm_plan("fwd", xq, w.quantized, out_dtype=x.dtype, bias=self.bias, b_scale_host=w.host_scale)
         return gemm.decode_activation(xq)
 
     def _decode_weight(self) -> tuple:

@@ -105,10 +105,7 @@ class SiblingGroup:
         xa, g_a, _ = act
         weights = [m._decode_weight() for m in self.members]
         widths = [int(w.shape[0]) for w, _, _ in weights]
-        if (
-            len({w.data.shape[-1] for w, _, _ in weights}) != 1
-            or len({_dtype(b) for _, b, _ in weights}) != 1
-        ):
+        if len({w.data.shape[-1] for w, _, _ in weights}) != 1 or len({_dtype(b) for _, b, _ in weights}) != 1:
             return None
         if any(w.data.device != x.device or (b is not None and b.device != x.device) for w, b, _ in weights):
             return None  # a member moved (offloaded, another device): each computes alone, as it would
@@ -119,9 +116,7 @@ class SiblingGroup:
         if separate:
             outs = [torch.empty((rows, n), dtype=x.dtype, device=x.device) for n in widths]
         else:
-            align = max(
-                1, 16 // x.element_size()
-            )  # every output starts 16-byte aligned, as an allocation does
+            align = max(1, 16 // x.element_size())  # each output 16-byte aligned, as an allocation is
             sizes = [-(-rows * n // align) * align for n in widths]
             flat = torch.empty(sum(sizes), dtype=x.dtype, device=x.device)
             outs, start = [], 0

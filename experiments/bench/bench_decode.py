@@ -54,28 +54,16 @@ import torch
 
 SHAPES = {
     "testbed": dict(
-        hidden_size=384,
-        intermediate_size=1152,
-        num_hidden_layers=6,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        head_dim=64,
+        hidden_size=384, intermediate_size=1152, num_hidden_layers=6, num_attention_heads=6,
+        num_key_value_heads=2, head_dim=64,
     ),
     "qwen3-4b-width": dict(
-        hidden_size=2560,
-        intermediate_size=9728,
-        num_hidden_layers=4,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
+        hidden_size=2560, intermediate_size=9728, num_hidden_layers=4, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128,
     ),
     "qwen3-4b": dict(
-        hidden_size=2560,
-        intermediate_size=9728,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
+        hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128,
     ),
 }
 
@@ -103,9 +91,7 @@ def build(shape: str, precision: str):
         convert(model, NVFP4Config.from_recipe(recipe))
     elif precision == "nvfp4-unshared":
         config = NVFP4Config.from_recipe(recipe)
-        convert(
-            model, dataclasses.replace(config, linear=dataclasses.replace(config.linear, share_inputs=False))
-        )
+        convert(model, dataclasses.replace(config, linear=dataclasses.replace(config.linear, share_inputs=False)))
     elif precision == "w4a16":
         convert(model, NVFP4Config.from_recipe(recipe, frozen="w4a16"))
     elif precision != "bf16":
@@ -195,10 +181,8 @@ def replay_step(model, prompts, new: int, title: str) -> dict:
         raise RuntimeError(f"--replay ({title}): the decode step was not captured")
     gpu_us = statistics.median(s.elapsed_time(e) * 1e3 for s, e, _ in timed)
     host_us = statistics.median(h * 1e6 for _, _, h in timed)
-    print(
-        f"  replay ({title}): {gpu_us:.1f} µs GPU per replay, host {host_us:.1f} µs per replay() call "
-        f"(medians over the call's {len(timed)} replays)"
-    )
+    print(f"  replay ({title}): {gpu_us:.1f} µs GPU per replay, host {host_us:.1f} µs per replay() call "
+          f"(medians over the call's {len(timed)} replays)")
     return dict(gpu_us=gpu_us, host_us=host_us, replays=len(timed))
 
 
@@ -240,9 +224,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--precisions", default="bf16,nvfp4", help=f"comma list of {PRECISIONS}")
     ap.add_argument("--decodes", default="dynamic,static,cuda_graph")
-    ap.add_argument(
-        "--compile", action="store_true", help="torch.compile each model's decode step (module doc)"
-    )
+    ap.add_argument("--compile", action="store_true", help="torch.compile each model's decode step (module doc)")
     ap.add_argument(
         "--marginal",
         action="store_true",
@@ -302,49 +284,29 @@ def main(argv=None) -> int:
                             for _ in range(args.reps)
                         )
                         marginal[decode] = (times[decode] - half) / (args.new - args.new // 2)
-                same = (
-                    outs["cuda_graph"] == outs["static"] if {"cuda_graph", "static"} <= outs.keys() else None
-                )
-                kept = (
-                    outs["kept_graph"] == outs["cuda_graph"]
-                    if {"kept_graph", "cuda_graph"} <= outs.keys()
-                    else None
-                )
+                same = outs["cuda_graph"] == outs["static"] if {"cuda_graph", "static"} <= outs.keys() else None
+                both = {"kept_graph", "cuda_graph"} <= outs.keys()
+                kept = outs["kept_graph"] == outs["cuda_graph"] if both else None
                 ok &= same is not False and kept is not False
                 agree = (
                     sum(
                         a == b
                         for ra, rb in zip(outs["dynamic"]["completion_ids"], outs["static"]["completion_ids"])
                         for a, b in zip(ra, rb)
-                    )
-                    / (batch * args.new)
-                    if {"dynamic", "static"} <= outs.keys()
-                    else float("nan")
+                    ) / (batch * args.new)
+                    if {"dynamic", "static"} <= outs.keys() else float("nan")
                 )
                 for decode, t in times.items():
-                    rows.append(
-                        dict(
-                            shape=shape,
-                            precision=precision,
-                            batch=batch,
-                            decode=decode,
-                            seconds=t,
-                            tok_s=batch * args.new / t,
-                            reruns_identical=rerun[decode],
-                            marginal_ms_per_step=marginal[decode] * 1e3 if decode in marginal else None,
-                        )
-                    )
+                    rows.append(dict(shape=shape, precision=precision, batch=batch, decode=decode,
+                                     seconds=t, tok_s=batch * args.new / t, reruns_identical=rerun[decode],
+                                     marginal_ms_per_step=marginal[decode] * 1e3 if decode in marginal else None))
                 print(
                     f"{shape:15s} {precision:5s} B={batch:<4d} "
                     + "  ".join(f"{d} {batch * args.new / t:9.0f} tok/s" for d, t in times.items())
                     + f"  | graph==static: {same}, kept==graph: {kept}, dynamic/static token agreement {agree:.3f}"
-                    + ", reruns identical: "
-                    + ", ".join(f"{d} {r}" for d, r in rerun.items())
-                    + "".join(
-                        f"\n    {d}: marginal {m * 1e3:.3f} ms/step ({batch / m:.0f} tok/s), fixed per call "
-                        f"{(times[d] - m * args.new) * 1e3:.1f} ms"
-                        for d, m in marginal.items()
-                    )
+                    + ", reruns identical: " + ", ".join(f"{d} {r}" for d, r in rerun.items())
+                    + "".join(f"\n    {d}: marginal {m * 1e3:.3f} ms/step ({batch / m:.0f} tok/s), fixed per call "
+                              f"{(times[d] - m * args.new) * 1e3:.1f} ms" for d, m in marginal.items())
                 )
                 if args.replay:
                     try:
@@ -367,9 +329,7 @@ def main(argv=None) -> int:
         r["vs_bf16_same_decode"] = r["tok_s"] / same_loop if same_loop else None
         r["vs_bf16_dynamic"] = r["tok_s"] / dynamic if dynamic else None
         cells = [f"{v:6.2f}x" if v else "     -" for v in (r["vs_bf16_same_decode"], r["vs_bf16_dynamic"])]
-        print(
-            f"  {r['shape']:15s} {r['precision']:5s} B={r['batch']:<4d} {r['decode']:10s} {cells[0]} | {cells[1]}"
-        )
+        print(f"  {r['shape']:15s} {r['precision']:5s} B={r['batch']:<4d} {r['decode']:10s} {cells[0]} | {cells[1]}")
     with open(args.json, "w") as f:
         json.dump({"torch": torch.__version__, "device": torch.cuda.get_device_name(), "args": vars(args),
                    "graph_equals_static_and_kept": ok, "rows": rows,

@@ -120,13 +120,7 @@ class QuantOutputs:
 
     @classmethod
     def empty(
-        cls,
-        lead: tuple,
-        length: int,
-        outer_shape: tuple,
-        write_amax: bool,
-        emit_expanded: torch.dtype | None,
-        device,
+        cls, lead: tuple, length: int, outer_shape: tuple, write_amax: bool, emit_expanded: torch.dtype | None, device
     ) -> QuantOutputs:
         enc = torch.empty(outer_shape, dtype=torch.float32, device=device)
         return cls(

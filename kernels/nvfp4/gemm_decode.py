@@ -419,15 +419,7 @@ def launch_decode(
     if M > 64:
         raise ValueError(f"launch_decode handles M <= 64, got M={M}")
     launch = decode_launch(
-        M,
-        N,
-        K,
-        w_scale.shape[-1],
-        x.dtype,
-        out.dtype,
-        split_k=split_k,
-        config=config,
-        fused_reduce=fused_reduce,
+        M, N, K, w_scale.shape[-1], x.dtype, out.dtype, split_k=split_k, config=config, fused_reduce=fused_reduce
     )
     return launch.run(x, w, w_scale, out, g_a, g_b, bias, counters)
 
@@ -519,11 +511,7 @@ class DecodeLaunch:
             x = x.contiguous()
         w32, w_scale = _words(w, w_scale)
         split, dummy = self.split, out
-        part = (
-            torch.empty((split, self.M, self.N), device=out.device, dtype=torch.float32)
-            if split > 1
-            else dummy
-        )
+        part = torch.empty((split, self.M, self.N), device=out.device, dtype=torch.float32) if split > 1 else dummy
         cnt = self._counters(out.device, counters) if split > 1 and self.fused else None
         _decode_kernel[self.grid](
             x, w32, w_scale, out, part, cnt if cnt is not None else dummy,
@@ -549,11 +537,7 @@ class DecodeLaunch:
         for j, ((wj, sj), out) in enumerate(zip(words, outs)):
             if wj.stride(0) != w32.stride(0) or sj.stride(0) != ws.stride(0):
                 raise ValueError(f"run_group: member {j}'s weight rows are strided unlike member 0's")
-            if (
-                tuple(out.shape) != (self.M, self.members[j])
-                or not out.is_contiguous()
-                or out.dtype != outs[0].dtype
-            ):
+            if tuple(out.shape) != (self.M, self.members[j]) or not out.is_contiguous() or out.dtype != outs[0].dtype:
                 raise ValueError(
                     f"run_group: member {j}'s output must be a contiguous {outs[0].dtype} "
                     f"[{self.M}, {self.members[j]}], got {out.dtype} {tuple(out.shape)}"
@@ -563,11 +547,7 @@ class DecodeLaunch:
         if len(modes) != 1 or len({None if b is None else b.dtype for b in biases}) != 1:
             raise ValueError("run_group: the members' outer scales (g_b) and biases must be of one kind")
         npart = self.tiles * self.kwargs["BN"]
-        part = (
-            torch.empty((self.split, self.M, npart), device=x.device, dtype=torch.float32)
-            if self.split > 1
-            else outs[0]
-        )
+        part = torch.empty((self.split, self.M, npart), device=x.device, dtype=torch.float32) if self.split > 1 else outs[0]
         cnt = self._counters(x.device, counters) if self.split > 1 else outs[0]
         extra = {}
         for j in range(1, len(members)):

@@ -43,9 +43,7 @@ from triage.kernels.nvfp4.device import (
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
-def dot_dtypes(
-    a_dtype: torch.dtype, a_packed: bool, b_dtype: torch.dtype, b_packed: bool, what: str
-) -> tuple:
+def dot_dtypes(a_dtype: torch.dtype, a_packed: bool, b_dtype: torch.dtype, b_packed: bool, what: str) -> tuple:
     """``(DOT_DTYPE, INPUT_PRECISION)`` of a ``tl.dot`` over operands of dtypes ``a_dtype`` and ``b_dtype``
     (packed or dense): the dense operands' dtype (they must share one; fp16 when both are packed:
     ``q·s·2⁻¹⁴`` is exact there), "ieee" precision for fp32, "tf32" otherwise (which 16-bit dots ignore).
@@ -320,16 +318,7 @@ def launch_gemm(
     """
     M, N = out.shape
     launch = dense_launch(
-        M,
-        N,
-        K,
-        a.dtype,
-        a_scale is not None,
-        b.dtype,
-        b_scale is not None,
-        out.dtype,
-        split_k=split_k,
-        config=config,
+        M, N, K, a.dtype, a_scale is not None, b.dtype, b_scale is not None, out.dtype, split_k=split_k, config=config
     )
     return launch.run(a, a_scale, b, b_scale, out, g_a, g_b, bias)
 
@@ -353,11 +342,7 @@ class DenseLaunch:
         """:func:`launch_gemm` for operands of the planned shapes, dtypes and packing."""
         dummy = out  # never dereferenced when the matching constexpr switch is off
         split = self.split
-        ws = (
-            torch.empty((split, self.M, self.N), device=out.device, dtype=torch.float32)
-            if split > 1
-            else dummy
-        )
+        ws = torch.empty((split, self.M, self.N), device=out.device, dtype=torch.float32) if split > 1 else dummy
         _gemm_kernel[self.grid](
             a, a_scale if a_scale is not None else dummy, b, b_scale if b_scale is not None else dummy, out, ws,
             g_a if g_a is not None else dummy, g_b if g_b is not None else dummy,

@@ -413,13 +413,7 @@ def gemm(
     (:func:`gemm_plan`); a call looks it up and runs it.
     """
     plan = gemm_plan(
-        a,
-        b,
-        out_dtype=out_dtype,
-        bias=bias,
-        backend=backend,
-        b_expanded=b_expanded,
-        b_scale_host=b_scale_host,
+        a, b, out_dtype=out_dtype, bias=bias, backend=backend, b_expanded=b_expanded, b_scale_host=b_scale_host
     )
     return plan.run(a, b, bias=bias, b_expanded=b_expanded, b_scale_host=b_scale_host, out=out)
 
@@ -512,9 +506,7 @@ class GemmPlan:
     out_dtype: torch.dtype
     device: torch.device
     route: str
-    launch: (
-        object  # the Triton kernel's launch plan (decode: DecodeLaunch; dense, fused: DenseLaunch) or None
-    )
+    launch: object  # the Triton kernel's launch plan (decode: DecodeLaunch; dense, fused: DenseLaunch) or None
     ga_len: int  # 1 (per tensor) or M (per row)
     gb_len: int  # 1 or N
     a_cached: torch.dtype | None  # the dtype of a.expanded where it has the expansion's shape, else None
@@ -556,9 +548,7 @@ class GemmPlan:
                 ha = self.a_host if self.a_host is not None else float(a.global_scale.reshape(-1)[0])
                 hb = self.b_host if self.b_host is not None else _host_scale(b, b_scale_host)
                 fixed = ([g_a] if self.nan_a else []) + ([g_b] if self.nan_b else [])
-                _alpha_mm(
-                    xa, wb, _fp32_product(ha, hb), _with_device_nan(bias, fixed, N, self.out_dtype), out
-                )
+                _alpha_mm(xa, wb, _fp32_product(ha, hb), _with_device_nan(bias, fixed, N, self.out_dtype), out)
             else:
                 with _fp32_reduction():
                     out.copy_(_scaled_epilogue(_mm_fp32(xa, wb), g_a, g_b, bias, self.out_dtype))

@@ -99,7 +99,9 @@ def _token(
     else:
         s = tl.where(l < L, l, -1)
     m = (s >= 0)[:, None] & cmask[None, :]
-    return widen(tl.load(x_ptr + s.to(tl.int64)[:, None] * sx0 + c64[None, :] * sx1, mask=m, other=0), ROUND)
+    return widen(
+        tl.load(x_ptr + s.to(tl.int64)[:, None] * sx0 + c64[None, :] * sx1, mask=m, other=0), ROUND
+    )
 
 
 @triton.jit
@@ -272,7 +274,9 @@ def _amax_colwise_kernel(
             m, _amax16(v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15, True)
         )  # both NaN-free
         if PROPAGATE_NAN:
-            has_nan = has_nan | _nan16(v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15)
+            has_nan = has_nan | _nan16(
+                v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15
+            )
     if PER_ROW:
         tl.atomic_max(buf_ptr + 2 * c, tl.max(m, axis=0).to(tl.int32, bitcast=True), mask=cmask)
         if PROPAGATE_NAN:
@@ -478,23 +482,17 @@ def quantize_columnwise(
         L = int(length)
     use_triton = backend == "triton" or (backend == "auto" and available(x.device))
     if not use_triton or recipe.block != "1x16":
-        check_input(
-            torch.empty((C, L), dtype=x.dtype, device="meta"), recipe, name="Y (the columnwise matrix)"
-        )
+        check_input(torch.empty((C, L), dtype=x.dtype, device="meta"), recipe, name="Y (the columnwise matrix)")
         y = columnwise_matrix(x, gather=gather, dest=dest, length=L)
         return quantize(y, recipe, backend=backend, seed=seed, emit_expanded=emit_expanded)
     check_runnable(x)
     if gather is None and dest is None and x.t().is_contiguous():
-        check_input(
-            torch.empty((C, L), dtype=x.dtype, device="meta"), recipe, name="Y (the columnwise matrix)"
-        )
+        check_input(torch.empty((C, L), dtype=x.dtype, device="meta"), recipe, name="Y (the columnwise matrix)")
         return quantize_triton(  # xᵀ is already a contiguous [C, T]: the row-major path
             x.t(), recipe, seed=seed, emit_expanded=emit_expanded
         )
     has_src = gather is not None or dest is not None
-    plan = columns_plan(
-        C, L, x.dtype, recipe, has_src, emit_expanded, block_c, block_t, num_warps, interpreting()
-    )
+    plan = columns_plan(C, L, x.dtype, recipe, has_src, emit_expanded, block_c, block_t, num_warps, interpreting())
     src = columnwise_source(T if gather is None else gather.numel(), gather=gather, dest=dest, length=L)
     return plan.run(x, seed, src)
 

@@ -140,7 +140,9 @@ def _load_blocks(
     x = widen(tl.load(ptrs, mask=(r < n_rows) & (cols < K), other=0), ROUND)
     if HADAMARD:
         M: tl.constexpr = BR * NB
-        x = tl.reshape(round_to(_rht16(tl.reshape(x, (M, 16)), M, 16, SIGNS, ROUND), ROUND), (BR, NB, 16))
+        x = tl.reshape(
+            round_to(_rht16(tl.reshape(x, (M, 16)), M, 16, SIGNS, ROUND), ROUND), (BR, NB, 16)
+        )
     return x
 
 
@@ -417,9 +419,9 @@ def _quantize_pairs_step(
     code, sval = block_scale(b, enc, dec, one, r6, PROFILE)
     f = block_factor(sval, enc, dec, one, PROFILE)
     if STOCHASTIC:  # the stream index mod 2^32: row base (per row) + column
-        c0 = (grow * KP).to(tl.uint32)[None, :, None] + (cb[:, None, None] * 16 + 2 * j4[None, None, :]).to(
-            tl.uint32
-        )
+        c0 = (grow * KP).to(tl.uint32)[None, :, None] + (
+            cb[:, None, None] * 16 + 2 * j4[None, None, :]
+        ).to(tl.uint32)
         ua0 = fmix32(c0 ^ keyu) >> 8
         ub0 = fmix32((c0 + 1) ^ keyu) >> 8
         ua1 = fmix32((c0 + 8) ^ keyu) >> 8
@@ -658,20 +660,12 @@ class RowsPlan:
         if self.groups:
             group_amax = torch.zeros((self.groups, 2), dtype=torch.int32, device=dev)
             if self.amax_kind == "pairs":
-                _amax_pairs_kernel[self.amax_grid](
-                    x.view(torch.int32), group_amax, *self.amax_args, **self.amax_kwargs
-                )
+                _amax_pairs_kernel[self.amax_grid](x.view(torch.int32), group_amax, *self.amax_args, **self.amax_kwargs)
             elif self.amax_kind == "tiled":
-                _amax_tiled_kernel[self.amax_grid](
-                    bits_view(x), group_amax, *self.amax_args, **self.amax_kwargs
-                )
+                _amax_tiled_kernel[self.amax_grid](bits_view(x), group_amax, *self.amax_args, **self.amax_kwargs)
             else:
-                _amax_flat_kernel[self.amax_grid](
-                    bits_view(x), group_amax, *self.amax_args, **self.amax_kwargs
-                )
-        out = QuantOutputs.empty(
-            self.lead, self.kp, self.outer_shape, self.write_amax, self.emit_expanded, dev
-        )
+                _amax_flat_kernel[self.amax_grid](bits_view(x), group_amax, *self.amax_args, **self.amax_kwargs)
+        out = QuantOutputs.empty(self.lead, self.kp, self.outer_shape, self.write_amax, self.emit_expanded, dev)
         data, expanded, enc_t = out.data, out.expanded, out.enc
         if self.pairs:  # int32 views: bf16 pairs in, 8 code bytes (two words) and bf16/fp16 pairs out
             xa, da = x.view(torch.int32), data.view(torch.int32)
@@ -721,9 +715,7 @@ def rows_plan(
     pairs = pairs and dtype == torch.bfloat16 and k == kp
     # a tile given in part is completed from the many-rows rule (the few-rows tile is one choice, all or nothing)
     default_tile = block_rows is None and block_k is None
-    br_default, nb_default, warps_default = _default_tiles(
-        recipe, kp, pairs, n if default_tile else FEW_ROWS + 1
-    )
+    br_default, nb_default, warps_default = _default_tiles(recipe, kp, pairs, n if default_tile else FEW_ROWS + 1)
     br = block_rows or br_default
     nb = block_k // 16 if block_k else nb_default
     if num_warps is None and default_tile:
@@ -735,10 +727,8 @@ def rows_plan(
     write_amax = True
     groups, amax_kind, amax_grid, amax_args, amax_kwargs = 0, "", (0, 0), (), {}
     # per tensor: from the amax pass; per row: from the kernel's own sweep (1×16 blocks: the rule is per row)
-    nonfinite = (
-        nonfinite
-        and recipe.scale_source == "dynamic"
-        and (recipe.scale == "tensor" or (recipe.scale == "row" and recipe.block == "1x16"))
+    nonfinite = nonfinite and recipe.scale_source == "dynamic" and (
+        recipe.scale == "tensor" or (recipe.scale == "row" and recipe.block == "1x16")
     )
     if recipe.scale == "row" and recipe.scale_source == "dynamic":
         mode, rows_per_outer, out_shape = OUTER_ROW, 1, gshape
@@ -749,9 +739,7 @@ def rows_plan(
         )
         if amax_kind != "flat" and num_warps is not None:  # the Hadamard amax passes run the quantizer's tile
             amax_kwargs = dict(amax_kwargs, num_warps=num_warps)
-        if (
-            nonfinite
-        ):  # the NaN flag: read by the kernel's non-finite rule (reduced_amax ignores it but for CT)
+        if nonfinite:  # the NaN flag: read by the kernel's non-finite rule (reduced_amax ignores it but for CT)
             amax_kwargs = dict(amax_kwargs, PROPAGATE_NAN=True)
         mode, rows_per_outer = OUTER_GROUP, rows // groups
         out_shape = (groups,) + (1,) * (len(shape) - 1) if recipe.scale == "expert" else ()

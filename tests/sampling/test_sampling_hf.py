@@ -115,9 +115,7 @@ def test_repetition_penalty_sees_the_completion_so_far(tiny_model, prompt_ids):
     prompt = prompt_ids[0]
     params = SamplingParams(max_new_tokens=12, repetition_penalty=1.5)
     g = torch.Generator().manual_seed(0)
-    out = sample_with_kv_cache(
-        tiny_model, [prompt], params, [], generator=g, logprobs_mode="processed", pad_id=0
-    )
+    out = sample_with_kv_cache(tiny_model, [prompt], params, [], generator=g, logprobs_mode="processed", pad_id=0)
     completion, logps = out["completion_ids"][0], out["logprobs"][0]
     penalty = RepetitionPenaltyLogitsProcessor(penalty=1.5)
     with torch.no_grad():
@@ -152,9 +150,7 @@ def test_finished_rows_are_checked_every_few_steps_without_changing_the_completi
     def gen():
         return torch.Generator().manual_seed(3)
 
-    free = sample_with_kv_cache(
-        tiny_model, prompt_ids, params, eos_ids=[], generator=gen(), pad_id=0, decode=decode
-    )
+    free = sample_with_kv_cache(tiny_model, prompt_ids, params, eos_ids=[], generator=gen(), pad_id=0, decode=decode)
     # EOS ids that end the rows early at different steps: for row r, its first token from step k on that no row
     # drew before step k (so no row stops sooner on it)
     stops = [
@@ -284,14 +280,8 @@ def test_static_cache_decode_matches_dynamic(tiny_model, tokenizer, prompt_ids, 
     eos = [tokenizer.eos_token_id]
     runs = {
         d: sample_with_kv_cache(
-            model,
-            prompt_ids,
-            params,
-            eos,
-            torch.Generator().manual_seed(3),
-            pad_id=0,
-            kv_cache_dtype=kv_cache_dtype,
-            decode=d,
+            model, prompt_ids, params, eos, torch.Generator().manual_seed(3), pad_id=0,
+            kv_cache_dtype=kv_cache_dtype, decode=d,
         )
         for d in ("dynamic", "static")
     }
@@ -301,9 +291,7 @@ def test_static_cache_decode_matches_dynamic(tiny_model, tokenizer, prompt_ids, 
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=2e-5, rtol=0)
     if kv_cache_dtype is None:
         for p, c, lp in zip(prompt_ids, runs["static"]["completion_ids"], runs["static"]["logprobs"]):
-            torch.testing.assert_close(
-                torch.tensor(lp), reforward_logprobs(model, p, c, 0.9), atol=2e-5, rtol=0
-            )
+            torch.testing.assert_close(torch.tensor(lp), reforward_logprobs(model, p, c, 0.9), atol=2e-5, rtol=0)
 
 
 def test_static_cache_fp8_rounds_like_dynamic(tiny_model, tokenizer, prompt_ids):
@@ -313,14 +301,8 @@ def test_static_cache_fp8_rounds_like_dynamic(tiny_model, tokenizer, prompt_ids)
 
     def run(decode, kv):
         return sample_with_kv_cache(
-            tiny_model,
-            prompt_ids,
-            params,
-            eos,
-            torch.Generator().manual_seed(5),
-            pad_id=0,
-            kv_cache_dtype=kv,
-            decode=decode,
+            tiny_model, prompt_ids, params, eos, torch.Generator().manual_seed(5), pad_id=0,
+            kv_cache_dtype=kv, decode=decode,
         )
 
     native, fp8 = run("static", None), run("static", "fp8_e4m3")
@@ -424,13 +406,8 @@ def test_cuda_graph_decode_is_bit_identical_to_static(tiny_model, tokenizer, pro
     params = SamplingParams(max_new_tokens=16, temperature=1.0)
     runs = [
         sample_with_kv_cache(
-            model,
-            prompt_ids,
-            params,
-            [tokenizer.eos_token_id],
-            torch.Generator("cuda").manual_seed(7),
-            pad_id=0,
-            decode=d,
+            model, prompt_ids, params, [tokenizer.eos_token_id],
+            torch.Generator("cuda").manual_seed(7), pad_id=0, decode=d,
         )
         for d in ("static", "cuda_graph")
     ]

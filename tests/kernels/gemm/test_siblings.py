@@ -52,9 +52,7 @@ def test_group_launch_gives_each_members_lone_bits(widths, K, split, scale, bias
         for w, o, b in zip(ws, outs, bs):
             assert not o.isnan().any(), "unwritten output"
             lone = torch.full_like(o, float("nan"))
-            gd.launch_decode(
-                x, w.data, w.scale, K, lone, None, w.global_scale.reshape(-1), b, config=dict(cfg)
-            )
+            gd.launch_decode(x, w.data, w.scale, K, lone, None, w.global_scale.reshape(-1), b, config=dict(cfg))
             assert torch.equal(o, lone)
             ref = gemm_w4a16_reference(x, w, out_dtype=torch.float64, bias=b)
             assert rel_err(o, ref) < 2e-6
@@ -93,25 +91,19 @@ def test_group_launch_refuses_members_that_do_not_fit():
     with pytest.raises(ValueError, match="of one kind"):
         gd.launch_decode_group(x, [member(w0, out0), member(w1, out1, "tensor")], K, None)
     with pytest.raises(ValueError, match="of one kind"):
-        gd.launch_decode_group(
-            x, [member(w0, out0), member(w1, out1, bias=torch.zeros(32, device=device()))], K, None
-        )
+        gd.launch_decode_group(x, [member(w0, out0), member(w1, out1, bias=torch.zeros(32, device=device()))], K, None)
     with pytest.raises(ValueError, match="of one kind"):  # one pointer type reads every member's bias
         gd.launch_decode_group(x, [member(w0, out0, bias=torch.zeros(16, device=device())),
                                    member(w1, out1, bias=torch.zeros(32, device=device(), dtype=torch.float16))],
                                K, None)  # fmt: skip
     with pytest.raises(ValueError, match="member 1's output"):
-        gd.launch_decode_group(
-            x, [member(w0, out0), member(w1, torch.empty(2, 32, 2, device=device())[..., 0])], K, None
-        )
+        gd.launch_decode_group(x, [member(w0, out0), member(w1, torch.empty(2, 32, 2, device=device())[..., 0])], K, None)
     with pytest.raises(ValueError, match="2 or 3 members"):
         gd.launch_decode_group(x, [member(w0, out0)] * 4, K, None)
     with pytest.raises(ValueError, match="fused_reduce"):
         gd.decode_launch(2, (16, 32), K, K // 16, torch.float16, torch.float32, fused_reduce=False)
     with pytest.raises(ValueError, match="M <= 64"):
-        gd.launch_decode_group(
-            torch.zeros(65, K, device=device()), [member(w0, torch.empty(65, 16))] * 2, K, None
-        )
+        gd.launch_decode_group(torch.zeros(65, K, device=device()), [member(w0, torch.empty(65, 16))] * 2, K, None)
 
 
 # -- layers ------------------------------------------------------------------------------------------------
@@ -126,11 +118,7 @@ class Block(nn.Module):
         a, m = self.self_attn, self.mlp
         a.q_proj, a.k_proj, a.v_proj = nn.Linear(h, 64, bias), nn.Linear(h, 32, bias), nn.Linear(h, 32, bias)
         a.o_proj = nn.Linear(64, h, bias)
-        m.gate_proj, m.up_proj, m.down_proj = (
-            nn.Linear(h, 80, bias),
-            nn.Linear(h, 80, bias),
-            nn.Linear(80, h, bias),
-        )
+        m.gate_proj, m.up_proj, m.down_proj = nn.Linear(h, 80, bias), nn.Linear(h, 80, bias), nn.Linear(80, h, bias)
         self.gain = nn.Parameter(torch.ones(h))  # a parameter that stays when every Linear is frozen
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -369,17 +357,14 @@ def test_compiled_layers_still_run_their_groups(kind, launches):
     block = _block(kind)
     x = torch.randn(2, 64, device=device(), dtype=torch.float16)
     torch._dynamo.reset()
-    compiled = torch.compile(
-        block, backend="aot_eager" if device().type == "cpu" else "inductor", fullgraph=True
-    )
+    backend = "aot_eager" if device().type == "cpu" else "inductor"
+    compiled = torch.compile(block, backend=backend, fullgraph=True)
     with torch.no_grad():
         eager = block(x)
         launches.clear()
         y = compiled(x)
     assert launches == [3, 2]
-    torch.testing.assert_close(
-        y, eager, atol=2e-3, rtol=2e-3
-    )  # elementwise ops may fuse (no fp16 rounding between)
+    torch.testing.assert_close(y, eager, atol=2e-3, rtol=2e-3)  # fused elementwise ops skip fp16 roundings
 
 
 def test_compiled_layers_with_autograd_compute_alone_as_eager_ones_do(launches):
