@@ -249,14 +249,15 @@ class FrozenNVFP4Linear(nn.Module):
 
     def quantized_weight(self) -> NVFP4Tensor:
         """The stored weight as an ``NVFP4Tensor`` (a view: no copy)."""
+        b = self._buffers  # directly: no Module.__getattr__ per buffer (called per decode launch)
         return NVFP4Tensor(
-            data=self.qweight,
-            scale=self.weight_scale,
-            global_scale=self.weight_scale_2,
+            data=b["qweight"],
+            scale=b["weight_scale"],
+            global_scale=b["weight_scale_2"],
             recipe=self.weight_recipe,
             shape=torch.Size((self.out_features, self.in_features)),
             dtype=self.weight_dtype,
-            global_encode_scale=self.weight_encode_scale,
+            global_encode_scale=b["weight_encode_scale"],
         )
 
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -415,12 +416,16 @@ class FrozenNVFP4Linear(nn.Module):
         return expanded, plan
 
     def _decode_weight(self) -> tuple:
-        """``(weight, bias, token)`` for the decode kernel (:mod:`triage.kernels.siblings`); ``token``: what
-        means the same operands (the config, the weight's tensors and the bias, each with its version
-        counter: replaced or written in place)."""
-        tensors = (self.qweight, self.weight_scale, self.weight_scale_2, self.bias)
-        token = (self.config, *tensors, *(None if t is None else t._version for t in tensors))
-        return self.quantized_weight(), self.bias, token
+        """``(weight, bias, token)`` for the decode kernel (:mod:`triage.kernels.siblings`), ``token`` as
+        :meth:`_decode_token` gives it."""
+        return self.quantized_weight(), self._buffers["bias"], self._decode_token()
+
+    def _decode_token(self) -> tuple:
+        """What means the same decode operands (:mod:`triage.kernels.siblings`): the config, the weight's
+        tensors and the bias, each with its version counter (replaced or written in place)."""
+        b = self._buffers  # directly: no Module.__getattr__ per buffer (a sibling check per layer call)
+        tensors = (b["qweight"], b["weight_scale"], b["weight_scale_2"], b["bias"])
+        return (self.config, *tensors, *(None if t is None else t._version for t in tensors))
 
     def _graph_key(self) -> tuple:
         """What a captured CUDA graph of this layer's forward reads beside its buffers

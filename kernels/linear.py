@@ -1305,6 +1305,10 @@ class NVFP4Linear(nn.Linear):
         version = None if bias is None else bias._version
         return w.quantized, bias, (self.config, w, self._weight_cache.key, bias, version)
 
+    def _decode_token(self) -> tuple:
+        """:meth:`_decode_weight`'s token alone (a sibling's check that a kept output is still its own)."""
+        return self._decode_weight()[2]
+
     def _graph_key(self) -> tuple:
         """What a captured CUDA graph of this layer's forward reads beside its parameters and buffers
         (:func:`~triage.kernels.capture.graph_key`): the config, the sibling group, the cached W_q's tensor

@@ -76,7 +76,7 @@ class SiblingGroup:
             y, token = kept[2].pop(index)
             if not kept[2]:
                 self._kept = None
-            return y if _same(layer._decode_weight()[2], token) else None
+            return y if _same(layer._decode_token(), token) else None
         outputs = self._launch(x, separate)
         if outputs is None:
             return None
