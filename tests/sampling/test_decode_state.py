@@ -191,13 +191,16 @@ def _nvfp4(model, frozen):
     return convert(copy.deepcopy(model), NVFP4Config.from_recipe(recipe, frozen=frozen))
 
 
-@pytest.mark.parametrize("precision", ["fp32", "w4a16", "w4a4"])
-def test_a_compiled_decode_step_samples_what_the_eager_one_does(tiny_model, precision, monkeypatch):
-    """``compile_decode``: the decode step through torch.compile (``aot_eager`` here: the graph dynamo traces,
-    without inductor's code generation) — one graph, no break, at the NVFP4 layers either (their custom ops,
-    sibling groups inside) — and the same samples as the eager step."""
+@pytest.mark.parametrize(
+    "precision, backend",
+    [("fp32", "aot_eager"), ("w4a16", "aot_eager"), ("w4a4", "aot_eager"), ("w4a16", "inductor")],
+)
+def test_a_compiled_decode_step_samples_what_the_eager_one_does(tiny_model, precision, backend, monkeypatch):
+    """``compile_decode``: the decode step through torch.compile (``aot_eager``: the graph dynamo traces,
+    without code generation; inductor once, its CPU code) — one graph, no break, at the NVFP4 layers either
+    (their custom ops, sibling groups inside) — and the same samples as the eager step."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the NVFP4 layers' torch twins: fast on CPU
-    monkeypatch.setattr(g, "COMPILE_BACKEND", "aot_eager")
+    monkeypatch.setattr(g, "COMPILE_BACKEND", backend)
     torch._dynamo.reset()
     model = {
         "fp32": lambda m: copy.deepcopy(m),
