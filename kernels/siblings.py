@@ -12,7 +12,8 @@ own and keeps the others'; each other member gets its output when it is called o
 
 Rules:
 
-* Same ``x``: the very tensor object, unchanged as far as torch can tell
+* Same ``x``: the very tensor object, or a view of the same base with the same pointer, shape, strides and
+  offset (a compiled graph hands each op its own view of one buffer), unchanged as far as torch can tell
   (:func:`~triage.kernels.linear.input_key`, the rule sibling layers already share x's quantization by:
   version counter, pointer, shape, strides, offset, stream, nothing kept across optimizer steps; inside a
   CUDA-graph capture only within :func:`~triage.kernels.linear.capture_scope`; never for inference tensors,
@@ -32,8 +33,10 @@ Rules:
   it may differ from a lone launch's in the last bits (fp32 partial sums in another order). The outputs are
   contiguous views of one buffer (separate allocations inside a compiled graph's custom ops).
 * Under ``torch.compile`` the grad-free forward of each layer is one custom op (``triage::nvfp4_linear``,
-  ``triage::frozen_nvfp4_linear``) whose implementation runs the group at run time: the compiled graph hands
-  q/k/v the very buffer its norm wrote, so the same-x rule holds there as in eager code.
+  ``triage::frozen_nvfp4_linear``) whose implementation runs the group at run time, under the same-x rule.
+  Inductor may hand the members different buffers of equal values (a cheap producer computed once per
+  consumer): then the first member's launch finds its kept outputs unclaimed, and the group's ops compute
+  each member alone from then on (``SiblingGroup.compiled_alone``; one wasted group launch).
 """
 
 from __future__ import annotations
@@ -58,6 +61,10 @@ class SiblingGroup:
             raise ValueError(f"SiblingGroup: 2 or 3 members, got {len(members)}")
         self.members = list(members)
         self._kept: tuple | None = None  # (weakref to x, input_key(x), {member index: (y, weight token)})
+        #: a compiled graph handed the members different input buffers (inductor may compute a cheap
+        #: producer once per consumer): its custom ops compute each member alone from then on
+        self.compiled_alone = False
+        self._unclaimed: set[int] = set()  # members a compiled-graph launch computed for, not yet called
 
     def output(self, layer: nn.Module, x: torch.Tensor, separate: bool = False) -> torch.Tensor | None:
         """``layer``'s forward output on ``x`` from the group's launch (made now, or kept from the launch a
@@ -72,16 +79,23 @@ class SiblingGroup:
         if key is None or index is None:
             return None
         kept = self._kept
-        if kept is not None and kept[0]() is x and kept[1] == key and index in kept[2]:
+        owner = _owner(x)
+        if kept is not None and kept[0]() is owner and kept[1] == key and index in kept[2]:
             y, token = kept[2].pop(index)
+            self._unclaimed.discard(index)
             if not kept[2]:
                 self._kept = None
             return y if _same(layer._decode_token(), token) else None
+        if separate and (self.compiled_alone or index in self._unclaimed):
+            # a compiled graph handed this member another buffer than the sibling that launched for it
+            self.compiled_alone, self._kept = True, None
+            return None
         outputs = self._launch(x, separate)
         if outputs is None:
             return None
         y, _ = outputs.pop(index)
-        self._kept = (weakref.ref(x, self._forget), key, outputs) if outputs else None
+        self._kept = (weakref.ref(owner, self._forget), key, outputs) if outputs else None
+        self._unclaimed = set(outputs) if separate else set()
         return y
 
     def _forget(self, ref: weakref.ref) -> None:
@@ -133,6 +147,12 @@ class SiblingGroup:
 
     def __reduce__(self):
         return _unlinked, ()  # a pickled layer loads unlinked (its siblings are not pickled with it)
+
+
+def _owner(x: torch.Tensor) -> torch.Tensor:
+    """The tensor whose life the kept outputs follow: ``x``'s base when ``x`` is a view (a compiled graph hands
+    each layer its own view object of one buffer, dead right after the call), else ``x`` itself."""
+    return x if x._base is None else x._base
 
 
 def _unlinked() -> None:
