@@ -50,8 +50,6 @@ LoRA layer over this base, AQN, adapter save/load) is in ``triage.trainers.lora`
 from __future__ import annotations
 
 import copy
-import itertools
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -704,16 +702,12 @@ def _model_device(model: nn.Module) -> torch.device:
 # torch.library custom op: the grad-free forward as one opaque op, for torch.compile
 # ---------------------------------------------------------------------------------------------------
 
-#: Live layers by their op id (``FrozenNVFP4Linear._op_id``, a 0-d int64 CPU tensor attribute: an input of the
-#: compiled graph, so layers of one signature share a graph, as ``NVFP4Linear``'s op id does).
-_LAYERS: weakref.WeakValueDictionary[int, FrozenNVFP4Linear] = weakref.WeakValueDictionary()
-_layer_ids = itertools.count()
-
-
 def _register(layer: FrozenNVFP4Linear) -> None:
-    op_id = next(_layer_ids)
-    layer._op_id = torch.tensor(op_id, dtype=torch.int64, device="cpu")
-    _LAYERS[op_id] = layer
+    """Give ``layer`` an op id in the layers' one registry (``triage.kernels.linear._register``: a 0-d int64
+    CPU tensor attribute, an input of the compiled graph, so layers of one signature share a graph)."""
+    from triage.kernels.linear import _register as register
+
+    register(layer)
 
 
 @torch.library.custom_op("triage::frozen_nvfp4_linear", mutates_args=())
@@ -721,10 +715,9 @@ def frozen_nvfp4_linear_op(x: torch.Tensor, layer: torch.Tensor, out_features: i
     """``triage::frozen_nvfp4_linear``: the grad-free forward of the ``FrozenNVFP4Linear`` whose op id is
     ``layer`` (its sibling group run at run time, each output its own allocation), what a compiled graph calls
     (a layer's forward under ``torch.compile`` without autograd; with autograd it runs eagerly)."""
-    mod = _LAYERS.get(int(layer))
-    if mod is None:
-        raise RuntimeError(f"triage::frozen_nvfp4_linear: no live FrozenNVFP4Linear has op id {int(layer)}")
-    return mod._grad_free(x, separate=True)
+    from triage.kernels.linear import _layer_of
+
+    return _layer_of(layer, "triage::frozen_nvfp4_linear")._grad_free(x, separate=True)
 
 
 @frozen_nvfp4_linear_op.register_fake

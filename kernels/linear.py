@@ -926,20 +926,21 @@ class _NVFP4LinearFn(torch.autograd.Function):
 #: would be a graph constant, one recompile per layer. The capturable op takes no op id (a CPU input is what
 #: a CUDA graph cannot hold): everything it needs is an argument (the seed count a device tensor, the
 #: config a ``str`` key, :data:`_CONFIGS`).
-_LAYERS: weakref.WeakValueDictionary[int, NVFP4Linear] = weakref.WeakValueDictionary()
+#: ``FrozenNVFP4Linear`` registers here too, for ``triage::frozen_nvfp4_linear``.
+_LAYERS: weakref.WeakValueDictionary[int, nn.Module] = weakref.WeakValueDictionary()
 _layer_ids = itertools.count()
 
 
-def _register(layer: NVFP4Linear) -> None:
+def _register(layer: nn.Module) -> None:
     op_id = next(_layer_ids)
     layer._op_id = torch.tensor(op_id, dtype=torch.int64, device="cpu")
     _LAYERS[op_id] = layer
 
 
-def _layer_of(op_id: torch.Tensor) -> NVFP4Linear:
+def _layer_of(op_id: torch.Tensor, op: str = "triage::nvfp4_linear") -> nn.Module:
     layer = _LAYERS.get(int(op_id))
     if layer is None:
-        raise RuntimeError(f"triage::nvfp4_linear: no live NVFP4Linear has op id {int(op_id)}")
+        raise RuntimeError(f"{op}: no live layer has op id {int(op_id)}")
     return layer
 
 

@@ -247,26 +247,18 @@ class DecodeGraphs:
     def __reduce__(self):
         return DecodeGraphs, ()  # a copy or a pickle starts empty (the states are this process's GPU memory)
 
-    def state(
-        self,
-        model: torch.nn.Module,
-        batch: int,
-        length: int,
-        fmt: str,
-        graph: bool,
-        cache_name: str,
-        compiled: bool = False,
-    ) -> StaticDecode:
-        """The kept state of this shape, or a new one (dropping the oldest beyond :data:`KEPT` first)."""
+    def state(self, model: torch.nn.Module, *shape) -> StaticDecode:
+        """The kept state for ``model`` and ``shape`` (:class:`StaticDecode`'s arguments after the model), or a
+        new one (dropping the oldest beyond :data:`KEPT` first)."""
         param = next(model.parameters())
         autocast = torch.is_autocast_enabled(param.device.type)
-        key = (id(model), batch, length, fmt, graph, cache_name, model.config._attn_implementation, compiled,
-               param.dtype, param.device, autocast and torch.get_autocast_dtype(param.device.type))  # fmt: skip
+        key = (id(model), *shape, model.config._attn_implementation, param.dtype, param.device,
+               autocast and torch.get_autocast_dtype(param.device.type))  # fmt: skip
         state = self.states.pop(key, None)
         if state is None or state.model is not model:
             while len(self.states) >= KEPT:
                 self.states.popitem(last=False)
-            state = StaticDecode(model, batch, length, fmt, graph, cache_name, compiled)
+            state = StaticDecode(model, *shape)
             if id(model) not in self._watched:  # a freed model's states go with it
                 self._watched.add(id(model))
                 weakref.finalize(model, _forget_model, weakref.ref(self), id(model))
