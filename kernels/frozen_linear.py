@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from triage.kernels.linear import _tags
 from triage.kernels.nvfp4.recipe import QuantRecipe
 from triage.kernels.nvfp4.tensor import NVFP4Tensor
 
@@ -710,7 +711,7 @@ def _register(layer: FrozenNVFP4Linear) -> None:
     register(layer)
 
 
-@torch.library.custom_op("triage::frozen_nvfp4_linear", mutates_args=())
+@torch.library.custom_op("triage::frozen_nvfp4_linear", mutates_args=(), tags=_tags())
 def frozen_nvfp4_linear_op(x: torch.Tensor, layer: torch.Tensor, out_features: int) -> torch.Tensor:
     """``triage::frozen_nvfp4_linear``: the grad-free forward of the ``FrozenNVFP4Linear`` whose op id is
     ``layer`` (its sibling group run at run time, each output its own allocation), what a compiled graph calls

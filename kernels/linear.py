@@ -949,8 +949,10 @@ def _empty(device: torch.device, dtype: torch.dtype = torch.uint8) -> torch.Tens
 
 
 def _tags(*names: str) -> tuple:
-    """The torch.Tag values of ``names`` this torch has."""
-    return tuple(getattr(torch.Tag, n) for n in names if hasattr(torch.Tag, n))
+    """The torch.Tag values of ``names`` this torch has, each op's with ``flexible_layout``: inductor hands
+    the op its input buffer as it is (the ops take any strides) instead of a copy in the traced strides per
+    call, so the members of a sibling group get one x (one group launch) and no copy kernel runs."""
+    return tuple(getattr(torch.Tag, n) for n in (*names, "flexible_layout") if hasattr(torch.Tag, n))
 
 
 def _forward_outputs(

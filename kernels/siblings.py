@@ -34,9 +34,10 @@ Rules:
   contiguous views of one buffer (separate allocations inside a compiled graph's custom ops).
 * Under ``torch.compile`` the grad-free forward of each layer is one custom op (``triage::nvfp4_linear``,
   ``triage::frozen_nvfp4_linear``) whose implementation runs the group at run time, under the same-x rule.
-  Inductor may hand the members different buffers of equal values (a cheap producer computed once per
-  consumer): then the first member's launch finds its kept outputs unclaimed, and the group's ops compute
-  each member alone from then on (``SiblingGroup.compiled_alone``; one wasted group launch).
+  The ops are ``flexible_layout``, so inductor hands the members its one buffer of their input. Where a graph
+  still hands them different buffers of equal values, the first member's launch finds its kept outputs
+  unclaimed, and the group's ops compute each member alone from then on (``SiblingGroup.compiled_alone``;
+  one wasted group launch).
 """
 
 from __future__ import annotations
@@ -61,8 +62,8 @@ class SiblingGroup:
             raise ValueError(f"SiblingGroup: 2 or 3 members, got {len(members)}")
         self.members = list(members)
         self._kept: tuple | None = None  # (weakref to x, input_key(x), {member index: (y, weight token)})
-        #: a compiled graph handed the members different input buffers (inductor may compute a cheap
-        #: producer once per consumer): its custom ops compute each member alone from then on
+        #: a compiled graph handed the members different input buffers of equal values: its custom ops
+        #: compute each member alone from then on
         self.compiled_alone = False
         self._unclaimed: set[int] = set()  # members a compiled-graph launch computed for, not yet called
 

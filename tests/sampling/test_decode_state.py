@@ -221,6 +221,33 @@ def test_a_compiled_decode_step_samples_what_the_eager_one_does(tiny_model, prec
     assert counts["stats"]["unique_graphs"] >= 1 and not counts["graph_break"]
 
 
+def test_a_compiled_decode_step_launches_every_sibling_group_once(tiny_model, monkeypatch):
+    """Under inductor (its CPU code; the decode kernel interpreted) every decoder layer's q/k/v and gate/up
+    run as one launch each, the compiled step's too: the custom ops take their input as inductor laid it out
+    (``flexible_layout``), so the members of a group get one buffer, never a copy each."""
+    import triage.kernels.nvfp4.gemm_decode as gd
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(g, "COMPILE_BACKEND", "inductor")
+    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)  # its keys omit op tags
+    torch._dynamo.reset()
+    model = _nvfp4(copy.deepcopy(tiny_model).to(torch.float16), "w4a16")
+    launches, real = [], gd.DecodeLaunch.run_group
+
+    def counting(self, *args, **kwargs):
+        launches.append(len(self.members))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(gd.DecodeLaunch, "run_group", counting)
+    params = SamplingParams(max_new_tokens=3, temperature=1.0)
+    sample_with_kv_cache(model, SHORT[:2], params, [], torch.Generator().manual_seed(2), pad_id=0,
+                         decode="static", compile_decode=True)  # fmt: skip
+    groups = {id(m._siblings): m._siblings for m in model.modules() if getattr(m, "_siblings", None)}
+    layers = tiny_model.config.num_hidden_layers
+    assert len(groups) == 2 * layers and not any(group.compiled_alone for group in groups.values())
+    assert launches == [3, 2] * layers * 3  # the prompt pass and two compiled steps
+
+
 @pytest.mark.parametrize("decode", ["static", "cuda_graph"])
 def test_nothing_outlives_a_call_without_kept_states_nor_a_dropped_sampler(tiny_model, decode, fake_graphs):
     """Freed by reference counting alone (the cycle collector off): a call's own state at its end, a

@@ -350,16 +350,16 @@ def test_a_captured_group_replays_the_eager_group(kind, rows, launches):
 
 
 @pytest.mark.parametrize("kind, backend", [("w4a16", "aot_eager"), ("nvfp4", "aot_eager"), ("w4a16", "inductor")])
-def test_compiled_layers_still_run_their_groups(kind, backend, launches):
+def test_compiled_layers_still_run_their_groups(kind, backend, launches, monkeypatch):
     """Under ``torch.compile`` each layer's grad-free forward is one custom op whose implementation runs the
-    group at run time: one launch per group where the compiled graph hands the members one buffer
-    (``aot_eager``); where inductor computes their input once per member (here q/k/v's ``x * gain``), the
-    first launch's kept outputs go unclaimed and those members compute alone from then on — never a group
-    launch per member. The eager outputs either way (on a GPU: inductor for both kinds)."""
+    group at run time: one launch per group, also under inductor, which hands the ops (``flexible_layout``)
+    the one buffer of their input (here q/k/v's ``x * gain``) instead of a copy per op. The eager outputs
+    (on a GPU: inductor for both kinds)."""
     if device().type == "cuda":
         backend = "inductor"
     block = _block(kind)
     x = torch.randn(2, 64, device=device(), dtype=torch.float16)
+    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)  # its keys omit op tags
     torch._dynamo.reset()
     compiled = torch.compile(block, backend=backend, fullgraph=True)
     calls = []
@@ -370,10 +370,59 @@ def test_compiled_layers_still_run_their_groups(kind, backend, launches):
             y = compiled(x)
             calls.append(list(launches))
             torch.testing.assert_close(y, eager, atol=2e-3, rtol=2e-3)  # fused elementwise ops skip fp16 roundings
-    qkv = block.self_attn.q_proj._siblings
-    assert calls[0] == [3, 2] and calls[1] == ([2] if qkv.compiled_alone else [3, 2])
-    if backend == "aot_eager":
-        assert not qkv.compiled_alone
+    assert calls == [[3, 2], [3, 2]] and not block.self_attn.q_proj._siblings.compiled_alone
+
+
+@pytest.mark.parametrize("kind", ["w4a16", "nvfp4"])
+def test_ops_handed_copies_of_one_input_compute_alone_after_one_group_launch(kind, launches):
+    """Where a compiled graph hands the members different buffers of equal values, the first member's launch
+    finds its kept outputs unclaimed: the group's ops compute each member alone from then on (one wasted
+    group launch, never one per member), with the eager outputs."""
+    block = _block(kind)
+    a = block.self_attn
+    x = torch.randn(2, 64, device=device(), dtype=torch.float16)
+
+    def run(m, xi):  # the op a compiled graph calls
+        if kind == "w4a16":
+            return torch.ops.triage.frozen_nvfp4_linear(xi, m._op_id, m.out_features)
+        return torch.ops.triage.nvfp4_linear(xi, m.weight, m.bias, m._op_id, False, True)[0]
+
+    with torch.no_grad():
+        eager = [m(x) for m in (a.q_proj, a.k_proj, a.v_proj)]
+        launches.clear()
+
+        for _ in range(2):
+            outs = [run(m, x.clone()) for m in (a.q_proj, a.k_proj, a.v_proj)]
+            for y, e in zip(outs, eager):
+                assert torch.equal(y, e)
+    assert a.q_proj._siblings.compiled_alone and launches == [3]
+
+
+@pytest.mark.parametrize("kind", ["w4a16", "w4a4", "nvfp4"])
+@pytest.mark.parametrize("layout", ["row_stride", "column_major"])
+def test_the_ops_take_their_input_in_any_layout(kind, layout, launches):
+    """The custom ops are ``flexible_layout`` (inductor hands them its buffers as laid out): a strided or
+    column-major x gives the contiguous x's outputs, bit for bit, with the group's one launch."""
+    block = _block(kind)
+    a = block.self_attn
+    x = torch.randn(2, 64, device=device(), dtype=torch.float16)
+    if layout == "row_stride":
+        strided = torch.zeros(2, 128, device=device(), dtype=torch.float16)[:, :64].copy_(x)
+    else:
+        strided = x.t().contiguous().t()
+    assert not strided.is_contiguous()
+
+    def run(m, xi):
+        if kind == "nvfp4":
+            return torch.ops.triage.nvfp4_linear(xi, m.weight, m.bias, m._op_id, False, True)[0]
+        return torch.ops.triage.frozen_nvfp4_linear(xi, m._op_id, m.out_features)
+
+    with torch.no_grad():
+        eager = [m(x) for m in (a.q_proj, a.k_proj, a.v_proj)]
+        launches.clear()
+        for y, e in zip([run(m, strided) for m in (a.q_proj, a.k_proj, a.v_proj)], eager):
+            assert torch.equal(y, e)
+    assert launches == [3]
 
 
 def test_compiled_layers_with_autograd_compute_alone_as_eager_ones_do(launches):
