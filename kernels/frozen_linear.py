@@ -716,9 +716,10 @@ def frozen_nvfp4_linear_op(x: torch.Tensor, layer: torch.Tensor, out_features: i
     """``triage::frozen_nvfp4_linear``: the grad-free forward of the ``FrozenNVFP4Linear`` whose op id is
     ``layer`` (its sibling group run at run time, each output its own allocation), what a compiled graph calls
     (a layer's forward under ``torch.compile`` without autograd; with autograd it runs eagerly)."""
-    from triage.kernels.linear import _layer_of
+    from triage.kernels.linear import _layer_of, _op_call
 
-    return _layer_of(layer, "triage::frozen_nvfp4_linear")._grad_free(x, separate=True)
+    with _op_call():
+        return _layer_of(layer, "triage::frozen_nvfp4_linear")._grad_free(x, separate=True)
 
 
 @frozen_nvfp4_linear_op.register_fake

@@ -344,6 +344,9 @@ def _quantize(
 _last_input: tuple | None = None
 #: Whether a :func:`capture_scope` is open: captured calls share only inside one.
 _capture_scope = False
+#: Custom-op implementations running (a compiled graph's calls): they quantize their input per call, since
+#: compiled code writes and reuses its buffers without bumping version counters (:func:`quantize_input`).
+_op_depth = 0
 #: Bumped whenever everything kept for sibling layers is dropped (:func:`_forget_input` without ``ref``):
 #: part of :func:`input_key`, so work kept before (sibling outputs included) never matches after.
 _input_epoch = 0
@@ -374,6 +377,17 @@ def input_key(x: torch.Tensor) -> tuple | None:
             return None
         stream = torch.cuda.current_stream(x.device).cuda_stream
     return (_input_epoch, x._version, x.data_ptr(), x.shape, x.stride(), x.storage_offset(), stream)
+
+
+@contextlib.contextmanager
+def _op_call():
+    """Around a custom op's implementation: no input quantization is shared inside (:func:`quantize_input`)."""
+    global _op_depth
+    _op_depth += 1
+    try:
+        yield
+    finally:
+        _op_depth -= 1
 
 
 @contextlib.contextmanager
@@ -414,12 +428,14 @@ def quantize_input(
     last input is kept, by a weak reference (dropped when x is freed; while x lives, e.g. saved for a
     backward, its x_q stays too). Inside a CUDA-graph capture calls share only within a
     :func:`capture_scope` (one graph). Not shared: stochastic rounding (each call draws its own), inference
-    tensors (no version counter), under ``torch.compile`` (the custom ops quantize per call). What no key
+    tensors (no version counter), inside the custom ops (a compiled graph's code writes and reuses its buffers
+    without bumping version counters: each op quantizes per call; a sibling group's one launch still
+    quantizes once for its members). What no key
     can see: writes into x that bypass autograd's version counter (``x.data`` writes, numpy / DLPack
     aliases, another tensor set to x's storage, a custom kernel writing x in place) between two layer calls
     on the same x object: pass a new tensor, or use ``share_inputs=False``."""
     global _last_input
-    key = input_key(x) if share and recipe.rounding == "nearest" else None
+    key = input_key(x) if share and recipe.rounding == "nearest" and not _op_depth else None
     if key is None:
         return _quantize(x.reshape(-1, x.shape[-1]), recipe, backend, expanded=expanded, plan=plan)
     key = (*key, recipe, backend, expanded)
@@ -1010,11 +1026,12 @@ def _op_forward(
     off), so sibling layers may share one decode launch as in the eager grad-free forward."""
     mod = _layer_of(layer)
     w = mod._quantized_weight(weight)
-    if grad_free and mod._siblings is not None:  # grad-free: q/k/v, gate/up one launch
-        y = mod._siblings.output(mod, x, separate=True)
-        if y is not None:
-            return y, *_transposed_outputs(w, x.device)
-    return _forward_outputs(mod.config, x, weight, bias, w)
+    with _op_call():
+        if grad_free and mod._siblings is not None:  # grad-free: q/k/v, gate/up one launch
+            y = mod._siblings.output(mod, x, separate=True)
+            if y is not None:
+                return y, *_transposed_outputs(w, x.device)
+        return _forward_outputs(mod.config, x, weight, bias, w)
 
 
 def _op_forward_fake(x, weight, bias, layer, nvfp4_backward, grad_free=False):
@@ -1034,7 +1051,8 @@ def _capturable_forward(
     in bf16-backward), passed on to the backward op. ``config``: the config's key (:data:`_CONFIGS`). No
     layer and no host tensor: one op and one graph serve every layer of an equal config."""
     cfg = _config_of(config)
-    return _forward_outputs(cfg, x, weight, bias, _quantize_weight(weight, cfg))
+    with _op_call():
+        return _forward_outputs(cfg, x, weight, bias, _quantize_weight(weight, cfg))
 
 
 def _capturable_forward_fake(x, weight, bias, seeds, config):

@@ -116,3 +116,35 @@ def test_cuda_graphs_leave_the_ops_out():
     skip them, so they are tagged ``cudagraph_unsafe`` (torch.compile's "reduce-overhead" leaves them out)."""
     for op in (torch.ops.triage.nvfp4_linear.default, torch.ops.triage.nvfp4_linear_backward.default):
         assert torch.Tag.cudagraph_unsafe in op.tags
+
+
+@pytest.mark.parametrize("op", ["cached", "capturable", "frozen"])
+def test_the_ops_quantize_an_input_buffer_rewritten_without_a_version_bump(op):
+    """Compiled code writes and reuses its buffers without bumping their version counters (inductor hands a
+    dead buffer's storage, the same tensor object, to a later op): each op quantizes its input per call, so a
+    second layer called on a buffer rewritten since the first one's call never reads the first call's x_q."""
+    from triage.kernels import NVFP4Config, convert
+    from triage.kernels.nvfp4 import QuantRecipe
+
+    torch.manual_seed(0)
+    recipe = QuantRecipe(scale="row", profile="compressed-tensors")
+    if op == "frozen":
+        two = convert(nn.Sequential(nn.Linear(32, 16), nn.Linear(32, 16)),
+                      NVFP4Config.from_recipe(recipe, frozen="w4a4"))  # fmt: skip
+        call = [lambda x, m=m: torch.ops.triage.frozen_nvfp4_linear(x, m._op_id, 16) for m in two]
+    else:
+        cfg = NVFP4LinearConfig(activation=recipe, capturable=op == "capturable")
+        two = [NVFP4Linear(32, 16, config=cfg), NVFP4Linear(32, 16, config=cfg)]
+        if op == "cached":
+            call = [lambda x, m=m: torch.ops.triage.nvfp4_linear(x, m.weight, m.bias, m._op_id, False, True)[0]
+                    for m in two]  # fmt: skip
+        else:
+            call = [lambda x, m=m: torch.ops.triage.nvfp4_linear_capturable(x, m.weight, m.bias, None,
+                                                                            cfg._op_key)[0] for m in two]  # fmt: skip
+    buf = torch.randn(4, 32)
+    with torch.no_grad():
+        call[0](buf)
+        version = buf._version
+        buf.data.copy_(torch.randn(4, 32))  # a write that bypasses the version counter, as compiled code's
+        assert buf._version == version
+        assert torch.equal(call[1](buf), two[1](buf.clone()))

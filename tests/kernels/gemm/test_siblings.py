@@ -425,6 +425,34 @@ def test_the_ops_take_their_input_in_any_layout(kind, layout, launches):
     assert launches == [3]
 
 
+@pytest.mark.parametrize("kind", ["w4a4", "nvfp4"])
+def test_a_group_op_on_a_buffer_rewritten_without_a_version_bump_quantizes_it_anew(kind, launches):
+    """Compiled code reuses a dead buffer (the same tensor object) for a later value, written by its kernels
+    without a version bump: the next block's group, called on it, quantizes the new values, never the
+    previous block's x_q (inside the ops no input quantization is shared beyond one group launch)."""
+    blocks = [_block(kind, seed=0), _block(kind, seed=1)]
+
+    def run(m, xi):  # the op a compiled graph calls
+        if kind == "w4a4":
+            return torch.ops.triage.frozen_nvfp4_linear(xi, m._op_id, m.out_features)
+        return torch.ops.triage.nvfp4_linear(xi, m.weight, m.bias, m._op_id, False, True)[0]
+
+    values = [torch.randn(2, 64, device=device(), dtype=torch.float16) for _ in blocks]
+    members = [(b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj) for b in blocks]
+    buf = values[0].clone()
+    with torch.no_grad():
+        eager = [[m(v) for m in ms] for v, ms in zip(values, members)]
+        for i, ms in enumerate(members):
+            if i:
+                version = buf._version
+                buf.data.copy_(values[i])  # bypasses the version counter, as compiled kernels do
+                assert buf._version == version
+            launches.clear()
+            for y, e in zip([run(m, buf) for m in ms], eager[i]):
+                assert torch.equal(y, e), i
+            assert launches == [3]
+
+
 def test_compiled_layers_with_autograd_compute_alone_as_eager_ones_do(launches):
     """With autograd (a compiled training step) every NVFP4Linear computes alone, as in eager code: the op is
     told by its call site (inside an op's implementation grad is always off)."""
