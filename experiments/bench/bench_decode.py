@@ -265,12 +265,13 @@ def main(argv=None) -> int:
             for batch in (int(b) for b in args.batches.split(",")):
                 gen = torch.Generator().manual_seed(batch)
                 prompts = torch.randint(10, len(tok) - 1, (batch, args.prompt), generator=gen).tolist()
-                outs, times, rerun, marginal = {}, {}, {}, {}
+                outs, times, rerun, marginal, warm = {}, {}, {}, {}, {}
                 for decode in decodes:
                     from triage.trainers.sampling.graphs import DecodeGraphs
 
                     state = DecodeGraphs()  # kept_graph's, across its warm-up and timed calls
-                    run(model, prompts, args.new, decode, state=state)  # warm-up (autotune, lazy allocations)
+                    # warm-up (autotune, lazy allocations; with --compile the compilation)
+                    warm[decode] = run(model, prompts, args.new, decode, state=state)[1]
                     reps = [run(model, prompts, args.new, decode, state=state) for _ in range(args.reps)]
                     outs[decode] = reps[0][0]
                     times[decode] = statistics.median(t for _, t in reps)
@@ -299,12 +300,14 @@ def main(argv=None) -> int:
                 for decode, t in times.items():
                     rows.append(dict(shape=shape, precision=precision, batch=batch, decode=decode,
                                      seconds=t, tok_s=batch * args.new / t, reruns_identical=rerun[decode],
+                                     warmup_seconds=warm[decode],
                                      marginal_ms_per_step=marginal[decode] * 1e3 if decode in marginal else None))
                 print(
                     f"{shape:15s} {precision:5s} B={batch:<4d} "
                     + "  ".join(f"{d} {batch * args.new / t:9.0f} tok/s" for d, t in times.items())
                     + f"  | graph==static: {same}, kept==graph: {kept}, dynamic/static token agreement {agree:.3f}"
                     + ", reruns identical: " + ", ".join(f"{d} {r}" for d, r in rerun.items())
+                    + ", warm-up call s: " + ", ".join(f"{d} {w:.1f}" for d, w in warm.items())
                     + "".join(f"\n    {d}: marginal {m * 1e3:.3f} ms/step ({batch / m:.0f} tok/s), fixed per call "
                               f"{(times[d] - m * args.new) * 1e3:.1f} ms" for d, m in marginal.items())
                 )
