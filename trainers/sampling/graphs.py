@@ -52,6 +52,8 @@ from collections.abc import Callable
 
 import torch
 
+from .attention import packed_decode_attention, sdpa_configs
+
 __all__ = ["DecodeGraphs", "GraphStep", "StaticDecode", "static_cache_length"]
 
 #: States a :class:`DecodeGraphs` keeps (least recently used dropped first).
@@ -167,6 +169,7 @@ class StaticDecode:
         self.weights: tuple | None = None  # graph_key(model) the graph was captured under
         self.calls = 0
         self.compiled = compiled
+        self.packed = sdpa_configs(model)  # the attention configs a decode step switches to packed GQA
 
     @property
     def model(self) -> torch.nn.Module:
@@ -174,14 +177,15 @@ class StaticDecode:
 
     def _forward(self) -> torch.Tensor:
         step = _compiled_step() if self.compiled else _step
-        return step(
-            self.model,
-            input_ids=self.token,
-            attention_mask=self.mask4,
-            position_ids=self.position,
-            use_cache=True,
-            **{self.cache_name: self.cache},
-        )
+        with packed_decode_attention(self.packed):  # grouped KV heads without repeat_kv (.attention)
+            return step(
+                self.model,
+                input_ids=self.token,
+                attention_mask=self.mask4,
+                position_ids=self.position,
+                use_cache=True,
+                **{self.cache_name: self.cache},
+            )
 
     def begin(self, attention_mask: torch.Tensor):
         """The cache for this call's prefill: emptied in place (zeros, length 0) after the first call, the fp8

@@ -1,0 +1,90 @@
+"""Decode attention without ``repeat_kv`` (:mod:`triage.trainers.sampling.attention`): the packed grouped-query
+SDPA against SDPA over repeated keys and values, its fall-through cases, and the static decode step's switch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from triage.trainers.sampling import SamplingParams, sample_with_kv_cache
+from triage.trainers.sampling import attention as att
+from triage.trainers.sampling import graphs as g
+
+
+class _Attn(torch.nn.Module):
+    def __init__(self, groups: int) -> None:
+        super().__init__()
+        self.num_key_value_groups = groups
+
+
+def _reference(q, k, v, mask, scale):
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).transpose(1, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads", [(8, 2), (32, 8), (6, 3)])
+@pytest.mark.parametrize("mask", ["bool", "additive", None])
+def test_packed_gqa_is_sdpa_over_repeated_keys(dtype, heads, kv_heads, mask):
+    g_ = torch.Generator().manual_seed(0)
+    b, length, d = 3, 37, 16
+    q = torch.randn(b, 1, heads, d, generator=g_).to(dtype).transpose(1, 2)  # as the HF layer hands it over
+    k, v = (torch.randn(b, kv_heads, length, d, generator=g_).to(dtype) for _ in range(2))
+    on = torch.rand(b, 1, 1, length, generator=g_) > 0.3
+    on[..., 0] = True
+    m = {"bool": on, "additive": torch.zeros(on.shape, dtype=dtype).masked_fill(~on, -1e4), None: None}[mask]
+    out, weights = att.packed_sdpa_forward(_Attn(heads // kv_heads), q, k, v, m, scaling=0.25)
+    ref = _reference(q, k, v, m, 0.25)
+    assert weights is None and out.shape == ref.shape == (b, 1, heads, d)
+    tol = {"atol": 1e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 8e-3, "rtol": 8e-3}
+    torch.testing.assert_close(out, ref, **tol)
+
+
+@pytest.mark.parametrize("case", ["tokens", "no_groups", "dropout", "per_head_mask", "position_bias"])
+def test_everything_else_goes_to_transformers_sdpa(case, monkeypatch):
+    """More than one query token, no grouping, dropout, a mask per head, a position bias: transformers' own
+    ``sdpa_attention_forward``, called with the same arguments."""
+    from transformers.integrations import sdpa_attention
+
+    seen = []
+    monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward", lambda *a, **k: seen.append((a, k)) or ("x", None))
+    b, heads, kv_heads, d, length = 2, 8, 2, 16, 9
+    tokens = 3 if case == "tokens" else 1
+    kv = kv_heads if case != "no_groups" else heads
+    q = torch.randn(b, heads, tokens, d)
+    k = v = torch.randn(b, kv, length, d)
+    mask = torch.ones(b, heads if case == "per_head_mask" else 1, tokens, length, dtype=torch.bool)
+    kwargs = {"dropout": 0.1} if case == "dropout" else {}
+    if case == "position_bias":
+        kwargs["position_bias"] = torch.zeros(1, heads, tokens, length)
+    assert att.packed_sdpa_forward(_Attn(heads // kv), q, k, v, mask, **kwargs) == ("x", None)
+    assert len(seen) == 1 and seen[0][0][1] is q and seen[0][0][4] is mask
+
+
+def test_the_static_decode_step_runs_packed_attention_and_restores_the_config(tiny_model, monkeypatch):
+    """The static path's decode steps (not the prompt pass) run the packed attention in every layer; the model's
+    config reads ``sdpa`` again after the call; the samples are those of the same loop over transformers'
+    SDPA (bit for bit here, on CPU)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert tiny_model.config.num_key_value_heads < tiny_model.config.num_attention_heads
+    shapes, real = [], att.packed_sdpa_forward
+    monkeypatch.setattr(att, "packed_sdpa_forward", lambda *a, **k: shapes.append(a[1].shape[2]) or real(*a, **k))
+    att._registered = False  # register the spy
+    params = SamplingParams(max_new_tokens=6, temperature=1.0)
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+
+    def sample():
+        return sample_with_kv_cache(tiny_model, prompts, params, [], torch.Generator().manual_seed(2), pad_id=0,
+                                    decode="static")  # fmt: skip
+
+    packed = sample()
+    assert shapes == [1] * 5 * tiny_model.config.num_hidden_layers  # 5 decode steps, one query token each
+    assert tiny_model.config._attn_implementation == "sdpa"
+    monkeypatch.setattr(g, "sdpa_configs", lambda model: [])
+    plain = sample()
+    assert packed["completion_ids"] == plain["completion_ids"]
+    for a, b in zip(packed["logprobs"], plain["logprobs"]):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-6, rtol=0)
+    att._registered = False
