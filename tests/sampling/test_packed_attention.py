@@ -49,7 +49,9 @@ def test_everything_else_goes_to_transformers_sdpa(case, monkeypatch):
     from transformers.integrations import sdpa_attention
 
     seen = []
-    monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward", lambda *a, **k: seen.append((a, k)) or ("x", None))
+    monkeypatch.setattr(
+        sdpa_attention, "sdpa_attention_forward", lambda *a, **k: seen.append((a, k)) or ("x", None)
+    )
     b, heads, kv_heads, d, length = 2, 8, 2, 16, 9
     tokens = 3 if case == "tokens" else 1
     kv = kv_heads if case != "no_groups" else heads
@@ -70,7 +72,9 @@ def test_the_static_decode_step_runs_packed_attention_and_restores_the_config(ti
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert tiny_model.config.num_key_value_heads < tiny_model.config.num_attention_heads
     shapes, real = [], att.packed_sdpa_forward
-    monkeypatch.setattr(att, "packed_sdpa_forward", lambda *a, **k: shapes.append(a[1].shape[2]) or real(*a, **k))
+    monkeypatch.setattr(
+        att, "packed_sdpa_forward", lambda *a, **k: shapes.append(a[1].shape[2]) or real(*a, **k)
+    )
     att._registered = False  # register the spy
     params = SamplingParams(max_new_tokens=6, temperature=1.0)
     prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]

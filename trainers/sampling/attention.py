@@ -88,7 +88,10 @@ def sdpa_configs(model: torch.nn.Module) -> list:
     configs = {}
     for module in model.modules():
         config = getattr(module, "config", None)
-        if getattr(module, "num_key_value_groups", 1) > 1 and getattr(config, "_attn_implementation", None) == "sdpa":
+        if (
+            getattr(module, "num_key_value_groups", 1) > 1
+            and getattr(config, "_attn_implementation", None) == "sdpa"
+        ):
             configs[id(config)] = config
     return list(configs.values())
 
