@@ -179,6 +179,46 @@ def test_finished_rows_are_checked_every_few_steps_without_changing_the_completi
         assert out["completion_ids"] == [c[:n] for c, n in zip(free["completion_ids"], ends)]
 
 
+@pytest.mark.parametrize("vocab", [5, 1000, 151936])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_draw_is_torch_multinomials_without_its_host_read(vocab, dtype):
+    """``hf._draw`` (no validity check, so no host read per step) gives ``torch.multinomial(probs, 1)``'s
+    tokens and leaves the generator in its state, with zero-probability tokens (top-k's -inf) among them."""
+    from triage.trainers.sampling.hf import _draw
+
+    for batch in (1, 16):
+        g = torch.Generator().manual_seed(vocab + batch)
+        logits = torch.randn(batch, vocab, generator=g, dtype=dtype) * 3
+        logits[:, ::3] = -float("inf")
+        probs = torch.softmax(logits, -1)
+        ours, theirs = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+        for _ in range(3):
+            assert torch.equal(_draw(probs, ours), torch.multinomial(probs, 1, generator=theirs).squeeze(1))
+        assert torch.equal(ours.get_state(), theirs.get_state())
+
+
+@pytest.mark.parametrize("decode", ["dynamic", "static"])
+def test_a_nan_distribution_is_an_error_naming_the_prompt(tiny_model, prompt_ids, decode):
+    """A prompt whose logits turn NaN at a decode step fails the call with its index (found at the next done
+    check), as ``torch.multinomial`` would have failed it, only without reading the GPU at every step."""
+    params = SamplingParams(max_new_tokens=12, temperature=1.0)
+    steps = []
+
+    def poison(module, args, out):
+        steps.append(1)
+        if len(steps) == 3:  # the second decode step
+            out[1] = float("nan")
+        return out
+
+    hook = tiny_model.lm_head.register_forward_hook(poison)
+    try:
+        with pytest.raises(ValueError, match=r"prompt\(s\) \[1\] is NaN at a decode step ≤ 7"):
+            sample_with_kv_cache(tiny_model, prompt_ids, params, [], torch.Generator().manual_seed(0), pad_id=0,
+                                 decode=decode)  # fmt: skip
+    finally:
+        hook.remove()
+
+
 def test_seed_makes_sampling_reproducible(tiny_model, tokenizer, prompt_ids):
     params = SamplingParams(max_new_tokens=10, temperature=1.5)
     runs = [HFSampler(tiny_model, params=params, seed=s).generate(prompt_ids) for s in (7, 7, 8)]

@@ -229,12 +229,15 @@ def sample_with_kv_cache(
         state.start(mask, next_pos, logits.dtype)
     track_seen = params.repetition_penalty != 1.0  # the one processor that reads the tokens so far
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
+    broken = torch.zeros(batch, dtype=torch.bool, device=device)  # an alive row's distribution was NaN
     tokens, logps, alive = [], [], []
     for i in range(params.max_new_tokens):
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         scores = processors(seen, logits.clone()) if len(processors) else logits
         probs = torch.softmax(scores, dim=-1)
-        token = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        # a NaN or Inf logit (or an all -inf row) makes softmax's whole row NaN: one column tells
+        broken |= probs[:, 0].isnan() & ~finished
+        token = _draw(probs, generator)
         ref = logits / params.temperature if logprobs_mode == "temperature" else scores
         logp = torch.log_softmax(ref, dim=-1).gather(1, token[:, None]).squeeze(1)
         token = torch.where(finished, torch.full_like(token, pad_id), token)
@@ -242,11 +245,21 @@ def sample_with_kv_cache(
         logps.append(logp)
         alive.append(~finished)
         finished = finished | torch.isin(token, eos)
-        # reading `finished` waits for the GPU; doing it every DONE_CHECK_EVERY steps lets the host queue that
-        # many steps ahead. The steps after every row finished feed pads and are not recorded (a row's alive
-        # steps are a prefix), so the returned completions are the same; they only draw more random numbers.
-        if i == params.max_new_tokens - 1 or ((i + 1) % DONE_CHECK_EVERY == 0 and bool(finished.all())):
-            break
+        # a host read waits for the GPU; reading `finished` (and `broken`) every DONE_CHECK_EVERY steps lets the
+        # host queue that many steps ahead. The steps after every row finished feed pads and are not recorded (a
+        # row's alive steps are a prefix), so the returned completions are the same; they only draw more random
+        # numbers.
+        last = i == params.max_new_tokens - 1
+        if last or (i + 1) % DONE_CHECK_EVERY == 0:
+            done, bad = torch.stack((finished.all(), broken.any())).tolist()
+            if bad:
+                rows = broken.nonzero().flatten().tolist()
+                raise ValueError(
+                    f"sample_with_kv_cache: the sampling distribution of prompt(s) {rows} is NaN at a decode step "
+                    f"≤ {i} (the model's logits are NaN or Inf there): nothing to sample from"
+                )
+            if done or last:
+                break
         if track_seen:
             seen = torch.cat([seen, token[:, None]], dim=1)
         if static:
@@ -270,6 +283,16 @@ def sample_with_kv_cache(
         completion_ids.append(tokens_t[i, :n].tolist())
         logprobs.append(logps_t[i, :n].tolist())
     return {"completion_ids": completion_ids, "logprobs": logprobs}
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of ``probs`` [B, V]: ``torch.multinomial(probs, 1, generator=generator)``'s draw by its
+    own one-sample route, ``argmax(p / q)`` with ``q ~ Exp(1)`` from ``generator`` (the Gumbel-max trick), so
+    the same tokens and the same generator state, without its validity check: a host read of the GPU at every
+    step, which kept the host from queuing steps ahead (the loop checks for NaN rows at its done checks)."""
+    q = torch.empty_like(probs).exponential_(1, generator=generator)
+    torch.div(probs, q, out=q)
+    return q.argmax(-1)
 
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
