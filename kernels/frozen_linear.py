@@ -442,6 +442,7 @@ class FrozenNVFP4Linear(nn.Module):
     def _dense_matmul(self, x2: torch.Tensor) -> torch.Tensor:
         """``x·Ŵᵀ + b`` on the exact expansion: fp32 accumulation, outer scale and bias in fp32, one cast."""
         K = self.in_features
+        x2 = x2.contiguous()  # the bits of a row-major x whatever x's layout (a compiled graph's may differ)
         if x2.is_cuda and x2.dtype in (torch.bfloat16, torch.float16):
             acc = torch.mm(x2, self.expansion(x2.dtype)[:, :K].T, out_dtype=torch.float32)
         else:

@@ -347,6 +347,9 @@ _capture_scope = False
 #: Custom-op implementations running (a compiled graph's calls): they quantize their input per call, since
 #: compiled code writes and reuses its buffers without bumping version counters (:func:`quantize_input`).
 _op_depth = 0
+#: Custom-op calls so far (each implementation entered): a sibling group's kept output is claimed inside ops
+#: only by the op calls right after its launch (:class:`~triage.kernels.siblings.SiblingGroup`).
+_op_serial = 0
 #: Bumped whenever everything kept for sibling layers is dropped (:func:`_forget_input` without ``ref``):
 #: part of :func:`input_key`, so work kept before (sibling outputs included) never matches after.
 _input_epoch = 0
@@ -382,8 +385,9 @@ def input_key(x: torch.Tensor) -> tuple | None:
 @contextlib.contextmanager
 def _op_call():
     """Around a custom op's implementation: no input quantization is shared inside (:func:`quantize_input`)."""
-    global _op_depth
+    global _op_depth, _op_serial
     _op_depth += 1
+    _op_serial += 1
     try:
         yield
     finally:
@@ -885,7 +889,7 @@ def _linear_backward(
             xt = _quantize_t(x2, plan.xt_recipe, backend, expanded=big, plan=plan.xt_plan)
             dw = plan.gemm(("wgrad", dy2.dtype), dyt, xt, out_dtype=torch.float32).to(weight.dtype)
     if bias_dtype is not None and needs[2]:
-        db = dy2.float().sum(0).to(bias_dtype)
+        db = dy2.contiguous().float().sum(0).to(bias_dtype)  # one summation order whatever dy's layout
     if dx is not None and not flat:
         dx = dx.reshape(x.shape)
     return dx, dw, db
@@ -1204,7 +1208,7 @@ nvfp4_linear_capturable_op, nvfp4_linear_capturable_backward_op = _define_ops(
     "nvfp4_linear_capturable", _capturable_forward, _capturable_backward,
     (_capturable_forward_fake, _capturable_backward_fake),
     lambda inputs, output: ((inputs[3],), (inputs[4],)),  # the seeds; the config's key
-    (), _tags("nondeterministic_seeded"),
+    _tags(), _tags("nondeterministic_seeded"),
 )  # fmt: skip
 
 

@@ -37,7 +37,9 @@ Rules:
   The ops are ``flexible_layout``, so inductor hands the members its one buffer of their input. Where a graph
   still hands them different buffers of equal values, the first member's launch finds its kept outputs
   unclaimed, and the group's ops compute each member alone from then on (``SiblingGroup.compiled_alone``;
-  one wasted group launch).
+  one wasted group launch). Inside ops a kept output is claimed only by the op calls right after the launch
+  (compiled code may reuse a buffer object for another value, with the same version counter, in between);
+  another op call in between sends the group the same way.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class SiblingGroup:
         #: compute each member alone from then on
         self.compiled_alone = False
         self._unclaimed: set[int] = set()  # members a compiled-graph launch computed for, not yet called
+        self._serial = self._claims = 0  # the launching op call's serial, the claims since (inside ops)
 
     def output(self, layer: nn.Module, x: torch.Tensor, separate: bool = False) -> torch.Tensor | None:
         """``layer``'s forward output on ``x`` from the group's launch (made now, or kept from the launch a
@@ -73,15 +76,21 @@ class SiblingGroup:
         a launch made now gives each member an allocation of its own instead of views of one buffer (what a
         custom op inside a compiled graph must return: inductor may reuse an op output's storage once that
         output is dead)."""
-        from triage.kernels.linear import input_key
+        from triage.kernels import linear
 
-        key = input_key(x)
+        key = linear.input_key(x)
         index = next((i for i, m in enumerate(self.members) if m is layer), None)
         if key is None or index is None:
             return None
         kept = self._kept
         owner = _owner(x)
         if kept is not None and kept[0]() is owner and kept[1] == key and index in kept[2]:
+            if separate:  # inside ops: only the op calls right after the launch claim (a buffer object
+                # reused for another value between them would pass the same key)
+                self._claims += 1
+                if linear._op_serial != self._serial + self._claims:
+                    self.compiled_alone, self._kept = True, None
+                    return None
             y, token = kept[2].pop(index)
             self._unclaimed.discard(index)
             if not kept[2]:
@@ -97,6 +106,7 @@ class SiblingGroup:
         y, _ = outputs.pop(index)
         self._kept = (weakref.ref(owner, self._forget), key, outputs) if outputs else None
         self._unclaimed = set(outputs) if separate else set()
+        self._serial, self._claims = linear._op_serial, 0
         return y
 
     def _forget(self, ref: weakref.ref) -> None:

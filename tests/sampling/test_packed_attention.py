@@ -42,9 +42,12 @@ def test_packed_gqa_is_sdpa_over_repeated_keys(dtype, heads, kv_heads, mask):
     torch.testing.assert_close(out, ref, **tol)
 
 
-@pytest.mark.parametrize("case", ["tokens", "no_groups", "dropout", "per_head_mask", "position_bias"])
+@pytest.mark.parametrize(
+    "case", ["tokens", "no_groups", "dropout", "per_head_mask", "position_bias", "sliding_window", "unknown"]
+)
 def test_everything_else_goes_to_transformers_sdpa(case, monkeypatch):
-    """More than one query token, no grouping, dropout, a mask per head, a position bias: transformers' own
+    """More than one query token, no grouping, dropout, a mask per head, a position bias, a sliding window,
+    any argument a plain decoder does not pass (e.g. a sparse model's block indices): transformers' own
     ``sdpa_attention_forward``, called with the same arguments."""
     from transformers.integrations import sdpa_attention
 
@@ -61,21 +64,31 @@ def test_everything_else_goes_to_transformers_sdpa(case, monkeypatch):
     kwargs = {"dropout": 0.1} if case == "dropout" else {}
     if case == "position_bias":
         kwargs["position_bias"] = torch.zeros(1, heads, tokens, length)
+    if case == "sliding_window":
+        kwargs["sliding_window"] = 4
+    if case == "unknown":
+        kwargs["block_indices"] = torch.zeros(1)
     assert att.packed_sdpa_forward(_Attn(heads // kv), q, k, v, mask, **kwargs) == ("x", None)
     assert len(seen) == 1 and seen[0][0][1] is q and seen[0][0][4] is mask
 
 
-def test_the_static_decode_step_runs_packed_attention_and_restores_the_config(tiny_model, monkeypatch):
-    """The static path's decode steps (not the prompt pass) run the packed attention in every layer; the model's
-    config reads ``sdpa`` again after the call; the samples are those of the same loop over transformers'
-    SDPA (bit for bit here, on CPU)."""
+def test_the_static_decode_step_runs_packed_attention_under_the_sdpa_name(tiny_model, monkeypatch):
+    """The static path's decode steps (not the prompt pass) run the packed attention in every layer, while the
+    model's config still reads ``sdpa`` (model code that branches on the name is unchanged); transformers'
+    table of attention functions is as before after the call; the samples are those of the same loop over
+    transformers' SDPA (bit for bit here, on CPU)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert tiny_model.config.num_key_value_heads < tiny_model.config.num_attention_heads
-    shapes, real = [], att.packed_sdpa_forward
-    monkeypatch.setattr(
-        att, "packed_sdpa_forward", lambda *a, **k: shapes.append(a[1].shape[2]) or real(*a, **k)
-    )
-    att._registered = False  # register the spy
+    assert "sdpa" not in ALL_ATTENTION_FUNCTIONS._local_mapping
+    seen, real = [], att.packed_sdpa_forward
+
+    def spy(module, query, *args, **kwargs):
+        seen.append((query.shape[2], module.config._attn_implementation))
+        return real(module, query, *args, **kwargs)
+
+    monkeypatch.setattr(att, "packed_sdpa_forward", spy)
     params = SamplingParams(max_new_tokens=6, temperature=1.0)
     prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
 
@@ -84,11 +97,27 @@ def test_the_static_decode_step_runs_packed_attention_and_restores_the_config(ti
                                     decode="static")  # fmt: skip
 
     packed = sample()
-    assert shapes == [1] * 5 * tiny_model.config.num_hidden_layers  # 5 decode steps, one query token each
-    assert tiny_model.config._attn_implementation == "sdpa"
-    monkeypatch.setattr(g, "sdpa_configs", lambda model: [])
+    assert seen == [(1, "sdpa")] * 5 * tiny_model.config.num_hidden_layers  # 5 decode steps, one query token
+    assert "sdpa" not in ALL_ATTENTION_FUNCTIONS._local_mapping
+    monkeypatch.setattr(g, "uses_grouped_sdpa", lambda model: False)
     plain = sample()
+    assert len(seen) == 5 * tiny_model.config.num_hidden_layers
     assert packed["completion_ids"] == plain["completion_ids"]
     for a, b in zip(packed["logprobs"], plain["logprobs"]):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-6, rtol=0)
-    att._registered = False
+
+
+def test_the_switch_restores_a_local_sdpa_entry_on_error():
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    def mine(*args, **kwargs):
+        return None
+
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = mine
+    try:
+        with pytest.raises(RuntimeError, match="boom"), att.packed_decode_attention():
+            assert ALL_ATTENTION_FUNCTIONS["sdpa"] is att.packed_sdpa_forward
+            raise RuntimeError("boom")
+        assert ALL_ATTENTION_FUNCTIONS["sdpa"] is mine
+    finally:
+        del ALL_ATTENTION_FUNCTIONS["sdpa"]

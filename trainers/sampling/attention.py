@@ -1,12 +1,12 @@
 """Decode attention without ``repeat_kv``: grouped-query attention for one query token per row.
 
 A model with grouped KV heads (Qwen3: 32 query heads over 8 KV heads) runs its attention through
-transformers' ``sdpa_attention_forward``, which, given an attention mask (the static cache always passes
-one), copies every cached key and value once per query head of its group (``repeat_kv``) before SDPA: at a
-decode step that copy reads and writes the whole cache per layer (at 16 rows of a 4B-width model, two
-23 µs kernels per layer at a 192-slot cache, growing with the cache), and under ``torch.compile`` no
-transformers version skips it. With one query token per row the group's query heads can instead be the
-query *positions* of their KV head:
+transformers' ``sdpa_attention_forward``. Given an attention mask (the static cache always passes one) it
+copies every cached key and value once per query head of its group (``repeat_kv``) before SDPA in
+transformers 5.17, and in every version under ``torch.compile`` (later versions pack one query token
+themselves, eagerly only): at a decode step that copy reads and writes the whole cache per layer (at 16
+rows of a 4B-width model, two 23 µs kernels per layer at a 192-slot cache, growing with the cache). With
+one query token per row the group's query heads can instead be the query *positions* of their KV head:
 
     q [B, H_q, 1, D] → [B, H_kv, G, D],  o = SDPA(q, K, V, mask [B, 1, 1, L]) [B, H_kv, G, D] → [B, 1, H_q, D]
 
@@ -14,10 +14,13 @@ query *positions* of their KV head:
 and positions). Each query row's softmax and weighted sum are the same sums over the same keys, so the
 outputs are what the repeated path gives up to the SDPA kernel's rounding.
 
-:func:`packed_decode_attention` switches a model's SDPA attention modules to this function around one
-decode step (the built-in sampler's static decode step, :mod:`.graphs`); every other call (a prompt pass,
-more than one query token, dropout, a position bias, a mask per head) goes to transformers' own
-``sdpa_attention_forward`` unchanged.
+:func:`packed_decode_attention` puts this function in the place of transformers' ``"sdpa"`` attention
+function around one decode step (the built-in sampler's static decode step, :mod:`.graphs`); the name stays
+``"sdpa"``, so model code that branches on it is unchanged. Every other call (a prompt pass, more than one
+query token, no grouping, dropout, a mask per head, a sliding window, any argument beyond the ones a plain
+decoder passes) goes to ``sdpa_attention_forward`` unchanged. The swap is process-wide for its duration
+(transformers keeps one table of attention functions), which is harmless: the function computes what
+``"sdpa"`` computes for any caller.
 """
 
 from __future__ import annotations
@@ -27,9 +30,9 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-#: the ``attn_implementation`` name this module registers (with transformers' ``AttentionInterface``)
-PACKED_SDPA = "triage_packed_sdpa"
-_registered = False
+#: keyword arguments a plain decoder's attention passes that do not change the attention (any other one with a
+#: value sends the call to transformers' own function)
+_PLAIN = frozenset({"position_ids", "cache_position", "use_cache", "is_causal", "output_attentions"})
 
 
 def packed_sdpa_forward(
@@ -55,8 +58,8 @@ def packed_sdpa_forward(
         or key.shape[1] * groups != heads
         or dropout
         or (attention_mask is not None and (attention_mask.dim() != 4 or attention_mask.shape[1] != 1))
-        or any(kwargs.get(k) is not None for k in ("position_bias", "softcap", "sliding_window", "s_aux"))
         or kwargs.get("output_attentions")
+        or any(v is not None for k, v in kwargs.items() if k not in _PLAIN)
     ):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
@@ -66,49 +69,33 @@ def packed_sdpa_forward(
     return out.reshape(batch, 1, heads, value.shape[-1]), None
 
 
-def _register() -> None:
-    global _registered
-    if _registered:
-        return
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(PACKED_SDPA, packed_sdpa_forward)
-    try:  # a 2-D mask under this name is built as SDPA's (the decode step passes its own 4-D mask)
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-        AttentionMaskInterface.register(PACKED_SDPA, sdpa_mask)
-    except ImportError:
-        pass
-    _registered = True
-
-
-def sdpa_configs(model: torch.nn.Module) -> list:
-    """The configs of ``model``'s grouped-KV attention modules that run transformers' SDPA (each once):
-    what :func:`packed_decode_attention` switches."""
-    configs = {}
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if (
-            getattr(module, "num_key_value_groups", 1) > 1
-            and getattr(config, "_attn_implementation", None) == "sdpa"
-        ):
-            configs[id(config)] = config
-    return list(configs.values())
+def uses_grouped_sdpa(model: torch.nn.Module) -> bool:
+    """Whether ``model`` has an attention module with grouped KV heads that runs transformers' SDPA: what
+    :func:`packed_decode_attention` would change."""
+    return any(
+        getattr(module, "num_key_value_groups", 1) > 1
+        and getattr(getattr(module, "config", None), "_attn_implementation", None) == "sdpa"
+        for module in model.modules()
+    )
 
 
 @contextlib.contextmanager
-def packed_decode_attention(configs: list):
-    """Inside: the attention modules of ``configs`` (:func:`sdpa_configs`) run :func:`packed_sdpa_forward`
-    (their ``_attn_implementation`` set to :data:`PACKED_SDPA`, without the setter's sub-config walk);
-    restored to ``"sdpa"`` on exit."""
-    if not configs:
+def packed_decode_attention(active: bool = True):
+    """Inside (when ``active``): transformers' ``"sdpa"`` attention function is :func:`packed_sdpa_forward`
+    (set in the table models read, ``ALL_ATTENTION_FUNCTIONS``); the previous entry is back on exit."""
+    if not active:
         yield
         return
-    _register()
-    for config in configs:
-        config._attn_implementation_internal = PACKED_SDPA
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    local = ALL_ATTENTION_FUNCTIONS._local_mapping
+    missing = object()
+    before = local.get("sdpa", missing)
+    local["sdpa"] = packed_sdpa_forward
     try:
         yield
     finally:
-        for config in configs:
-            config._attn_implementation_internal = "sdpa"
+        if before is missing:
+            local.pop("sdpa", None)
+        else:
+            local["sdpa"] = before

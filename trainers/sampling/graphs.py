@@ -52,7 +52,7 @@ from collections.abc import Callable
 
 import torch
 
-from .attention import packed_decode_attention, sdpa_configs
+from .attention import packed_decode_attention, uses_grouped_sdpa
 
 __all__ = ["DecodeGraphs", "GraphStep", "StaticDecode", "static_cache_length"]
 
@@ -169,7 +169,7 @@ class StaticDecode:
         self.weights: tuple | None = None  # graph_key(model) the graph was captured under
         self.calls = 0
         self.compiled = compiled
-        self.packed = sdpa_configs(model)  # the attention configs a decode step switches to packed GQA
+        self.packed = uses_grouped_sdpa(model)  # whether a decode step runs packed grouped-query attention
 
     @property
     def model(self) -> torch.nn.Module:

@@ -118,33 +118,34 @@ def test_cuda_graphs_leave_the_ops_out():
         assert torch.Tag.cudagraph_unsafe in op.tags
 
 
-@pytest.mark.parametrize("op", ["cached", "capturable", "frozen"])
-def test_the_ops_quantize_an_input_buffer_rewritten_without_a_version_bump(op):
+def test_the_frozen_op_quantizes_an_input_buffer_rewritten_without_a_version_bump():
     """Compiled code writes and reuses its buffers without bumping their version counters (inductor hands a
-    dead buffer's storage, the same tensor object, to a later op): each op quantizes its input per call, so a
-    second layer called on a buffer rewritten since the first one's call never reads the first call's x_q."""
+    dead buffer's storage, the same tensor object, to a later op): the frozen W4A4 op quantizes its input per
+    call, so a second layer called on a buffer rewritten since the first one's call never reads the first
+    call's x_q. (The NVFP4Linear ops never share outside a sibling group: tests/kernels/gemm/test_siblings.py.)"""
     from triage.kernels import NVFP4Config, convert
     from triage.kernels.nvfp4 import QuantRecipe
 
     torch.manual_seed(0)
     recipe = QuantRecipe(scale="row", profile="compressed-tensors")
-    if op == "frozen":
-        two = convert(nn.Sequential(nn.Linear(32, 16), nn.Linear(32, 16)),
-                      NVFP4Config.from_recipe(recipe, frozen="w4a4"))  # fmt: skip
-        call = [lambda x, m=m: torch.ops.triage.frozen_nvfp4_linear(x, m._op_id, 16) for m in two]
-    else:
-        cfg = NVFP4LinearConfig(activation=recipe, capturable=op == "capturable")
-        two = [NVFP4Linear(32, 16, config=cfg), NVFP4Linear(32, 16, config=cfg)]
-        if op == "cached":
-            call = [lambda x, m=m: torch.ops.triage.nvfp4_linear(x, m.weight, m.bias, m._op_id, False, True)[0]
-                    for m in two]  # fmt: skip
-        else:
-            call = [lambda x, m=m: torch.ops.triage.nvfp4_linear_capturable(x, m.weight, m.bias, None,
-                                                                            cfg._op_key)[0] for m in two]  # fmt: skip
+    two = convert(
+        nn.Sequential(nn.Linear(32, 16), nn.Linear(32, 16)), NVFP4Config.from_recipe(recipe, frozen="w4a4")
+    )
     buf = torch.randn(4, 32)
     with torch.no_grad():
-        call[0](buf)
+        torch.ops.triage.frozen_nvfp4_linear(buf, two[0]._op_id, 16)
         version = buf._version
         buf.data.copy_(torch.randn(4, 32))  # a write that bypasses the version counter, as compiled code's
         assert buf._version == version
-        assert torch.equal(call[1](buf), two[1](buf.clone()))
+        assert torch.equal(torch.ops.triage.frozen_nvfp4_linear(buf, two[1]._op_id, 16), two[1](buf.clone()))
+
+
+def test_every_op_takes_its_input_as_inductor_lays_it_out():
+    """Each custom op carries ``flexible_layout`` (inductor then hands sibling layers one input buffer, not a
+    copy each, tests/kernels/gemm/test_siblings.py)."""
+    import triage.kernels.frozen_linear  # noqa: F401 - registers its op
+
+    names = ["nvfp4_linear", "nvfp4_linear_backward", "nvfp4_linear_capturable", "nvfp4_linear_capturable_backward",
+             "frozen_nvfp4_linear"]  # fmt: skip
+    for name in names:
+        assert torch.Tag.flexible_layout in getattr(torch.ops.triage, name).default.tags, name

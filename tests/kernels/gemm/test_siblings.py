@@ -453,6 +453,32 @@ def test_a_group_op_on_a_buffer_rewritten_without_a_version_bump_quantizes_it_an
             assert launches == [3]
 
 
+@pytest.mark.parametrize("kind", ["w4a16", "nvfp4"])
+def test_inside_ops_only_the_calls_right_after_a_launch_claim_its_outputs(kind, launches):
+    """A member's op called after another op call (here o_proj's, between q's launch and k's claim, and x's
+    buffer reused for another value without a version bump, as compiled code may: the key alone cannot tell)
+    computes alone on what x holds, and the group's ops compute alone from then on."""
+    block = _block(kind)
+    a = block.self_attn
+
+    def run(m, xi):  # the op a compiled graph calls
+        if kind == "w4a16":
+            return torch.ops.triage.frozen_nvfp4_linear(xi, m._op_id, m.out_features)
+        return torch.ops.triage.nvfp4_linear(xi, m.weight, m.bias, m._op_id, False, True)[0]
+
+    buf = torch.randn(2, 64, device=device(), dtype=torch.float16)
+    new = torch.randn_like(buf)
+    with torch.no_grad():
+        eager = [m(new) for m in (a.k_proj, a.v_proj)]
+        launches.clear()
+        run(a.q_proj, buf)
+        run(a.o_proj, torch.randn(2, 64, device=device(), dtype=torch.float16))
+        buf.data.copy_(new)  # bypasses the version counter
+        for y, e in zip([run(m, buf) for m in (a.k_proj, a.v_proj)], eager):
+            assert torch.equal(y, e)
+    assert launches == [3] and a.q_proj._siblings.compiled_alone
+
+
 def test_compiled_layers_with_autograd_compute_alone_as_eager_ones_do(launches):
     """With autograd (a compiled training step) every NVFP4Linear computes alone, as in eager code: the op is
     told by its call site (inside an op's implementation grad is always off)."""
@@ -464,3 +490,21 @@ def test_compiled_layers_with_autograd_compute_alone_as_eager_ones_do(launches):
     compiled(x).sum().backward()
     block(x).sum().backward()
     assert launches == []
+
+
+def test_frozen_fp32_outputs_and_bias_grads_do_not_depend_on_the_layout():
+    """What a compiled graph may hand the ops (``flexible_layout``): a column-major x for a frozen W4A16
+    layer's fp32 path, a column-major dy for the bias gradient; the row-major bits either way."""
+    torch.manual_seed(0)
+    frozen = convert(nn.Sequential(nn.Linear(64, 32)), CONFIGS["w4a16"])[0]
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        assert torch.equal(frozen(x), frozen(x.t().contiguous().t()))
+    layer = convert(nn.Sequential(nn.Linear(64, 32)), CONFIGS["nvfp4"])[0]
+    x, dy = torch.randn(40, 64), torch.randn(40, 32) * 1e3
+    grads = []
+    for d in (dy, dy.t().contiguous().t()):
+        layer.zero_grad()
+        layer(x).backward(d)
+        grads.append(layer.bias.grad.clone())
+    assert torch.equal(*grads)
