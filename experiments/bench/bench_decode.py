@@ -259,7 +259,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     global COMPILE
     COMPILE = args.compile
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, compiled decode step: {args.compile}")
+    import transformers
+
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.cuda.get_device_name()}, "
+          f"compiled decode step: {args.compile}")  # fmt: skip
     rows, ok, replays = [], True, {}
     decodes = args.decodes.split(",")
     unknown = set(decodes) - set(DECODES)

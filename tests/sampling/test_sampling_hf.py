@@ -212,7 +212,7 @@ def test_a_nan_distribution_is_an_error_naming_the_prompt(tiny_model, prompt_ids
 
     hook = tiny_model.lm_head.register_forward_hook(poison)
     try:
-        with pytest.raises(ValueError, match=r"prompt\(s\) \[1\] is NaN at a decode step ≤ 7"):
+        with pytest.raises(ValueError, match=r"prompt\(s\) \[1\] is NaN at a sampling step ≤ 7"):
             sample_with_kv_cache(tiny_model, prompt_ids, params, [], torch.Generator().manual_seed(0), pad_id=0,
                                  decode=decode)  # fmt: skip
     finally:

@@ -255,8 +255,9 @@ def sample_with_kv_cache(
             if bad:
                 rows = broken.nonzero().flatten().tolist()
                 raise ValueError(
-                    f"sample_with_kv_cache: the sampling distribution of prompt(s) {rows} is NaN at a decode step "
-                    f"≤ {i} (the model's logits are NaN or Inf there): nothing to sample from"
+                    f"sample_with_kv_cache: the sampling distribution of prompt(s) {rows} is NaN at a sampling "
+                    f"step ≤ {i} (0: the token after the prompt; the model's logits are NaN or Inf there): nothing "
+                    f"to sample from"
                 )
             if done or last:
                 break
@@ -288,8 +289,9 @@ def sample_with_kv_cache(
 def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One token per row of ``probs`` [B, V]: ``torch.multinomial(probs, 1, generator=generator)``'s draw by its
     own one-sample route, ``argmax(p / q)`` with ``q ~ Exp(1)`` from ``generator`` (the Gumbel-max trick), so
-    the same tokens and the same generator state, without its validity check: a host read of the GPU at every
-    step, which kept the host from queuing steps ahead (the loop checks for NaN rows at its done checks)."""
+    the same tokens and the same generator state, without its validity check (reductions at every step and,
+    on CUDA, depending on the torch version a host read or a device-side assert, which leaves the CUDA
+    context unusable): the loop flags NaN rows itself and raises at its done checks."""
     q = torch.empty_like(probs).exponential_(1, generator=generator)
     torch.div(probs, q, out=q)
     return q.argmax(-1)
