@@ -81,7 +81,7 @@ def test_the_static_decode_step_runs_packed_attention_under_the_sdpa_name(tiny_m
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert tiny_model.config.num_key_value_heads < tiny_model.config.num_attention_heads
-    assert "sdpa" not in ALL_ATTENTION_FUNCTIONS._local_mapping
+    before = dict(ALL_ATTENTION_FUNCTIONS._local_mapping)  # other code may have set a local "sdpa" entry
     seen, real = [], att.packed_sdpa_forward
 
     def spy(module, query, *args, **kwargs):
@@ -98,7 +98,7 @@ def test_the_static_decode_step_runs_packed_attention_under_the_sdpa_name(tiny_m
 
     packed = sample()
     assert seen == [(1, "sdpa")] * 5 * tiny_model.config.num_hidden_layers  # 5 decode steps, one query token
-    assert "sdpa" not in ALL_ATTENTION_FUNCTIONS._local_mapping
+    assert ALL_ATTENTION_FUNCTIONS._local_mapping == before
     monkeypatch.setattr(g, "uses_grouped_sdpa", lambda model: False)
     plain = sample()
     assert len(seen) == 5 * tiny_model.config.num_hidden_layers
@@ -113,6 +113,7 @@ def test_the_switch_restores_a_local_sdpa_entry_on_error():
     def mine(*args, **kwargs):
         return None
 
+    before = ALL_ATTENTION_FUNCTIONS._local_mapping.get("sdpa")
     ALL_ATTENTION_FUNCTIONS["sdpa"] = mine
     try:
         with pytest.raises(RuntimeError, match="boom"), att.packed_decode_attention():
@@ -121,3 +122,5 @@ def test_the_switch_restores_a_local_sdpa_entry_on_error():
         assert ALL_ATTENTION_FUNCTIONS["sdpa"] is mine
     finally:
         del ALL_ATTENTION_FUNCTIONS["sdpa"]
+        if before is not None:
+            ALL_ATTENTION_FUNCTIONS["sdpa"] = before
