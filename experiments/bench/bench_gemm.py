@@ -2,7 +2,7 @@
 """H200 check + benchmark of the NVFP4 dense GEMMs. Run on a CUDA machine:
 
     python experiments/bench/bench_gemm.py [--quick] [--sections correctness,w4a4,decode,linear,cache] [--sweep]
-    (other sections: decode-shapes, decode-groups)
+    (other sections: decode-shapes, decode-groups, decode-variants)
 
 1. correctness vs the torch reference (dequantize, fp64 matmul) on real shapes, every backend (decode,
    dense-on-expanded, cuBLAS alpha, fused), per-tensor and per-row scales, a NaN block scale, and the
@@ -399,6 +399,75 @@ def decode_groups() -> None:
                      f"lone bits {same}) |")  # fmt: skip
 
 
+#: ``decode_variants``: tile and code variants of the W4A16 decode kernel, as config overrides of the default.
+DECODE_VARIANTS = {
+    "default": {},
+    "4 warps": dict(num_warps=4),
+    "4 stages": dict(num_stages=4),
+    "split x2": dict(SPLIT_K="x2"),
+}
+
+
+def decode_variants() -> None:
+    """The launches of one Qwen3-4B / 8B decoder layer as the sampler copy runs them (q/k/v and gate/up as
+    groups, o and down alone), W4A16, M = 1 and 16, CUDA-graph µs, under each of :data:`DECODE_VARIANTS`:
+    every variant's outputs checked first (the default's bits where the split is the default's, else within
+    fp32 rounding of the fp64 reference); per layer: the sum of its four launches."""
+    emit("## Decode kernel variants (W4A16, one decoder layer's launches, CUDA-graph µs)")
+    emit("| model | M | launch | N×K | bf16 mm | " + " | ".join(DECODE_VARIANTS) + " |")
+    emit("|---|---|---|---|---|" + "---|" * len(DECODE_VARIANTS))
+    act = QuantRecipe(scale="row", profile="compressed-tensors")
+    for model in ("4B", "8B"):
+        h, i, nq, nkv = QWEN3[model]
+        launches = {"q/k/v": ((nq * 128, nkv * 128, nkv * 128), h), "o": ((h,), nq * 128),
+                    "gate/up": ((i, i), h), "down": ((h,), i)}  # fmt: skip
+        for m in (1, 16):
+            totals = dict.fromkeys(DECODE_VARIANTS, 0.0)
+            total_bf16 = 0.0
+            for name, (widths, k) in launches.items():
+                ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for n in widths]
+                qs = [quantize(w, act) for w in ws]
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                outs = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for n in widths]
+                members = [(q.data, q.scale, o, q.global_scale.reshape(-1), None) for q, o in zip(qs, outs)]
+                base = gd.decode_config(m, sum(widths), k)
+
+                def call(cfg):
+                    if len(qs) == 1:
+                        gd.launch_decode(x, qs[0].data, qs[0].scale, k, outs[0], None, members[0][3], None,
+                                         config=dict(cfg))  # fmt: skip
+                    else:
+                        gd.launch_decode_group(x, members, k, None, config=dict(cfg))
+
+                call(base)
+                ref = [o.clone() for o in outs]
+                cells = []
+                for variant, over in DECODE_VARIANTS.items():
+                    cfg = dict(base, **over)
+                    if cfg["SPLIT_K"] == "x2":
+                        cfg["SPLIT_K"] = base["SPLIT_K"] * 2
+                    try:
+                        for o in outs:
+                            o.fill_(float("nan"))
+                        call(cfg)
+                        if cfg["SPLIT_K"] == base["SPLIT_K"]:
+                            ok = all(same_bits(o, r) for o, r in zip(outs, ref))
+                        else:
+                            ok = max(rel(o.float(), gemm_w4a16_reference(x, q, out_dtype=torch.float64))
+                                     for q, o in zip(qs, outs)) < 1e-2  # fmt: skip
+                        t = 1e3 * do_bench_cudagraph(lambda cfg=cfg: call(cfg))
+                        totals[variant] += t
+                        cells.append(f"{t:.1f}" + ("" if ok else " FAIL"))
+                    except Exception as ex:  # noqa: BLE001
+                        totals[variant] = float("nan")
+                        cells.append(f"{type(ex).__name__}: {str(ex)[:60]}")
+                tb = 1e3 * do_bench_cudagraph(lambda: [torch.mm(x, w.T) for w in ws])
+                total_bf16 += tb
+                emit(f"| {model} | {m} | {name} | {sum(widths)}×{k} | {tb:.1f} | " + " | ".join(cells) + " |")
+            emit(f"| {model} | {m} | **layer** | | {total_bf16:.1f} | "
+                 + " | ".join(f"**{t:.1f}**" for t in totals.values()) + " |")  # fmt: skip
+
+
 #: The split-K factors and tile rows (BN, the weight rows per program; 2 warps, 1 at BN = 16) that
 #: ``decode_shapes(sweep=True)`` times at every shape.
 SHAPE_SPLITS = (1, 2, 4, 8, 16)
@@ -766,6 +835,7 @@ def main() -> None:
         "decode": lambda: decode(args.quick, args.sweep),
         "decode-shapes": lambda: decode_shapes(args.sweep),
         "decode-groups": decode_groups,
+        "decode-variants": decode_variants,
         "linear": lambda: linear(args.quick),
         "cache": lambda: cache_check(args.quick),
     }

@@ -38,21 +38,59 @@ WORD_ORDER = (0, 4, 2, 6, 1, 5, 3, 7)
 
 
 @triton.jit
-def _unpack_words(q, BF16: tl.constexpr):
-    """Packed codes as int32 words [R, W] (8 nibbles each, element 8w+i in nibble i) -> ``e2m1·2⁻¹⁴`` in
-    fp16 (``BF16``: ``e2m1·2⁻¹²⁶`` in bf16) as [R, W, 2, 2, 2], read in :data:`WORD_ORDER` when flattened.
+def _scale_pairs(r, s):
+    """``r`` (uint32: two bf16 values) times the bf16 scale in the low half of ``s`` (uint32), one
+    ``mul.rn.bf16x2`` (ptxas reads the scale's half twice: ``HMUL2.BF16 .H0_H0``). Triton's own bf16 multiply
+    of the joined values compiles (3.6, sm_90) to a half-swap ``PRMT`` before and after every ``HMUL2``."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; .reg .b32 s2; mov.b32 {lo, hi}, $2; mov.b32 s2, {lo, lo}; mul.rn.bf16x2 $0, $1, s2; }",
+        "=r,r,r", [r, s], dtype=tl.uint32, is_pure=True, pack=1,
+    )  # fmt: skip
 
-    ``(u & 0x80008000) | ((u & 0x70007000) >> 3)`` turns the nibbles in bits 12-15 and 28-31 of ``u`` into
-    two fp16 bit patterns at once (sign to bit 15, exponent/mantissa bits to 11-9: the module docstring's
-    trick); ``>> 6`` puts them at bf16's 8-6 instead (exponent field e, mantissa bit m: ``e2m1·2⁻¹²⁶``, code 1
-    the bf16 subnormal 2⁻¹²⁷). Shifting the word left by 12, 8, 4, 0 brings nibbles 0/4, 1/5, 2/6, 3/7 there.
-    """
-    u = q.to(tl.uint32, bitcast=True)
-    SH: tl.constexpr = 6 if BF16 else 3
+
+@triton.jit
+def _unpack_pairs(u, SH: tl.constexpr):
+    """The four registers of :func:`_unpack_words` (uint32 ``u`` -> two values each: elements 0/4, 1/5, 2/6,
+    3/7) by shifts and masks: ``(u & 0x80008000) | ((u & 0x70007000) >> SH)`` turns the nibbles in bits 12-15
+    and 28-31 of ``u`` into two bit patterns at once (sign to bit 15, exponent/mantissa bits to 11-9 for
+    ``SH`` = 3, fp16's ``e2m1·2⁻¹⁴``, or to 8-6 for ``SH`` = 6, bf16's ``e2m1·2⁻¹²⁶``); shifting the word left
+    by 12, 8, 4, 0 brings nibbles 0/4, 1/5, 2/6, 3/7 there."""
     r0 = ((u << 12) & 0x80008000) | (((u << 12) & 0x70007000) >> SH)  # elements 0 (low half), 4 (high)
     r1 = ((u << 8) & 0x80008000) | (((u << 8) & 0x70007000) >> SH)  # 1, 5
     r2 = ((u << 4) & 0x80008000) | (((u << 4) & 0x70007000) >> SH)  # 2, 6
     r3 = (u & 0x80008000) | ((u & 0x70007000) >> SH)  # 3, 7
+    return r0, r1, r2, r3
+
+
+@triton.jit
+def _unpack_pairs_mul(u):
+    """:func:`_unpack_pairs` for bf16 (``SH`` = 6, the same bits) with one multiply instead of two shifts per
+    register: for ``x = u & 0x000F000F`` (nibbles 0 and 4), ``x·0x1040 = (x << 12) + (x << 6)`` puts each sign
+    bit at 15 / 31 and each exponent/mantissa field at 8-6 / 24-22 without carries (the two copies occupy bits
+    12-15 and 6-9 of each half), and ``& 0x81C081C0`` keeps exactly those; nibbles 1/5 take ``0x104`` on bits
+    4-7, and ``u >> 8`` brings nibbles 2/6, 3/7 to the places of 0/4, 1/5. (fp16's fields, 11-9, would overlap
+    the copies: no such form.)"""
+    v = u >> 8
+    r0 = ((u & 0x000F000F) * 0x1040) & 0x81C081C0
+    r1 = ((u & 0x00F000F0) * 0x104) & 0x81C081C0
+    r2 = ((v & 0x000F000F) * 0x1040) & 0x81C081C0
+    r3 = ((v & 0x00F000F0) * 0x104) & 0x81C081C0
+    return r0, r1, r2, r3
+
+
+@triton.jit
+def _unpack_words(q, BF16: tl.constexpr, s=None):
+    """Packed codes as int32 words [R, W] (8 nibbles each, element 8w+i in nibble i) -> ``e2m1·2⁻¹⁴`` in
+    fp16 (``BF16``: ``e2m1·2⁻¹²⁶`` in bf16, code 1 the bf16 subnormal 2⁻¹²⁷) as [R, W, 2, 2, 2], read in
+    :data:`WORD_ORDER` when flattened. ``BF16``: :func:`_unpack_pairs_mul`, each register then times its
+    word's block scale ``s`` ([R, W] uint32, the bf16 scale in the low half: :func:`_scale_pairs`); fp16:
+    :func:`_unpack_pairs`, unscaled. Per 8 codes: 13 integer ops + 4 ``HMUL2`` (bf16), 15 (fp16)."""
+    u = q.to(tl.uint32, bitcast=True)
+    if BF16:
+        r0, r1, r2, r3 = _unpack_pairs_mul(u)
+        r0, r1, r2, r3 = _scale_pairs(r0, s), _scale_pairs(r1, s), _scale_pairs(r2, s), _scale_pairs(r3, s)
+    else:
+        r0, r1, r2, r3 = _unpack_pairs(u, 3)
     DT: tl.constexpr = tl.bfloat16 if BF16 else tl.float16
     lo = tl.join(
         tl.join(
@@ -254,13 +292,13 @@ def _decode_kernel(
                 w_rows, s_rows, x_ptr, kb, kb1, jw, jb, j, j_perm, offs_m, m_ok, n_ok, stride_xm, K, KB,
                 EVEN_N, EVEN_K, BM, BW, BK,
             )  # fmt: skip
-        if BF16:  # e2m1·2⁻¹²⁶ · (s·2¹¹⁹) = e2m1·s·2⁻⁷: exact, normal bf16
-            sd = (s_c.to(tl.float32) * 6.646139978924579e35).to(tl.bfloat16)
+        if BF16:  # e2m1·2⁻¹²⁶ · (s·2¹¹⁹) = e2m1·s·2⁻⁷: exact, normal bf16; one mul.rn.bf16x2 per register
+            sd = (s_c.to(tl.float32) * 6.646139978924579e35).to(tl.bfloat16).to(tl.uint16, bitcast=True)
+            sw = tl.reshape(tl.broadcast_to(sd.to(tl.uint32)[:, :, None], (BN, NB, 2)), (BN, BW))  # per word
+            v = _unpack_words(q_c, BF16, sw)  # [BN, BW, 2, 2, 2], scaled
         else:  # e2m1·2⁻¹⁴ · s: exact in fp16
-            sd = s_c.to(tl.float16)
-        sd = e4m3_nan(s_c, sd)
-        v = _unpack_words(q_c, BF16)  # [BN, BW, 2, 2, 2]
-        v = tl.reshape(v, (BN, NB, 16)) * sd[:, :, None]
+            sd = e4m3_nan(s_c, s_c.to(tl.float16))
+            v = tl.reshape(_unpack_words(q_c, BF16), (BN, NB, 16)) * sd[:, :, None]
         w = tl.reshape(v, (BN, BK)).to(DOT_DTYPE)
         acc = tl.dot(w, x_c.to(DOT_DTYPE), acc, input_precision=INPUT_PRECISION)
     acc = tl.trans(acc)  # [BM, BN]

@@ -291,3 +291,33 @@ def test_graph_counters_replays_match_eager(monkeypatch):
         eager = step()
         assert all(torch.equal(a, b) for a, b in zip(out, eager, strict=True))
     assert not given[0].any()  # every replay left the shared counters at zero
+
+
+def test_bf16_unpack_by_multiply_is_the_shift_trick():
+    """The bf16 unpack's multiply form (``_unpack_pairs_mul``) gives the shift-and-mask trick's registers
+    bit for bit: every pair of codes in every nibble pair of a word (each register depends on its two nibbles
+    alone), then random words."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def both(u_ptr, a_ptr, b_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        ok = offs < n
+        u = tl.load(u_ptr + offs, mask=ok, other=0).to(tl.uint32, bitcast=True)
+        a0, a1, a2, a3 = gd._unpack_pairs(u, 6)
+        b0, b1, b2, b3 = gd._unpack_pairs_mul(u)
+        for i, (ra, rb) in enumerate(((a0, b0), (a1, b1), (a2, b2), (a3, b3))):
+            tl.store(a_ptr + i * n + offs, ra.to(tl.int32, bitcast=True), mask=ok)
+            tl.store(b_ptr + i * n + offs, rb.to(tl.int32, bitcast=True), mask=ok)
+
+    lo, hi = torch.meshgrid(torch.arange(16), torch.arange(16), indexing="ij")
+    pair = lo.flatten() | (hi.flatten() << 16)  # nibbles i and i + 4 of one word
+    words = sum(pair << (4 * i) for i in range(4))  # the same pair in every nibble position
+    rand = torch.randint(0, 2**32, (4096,), generator=torch.Generator().manual_seed(0), dtype=torch.int64)
+    u = torch.cat([words, rand, torch.tensor([0, 2**32 - 1, 0x88888888, 0x77777777])])
+    u = (u - ((u >= 2**31).long() << 32)).to(torch.int32).to(device())  # uint32 bits as int32
+    a = torch.empty(4, u.numel(), dtype=torch.int32, device=device())
+    b = torch.full_like(a, -1)
+    both[(1,)](u, a, b, u.numel(), BLOCK=triton.next_power_of_2(u.numel()))
+    assert torch.equal(a, b)
