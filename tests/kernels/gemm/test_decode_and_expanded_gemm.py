@@ -307,9 +307,14 @@ def test_bf16_unpack_by_multiply_is_the_shift_trick():
         u = tl.load(u_ptr + offs, mask=ok, other=0).to(tl.uint32, bitcast=True)
         a0, a1, a2, a3 = gd._unpack_pairs(u, 6)
         b0, b1, b2, b3 = gd._unpack_pairs_mul(u)
-        for i, (ra, rb) in enumerate(((a0, b0), (a1, b1), (a2, b2), (a3, b3))):
-            tl.store(a_ptr + i * n + offs, ra.to(tl.int32, bitcast=True), mask=ok)
-            tl.store(b_ptr + i * n + offs, rb.to(tl.int32, bitcast=True), mask=ok)
+        tl.store(a_ptr + offs, a0.to(tl.int32, bitcast=True), mask=ok)
+        tl.store(a_ptr + n + offs, a1.to(tl.int32, bitcast=True), mask=ok)
+        tl.store(a_ptr + 2 * n + offs, a2.to(tl.int32, bitcast=True), mask=ok)
+        tl.store(a_ptr + 3 * n + offs, a3.to(tl.int32, bitcast=True), mask=ok)
+        tl.store(b_ptr + offs, b0.to(tl.int32, bitcast=True), mask=ok)
+        tl.store(b_ptr + n + offs, b1.to(tl.int32, bitcast=True), mask=ok)
+        tl.store(b_ptr + 2 * n + offs, b2.to(tl.int32, bitcast=True), mask=ok)
+        tl.store(b_ptr + 3 * n + offs, b3.to(tl.int32, bitcast=True), mask=ok)
 
     lo, hi = torch.meshgrid(torch.arange(16), torch.arange(16), indexing="ij")
     pair = lo.flatten() | (hi.flatten() << 16)  # nibbles i and i + 4 of one word
