@@ -57,7 +57,16 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from triage.kernels.linear import _tags
+from triage.kernels.linear import (
+    NVFP4Linear,
+    _layer_of,
+    _op_call,
+    _rows_plan,
+    _tags,
+    _triton_quantizes,
+    quantize_input,
+)
+from triage.kernels.linear import _register as register
 from triage.kernels.nvfp4.recipe import QuantRecipe
 from triage.kernels.nvfp4.tensor import NVFP4Tensor
 
@@ -216,8 +225,6 @@ class FrozenNVFP4Linear(nn.Module):
         """Freeze ``linear``. An ``NVFP4Linear`` gives its cached ``W_q`` (the bytes its forward used) and,
         when ``config`` is None, computes as it did (:meth:`NVFP4FrozenConfig.like`); a plain ``nn.Linear`` is
         quantized with ``recipe`` (default ``QuantRecipe()``: 1×16 blocks, TE formulas)."""
-        from triage.kernels.linear import NVFP4Linear
-
         bias = None if linear.bias is None else linear.bias.detach()
         if isinstance(linear, NVFP4Linear):
             if recipe is not None:
@@ -349,8 +356,6 @@ class FrozenNVFP4Linear(nn.Module):
         x2 = x.reshape(-1, K)
         w = self.quantized_weight()
         if cfg.compute == "w4a4":
-            from triage.kernels.linear import quantize_input
-
             expanded, plan = self._x_plan(x)
             xq = quantize_input(
                 x, cfg.activation, cfg.quant_backend, expanded=expanded, plan=plan, share=cfg.share_inputs
@@ -382,8 +387,6 @@ class FrozenNVFP4Linear(nn.Module):
             return None
         if w4a16:
             return x.reshape(rows, K), None, x
-        from triage.kernels.linear import quantize_input
-
         expanded, plan = self._x_plan(x)
         xq = quantize_input(x, cfg.activation, cfg.quant_backend, expanded=expanded, plan=plan, share=cfg.share_inputs)
         gemm = mm.gemm_plan(xq, self.quantized_weight(), out_dtype=x.dtype, bias=self.bias, backend=cfg.gemm_backend)
@@ -402,7 +405,6 @@ class FrozenNVFP4Linear(nn.Module):
         hit = _X_PLANS.get(key)
         if hit is not None and hit[0] is cfg:  # the entry holds cfg: its id cannot be reused while kept
             return hit[1], hit[2]
-        from triage.kernels.linear import _rows_plan, _triton_quantizes
         from triage.kernels.nvfp4.matmul import decode_route
 
         expanded = None
@@ -707,8 +709,6 @@ def _model_device(model: nn.Module) -> torch.device:
 def _register(layer: FrozenNVFP4Linear) -> None:
     """Give ``layer`` an op id in the layers' one registry (``triage.kernels.linear._register``: a 0-d int64
     CPU tensor attribute, an input of the compiled graph, so layers of one signature share a graph)."""
-    from triage.kernels.linear import _register as register
-
     register(layer)
 
 
@@ -717,8 +717,6 @@ def frozen_nvfp4_linear_op(x: torch.Tensor, layer: torch.Tensor, out_features: i
     """``triage::frozen_nvfp4_linear``: the grad-free forward of the ``FrozenNVFP4Linear`` whose op id is
     ``layer`` (its sibling group run at run time, each output its own allocation), what a compiled graph calls
     (a layer's forward under ``torch.compile`` without autograd; with autograd it runs eagerly)."""
-    from triage.kernels.linear import _layer_of, _op_call
-
     with _op_call():
         return _layer_of(layer, "triage::frozen_nvfp4_linear")._grad_free(x, separate=True)
 
