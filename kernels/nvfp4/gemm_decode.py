@@ -39,11 +39,14 @@ WORD_ORDER = (0, 4, 2, 6, 1, 5, 3, 7)
 
 @triton.jit
 def _scale_pairs(r, s):
-    """``r`` (uint32: two bf16 values) times the bf16 scale in the low half of ``s`` (uint32), one
-    ``mul.rn.bf16x2`` (ptxas reads the scale's half twice: ``HMUL2.BF16 .H0_H0``). Triton's own bf16 multiply
-    of the joined values compiles (3.6, sm_90) to a half-swap ``PRMT`` before and after every ``HMUL2``."""
+    """``r`` (uint32: two bf16 values) times the bf16 scale in the low half of ``s`` (uint32): one
+    ``fma.rn.bf16x2`` with a -0 addend, i.e. the product itself (exact here; -0 leaves every value, ±0
+    included, as it is), which ptxas emits on sm_90 as one ``HMUL2.BF16`` reading the scale's half twice
+    (``.H0_H0``); ``fma.bf16x2`` needs sm_80 where ``mul.bf16x2`` needs sm_90. Triton's own bf16 multiply of
+    the joined values compiles (3.6, sm_90) to a half-swap ``PRMT`` before and after every ``HMUL2``."""
     return tl.inline_asm_elementwise(
-        "{ .reg .b16 lo, hi; .reg .b32 s2; mov.b32 {lo, hi}, $2; mov.b32 s2, {lo, lo}; mul.rn.bf16x2 $0, $1, s2; }",
+        "{ .reg .b16 lo, hi; .reg .b32 s2, z; mov.b32 {lo, hi}, $2; mov.b32 s2, {lo, lo}; mov.b32 z, 0x80008000; "
+        "fma.rn.bf16x2 $0, $1, s2, z; }",
         "=r,r,r", [r, s], dtype=tl.uint32, is_pure=True, pack=1,
     )  # fmt: skip
 
@@ -223,8 +226,8 @@ def _decode_kernel(
     weight (the big operand, ``BN`` ≥ 64 rows) is the MMA's M side and the few activation rows (``BM``: M
     padded to 16/32/64) its N side. The weight streams as int32 words (``w_ptr`` is the uint8 codes viewed
     as int32, ``stride_wn`` in words): :func:`_unpack_words` turns each word into eight exact fp16
-    ``e2m1·2⁻¹⁴`` with ~2 integer ops per element, then one fp16 multiply by the block's e4m3 scale (exact,
-    module docstring); the epilogue multiplies by 2¹⁴. ``x`` is dense (bf16/fp16 activations, or the exact
+    ``e2m1·2⁻¹⁴`` (bf16 ``e2m1·2⁻¹²⁶`` for bf16 activations) with ~2 integer ops per element, each times the
+    block's e4m3 scale (exact, module docstring); the epilogue multiplies by 2¹⁴ (2⁷). ``x`` is dense (bf16/fp16 activations, or the exact
     fp16 expansion of an NVFP4 activation). Program axis 1 splits K (in whole 16-blocks); with
     ``SPLIT_K > 1`` the fp32 partials go to ``part[pid_k, M, N]`` and are summed in slice order 0..SPLIT_K-1
     (deterministic): by :func:`~.gemm_dense.splitk_reduce` (a second launch), or with ``FUSED_REDUCE`` here, by
@@ -292,7 +295,8 @@ def _decode_kernel(
                 w_rows, s_rows, x_ptr, kb, kb1, jw, jb, j, j_perm, offs_m, m_ok, n_ok, stride_xm, K, KB,
                 EVEN_N, EVEN_K, BM, BW, BK,
             )  # fmt: skip
-        if BF16:  # e2m1·2⁻¹²⁶ · (s·2¹¹⁹) = e2m1·s·2⁻⁷: exact, normal bf16; one mul.rn.bf16x2 per register
+        if BF16:  # e2m1·2⁻¹²⁶ · (s·2¹¹⁹) = e2m1·s·2⁻⁷: exact, normal bf16; one HMUL2 per register. (Never
+            # interpreted, so no e4m3_nan: the GPU's cvt turns a NaN scale into NaN, and NaN times a code is NaN.)
             sd = (s_c.to(tl.float32) * 6.646139978924579e35).to(tl.bfloat16).to(tl.uint16, bitcast=True)
             sw = tl.reshape(tl.broadcast_to(sd.to(tl.uint32)[:, :, None], (BN, NB, 2)), (BN, BW))  # per word
             v = _unpack_words(q_c, BF16, sw)  # [BN, BW, 2, 2, 2], scaled
