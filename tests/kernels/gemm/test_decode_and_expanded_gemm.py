@@ -326,3 +326,43 @@ def test_bf16_unpack_by_multiply_is_the_shift_trick():
     b = torch.full_like(a, -1)
     both[(1,)](u, a, b, u.numel(), BLOCK=triton.next_power_of_2(u.numel()))
     assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_scale_pairs_is_the_exact_product():
+    """``_scale_pairs`` (inline ``fma.rn.bf16x2`` by the scale's half, -0 addend) on every unpacked bf16 code
+    pair times every e4m3 scale as the kernel prepares it (``s·2¹¹⁹`` in bf16, NaN included): the bits of
+    torch's bf16 product of the two values, ±0 and NaN included (NaN compared as NaN)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def scaled(r_ptr, s_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < n
+        r = tl.load(r_ptr + offs, mask=ok, other=0).to(tl.uint32, bitcast=True)
+        s = tl.load(s_ptr + offs, mask=ok, other=0).to(tl.uint32, bitcast=True)
+        tl.store(out_ptr + offs, gd._scale_pairs(r, s).to(tl.int32, bitcast=True), mask=ok)
+
+    codes = torch.arange(16, dtype=torch.int64)
+    halves = ((codes & 8) << 12) | ((codes & 7) << 6)  # e2m1·2⁻¹²⁶ in bf16 (the unpack's values)
+    lo, hi = torch.meshgrid(halves, halves, indexing="ij")
+    pairs = (lo.flatten() | (hi.flatten() << 16)).repeat_interleave(256)
+    e4m3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().repeat(256)
+    scale = (e4m3 * 2.0**119).to(torch.bfloat16)  # exact: 4 significant bits, normal in bf16
+    s16 = scale.view(torch.int16).to(torch.int64) & 0xFFFF
+    as_i32 = lambda t: (t - ((t >= 2**31).long() << 32)).to(torch.int32)  # noqa: E731
+    r, s = as_i32(pairs).cuda(), as_i32(s16 | 0x12340000).cuda()  # high half of s must be ignored
+    out = torch.empty_like(r)
+    scaled[(triton.cdiv(r.numel(), 1024),)](r, s, out, r.numel(), BLOCK=1024)
+
+    def halves_of(words):
+        w = words.to(torch.int64) & 0xFFFFFFFF
+        return torch.stack([w & 0xFFFF, w >> 16]).to(torch.int16).view(torch.bfloat16).float()
+
+    want = halves_of(r.cpu()) * scale[None].float()
+    got = halves_of(out.cpu())
+    assert torch.equal(got.isnan(), want.isnan())
+    fin = ~want.isnan()
+    assert torch.equal(got[fin].view(torch.int32), want[fin].to(torch.bfloat16).float().view(torch.int32))
