@@ -40,3 +40,26 @@ def test_compile_sass_counts_the_hot_loop(tmp_path):
         pytest.skip(f"no usable ptxas in this Triton install: {proc.stderr[-200:]}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "hot loop:" in proc.stdout
+
+
+def test_decode_kernel_bf16_loop_has_no_half_swaps():
+    """experiments/bench/sass_decode.py: the decode GEMV's hot loop with bf16 activations runs no more PRMTs
+    than with fp16 (the scale multiply reads the scale's half in place: no half-swap around each HMUL2, 256
+    more PRMTs per K step with Triton's own bf16 multiply) and at most ~2 % more instructions."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, os.path.join(root, "experiments", "bench", "sass_decode.py")],
+                          capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    if "ptxas" in proc.stderr and proc.returncode:
+        pytest.skip(f"no usable ptxas in this Triton install: {proc.stderr[-200:]}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    counts = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith(("bf16:", "fp16:")):
+            dtype, rest = line.split(":", 1)
+            ops = rest.split("):", 1)[1].split()
+            counts[dtype] = dict(total=int(rest.split()[0]), **dict(zip(ops[::2], map(int, ops[1::2]))))
+    bf16, fp16 = counts["bf16"], counts["fp16"]
+    assert bf16["HMUL2"] == fp16["HMUL2"] > 0
+    assert bf16.get("PRMT", 0) <= fp16.get("PRMT", 0), (bf16, fp16)
+    assert bf16["total"] <= 1.02 * fp16["total"], (bf16, fp16)
