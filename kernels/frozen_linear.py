@@ -61,12 +61,12 @@ from triage.kernels.linear import (
     NVFP4Linear,
     _layer_of,
     _op_call,
+    _register,
     _rows_plan,
     _tags,
     _triton_quantizes,
     quantize_input,
 )
-from triage.kernels.linear import _register as register
 from triage.kernels.nvfp4.recipe import QuantRecipe
 from triage.kernels.nvfp4.tensor import NVFP4Tensor
 
@@ -705,12 +705,6 @@ def _model_device(model: nn.Module) -> torch.device:
 # ---------------------------------------------------------------------------------------------------
 # torch.library custom op: the grad-free forward as one opaque op, for torch.compile
 # ---------------------------------------------------------------------------------------------------
-
-def _register(layer: FrozenNVFP4Linear) -> None:
-    """Give ``layer`` an op id in the layers' one registry (``triage.kernels.linear._register``: a 0-d int64
-    CPU tensor attribute, an input of the compiled graph, so layers of one signature share a graph)."""
-    register(layer)
-
 
 @torch.library.custom_op("triage::frozen_nvfp4_linear", mutates_args=(), tags=_tags())
 def frozen_nvfp4_linear_op(x: torch.Tensor, layer: torch.Tensor, out_features: int) -> torch.Tensor:

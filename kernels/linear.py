@@ -952,6 +952,8 @@ _layer_ids = itertools.count()
 
 
 def _register(layer: nn.Module) -> None:
+    """Give ``layer`` (``NVFP4Linear``, ``FrozenNVFP4Linear``) an op id in the layers' one registry: a 0-d
+    int64 CPU tensor attribute, an input of the compiled graph, so layers of one signature share a graph."""
     op_id = next(_layer_ids)
     layer._op_id = torch.tensor(op_id, dtype=torch.int64, device="cpu")
     _LAYERS[op_id] = layer
