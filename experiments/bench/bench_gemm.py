@@ -2,7 +2,7 @@
 """H200 check + benchmark of the NVFP4 dense GEMMs. Run on a CUDA machine:
 
     python experiments/bench/bench_gemm.py [--quick] [--sections correctness,w4a4,decode,linear,cache] [--sweep]
-    (other sections: decode-shapes, decode-groups, decode-variants)
+    (other sections: decode-shapes, decode-groups, decode-variants, decode-cold)
 
 1. correctness vs the torch reference (dequantize, fp64 matmul) on real shapes, every backend (decode,
    dense-on-expanded, cuBLAS alpha, fused), per-tensor and per-row scales, a NaN block scale, and the
@@ -402,8 +402,9 @@ def decode_groups() -> None:
 #: ``decode_variants``: tile and code variants of the W4A16 decode kernel, as config overrides of the default.
 DECODE_VARIANTS = {
     "default": {},
-    "4 warps": dict(num_warps=4),
-    "4 stages": dict(num_stages=4),
+    "2 stages": dict(num_stages=2),
+    "2 stages, 128 regs": dict(num_stages=2, maxnreg=128),
+    "2 stages, 112 regs": dict(num_stages=2, maxnreg=112),
     "split x2": dict(SPLIT_K="x2"),
 }
 
@@ -412,8 +413,10 @@ def decode_variants() -> None:
     """The launches of one Qwen3-4B / 8B decoder layer as the sampler copy runs them (q/k/v and gate/up as
     groups, o and down alone), W4A16, M = 1 and 16, CUDA-graph µs, under each of :data:`DECODE_VARIANTS`:
     every variant's outputs checked first (the default's bits where the split, tile rows and warps are the
-    default's, else within bf16 rounding of the fp64 reference); per layer: the sum of its four launches
-    (each split launch with its own counters' memset, unlike the sampler's graph)."""
+    default's, else within bf16 rounding of the fp64 reference). Each launch is timed warm (one weight,
+    replayed: it may stay in L2) and per layer cold (:func:`cold_us`: the four launches of distinct layer
+    copies back to back, as a model's layers run), beside bf16's seven ``torch.mm`` timed the same ways. Each
+    split launch zeroes its own counters (a memset node), unlike the sampler's graph (one memset)."""
     emit("## Decode kernel variants (W4A16, one decoder layer's launches, CUDA-graph µs)")
     emit("| model | M | launch | N×K | bf16 mm | " + " | ".join(DECODE_VARIANTS) + " |")
     emit("|---|---|---|---|---|" + "---|" * len(DECODE_VARIANTS))
@@ -422,51 +425,146 @@ def decode_variants() -> None:
         h, i, nq, nkv = QWEN3[model]
         launches = {"q/k/v": ((nq * 128, nkv * 128, nkv * 128), h), "o": ((h,), nq * 128),
                     "gate/up": ((i, i), h), "down": ((h,), i)}  # fmt: skip
+        params = sum(sum(widths) * k for widths, k in launches.values())
+        copies_q, copies_bf16 = cold_copies(params * 0.5625), cold_copies(params * 2)
         for m in (1, 16):
+            xs = {n: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for n, (_, k) in launches.items()}
+            layers = []  # copies_q layer copies: {launch: (qs, outs, members)}
+            for _ in range(copies_q):
+                layer = {}
+                for name, (widths, k) in launches.items():
+                    qs = [quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02, act)
+                          for n in widths]  # fmt: skip
+                    outs = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for n in widths]
+                    layer[name] = (qs, outs, [(q.data, q.scale, o, q.global_scale.reshape(-1), None)
+                                              for q, o in zip(qs, outs)])  # fmt: skip
+                layers.append(layer)
+
+            def call(layer, name, cfg):
+                qs, outs, members = layer[name]
+                k = launches[name][1]
+                if len(qs) == 1:
+                    gd.launch_decode(xs[name], qs[0].data, qs[0].scale, k, outs[0], None, members[0][3], None,
+                                     config=dict(cfg))  # fmt: skip
+                else:
+                    gd.launch_decode_group(xs[name], members, k, None, config=dict(cfg))
+
+            bases = {name: gd.decode_config(m, sum(widths), k) for name, (widths, k) in launches.items()}
+            cfgs = {}  # variant -> {launch: config}, None where a launch failed
             totals = dict.fromkeys(DECODE_VARIANTS, 0.0)
             total_bf16 = 0.0
             for name, (widths, k) in launches.items():
-                ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for n in widths]
-                qs = [quantize(w, act) for w in ws]
-                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                outs = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for n in widths]
-                members = [(q.data, q.scale, o, q.global_scale.reshape(-1), None) for q, o in zip(qs, outs)]
-                base = gd.decode_config(m, sum(widths), k)
-
-                def call(cfg):
-                    if len(qs) == 1:
-                        gd.launch_decode(x, qs[0].data, qs[0].scale, k, outs[0], None, members[0][3], None,
-                                         config=dict(cfg))  # fmt: skip
-                    else:
-                        gd.launch_decode_group(x, members, k, None, config=dict(cfg))
-
-                call(base)
+                qs, outs, _ = layers[0][name]
+                x = xs[name]
+                call(layers[0], name, bases[name])
                 ref = [o.clone() for o in outs]
                 cells = []
                 for variant, over in DECODE_VARIANTS.items():
-                    cfg = dict(base, **over)
+                    cfg = dict(bases[name], **over)
                     if cfg["SPLIT_K"] == "x2":
-                        cfg["SPLIT_K"] = base["SPLIT_K"] * 2
+                        cfg["SPLIT_K"] = bases[name]["SPLIT_K"] * 2
                     try:
                         for o in outs:
                             o.fill_(float("nan"))
-                        call(cfg)
-                        if all(cfg[k] == base[k] for k in ("SPLIT_K", "BN", "num_warps")):  # same MMA, same sums
+                        call(layers[0], name, cfg)
+                        if all(cfg[c] == bases[name][c] for c in ("SPLIT_K", "BN", "num_warps")):  # same sums
                             ok = all(same_bits(o, r) for o, r in zip(outs, ref))
                         else:
                             ok = max(rel(o.float(), gemm_w4a16_reference(x, q, out_dtype=torch.float64))
                                      for q, o in zip(qs, outs)) < 1e-2  # fmt: skip
-                        t = 1e3 * do_bench_cudagraph(lambda cfg=cfg: call(cfg))
+                        t = 1e3 * do_bench_cudagraph(lambda cfg=cfg: call(layers[0], name, cfg))
                         totals[variant] += t
                         cells.append(f"{t:.1f}" + ("" if ok else " FAIL"))
+                        if cfgs.get(variant, {}) is not None:
+                            cfgs.setdefault(variant, {})[name] = cfg
                     except Exception as ex:  # noqa: BLE001
                         totals[variant] = float("nan")
+                        cfgs[variant] = None
                         cells.append(f"{type(ex).__name__}: {str(ex)[:60]}")
+                ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for n in widths]
                 tb = 1e3 * do_bench_cudagraph(lambda: [torch.mm(x, w.T) for w in ws])
                 total_bf16 += tb
                 emit(f"| {model} | {m} | {name} | {sum(widths)}×{k} | {tb:.1f} | " + " | ".join(cells) + " |")
-            emit(f"| {model} | {m} | **layer** | | {total_bf16:.1f} | "
+            emit(f"| {model} | {m} | **layer, warm** | | {total_bf16:.1f} | "
                  + " | ".join(f"**{t:.1f}**" for t in totals.values()) + " |")  # fmt: skip
+            bf16_layers = [
+                [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for widths, k in launches.values()
+                 for n in widths]
+                for _ in range(copies_bf16)
+            ]  # fmt: skip
+            x_bf16 = _bf16_inputs(xs, launches)
+            cold_bf16 = cold_us([lambda ws=ws: [torch.mm(x, w.T) for x, w in zip(x_bf16, ws)] for ws in bf16_layers])
+            cold = []
+            for variant in DECODE_VARIANTS:
+                per = cfgs.get(variant)
+                if per is None:
+                    cold.append("-")
+                    continue
+                t = cold_us([lambda layer=layer, per=per: [call(layer, n, per[n]) for n in launches] for layer in layers])
+                cold.append(f"**{t:.1f}**")
+            emit(f"| {model} | {m} | **layer, cold** ({copies_q} / {copies_bf16} copies) | | **{cold_bf16:.1f}** | "
+                 + " | ".join(cold) + " |")  # fmt: skip
+            layers = bf16_layers = None
+            torch.cuda.empty_cache()
+
+
+def _bf16_inputs(xs: dict, launches: dict) -> list:
+    """x of each bf16 Linear of a layer (each member of a group reads its launch's x), in launch order."""
+    return [xs[name] for name, (widths, _) in launches.items() for _ in widths]
+
+
+#: Bytes of distinct weights a cold-L2 timing streams per replay: well above the L2 of an H100 / H200 (50 MB).
+COLD_BYTES = 256 << 20
+
+
+def cold_copies(nbytes: float) -> int:
+    """Weight copies of ``nbytes`` each that make a cold-L2 timing stream :data:`COLD_BYTES` (at least 2)."""
+    return max(2, int(-(-COLD_BYTES // nbytes)))
+
+
+def cold_us(calls) -> float:
+    """µs per call of ``calls`` (each on its own weight copy) replayed back to back in one CUDA graph: every
+    call finds its weights out of L2, as a model's layers do (``do_bench_cudagraph`` replays one graph; a
+    single weight of less than the L2 stays cached from one replay to the next)."""
+    return 1e3 * do_bench_cudagraph(lambda: [c() for c in calls]) / len(calls)
+
+
+def decode_cold() -> None:
+    """Each distinct (N, K) of the Qwen3 0.6B–8B Linears, M = 1 and 16, W4A16 decode kernel and bf16
+    ``torch.mm``, CUDA-graph µs timed warm (one weight replayed, as ``decode-shapes`` times it: a weight that
+    fits in L2 is read from L2) and cold (:func:`cold_us` over :func:`cold_copies` distinct weights: read from
+    memory, as in a model). W4A16 outputs checked against the fp64 reference first."""
+    emit("## Decode GEMV with warm and cold L2 (CUDA-graph µs; cold = distinct weight copies back to back)")
+    emit("| model | layer | N×K | M | bf16 warm | bf16 cold | W4A16 warm | W4A16 cold | bf16/W4A16 warm "
+         "| bf16/W4A16 cold |")  # fmt: skip
+    emit("|---|---|---|---|---|---|---|---|---|---|")
+    act = QuantRecipe(scale="row", profile="compressed-tensors")
+    seen = set()
+    for model, (h, i, nq, nkv) in QWEN3.items():
+        for layer, (n, k) in {"q": (nq * 128, h), "k/v": (nkv * 128, h), "o": (h, nq * 128), "gate/up": (i, h),
+                              "down": (h, i)}.items():  # fmt: skip
+            if (n, k) in seen:
+                continue
+            seen.add((n, k))
+            ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+                  for _ in range(cold_copies(n * k * 2))]  # fmt: skip
+            qs = [quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02, act)
+                  for _ in range(cold_copies(n * k * 0.5625))]  # fmt: skip
+            for m in (1, 16):
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                err = rel(gemm_w4a16(x, qs[0], backend="triton", out_dtype=torch.float32),
+                          gemm_w4a16_reference(x, qs[0], out_dtype=torch.float64))  # fmt: skip
+                assert err < 1e-5, (model, layer, m, err)
+                t = [
+                    1e3 * do_bench_cudagraph(lambda: torch.mm(x, ws[0].T)),
+                    cold_us([lambda w=w: torch.mm(x, w.T) for w in ws]),
+                    1e3 * do_bench_cudagraph(lambda: gemm_w4a16(x, qs[0], backend="triton")),
+                    cold_us([lambda q=q: gemm_w4a16(x, q, backend="triton") for q in qs]),
+                ]
+                emit(f"| {model} | {layer} | {n}×{k} | {m} | " + " | ".join(f"{v:.1f}" for v in t)
+                     + f" | {t[0] / t[2]:.2f} | {t[1] / t[3]:.2f} |")  # fmt: skip
+            ws = qs = None
+            torch.cuda.empty_cache()
 
 
 #: The split-K factors and tile rows (BN, the weight rows per program; 2 warps, 1 at BN = 16) that
@@ -837,6 +935,7 @@ def main() -> None:
         "decode-shapes": lambda: decode_shapes(args.sweep),
         "decode-groups": decode_groups,
         "decode-variants": decode_variants,
+        "decode-cold": decode_cold,
         "linear": lambda: linear(args.quick),
         "cache": lambda: cache_check(args.quick),
     }
