@@ -460,9 +460,18 @@ def launch_decode(
     M, N = out.shape
     if M > 64:
         raise ValueError(f"launch_decode handles M <= 64, got M={M}")
-    launch = decode_launch(
-        M, N, K, w_scale.shape[-1], x.dtype, out.dtype, split_k=split_k, config=config, fused_reduce=fused_reduce
-    )
+    kb = w_scale.shape[-1]
+    if split_k is None and config is None and fused_reduce is None:  # default tiles: one plan per signature
+        key = (M, N, K, kb, x.dtype, out.dtype, x.device)
+        launch = _LAUNCHES.get(key)
+        if launch is None:
+            if len(_LAUNCHES) >= GROUP_LAUNCHES_KEPT:
+                _LAUNCHES.pop(next(iter(_LAUNCHES), None), None)
+            launch = _LAUNCHES[key] = decode_launch(M, N, K, kb, x.dtype, out.dtype)
+    else:
+        launch = decode_launch(
+            M, N, K, kb, x.dtype, out.dtype, split_k=split_k, config=config, fused_reduce=fused_reduce
+        )
     return launch.run(x, w, w_scale, out, g_a, g_b, bias, counters)
 
 
@@ -507,9 +516,10 @@ def launch_decode_group(
 _MEMBER_ARGS = {j: (f"w{j}_ptr", f"ws{j}_ptr", f"c{j}_ptr", f"gb{j}_ptr", f"bias{j}_ptr", f"N{j}", f"T{j}")
                 for j in (1, 2)}  # fmt: skip
 
-#: :func:`launch_decode_group`'s launches with the default tiles, by signature (a few per model: one per
-#: group shape and row count); the last :data:`GROUP_LAUNCHES_KEPT` are kept.
+#: :func:`launch_decode_group`'s and :func:`launch_decode`'s launches with the default tiles, by signature (a
+#: few per model: one per layer shape and row count); the last :data:`GROUP_LAUNCHES_KEPT` of each are kept.
 _GROUP_LAUNCHES: dict[tuple, DecodeLaunch] = {}
+_LAUNCHES: dict[tuple, DecodeLaunch] = {}
 GROUP_LAUNCHES_KEPT = 256
 
 

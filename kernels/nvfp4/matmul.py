@@ -250,9 +250,22 @@ def _pick(backend: str, M: int, device: torch.device) -> str:
         )
     if backend != "auto":
         return backend
-    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10:
+    if device.type == "cuda" and _major(device) >= 10:
         return "dot_scaled"
     return "triton" if M <= SMALL_M else LARGE_M_BACKEND
+
+
+#: Compute capability major version by CUDA device index (read once per device: every GEMM call picks its
+#: backend by it).
+_MAJOR: dict[int, int] = {}
+
+
+def _major(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    major = _MAJOR.get(index)
+    if major is None:
+        major = _MAJOR[index] = torch.cuda.get_device_capability(index)[0]
+    return major
 
 
 def decode_route(backend: str, M: int, device: torch.device, weight_only: bool = False) -> bool:

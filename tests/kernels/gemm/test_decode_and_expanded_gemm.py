@@ -184,6 +184,30 @@ def test_decode_fused_splitk_reduce_bit_identical(M, case):
     assert rel_err(outs[2], ref) < 2 * torch.finfo(odtype).eps
 
 
+def test_decode_default_plan_is_kept_per_signature():
+    """``launch_decode`` with the default tiles keeps one plan per signature (M, N, K, blocks, dtypes,
+    device): a second call reuses it, another signature gets its own, and the kept plan computes the bits of
+    the plan built for the call (``split_k=`` with the default split builds a fresh one)."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 96, generator=gen).to(torch.bfloat16).to(device())
+    w = random_nvfp4((40, 96), gen=gen, scale="row")
+    g_b = w.global_scale.reshape(-1)
+    gd._LAUNCHES.clear()
+    out = _poisoned(3, 40)
+    gd.launch_decode(x, w.data, w.scale, 96, out, None, g_b, None)
+    assert len(gd._LAUNCHES) == 1
+    plan = next(iter(gd._LAUNCHES.values()))
+    again = _poisoned(3, 40)
+    gd.launch_decode(x, w.data, w.scale, 96, again, None, g_b, None)
+    assert len(gd._LAUNCHES) == 1 and next(iter(gd._LAUNCHES.values())) is plan
+    fresh = _poisoned(3, 40)
+    gd.launch_decode(x, w.data, w.scale, 96, fresh, None, g_b, None, split_k=plan.split)
+    assert torch.equal(out, again) and torch.equal(out, fresh)
+    gd.launch_decode(x[:1], w.data, w.scale, 96, _poisoned(1, 40), None, g_b, None)
+    gd.launch_decode(x.half(), w.data, w.scale, 96, _poisoned(3, 40), None, g_b, None)
+    assert len(gd._LAUNCHES) == 3  # M and x's dtype are part of the signature
+
+
 def test_decode_fused_splitk_default_counters_and_config_switch():
     """Default path: the device's cached counters (zero after each call); ``config["FUSED_REDUCE"]`` and
     ``fused_reduce`` pick the path; counters that are too small are refused."""
