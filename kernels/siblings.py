@@ -69,6 +69,9 @@ class SiblingGroup:
         self.compiled_alone = False
         self._unclaimed: set[int] = set()  # members a compiled-graph launch computed for, not yet called
         self._serial = self._claims = 0  # the launching op call's serial, the claims since (inside ops)
+        #: the last launch's plan: (signature, the members' weight tokens, (widths, DecodeLaunch, checked
+        #: weight operands) or None where they do not fit one launch); see :meth:`_plan_for`
+        self._plan: tuple | None = None
 
     def output(self, layer: nn.Module, x: torch.Tensor, separate: bool = False) -> torch.Tensor | None:
         """``layer``'s forward output on ``x`` from the group's launch (made now, or kept from the launch a
@@ -117,9 +120,6 @@ class SiblingGroup:
     def _launch(self, x: torch.Tensor, separate: bool = False) -> dict | None:
         """Every member's output on ``x`` from one decode launch, ``{index: (y, weight token)}``; None when the
         members would not run the decode kernel or their operands do not fit one launch."""
-        from triage.kernels.nvfp4.gemm_decode import launch_decode_group
-        from triage.kernels.nvfp4.matmul import _kernel_scale
-
         first = self.members[0]
         config = first.config
         if any(m.config is not config and m.config != config for m in self.members[1:]):
@@ -128,15 +128,11 @@ class SiblingGroup:
         if act is None:
             return None
         xa, g_a, _ = act
-        weights = [m._decode_weight() for m in self.members]
-        widths = [int(w.shape[0]) for w, _, _ in weights]
-        if len({w.data.shape[-1] for w, _, _ in weights}) != 1 or len({_dtype(b) for _, b, _ in weights}) != 1:
+        tokens = [m._decode_token() for m in self.members]
+        plan = self._plan_for(x, xa, tokens)
+        if plan is None:
             return None
-        if any(w.data.device != x.device or (b is not None and b.device != x.device) for w, b, _ in weights):
-            return None  # a member moved (offloaded, another device): each computes alone, as it would
-        g_bs = [_kernel_scale(w, 1 if _per_tensor(w) else n) for (w, _, _), n in zip(weights, widths)]
-        if len({g.numel() == 1 for g in g_bs}) != 1:
-            return None
+        widths, launch, weights = plan
         rows = xa.shape[0]
         if separate:
             outs = [torch.empty((rows, n), dtype=x.dtype, device=x.device) for n in widths]
@@ -148,10 +144,39 @@ class SiblingGroup:
             for n, size in zip(widths, sizes):
                 outs.append(flat[start : start + rows * n].view(rows, n))
                 start += size
-        members = [(w.data, w.scale, out, g, b) for (w, b, _), out, g in zip(weights, outs, g_bs)]
-        launch_decode_group(xa, members, xa.shape[1], g_a)  # K as the member's own launch takes it
+        launch.launch_group(xa, weights, outs, g_a)
         lead = tuple(x.shape[:-1])
-        return {i: (out.view(*lead, n), w[2]) for i, (out, n, w) in enumerate(zip(outs, widths, weights))}
+        return {i: (out.view(*lead, n), token) for i, (out, n, token) in enumerate(zip(outs, widths, tokens))}
+
+    def _plan_for(self, x: torch.Tensor, xa: torch.Tensor, tokens: list) -> tuple | None:
+        """``(widths, launch, checked weights)`` of a group launch on ``xa`` (the activation as the kernel
+        reads it) for ``x``'s dtype and device, or None where the members' operands do not fit one launch:
+        kept from the last launch while the signature and every member's weight token (its config, tensors
+        and their version counters: ``_decode_token``) are the same, so a launch checks and derives its
+        operands once per weight version, not once per call."""
+        from triage.kernels.nvfp4.gemm_decode import group_launch
+        from triage.kernels.nvfp4.matmul import _kernel_scale
+
+        signature = (xa.shape, xa.dtype, x.dtype, x.device)
+        kept = self._plan
+        if kept is not None and kept[0] == signature and all(_same(t, u) for t, u in zip(tokens, kept[1])):
+            return kept[2]
+        plan = None
+        weights = [m._decode_weight()[:2] for m in self.members]
+        widths = tuple(int(w.shape[0]) for w, _ in weights)
+        fit = len({w.data.shape[-1] for w, _ in weights}) == 1 and len({_dtype(b) for _, b in weights}) == 1
+        # a member moved (offloaded, another device): each computes alone, as it would
+        devices = {w.data.device for w, _ in weights} | {b.device for _, b in weights if b is not None}
+        fit = fit and devices == {x.device}
+        if fit:
+            g_bs = [_kernel_scale(w, 1 if _per_tensor(w) else n) for (w, _), n in zip(weights, widths)]
+            if len({g.numel() == 1 for g in g_bs}) == 1:
+                kb = weights[0][0].scale.shape[-1]  # K below: as the member's own launch takes it
+                launch = group_launch(xa.shape[0], widths, xa.shape[1], kb, xa.dtype, x.dtype, x.device)
+                checked = launch.group_weights([(w.data, w.scale, g, b) for (w, b), g in zip(weights, g_bs)])
+                plan = (widths, launch, checked)
+        self._plan = (signature, tokens, plan)
+        return plan
 
     def __deepcopy__(self, memo):
         return None  # links stay with the layers they were made for: a copy is linked again (link_siblings)

@@ -497,13 +497,8 @@ def launch_decode_group(
     if M > 64:
         raise ValueError(f"launch_decode_group handles M <= 64, got M={M}")
     widths, kb = tuple(o.shape[1] for o in outs), members[0][1].shape[-1]
-    if split_k is None and config is None:  # the default tiles: one plan per signature (and device: SM count)
-        key = (M, widths, K, kb, x.dtype, outs[0].dtype, x.device)
-        launch = _GROUP_LAUNCHES.get(key)
-        if launch is None:
-            if len(_GROUP_LAUNCHES) >= GROUP_LAUNCHES_KEPT:
-                _GROUP_LAUNCHES.pop(next(iter(_GROUP_LAUNCHES), None), None)
-            launch = _GROUP_LAUNCHES[key] = decode_launch(M, widths, K, kb, x.dtype, outs[0].dtype)
+    if split_k is None and config is None:
+        launch = group_launch(M, widths, K, kb, x.dtype, outs[0].dtype, x.device)
     else:
         launch = decode_launch(
             M, widths, K, kb, x.dtype, outs[0].dtype, split_k=split_k, config=config, fused_reduce=True
@@ -512,7 +507,21 @@ def launch_decode_group(
     return outs
 
 
-#: The kernel's argument names of group members 1 and 2 (:meth:`DecodeLaunch.run_group`).
+def group_launch(
+    M: int, widths: tuple[int, ...], K: int, kb: int, x_dtype: torch.dtype, out_dtype: torch.dtype, device
+) -> DecodeLaunch:
+    """The :class:`DecodeLaunch` of :func:`launch_decode_group` with the default tiles: one per signature
+    (and device: its SM count sets the split), the last :data:`GROUP_LAUNCHES_KEPT` kept."""
+    key = (M, widths, K, kb, x_dtype, out_dtype, device)
+    launch = _GROUP_LAUNCHES.get(key)
+    if launch is None:
+        if len(_GROUP_LAUNCHES) >= GROUP_LAUNCHES_KEPT:
+            _GROUP_LAUNCHES.pop(next(iter(_GROUP_LAUNCHES), None), None)
+        launch = _GROUP_LAUNCHES[key] = decode_launch(M, widths, K, kb, x_dtype, out_dtype)
+    return launch
+
+
+#: The kernel's argument names of group members 1 and 2 (:meth:`DecodeLaunch.launch_group`).
 _MEMBER_ARGS = {j: (f"w{j}_ptr", f"ws{j}_ptr", f"c{j}_ptr", f"gb{j}_ptr", f"bias{j}_ptr", f"N{j}", f"T{j}")
                 for j in (1, 2)}  # fmt: skip
 
@@ -542,7 +551,7 @@ class DecodeLaunch:
     tiles alone (grid, split-K, the reduction, the unpack trick, constexprs): built by :func:`decode_launch`,
     kept by a caller's plan (``matmul.GemmPlan``); :meth:`run` views the weight as int32 words, takes the
     ticket counters and launches. A sibling group's launch (``members``: each member's rows) runs with
-    :meth:`run_group`."""
+    :meth:`run_group`, or with :meth:`launch_group` on weight operands :meth:`group_weights` checked once."""
 
     M: int
     N: int
@@ -581,39 +590,57 @@ class DecodeLaunch:
         ``(w, w_scale, out, g_b, bias)`` tuples, as many as :attr:`members`)."""
         if len(members) != len(self.members):
             raise ValueError(f"run_group: planned for {len(self.members)} members, got {len(members)}")
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        words = [_words(m[0], m[1]) for m in members]
         outs = [m[2] for m in members]
-        w32, ws = words[0]
-        for j, ((wj, sj), out) in enumerate(zip(words, outs)):
-            if wj.stride(0) != w32.stride(0) or sj.stride(0) != ws.stride(0):
-                raise ValueError(f"run_group: member {j}'s weight rows are strided unlike member 0's")
+        for j, out in enumerate(outs):
             if tuple(out.shape) != (self.M, self.members[j]) or not out.is_contiguous() or out.dtype != outs[0].dtype:
                 raise ValueError(
                     f"run_group: member {j}'s output must be a contiguous {outs[0].dtype} "
                     f"[{self.M}, {self.members[j]}], got {out.dtype} {tuple(out.shape)}"
                 )
-        g_bs, biases = [m[3] for m in members], [m[4] for m in members]
+        self.launch_group(x, self.group_weights([(m[0], m[1], m[3], m[4]) for m in members]), outs, g_a, counters)
+
+    def group_weights(self, weights) -> tuple:
+        """The members' weight operands as :meth:`launch_group` reads them, checked once: ``weights`` =
+        ``(w, w_scale, g_b, bias)`` per member → ``(words, scales, g_bs, biases, GB_MODE)`` (codes as int32
+        words, e4m3 scales, each member's rows strided like member 0's, the outer scales of one kind, the
+        biases of one dtype or all None). A caller that keeps it (:class:`~triage.kernels.siblings.SiblingGroup`)
+        must drop it when a member's tensors change."""
+        if len(weights) != len(self.members):
+            raise ValueError(f"group_weights: planned for {len(self.members)} members, got {len(weights)}")
+        words = [_words(w, ws) for w, ws, _, _ in weights]
+        w32, ws = words[0]
+        for j, (wj, sj) in enumerate(words):
+            if wj.stride(0) != w32.stride(0) or sj.stride(0) != ws.stride(0):
+                raise ValueError(f"group_weights: member {j}'s weight rows are strided unlike member 0's")
+        g_bs, biases = tuple(m[2] for m in weights), tuple(m[3] for m in weights)
         modes = {scale_mode(g) for g in g_bs}
         if len(modes) != 1 or len({None if b is None else b.dtype for b in biases}) != 1:
-            raise ValueError("run_group: the members' outer scales (g_b) and biases must be of one kind")
+            raise ValueError("group_weights: the members' outer scales (g_b) and biases must be of one kind")
+        return tuple(w for w, _ in words), tuple(s for _, s in words), g_bs, biases, modes.pop()
+
+    def launch_group(self, x, weights: tuple, outs, g_a, counters=None) -> None:
+        """Launch the group on ``x`` with ``weights`` from :meth:`group_weights` into ``outs`` (contiguous
+        ``[M, Nj]`` of one dtype, one per member: the caller's to get right)."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        codes, scales, g_bs, biases, gb_mode = weights
         npart = self.tiles * self.kwargs["BN"]
         part = torch.empty((self.split, self.M, npart), device=x.device, dtype=torch.float32) if self.split > 1 else outs[0]
         cnt = self._counters(x.device, counters) if self.split > 1 else outs[0]
         extra = {}
-        for j in range(1, len(members)):
+        for j in range(1, len(outs)):
             out, g, b = outs[j], g_bs[j], biases[j]
-            values = (*words[j], out, out if g is None else g, out if b is None else b, self.members[j],
+            values = (codes[j], scales[j], out, out if g is None else g, out if b is None else b, self.members[j],
                       self.starts[j - 1])  # fmt: skip
             extra.update(zip(_MEMBER_ARGS[j], values))
         dummy = outs[0]
+        w32, ws = codes[0], scales[0]
         _decode_kernel[self.grid](
             x, w32, ws, outs[0], part, cnt, g_a if g_a is not None else dummy,
             g_bs[0] if g_bs[0] is not None else dummy, biases[0] if biases[0] is not None else dummy,
             self.M, self.members[0], self.K, self.kb, x.stride(0), w32.stride(0), ws.stride(0), outs[0].stride(0), 1,
-            self.out_mult, GA_MODE=scale_mode(g_a), GB_MODE=modes.pop(), HAS_BIAS=biases[0] is not None,
-            FUSED_REDUCE=self.split > 1, NPART=npart, MEMBERS=len(members), **extra, **self.kwargs,
+            self.out_mult, GA_MODE=scale_mode(g_a), GB_MODE=gb_mode, HAS_BIAS=biases[0] is not None,
+            FUSED_REDUCE=self.split > 1, NPART=npart, MEMBERS=len(outs), **extra, **self.kwargs,
         )  # fmt: skip
 
     def _counters(self, device: torch.device, counters: torch.Tensor | None) -> torch.Tensor:

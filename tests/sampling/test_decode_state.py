@@ -232,13 +232,13 @@ def test_a_compiled_decode_step_launches_every_sibling_group_once(tiny_model, mo
     monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)  # its keys omit op tags
     torch._dynamo.reset()
     model = _nvfp4(copy.deepcopy(tiny_model).to(torch.float16), "w4a16")
-    launches, real = [], gd.DecodeLaunch.run_group
+    launches, real = [], gd.DecodeLaunch.launch_group
 
     def counting(self, *args, **kwargs):
         launches.append(len(self.members))
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(gd.DecodeLaunch, "run_group", counting)
+    monkeypatch.setattr(gd.DecodeLaunch, "launch_group", counting)
     params = SamplingParams(max_new_tokens=3, temperature=1.0)
     sample_with_kv_cache(model, SHORT[:2], params, [], torch.Generator().manual_seed(2), pad_id=0,
                          decode="static", compile_decode=True)  # fmt: skip

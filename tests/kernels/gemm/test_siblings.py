@@ -144,15 +144,15 @@ def _block(kind: str, bias: bool = False, seed: int = 0) -> Block:
 
 @pytest.fixture
 def launches(monkeypatch):
-    """Group launches made (``DecodeLaunch.run_group`` calls)."""
+    """Group launches made (``DecodeLaunch.launch_group`` calls: a sibling group's, and ``run_group``'s)."""
     calls = []
-    real = gd.DecodeLaunch.run_group
+    real = gd.DecodeLaunch.launch_group
 
     def counting(self, *args, **kwargs):
         calls.append(len(self.members))
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(gd.DecodeLaunch, "run_group", counting)
+    monkeypatch.setattr(gd.DecodeLaunch, "launch_group", counting)
     return calls
 
 
@@ -241,6 +241,38 @@ def test_an_in_place_bias_update_or_a_moved_member_is_never_served_a_stale_outpu
         assert torch.equal(a.k_proj(x), b.k_proj(x)) and launches == [3]
         a.v_proj.to("meta")  # offloaded: the others compute alone, not through a launch that reads it
         assert torch.equal(a.q_proj(x), b.q_proj(x)) and launches == [3]
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_a_group_launch_after_a_weight_change_reads_the_new_weights(kind, launches):
+    """The group keeps its launch plan (checked operands) per weight version: a write in place (an outer
+    scale, the codes, a master weight an optimizer moved) or a replaced tensor makes the next launch read the
+    new weights, as each layer alone does."""
+    block = _block(kind, bias=True)
+    twin = copy.deepcopy(block)  # unlinked: every layer alone
+    x = torch.randn(3, 64, device=device(), dtype=torch.float16)
+    frozen = kind != "nvfp4"
+
+    def change(step: int) -> None:
+        for m in (block, twin):
+            a = m.self_attn
+            if not frozen:
+                a.k_proj.weight.mul_(0.5)  # the master weight: W_q is quantized anew
+            elif step == 0:
+                a.k_proj.weight_scale_2.mul_(2.0)
+            elif step == 1:
+                a.v_proj.qweight.bitwise_xor_(0x11)  # flips the low bit of both codes of every byte
+            else:
+                a.q_proj.weight_scale_2 = a.q_proj.weight_scale_2 * 0.25  # a new tensor
+
+    with torch.no_grad():
+        for step in range(4):
+            a, b = block.self_attn, twin.self_attn
+            ys = [a.q_proj(x), a.k_proj(x), a.v_proj(x)]
+            assert len(launches) == step + 1 and launches[-1] == 3
+            for y, layer in zip(ys, (b.q_proj, b.k_proj, b.v_proj)):
+                assert torch.equal(y, layer(x))
+            change(step)
 
 
 def test_link_siblings_links_only_layers_that_fit():
