@@ -69,6 +69,7 @@ from triage.kernels.linear import (
 )
 from triage.kernels.nvfp4.recipe import QuantRecipe
 from triage.kernels.nvfp4.tensor import NVFP4Tensor
+from triage.kernels.siblings import _same
 
 if TYPE_CHECKING:
     from triage.kernels.linear import NVFP4LinearConfig
@@ -168,6 +169,9 @@ class FrozenNVFP4Linear(nn.Module):
 
     #: The fused group this layer runs its decode GEMMs with (:func:`~triage.kernels.siblings.link_siblings`).
     _siblings = None
+    #: The W4A16 decode launch kept for the last input signature and weight token (:meth:`_w4a16_decode`);
+    #: not copied or pickled.
+    _w4a16_plan = None
 
     def __init__(
         self,
@@ -354,6 +358,11 @@ class FrozenNVFP4Linear(nn.Module):
         cfg = self.config
         K, N = self.in_features, self.out_features
         x2 = x.reshape(-1, K)
+        w4a16 = cfg.compute == "w4a16" and x.dtype in (torch.bfloat16, torch.float16)
+        if w4a16 and not (cfg.cache_expanded and self._uses_cublas(x2.shape[0])):
+            y = self._w4a16_decode(x2)  # the decode kernel, its plan kept
+            if y is not None:
+                return y.reshape(*x.shape[:-1], N)
         w = self.quantized_weight()
         if cfg.compute == "w4a4":
             expanded, plan = self._x_plan(x)
@@ -371,6 +380,32 @@ class FrozenNVFP4Linear(nn.Module):
         else:  # weight-only with fp32 activations, or the cached-expansion cuBLAS path
             y = self._dense_matmul(x2)
         return y.reshape(*x.shape[:-1], N)
+
+    def _w4a16_decode(self, x2: torch.Tensor) -> torch.Tensor | None:
+        """``gemm_w4a16(x2, W, bias)`` where it runs the decode kernel, else None: the launch, the checks of
+        W and the outer scale as the kernel reads it are kept for the last input signature and weight token
+        (:meth:`_decode_token`: the config, the tensors and their version counters), so a call checks the
+        weight once per change, not once per call. The same kernel and arguments: the same bits."""
+        token = self._decode_token()
+        signature = (x2.shape, x2.dtype, x2.device)
+        kept = self._w4a16_plan
+        if kept is None or kept[0] != signature or not _same(kept[1], token):
+            from triage.kernels.nvfp4 import gemm_decode as gd
+            from triage.kernels.nvfp4 import matmul as mm
+
+            plan = None
+            if mm.decode_route(self.config.gemm_backend, x2.shape[0], x2.device, weight_only=True):
+                w = self.quantized_weight()
+                M, N, K = mm._check_w4a16(x2, w, self.bias, None)
+                launch = gd.lone_launch(M, N, K, w.scale.shape[-1], x2.dtype, x2.dtype, x2.device)
+                plan = (launch, mm._outer_scale(w, "w"))
+            kept = self._w4a16_plan = (signature, token, plan)
+        if kept[2] is None:
+            return None
+        launch, g_w = kept[2]
+        b = self._buffers
+        out = torch.empty((x2.shape[0], self.out_features), dtype=x2.dtype, device=x2.device)
+        return launch.run(x2, b["qweight"], b["weight_scale"], out, None, g_w, b["bias"])
 
     def _decode_activation(self, x: torch.Tensor) -> tuple | None:
         """When this layer's forward on ``x`` runs the decode kernel: the activation as the kernel reads it
@@ -515,10 +550,15 @@ class FrozenNVFP4Linear(nn.Module):
                 }
             elif key == "_expanded":
                 new.__dict__[key] = value  # immutable: shared like the bytes it expands
-            elif key != "_op_id":
+            elif key not in ("_op_id", "_w4a16_plan"):
                 new.__dict__[key] = copy.deepcopy(value, memo)
         _register(new)  # a layer of its own for the custom op
         return new
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state.pop("_w4a16_plan", None)  # a launch plan: made again on the first call
+        return state
 
     def __setstate__(self, state) -> None:
         super().__setstate__(state)

@@ -461,13 +461,8 @@ def launch_decode(
     if M > 64:
         raise ValueError(f"launch_decode handles M <= 64, got M={M}")
     kb = w_scale.shape[-1]
-    if split_k is None and config is None and fused_reduce is None:  # default tiles: one plan per signature
-        key = (M, N, K, kb, x.dtype, out.dtype, x.device)
-        launch = _LAUNCHES.get(key)
-        if launch is None:
-            if len(_LAUNCHES) >= GROUP_LAUNCHES_KEPT:
-                _LAUNCHES.pop(next(iter(_LAUNCHES), None), None)
-            launch = _LAUNCHES[key] = decode_launch(M, N, K, kb, x.dtype, out.dtype)
+    if split_k is None and config is None and fused_reduce is None:
+        launch = lone_launch(M, N, K, kb, x.dtype, out.dtype, x.device)
     else:
         launch = decode_launch(
             M, N, K, kb, x.dtype, out.dtype, split_k=split_k, config=config, fused_reduce=fused_reduce
@@ -505,6 +500,20 @@ def launch_decode_group(
         )
     launch.run_group(x, members, g_a, counters)
     return outs
+
+
+def lone_launch(
+    M: int, N: int, K: int, kb: int, x_dtype: torch.dtype, out_dtype: torch.dtype, device
+) -> DecodeLaunch:
+    """The :class:`DecodeLaunch` of :func:`launch_decode` with the default tiles: one per signature (and
+    device), the last :data:`GROUP_LAUNCHES_KEPT` kept."""
+    key = (M, N, K, kb, x_dtype, out_dtype, device)
+    launch = _LAUNCHES.get(key)
+    if launch is None:
+        if len(_LAUNCHES) >= GROUP_LAUNCHES_KEPT:
+            _LAUNCHES.pop(next(iter(_LAUNCHES), None), None)
+        launch = _LAUNCHES[key] = decode_launch(M, N, K, kb, x_dtype, out_dtype)
+    return launch
 
 
 def group_launch(

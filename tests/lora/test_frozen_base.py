@@ -247,3 +247,43 @@ def test_loading_the_learner_state_into_a_bf16_copy_casts_only_the_bias():
     bad["weight_scale"] = bad["weight_scale"].float()  # the quantized bytes are never cast
     with pytest.raises(RuntimeError, match="weight_scale: expected"):
         dup.load_state_dict(bad)
+
+
+def test_w4a16_decode_plan_follows_every_weight_change_and_is_not_copied():
+    """A grad-free W4A16 call on the decode kernel keeps its launch and checked weight per weight token: every
+    in-place write (outer scale, codes, bias) and replaced tensor gives what ``gemm_w4a16`` gives on the
+    current weights; copies and pickles carry no plan."""
+    import io
+
+    from triage.kernels.nvfp4 import gemm_w4a16
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    lin = nn.Linear(48, 40, bias=True)
+    layer = FrozenNVFP4Linear.from_linear(lin, NVFP4FrozenConfig(compute="w4a16")).to(device)
+    x = torch.randn(3, 48, generator=torch.Generator().manual_seed(1)).to(device, torch.bfloat16)
+
+    def check() -> torch.Tensor:
+        with torch.no_grad():
+            y = layer(x)
+            assert layer._w4a16_plan is not None and layer._w4a16_plan[2] is not None  # the decode route
+            assert torch.equal(y, gemm_w4a16(x, layer.quantized_weight(), bias=layer.bias))
+        return y
+
+    ys = [check()]
+    with torch.no_grad():
+        for change in (
+            lambda: layer.weight_scale_2.mul_(2.0),
+            lambda: layer.qweight.bitwise_xor_(0x11),
+            lambda: layer.bias.add_(1.0),
+            lambda: layer.load_state_dict(
+                {**layer.state_dict(), "weight_scale_2": layer.weight_scale_2 * 0.5}
+            ),
+        ):
+            change()
+            ys.append(check())
+    assert all(not torch.equal(a, b) for a, b in zip(ys, ys[1:]))
+    assert "_w4a16_plan" not in copy.deepcopy(layer).__dict__
+    buf = io.BytesIO()
+    torch.save(layer, buf)
+    buf.seek(0)
+    assert "_w4a16_plan" not in torch.load(buf, weights_only=False).__dict__
