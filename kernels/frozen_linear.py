@@ -170,7 +170,7 @@ class FrozenNVFP4Linear(nn.Module):
     #: The fused group this layer runs its decode GEMMs with (:func:`~triage.kernels.siblings.link_siblings`).
     _siblings = None
     #: The W4A16 decode launch kept for the last input signature and weight token (:meth:`_w4a16_decode`);
-    #: not copied or pickled.
+    #: not copied or pickled, dropped (with the sibling group's) when the tensors are replaced or moved.
     _w4a16_plan = None
 
     def __init__(
@@ -538,7 +538,15 @@ class FrozenNVFP4Linear(nn.Module):
                 self._buffers[name] = old.to(new.device)  # move, never cast the quantized bytes
         if self._expanded is not None and self._expanded.device != self.qweight.device:
             self._expanded = None
+        self._drop_plans()
         return self
+
+    def _drop_plans(self) -> None:
+        """Forget the kept launch plans (this layer's and its sibling group's), which hold the tensors they
+        were made for: the weight tensors were replaced or moved."""
+        self._w4a16_plan = None
+        if self._siblings is not None:
+            self._siblings._plan = None
 
     def __deepcopy__(self, memo):
         new = self.__class__.__new__(self.__class__)
@@ -587,6 +595,7 @@ class FrozenNVFP4Linear(nn.Module):
             if t is not current:
                 self._buffers[name] = t.detach().to(device=current.device, dtype=current.dtype)
                 self._expanded = None
+                self._drop_plans()
         if strict:
             known = {prefix + n for n in self._buffers}
             for key in state_dict:

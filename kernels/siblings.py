@@ -70,8 +70,13 @@ class SiblingGroup:
         self._unclaimed: set[int] = set()  # members a compiled-graph launch computed for, not yet called
         self._serial = self._claims = 0  # the launching op call's serial, the claims since (inside ops)
         #: the last launch's plan: (signature, the members' weight tokens, (widths, DecodeLaunch, checked
-        #: weight operands) or None where they do not fit one launch); see :meth:`_plan_for`
+        #: weight operands) or None where they do not fit one launch); see :meth:`_plan_for`. Kept for frozen
+        #: layers only: an NVFP4Linear's W_q is re-quantized into new tensors after every optimizer step, which
+        #: a kept plan would hold on to
         self._plan: tuple | None = None
+        from triage.kernels.frozen_linear import FrozenNVFP4Linear
+
+        self._keeps_plan = all(isinstance(m, FrozenNVFP4Linear) for m in self.members)
 
     def output(self, layer: nn.Module, x: torch.Tensor, separate: bool = False) -> torch.Tensor | None:
         """``layer``'s forward output on ``x`` from the group's launch (made now, or kept from the launch a
@@ -151,9 +156,9 @@ class SiblingGroup:
     def _plan_for(self, x: torch.Tensor, xa: torch.Tensor, tokens: list) -> tuple | None:
         """``(widths, launch, checked weights)`` of a group launch on ``xa`` (the activation as the kernel
         reads it) for ``x``'s dtype and device, or None where the members' operands do not fit one launch:
-        kept from the last launch while the signature and every member's weight token (its config, tensors
-        and their version counters: ``_decode_token``) are the same, so a launch checks and derives its
-        operands once per weight version, not once per call."""
+        kept from the last launch (frozen members: ``_keeps_plan``) while the signature and every member's
+        weight token (its config, tensors and their version counters: ``_decode_token``) are the same, so a
+        launch checks and derives its operands once per weight version, not once per call."""
         from triage.kernels.nvfp4.gemm_decode import group_launch
         from triage.kernels.nvfp4.matmul import _kernel_scale
 
@@ -175,7 +180,8 @@ class SiblingGroup:
                 launch = group_launch(xa.shape[0], widths, xa.shape[1], kb, xa.dtype, x.dtype, x.device)
                 checked = launch.group_weights([(w.data, w.scale, g, b) for (w, b), g in zip(weights, g_bs)])
                 plan = (widths, launch, checked)
-        self._plan = (signature, tokens, plan)
+        if self._keeps_plan:
+            self._plan = (signature, tokens, plan)
         return plan
 
     def __deepcopy__(self, memo):

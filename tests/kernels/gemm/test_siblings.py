@@ -275,6 +275,30 @@ def test_a_group_launch_after_a_weight_change_reads_the_new_weights(kind, launch
             change(step)
 
 
+def test_only_frozen_groups_keep_a_plan_and_replacing_their_tensors_drops_it(launches):
+    """A kept plan holds the tensors it was made for: a learner's group (NVFP4Linear, whose W_q is quantized
+    anew into new tensors after every optimizer step) keeps none; a frozen group drops its plan, and each
+    layer its own, as soon as load_state_dict replaces the layers' tensors or they move."""
+    x = torch.randn(3, 64, device=device(), dtype=torch.float16)
+    learner, frozen = _block("nvfp4"), _block("w4a16")
+    with torch.no_grad():
+        learner.self_attn.q_proj(x)
+        frozen.self_attn.q_proj(x)
+        frozen.self_attn.o_proj(torch.randn(3, 64, device=device(), dtype=torch.float16))
+    assert launches == [3, 3]
+    assert learner.self_attn.q_proj._siblings._plan is None
+    a = frozen.self_attn
+    assert a.q_proj._siblings._plan is not None and a.o_proj._w4a16_plan is not None
+    state = {k: v.clone() for k, v in frozen.state_dict().items()}
+    frozen.load_state_dict(state)
+    assert a.q_proj._siblings._plan is None and a.o_proj._w4a16_plan is None
+    with torch.no_grad():
+        a.q_proj(x)
+    assert a.q_proj._siblings._plan is not None
+    frozen.to(torch.float16)  # a move (here to the same device and dtype: the tensors stay)
+    assert a.q_proj._siblings._plan is None
+
+
 def test_link_siblings_links_only_layers_that_fit():
     block = _block("nvfp4")
     a, m = block.self_attn, block.mlp
