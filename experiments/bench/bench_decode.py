@@ -40,6 +40,8 @@ shape) is paid in the warm-up call.
 
 ``--replay``: the decode step's graph replays timed inside one call (:func:`replay_step`): GPU and host µs per
 replay, against the loop's ms per step, to tell time lost inside the graph from time lost between replays.
+``--fixed``: calls of one new token, timed: what a call costs besides its decode steps (the prompt's forward
+first of all).
 """
 
 from __future__ import annotations
@@ -255,6 +257,13 @@ def main(argv=None) -> int:
         help="after the timings of each shape, precision and batch: the GPU and host µs of each decode-step "
         "graph replay inside one cuda_graph call (replay_step)",
     )
+    ap.add_argument(
+        "--fixed",
+        action="store_true",
+        help="after the timings of each shape, precision and batch: the median wall time of --reps calls of the "
+        "last loop in --decodes with ONE new token (after a warm-up call): what a call costs besides its decode "
+        "steps (the cache set-up, the prompt's forward, one draw, the results' copy to the host)",
+    )
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "bench_decode.json"))
     args = ap.parse_args(argv)
     global COMPILE
@@ -263,7 +272,7 @@ def main(argv=None) -> int:
 
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.cuda.get_device_name()}, "
           f"compiled decode step: {args.compile}")  # fmt: skip
-    rows, ok, replays = [], True, {}
+    rows, ok, replays, fixed = [], True, {}, {}
     decodes = args.decodes.split(",")
     unknown = set(decodes) - set(DECODES)
     if unknown:
@@ -329,6 +338,17 @@ def main(argv=None) -> int:
                         )
                     except Exception as err:  # noqa: BLE001 - a study: report and keep the timings
                         print(f"  replay ({shape} {precision} B={batch}) failed: {type(err).__name__}: {err}")
+                if args.fixed:
+                    from triage.trainers.sampling.graphs import DecodeGraphs
+
+                    state = DecodeGraphs()
+                    run(model, prompts, 1, decodes[-1], state=state)  # warm-up: this length's cache
+                    t1 = statistics.median(
+                        run(model, prompts, 1, decodes[-1], state=state)[1] for _ in range(args.reps)
+                    )
+                    fixed[(shape, precision, batch)] = t1
+                    print(f"  fixed per call ({shape} {precision} B={batch}, {decodes[-1]}, one new token: "
+                          f"cache set-up, prompt forward, one draw): {t1 * 1e3:.1f} ms")  # fmt: skip
                 if args.profile:
                     profile_call(model, prompts, args.new, decodes[-1], f"{shape} {precision} B={batch}")
             del model
@@ -347,7 +367,8 @@ def main(argv=None) -> int:
     with open(args.json, "w") as f:
         json.dump({"torch": torch.__version__, "device": torch.cuda.get_device_name(), "args": vars(args),
                    "graph_equals_static_and_kept": ok, "rows": rows,
-                   "replays": [dict(shape=k[0], precision=k[1], batch=k[2], **v) for k, v in replays.items()]},
+                   "replays": [dict(shape=k[0], precision=k[1], batch=k[2], **v) for k, v in replays.items()],
+                   "fixed_seconds": [dict(shape=k[0], precision=k[1], batch=k[2], seconds=v) for k, v in fixed.items()]},
                   f, indent=1)  # fmt: skip
     print(f"\nCORRECT (graph == static, kept graph == graph, wherever both loops reproduce themselves): {ok}")
     return 0 if ok else 1
