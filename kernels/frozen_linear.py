@@ -170,7 +170,8 @@ class FrozenNVFP4Linear(nn.Module):
     #: The fused group this layer runs its decode GEMMs with (:func:`~triage.kernels.siblings.link_siblings`).
     _siblings = None
     #: The W4A16 decode launch kept for the last input signature and weight token (:meth:`_w4a16_decode`);
-    #: not copied or pickled, dropped (with the sibling group's) when the tensors are replaced or moved.
+    #: not copied or pickled, dropped (with the sibling group's) by ``replace_weight``, ``load_state_dict``
+    #: and moves; a buffer assigned directly is caught by the token and released at the next call.
     _w4a16_plan = None
 
     def __init__(
@@ -458,10 +459,15 @@ class FrozenNVFP4Linear(nn.Module):
 
     def _decode_token(self) -> tuple:
         """What means the same decode operands (:mod:`triage.kernels.siblings`): the config, the weight's
-        tensors and the bias, each with its version counter (replaced or written in place)."""
+        tensors and the bias, each with its version counter (written in place) and data pointer (its ``.data``
+        reassigned). An inference tensor has no version counter: its token never matches another (a fresh
+        object), so nothing kept is reused for it."""
         b = self._buffers  # directly: no Module.__getattr__ per buffer (a sibling check per layer call)
         tensors = (b["qweight"], b["weight_scale"], b["weight_scale_2"], b["bias"])
-        return (self.config, *tensors, *(None if t is None else t._version for t in tensors))
+        marks = tuple(
+            None if t is None else (object() if t.is_inference() else t._version, t.data_ptr()) for t in tensors
+        )
+        return (self.config, *tensors, *(m for pair in marks for m in (pair or (None, None))))
 
     def _graph_key(self) -> tuple:
         """What a captured CUDA graph of this layer's forward reads beside its buffers
@@ -528,6 +534,7 @@ class FrozenNVFP4Linear(nn.Module):
         self.weight_encode_scale = None if enc is None else enc.detach().float().to(dev)
         self.weight_recipe = weight.recipe
         self._expanded = None
+        self._drop_plans()
 
     def _apply(self, fn, recurse=True):
         before = {n: self._buffers.get(n) for n in QUANT_BUFFERS}
@@ -564,7 +571,7 @@ class FrozenNVFP4Linear(nn.Module):
         return new
 
     def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
+        state = super().__getstate__()
         state.pop("_w4a16_plan", None)  # a launch plan: made again on the first call
         return state
 

@@ -251,8 +251,10 @@ def test_loading_the_learner_state_into_a_bf16_copy_casts_only_the_bias():
 
 def test_w4a16_decode_plan_follows_every_weight_change_and_is_not_copied():
     """A grad-free W4A16 call on the decode kernel keeps its launch and checked weight per weight token: every
-    in-place write (outer scale, codes, bias) and replaced tensor gives what ``gemm_w4a16`` gives on the
-    current weights; copies and pickles carry no plan."""
+    in-place write (outer scale, codes, bias), ``.data`` reassignment and replaced tensor gives what
+    ``gemm_w4a16`` gives on the current weights; replace_weight and load_state_dict drop the plan at once;
+    buffers made under inference_mode (no version counter) compute without one; copies and pickles carry
+    no plan, and a compiled layer still saves."""
     import io
 
     from triage.kernels.nvfp4 import gemm_w4a16
@@ -269,15 +271,32 @@ def test_w4a16_decode_plan_follows_every_weight_change_and_is_not_copied():
             assert torch.equal(y, gemm_w4a16(x, layer.quantized_weight(), bias=layer.bias))
         return y
 
+    def reassign_data() -> None:
+        layer.weight_scale_2.data = layer.weight_scale_2 * 4.0  # the same tensor object, no version bump
+
+    def assign() -> None:
+        layer.weight_scale_2 = layer.weight_scale_2 * 0.5  # a new tensor
+
+    def replace() -> None:
+        w = layer.quantized_weight()
+        layer.replace_weight(type(w)(data=w.data.clone(), scale=w.scale.clone(), global_scale=w.global_scale * 3,
+                                     shape=w.shape, dtype=w.dtype, recipe=w.recipe))  # fmt: skip
+        assert layer._w4a16_plan is None
+
+    def load() -> None:
+        layer.load_state_dict({**layer.state_dict(), "weight_scale_2": layer.weight_scale_2 * 0.5})
+        assert layer._w4a16_plan is None
+
     ys = [check()]
     with torch.no_grad():
         for change in (
             lambda: layer.weight_scale_2.mul_(2.0),
             lambda: layer.qweight.bitwise_xor_(0x11),
             lambda: layer.bias.add_(1.0),
-            lambda: layer.load_state_dict(
-                {**layer.state_dict(), "weight_scale_2": layer.weight_scale_2 * 0.5}
-            ),
+            reassign_data,
+            assign,
+            replace,
+            load,
         ):
             change()
             ys.append(check())
@@ -287,3 +306,10 @@ def test_w4a16_decode_plan_follows_every_weight_change_and_is_not_copied():
     torch.save(layer, buf)
     buf.seek(0)
     assert "_w4a16_plan" not in torch.load(buf, weights_only=False).__dict__
+    layer.compile()  # nn.Module's own state rules still apply (its compiled call is not pickled)
+    torch.save(layer, io.BytesIO())
+    with torch.inference_mode():
+        frozen = FrozenNVFP4Linear.from_linear(lin, NVFP4FrozenConfig(compute="w4a16")).to(device)
+    with torch.no_grad():
+        a, b = frozen(x), frozen(x)
+    assert torch.equal(a, b) and torch.equal(a, gemm_w4a16(x, frozen.quantized_weight(), bias=frozen.bias))

@@ -246,33 +246,37 @@ def test_an_in_place_bias_update_or_a_moved_member_is_never_served_a_stale_outpu
 @pytest.mark.parametrize("kind", list(CONFIGS))
 def test_a_group_launch_after_a_weight_change_reads_the_new_weights(kind, launches):
     """The group keeps its launch plan (checked operands) per weight version: a write in place (an outer
-    scale, the codes, a master weight an optimizer moved) or a replaced tensor makes the next launch read the
-    new weights, as each layer alone does."""
+    scale, the codes, a master weight an optimizer moved), a ``.data`` reassignment or a replaced tensor makes
+    the next launch read the new weights, as a fresh unlinked copy of the layers (no plan) computes them."""
     block = _block(kind, bias=True)
-    twin = copy.deepcopy(block)  # unlinked: every layer alone
     x = torch.randn(3, 64, device=device(), dtype=torch.float16)
     frozen = kind != "nvfp4"
 
     def change(step: int) -> None:
-        for m in (block, twin):
-            a = m.self_attn
-            if not frozen:
-                a.k_proj.weight.mul_(0.5)  # the master weight: W_q is quantized anew
-            elif step == 0:
-                a.k_proj.weight_scale_2.mul_(2.0)
-            elif step == 1:
-                a.v_proj.qweight.bitwise_xor_(0x11)  # flips the low bit of both codes of every byte
-            else:
-                a.q_proj.weight_scale_2 = a.q_proj.weight_scale_2 * 0.25  # a new tensor
+        a = block.self_attn
+        if not frozen:
+            a.k_proj.weight.mul_(0.5)  # the master weight: W_q is quantized anew
+        elif step == 0:
+            a.k_proj.weight_scale_2.mul_(2.0)
+        elif step == 1:
+            a.v_proj.qweight.bitwise_xor_(0x11)  # flips the low bit of both codes of every byte
+        elif step == 2:
+            a.q_proj.weight_scale_2.data = a.q_proj.weight_scale_2 * 4.0  # same object, no version bump
+        else:
+            a.q_proj.weight_scale_2 = a.q_proj.weight_scale_2 * 0.25  # a new tensor
 
     with torch.no_grad():
-        for step in range(4):
-            a, b = block.self_attn, twin.self_attn
+        for step in range(5):
+            a = block.self_attn
             ys = [a.q_proj(x), a.k_proj(x), a.v_proj(x)]
             assert len(launches) == step + 1 and launches[-1] == 3
+            fresh = copy.deepcopy(block)  # the current weights (a copy shares the quantized bytes), no plans
+            link_siblings(fresh, fused_groups=())
+            b = fresh.self_attn
             for y, layer in zip(ys, (b.q_proj, b.k_proj, b.v_proj)):
                 assert torch.equal(y, layer(x))
-            change(step)
+            if step < 4:
+                change(step)
 
 
 def test_only_frozen_groups_keep_a_plan_and_replacing_their_tensors_drops_it(launches):
