@@ -398,7 +398,7 @@ class FrozenNVFP4Linear(nn.Module):
             if mm.decode_route(self.config.gemm_backend, x2.shape[0], x2.device, weight_only=True):
                 w = self.quantized_weight()
                 M, N, K = mm._check_w4a16(x2, w, self.bias, None)
-                launch = gd.lone_launch(M, N, K, w.scale.shape[-1], x2.dtype, x2.dtype, x2.device)
+                launch = gd.default_launch(M, N, K, w.scale.shape[-1], x2.dtype, x2.dtype, x2.device)
                 plan = (launch, mm._outer_scale(w, "w"))
             kept = self._w4a16_plan = (signature, token, plan)
         if kept[2] is None:

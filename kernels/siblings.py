@@ -133,8 +133,12 @@ class SiblingGroup:
         if act is None:
             return None
         xa, g_a, _ = act
-        tokens = [m._decode_token() for m in self.members]
-        plan = self._plan_for(x, xa, tokens)
+        if self._keeps_plan:  # a kept plan needs the tokens alone
+            tokens, weights = [m._decode_token() for m in self.members], None
+        else:  # the operands (a learner's W_q refreshed once) and their tokens in one call per member
+            decoded = [m._decode_weight() for m in self.members]
+            tokens, weights = [d[2] for d in decoded], [d[:2] for d in decoded]
+        plan = self._plan_for(x, xa, tokens, weights)
         if plan is None:
             return None
         widths, launch, weights = plan
@@ -153,13 +157,14 @@ class SiblingGroup:
         lead = tuple(x.shape[:-1])
         return {i: (out.view(*lead, n), token) for i, (out, n, token) in enumerate(zip(outs, widths, tokens))}
 
-    def _plan_for(self, x: torch.Tensor, xa: torch.Tensor, tokens: list) -> tuple | None:
+    def _plan_for(self, x: torch.Tensor, xa: torch.Tensor, tokens: list, weights) -> tuple | None:
         """``(widths, launch, checked weights)`` of a group launch on ``xa`` (the activation as the kernel
         reads it) for ``x``'s dtype and device, or None where the members' operands do not fit one launch:
         kept from the last launch (frozen members: ``_keeps_plan``) while the signature and every member's
         weight token (its config, tensors and their version counters: ``_decode_token``) are the same, so a
-        launch checks and derives its operands once per weight version, not once per call."""
-        from triage.kernels.nvfp4.gemm_decode import group_launch
+        launch checks and derives its operands once per weight version, not once per call. ``weights``: each
+        member's ``(W_q, bias)`` where the caller has them (else read here)."""
+        from triage.kernels.nvfp4.gemm_decode import default_launch
         from triage.kernels.nvfp4.matmul import _kernel_scale
 
         signature = (xa.shape, xa.dtype, x.dtype, x.device)
@@ -167,7 +172,7 @@ class SiblingGroup:
         if kept is not None and kept[0] == signature and all(_same(t, u) for t, u in zip(tokens, kept[1])):
             return kept[2]
         plan = None
-        weights = [m._decode_weight()[:2] for m in self.members]
+        weights = weights or [m._decode_weight()[:2] for m in self.members]
         widths = tuple(int(w.shape[0]) for w, _ in weights)
         fit = len({w.data.shape[-1] for w, _ in weights}) == 1 and len({_dtype(b) for _, b in weights}) == 1
         # a member moved (offloaded, another device): each computes alone, as it would
@@ -177,7 +182,7 @@ class SiblingGroup:
             g_bs = [_kernel_scale(w, 1 if _per_tensor(w) else n) for (w, _), n in zip(weights, widths)]
             if len({g.numel() == 1 for g in g_bs}) == 1:
                 kb = weights[0][0].scale.shape[-1]  # K below: as the member's own launch takes it
-                launch = group_launch(xa.shape[0], widths, xa.shape[1], kb, xa.dtype, x.dtype, x.device)
+                launch = default_launch(xa.shape[0], widths, xa.shape[1], kb, xa.dtype, x.dtype, x.device)
                 checked = launch.group_weights([(w.data, w.scale, g, b) for (w, b), g in zip(weights, g_bs)])
                 plan = (widths, launch, checked)
         if self._keeps_plan:

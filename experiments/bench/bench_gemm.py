@@ -291,6 +291,18 @@ def decode_graph_replays(x, b, K, gw, replays: int = 50) -> str:
 QWEN3 = {"0.6B": (1024, 3072, 16, 8), "1.7B": (2048, 6144, 16, 8), "4B": (2560, 9728, 32, 8), "8B": (4096, 12288, 32, 8)}
 
 
+def qwen3_shapes():
+    """``(model, layer, N, K)`` of each distinct Linear shape of the :data:`QWEN3` models (the first layer of
+    each shape named)."""
+    seen = set()
+    for model, (h, i, nq, nkv) in QWEN3.items():
+        for layer, (n, k) in {"q": (nq * 128, h), "k/v": (nkv * 128, h), "o": (h, nq * 128), "gate/up": (i, h),
+                              "down": (h, i)}.items():  # fmt: skip
+            if (n, k) not in seen:
+                seen.add((n, k))
+                yield model, layer, n, k
+
+
 def decode_shapes(sweep: bool = False) -> None:
     """Each distinct (N, K) of the Qwen3 dense models' Linears, M = 1 and 16, CUDA-graph µs; ``sweep``: then
     the W4A16 decode kernel at each shape with every split-K of :data:`SHAPE_SPLITS` and tile rows of
@@ -300,34 +312,28 @@ def decode_shapes(sweep: bool = False) -> None:
     emit("| model | layer | N×K | M | bf16 | W4A16 | W4A4 | W4A4 + q | bf16/W4A16 | bf16/W4A4 | bf16/(W4A4 + q) |")
     emit("|---|---|---|---|---|---|---|---|---|---|---|")
     act = QuantRecipe(scale="row", profile="compressed-tensors")  # the sampler copy's recipe, weights and inputs
-    seen = set()
     sweeps = []
-    for model, (h, i, nq, nkv) in QWEN3.items():
-        for layer, (n, k) in {"q": (nq * 128, h), "k/v": (nkv * 128, h), "o": (h, nq * 128), "gate/up": (i, h),
-                              "down": (h, i)}.items():  # fmt: skip
-            if (n, k) in seen:
-                continue
-            seen.add((n, k))
-            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-            b = quantize(w, act)
-            for m in (1, 16):
-                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                a = quantize(x, act, emit_expanded=torch.float16)
-                err = rel(gemm(a, b, out_dtype=torch.float32), gemm_reference(a, b, out_dtype=torch.float64))
-                assert err < 1e-5, (model, layer, m, err)
-                t = [
-                    do_bench_cudagraph(f) * 1e3
-                    for f in (
-                        lambda: torch.mm(x, w.T),
-                        lambda: gemm_w4a16(x, b, backend="triton"),
-                        lambda: gemm(a, b, backend="triton"),
-                        lambda: gemm(quantize(x, act, emit_expanded=torch.float16), b, backend="triton"),
-                    )
-                ]
-                emit(f"| {model} | {layer} | {n}×{k} | {m} | " + " | ".join(f"{v:.1f}" for v in t)
-                     + f" | {t[0] / t[1]:.2f} | {t[0] / t[2]:.2f} | {t[0] / t[3]:.2f} |")  # fmt: skip
-                if sweep:
-                    sweeps.append((n, k, m, t[0], _split_sweep(x, b)))
+    for model, layer, n, k in qwen3_shapes():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        b = quantize(w, act)
+        for m in (1, 16):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            a = quantize(x, act, emit_expanded=torch.float16)
+            err = rel(gemm(a, b, out_dtype=torch.float32), gemm_reference(a, b, out_dtype=torch.float64))
+            assert err < 1e-5, (model, layer, m, err)
+            t = [
+                do_bench_cudagraph(f) * 1e3
+                for f in (
+                    lambda: torch.mm(x, w.T),
+                    lambda: gemm_w4a16(x, b, backend="triton"),
+                    lambda: gemm(a, b, backend="triton"),
+                    lambda: gemm(quantize(x, act, emit_expanded=torch.float16), b, backend="triton"),
+                )
+            ]
+            emit(f"| {model} | {layer} | {n}×{k} | {m} | " + " | ".join(f"{v:.1f}" for v in t)
+                 + f" | {t[0] / t[1]:.2f} | {t[0] / t[2]:.2f} | {t[0] / t[3]:.2f} |")  # fmt: skip
+            if sweep:
+                sweeps.append((n, k, m, t[0], _split_sweep(x, b)))
     if sweep:
         emit("\n## Split-K and tile rows at each shape (W4A16 decode kernel, CUDA-graph µs; * = the default)")
         emit("| N×K | M | bf16 | " + " | ".join(f"split {s}" for s in SHAPE_SPLITS)
@@ -539,32 +545,26 @@ def decode_cold() -> None:
          "| bf16/W4A16 cold |")  # fmt: skip
     emit("|---|---|---|---|---|---|---|---|---|---|")
     act = QuantRecipe(scale="row", profile="compressed-tensors")
-    seen = set()
-    for model, (h, i, nq, nkv) in QWEN3.items():
-        for layer, (n, k) in {"q": (nq * 128, h), "k/v": (nkv * 128, h), "o": (h, nq * 128), "gate/up": (i, h),
-                              "down": (h, i)}.items():  # fmt: skip
-            if (n, k) in seen:
-                continue
-            seen.add((n, k))
-            ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-                  for _ in range(cold_copies(n * k * 2))]  # fmt: skip
-            qs = [quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02, act)
-                  for _ in range(cold_copies(n * k * 0.5625))]  # fmt: skip
-            for m in (1, 16):
-                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                err = rel(gemm_w4a16(x, qs[0], backend="triton", out_dtype=torch.float32),
-                          gemm_w4a16_reference(x, qs[0], out_dtype=torch.float64))  # fmt: skip
-                assert err < 1e-5, (model, layer, m, err)
-                t = [
-                    1e3 * do_bench_cudagraph(lambda: torch.mm(x, ws[0].T)),
-                    cold_us([lambda w=w: torch.mm(x, w.T) for w in ws]),
-                    1e3 * do_bench_cudagraph(lambda: gemm_w4a16(x, qs[0], backend="triton")),
-                    cold_us([lambda q=q: gemm_w4a16(x, q, backend="triton") for q in qs]),
-                ]
-                emit(f"| {model} | {layer} | {n}×{k} | {m} | " + " | ".join(f"{v:.1f}" for v in t)
-                     + f" | {t[0] / t[2]:.2f} | {t[1] / t[3]:.2f} |")  # fmt: skip
-            ws = qs = None
-            torch.cuda.empty_cache()
+    for model, layer, n, k in qwen3_shapes():
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+              for _ in range(cold_copies(n * k * 2))]  # fmt: skip
+        qs = [quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02, act)
+              for _ in range(cold_copies(n * k * 0.5625))]  # fmt: skip
+        for m in (1, 16):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            err = rel(gemm_w4a16(x, qs[0], backend="triton", out_dtype=torch.float32),
+                      gemm_w4a16_reference(x, qs[0], out_dtype=torch.float64))  # fmt: skip
+            assert err < 1e-5, (model, layer, m, err)
+            t = [
+                1e3 * do_bench_cudagraph(lambda: torch.mm(x, ws[0].T)),
+                cold_us([lambda w=w: torch.mm(x, w.T) for w in ws]),
+                1e3 * do_bench_cudagraph(lambda: gemm_w4a16(x, qs[0], backend="triton")),
+                cold_us([lambda q=q: gemm_w4a16(x, q, backend="triton") for q in qs]),
+            ]
+            emit(f"| {model} | {layer} | {n}×{k} | {m} | " + " | ".join(f"{v:.1f}" for v in t)
+                 + f" | {t[0] / t[2]:.2f} | {t[1] / t[3]:.2f} |")  # fmt: skip
+        ws = qs = None
+        torch.cuda.empty_cache()
 
 
 #: The split-K factors and tile rows (BN, the weight rows per program; 2 warps, 1 at BN = 16) that

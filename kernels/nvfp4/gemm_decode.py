@@ -462,7 +462,7 @@ def launch_decode(
         raise ValueError(f"launch_decode handles M <= 64, got M={M}")
     kb = w_scale.shape[-1]
     if split_k is None and config is None and fused_reduce is None:
-        launch = lone_launch(M, N, K, kb, x.dtype, out.dtype, x.device)
+        launch = default_launch(M, N, K, kb, x.dtype, out.dtype, x.device)
     else:
         launch = decode_launch(
             M, N, K, kb, x.dtype, out.dtype, split_k=split_k, config=config, fused_reduce=fused_reduce
@@ -493,7 +493,7 @@ def launch_decode_group(
         raise ValueError(f"launch_decode_group handles M <= 64, got M={M}")
     widths, kb = tuple(o.shape[1] for o in outs), members[0][1].shape[-1]
     if split_k is None and config is None:
-        launch = group_launch(M, widths, K, kb, x.dtype, outs[0].dtype, x.device)
+        launch = default_launch(M, widths, K, kb, x.dtype, outs[0].dtype, x.device)
     else:
         launch = decode_launch(
             M, widths, K, kb, x.dtype, outs[0].dtype, split_k=split_k, config=config, fused_reduce=True
@@ -502,31 +502,18 @@ def launch_decode_group(
     return outs
 
 
-def lone_launch(
-    M: int, N: int, K: int, kb: int, x_dtype: torch.dtype, out_dtype: torch.dtype, device
+def default_launch(
+    M: int, N: int | tuple[int, ...], K: int, kb: int, x_dtype: torch.dtype, out_dtype: torch.dtype, device
 ) -> DecodeLaunch:
-    """The :class:`DecodeLaunch` of :func:`launch_decode` with the default tiles: one per signature (and
-    device), the last :data:`GROUP_LAUNCHES_KEPT` kept."""
+    """The :class:`DecodeLaunch` of :func:`launch_decode` (``N`` rows) or :func:`launch_decode_group` (``N``
+    the members' rows) with the default tiles: one per signature (and device: its SM count sets the split),
+    the last :data:`LAUNCHES_KEPT` kept."""
     key = (M, N, K, kb, x_dtype, out_dtype, device)
     launch = _LAUNCHES.get(key)
     if launch is None:
-        if len(_LAUNCHES) >= GROUP_LAUNCHES_KEPT:
+        if len(_LAUNCHES) >= LAUNCHES_KEPT:
             _LAUNCHES.pop(next(iter(_LAUNCHES), None), None)
         launch = _LAUNCHES[key] = decode_launch(M, N, K, kb, x_dtype, out_dtype)
-    return launch
-
-
-def group_launch(
-    M: int, widths: tuple[int, ...], K: int, kb: int, x_dtype: torch.dtype, out_dtype: torch.dtype, device
-) -> DecodeLaunch:
-    """The :class:`DecodeLaunch` of :func:`launch_decode_group` with the default tiles: one per signature
-    (and device: its SM count sets the split), the last :data:`GROUP_LAUNCHES_KEPT` kept."""
-    key = (M, widths, K, kb, x_dtype, out_dtype, device)
-    launch = _GROUP_LAUNCHES.get(key)
-    if launch is None:
-        if len(_GROUP_LAUNCHES) >= GROUP_LAUNCHES_KEPT:
-            _GROUP_LAUNCHES.pop(next(iter(_GROUP_LAUNCHES), None), None)
-        launch = _GROUP_LAUNCHES[key] = decode_launch(M, widths, K, kb, x_dtype, out_dtype)
     return launch
 
 
@@ -534,11 +521,10 @@ def group_launch(
 _MEMBER_ARGS = {j: (f"w{j}_ptr", f"ws{j}_ptr", f"c{j}_ptr", f"gb{j}_ptr", f"bias{j}_ptr", f"N{j}", f"T{j}")
                 for j in (1, 2)}  # fmt: skip
 
-#: :func:`launch_decode_group`'s and :func:`launch_decode`'s launches with the default tiles, by signature (a
-#: few per model: one per layer shape and row count); the last :data:`GROUP_LAUNCHES_KEPT` of each are kept.
-_GROUP_LAUNCHES: dict[tuple, DecodeLaunch] = {}
+#: :func:`default_launch`'s launches, by signature (a few per model: one per layer or group shape and row
+#: count); the last :data:`LAUNCHES_KEPT` are kept.
 _LAUNCHES: dict[tuple, DecodeLaunch] = {}
-GROUP_LAUNCHES_KEPT = 256
+LAUNCHES_KEPT = 256
 
 
 def _words(w: torch.Tensor, w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
