@@ -27,10 +27,12 @@ input: the cost of q/k/v and gate/up quantizing one input three and two times); 
 QeRL-style rollouts); ``nvfp4-unfused`` / ``w4a16-unfused``: those conversions with every Linear its own
 decode launch (``link_siblings(model, fused_groups=())``: q/k/v and gate/up unfused,
 :mod:`triage.kernels.siblings`). ``--decodes`` picks the loops: ``dynamic``, ``static``, ``cuda_graph`` (a graph
-captured in every call) and ``kept_graph`` (the CUDA-graph loop on one ``DecodeGraphs`` kept across the
-warm-up and the timed calls, as ``HFSampler`` keeps it: the timed calls capture nothing); ``cuda_graph`` is
-checked against ``static``, and ``kept_graph`` against ``cuda_graph``, when both run and each returned the same
-outputs on its same-seed calls (else the check prints None: a loop that differs from itself says nothing).
+captured in every call), ``kept_graph`` (the CUDA-graph loop on one ``DecodeGraphs`` kept across two warm-up
+calls and the timed calls, as ``HFSampler`` keeps it: the timed calls capture nothing, their prompt's forward
+and decode steps are replays) and ``kept_eager_prefill`` (the same with the prompt's forward run eagerly,
+``graphs.CAPTURE_PREFILL = False``); ``cuda_graph`` is checked against ``static``, ``kept_graph`` against
+``cuda_graph`` and ``kept_eager_prefill``, when both run and each returned the same outputs on its same-seed
+calls (else the check prints None: a loop that differs from itself says nothing).
 
 ``--compile``: the sampler's ``compile_decode=True`` (:mod:`triage.trainers.sampling.graphs`): each decode step
 goes through ``torch.compile`` (inductor, no CUDA graphs of its own: the graph loops capture the compiled step;
@@ -40,8 +42,8 @@ shape) is paid in the warm-up call.
 
 ``--replay``: the decode step's graph replays timed inside one call (:func:`replay_step`): GPU and host µs per
 replay, against the loop's ms per step, to tell time lost inside the graph from time lost between replays.
-``--fixed``: calls of one new token, timed: what a call costs besides its decode steps (the prompt's forward
-first of all).
+``--fixed``: calls of one new token on each loop's state, timed: what a call costs besides its decode steps
+(the prompt's forward first of all).
 """
 
 from __future__ import annotations
@@ -71,7 +73,8 @@ SHAPES = {
 }
 
 
-DECODES = ("dynamic", "static", "cuda_graph", "kept_graph")
+DECODES = ("dynamic", "static", "cuda_graph", "kept_graph", "kept_eager_prefill")
+KEPT_LOOPS = ("kept_graph", "kept_eager_prefill")
 PRECISIONS = ("bf16", "nvfp4", "nvfp4-unshared", "w4a16", "nvfp4-unfused", "w4a16-unfused")
 
 
@@ -106,21 +109,27 @@ def build(shape: str, precision: str):
 COMPILE = False
 
 
-def run(model, prompts, new: int, decode: str, seed: int = 0, state=None):
+def run(model, prompts, new: int, decode: str, seed: int = 0, state=None, cache_width=None):
     """One sampler call; ``decode="kept_graph"``: the CUDA-graph loop on ``state`` (a ``DecodeGraphs`` the
-    caller keeps across calls, as ``HFSampler`` does)."""
-    from triage.trainers.sampling import SamplingParams, sample_with_kv_cache
+    caller keeps across calls, as ``HFSampler`` does); ``"kept_eager_prefill"``: the same with the prompt's
+    forward run eagerly (``graphs.CAPTURE_PREFILL = False``)."""
+    from triage.trainers.sampling import SamplingParams, graphs, sample_with_kv_cache
 
     params = SamplingParams(max_new_tokens=new, temperature=1.0)
     g = torch.Generator("cuda").manual_seed(seed)
-    kept = decode == "kept_graph"
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    out = sample_with_kv_cache(
-        model, prompts, params, [-1], generator=g, pad_id=0, decode="cuda_graph" if kept else decode,
-        decode_state=state if kept else None, compile_decode=COMPILE,
-    )  # fmt: skip
-    torch.cuda.synchronize()
+    kept = decode in KEPT_LOOPS
+    capture_prefill = graphs.CAPTURE_PREFILL
+    graphs.CAPTURE_PREFILL = decode != "kept_eager_prefill"
+    try:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = sample_with_kv_cache(
+            model, prompts, params, [-1], generator=g, pad_id=0, decode="cuda_graph" if kept else decode,
+            decode_state=state if kept else None, compile_decode=COMPILE, cache_width=cache_width,
+        )  # fmt: skip
+        torch.cuda.synchronize()
+    finally:
+        graphs.CAPTURE_PREFILL = capture_prefill
     return out, time.perf_counter() - t0
 
 
@@ -260,9 +269,10 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--fixed",
         action="store_true",
-        help="after the timings of each shape, precision and batch: the median wall time of --reps calls of the "
-        "last loop in --decodes with ONE new token (after a warm-up call): what a call costs besides its decode "
-        "steps (the cache set-up, the prompt's forward, one draw, the results' copy to the host)",
+        help="after the timings of each shape, precision and batch: the median wall time of --reps calls of each "
+        "loop in --decodes with ONE new token (after a warm-up call; a kept loop on its own state, the cache as "
+        "long as the timed calls'): what a call costs besides its decode steps (the cache set-up, the prompt's "
+        "forward, one draw, the results' copy to the host)",
     )
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "bench_decode.json"))
     args = ap.parse_args(argv)
@@ -286,13 +296,17 @@ def main(argv=None) -> int:
             for batch in (int(b) for b in args.batches.split(",")):
                 gen = torch.Generator().manual_seed(batch)
                 prompts = torch.randint(10, len(tok) - 1, (batch, args.prompt), generator=gen).tolist()
-                outs, times, rerun, marginal, warm = {}, {}, {}, {}, {}
+                outs, times, rerun, marginal, warm, kept_states = {}, {}, {}, {}, {}, {}
                 for decode in decodes:
                     from triage.trainers.sampling.graphs import DecodeGraphs
 
-                    state = DecodeGraphs()  # kept_graph's, across its warm-up and timed calls
-                    # warm-up (autotune, lazy allocations; with --compile the compilation)
+                    state = DecodeGraphs()  # a kept loop's, across its warm-up and timed calls
+                    # warm-up (autotune, lazy allocations; with --compile the compilation); a kept loop's second
+                    # call captures its prefill (the first runs it eagerly)
                     warm[decode] = run(model, prompts, args.new, decode, state=state)[1]
+                    if decode in KEPT_LOOPS:
+                        run(model, prompts, args.new, decode, state=state)
+                    kept_states[decode] = state
                     reps = [run(model, prompts, args.new, decode, state=state) for _ in range(args.reps)]
                     outs[decode] = reps[0][0]
                     times[decode] = statistics.median(t for _, t in reps)
@@ -308,7 +322,8 @@ def main(argv=None) -> int:
                         marginal[decode] = (times[decode] - half) / (args.new - args.new // 2)
                 same = _equal(outs, rerun, "cuda_graph", "static")
                 kept = _equal(outs, rerun, "kept_graph", "cuda_graph")
-                ok &= same is not False and kept is not False
+                prefill = _equal(outs, rerun, "kept_graph", "kept_eager_prefill")
+                ok &= same is not False and kept is not False and prefill is not False
                 agree = (
                     sum(
                         a == b
@@ -325,7 +340,8 @@ def main(argv=None) -> int:
                 print(
                     f"{shape:15s} {precision:5s} B={batch:<4d} "
                     + "  ".join(f"{d} {batch * args.new / t:9.0f} tok/s" for d, t in times.items())
-                    + f"  | graph==static: {same}, kept==graph: {kept}, dynamic/static token agreement {agree:.3f}"
+                    + f"  | graph==static: {same}, kept==graph: {kept}, prefill graph==eager: {prefill}"
+                    + f", dynamic/static token agreement {agree:.3f}"
                     + ", reruns identical: " + ", ".join(f"{d} {r}" for d, r in rerun.items())
                     + ", warm-up call s: " + ", ".join(f"{d} {w:.1f}" for d, w in warm.items())
                     + "".join(f"\n    {d}: marginal {m * 1e3:.3f} ms/step ({batch / m:.0f} tok/s), fixed per call "
@@ -338,17 +354,22 @@ def main(argv=None) -> int:
                         )
                     except Exception as err:  # noqa: BLE001 - a study: report and keep the timings
                         print(f"  replay ({shape} {precision} B={batch}) failed: {type(err).__name__}: {err}")
-                if args.fixed:
-                    from triage.trainers.sampling.graphs import DecodeGraphs
+                for decode in decodes if args.fixed else ():
+                    # one new token on the loop's own state, its cache as long as the timed calls' (the same
+                    # state: no new capture or compilation; a cold state's first call would time those)
+                    from triage.trainers.sampling.graphs import prefill_width, static_cache_length
 
-                    state = DecodeGraphs()
-                    run(model, prompts, 1, decodes[-1], state=state)  # warm-up: this length's cache
+                    width = args.prompt + args.new - 2
+                    same = static_cache_length(prefill_width(width), 1) == static_cache_length(args.prompt, args.new)
+                    state = kept_states.get(decode)
+                    run(model, prompts, 1, decode, state=state, cache_width=width)
                     t1 = statistics.median(
-                        run(model, prompts, 1, decodes[-1], state=state)[1] for _ in range(args.reps)
+                        run(model, prompts, 1, decode, state=state, cache_width=width)[1] for _ in range(args.reps)
                     )
-                    fixed[(shape, precision, batch)] = t1
-                    print(f"  fixed per call ({shape} {precision} B={batch}, {decodes[-1]}, one new token: "
-                          f"cache set-up, prompt forward, one draw): {t1 * 1e3:.1f} ms")  # fmt: skip
+                    fixed[(shape, precision, batch, decode)] = t1
+                    print(f"  fixed per call ({shape} {precision} B={batch}, {decode}, one new token: cache set-up, "
+                          f"prompt forward, one draw{'' if same else '; NOT the timed calls cache length'}): "
+                          f"{t1 * 1e3:.1f} ms")  # fmt: skip
                 if args.profile:
                     profile_call(model, prompts, args.new, decodes[-1], f"{shape} {precision} B={batch}")
             del model
@@ -368,7 +389,8 @@ def main(argv=None) -> int:
         json.dump({"torch": torch.__version__, "device": torch.cuda.get_device_name(), "args": vars(args),
                    "graph_equals_static_and_kept": ok, "rows": rows,
                    "replays": [dict(shape=k[0], precision=k[1], batch=k[2], **v) for k, v in replays.items()],
-                   "fixed_seconds": [dict(shape=k[0], precision=k[1], batch=k[2], seconds=v) for k, v in fixed.items()]},
+                   "fixed_seconds": [dict(shape=k[0], precision=k[1], batch=k[2], decode=k[3], seconds=v)
+                                     for k, v in fixed.items()]},
                   f, indent=1)  # fmt: skip
     print(f"\nCORRECT (graph == static, kept graph == graph, wherever both loops reproduce themselves): {ok}")
     return 0 if ok else 1

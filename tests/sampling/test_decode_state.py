@@ -134,12 +134,78 @@ def test_a_kept_graph_is_captured_once_and_again_when_an_address_changes(tiny_mo
     assert state.graph_step.captures == 1
 
 
+def _prefill_forwards(model, kept, prompts=SHORT, kv=None):
+    """Eager prompt forwards (more than one token) of one cuda_graph call on ``kept`` (a fake capture runs the
+    forward: it counts)."""
+    widths = []
+    hook = model.register_forward_pre_hook(
+        lambda m, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    try:
+        sample_with_kv_cache(
+            model, prompts, PARAMS, [], pad_id=0, decode="cuda_graph", decode_state=kept, kv_cache_dtype=kv
+        )
+    finally:
+        hook.remove()
+    return sum(w > 1 for w in widths)
+
+
+def test_a_kept_prefill_is_captured_on_the_second_call_of_its_width(tiny_model, fake_graphs, monkeypatch):
+    """The prompt's forward runs eagerly on the first call of a padded width (the warm-up), is captured on the
+    second and replayed after that, one graph per width bucket (at most PREFILL_KEPT); a moved weight drops it
+    with the decode graph; not captured with an fp8 KV cache (its calibration reads the host) nor with
+    CAPTURE_PREFILL off."""
+    model = copy.deepcopy(tiny_model)
+    kept = g.DecodeGraphs()
+    assert [_prefill_forwards(model, kept) for _ in range(3)] == [1, 1, 0]
+    assert _prefill_forwards(model, kept, OTHER) == 0  # widths 5 and 6: both pad to 16, one graph
+    (state,) = kept.states.values()
+    assert list(state.prefills) == [16] and state.prefills[16].step.captures == 1
+    wide = [list(range(3, 20))] * 3  # width 17 → 32: its own graph beside the first
+    assert [_prefill_forwards(model, kept, wide) for _ in range(3)] == [1, 1, 0]
+    assert list(state.prefills) == [16, 32] and _prefill_forwards(model, kept) == 0
+    norm = model.model.norm
+    norm.weight = torch.nn.Parameter(norm.weight.detach().clone())  # reallocated: every graph goes
+    assert [_prefill_forwards(model, kept) for _ in range(3)] == [1, 1, 0]
+    assert state.graph_step.captures == 2 and _prefill_forwards(model, kept, wide) == 1  # warm-up again
+    monkeypatch.setattr(g, "PREFILL_KEPT", 2)
+    widest = [list(range(3, 40))] * 3  # → 48: the least recent width (16) goes
+    assert [_prefill_forwards(model, kept, widest) for _ in range(2)] == [1, 1]
+    assert list(state.prefills) == [32, 48]
+    monkeypatch.setattr(g, "CAPTURE_PREFILL", False)
+    assert [_prefill_forwards(model, kept, widest) for _ in range(2)] == [1, 1]
+    monkeypatch.setattr(g, "CAPTURE_PREFILL", True)
+    fp8 = g.DecodeGraphs()
+    assert [_prefill_forwards(model, fp8, kv="fp8_e4m3") for _ in range(3)] == [1, 1, 1]
+    assert not next(iter(fp8.states.values())).prefills
+
+
+def test_prefill_width_buckets_and_mask():
+    assert [g.prefill_width(w) for w in (1, 16, 17, 32, 33, 100, 129, 300, 1000)] == [
+        16, 16, 32, 32, 48, 112, 160, 320, 1024,
+    ]  # fmt: skip
+    for w in range(1, 3000, 3):
+        assert w <= g.prefill_width(w) < w + max(16, w / 4)
+        assert g.prefill_width(g.prefill_width(w)) == g.prefill_width(w)
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1], [0, 0, 0, 1]])
+    m4 = g.prefill_mask(mask, 6)
+    assert m4.shape == (3, 1, 4, 6) and m4.dtype == torch.bool
+    for b in range(3):
+        for q in range(4):
+            for k in range(6):
+                assert bool(m4[b, 0, q, k]) == (k <= q and k < 4 and bool(mask[b, k]))
+    add = g.prefill_mask(mask, 6, torch.bfloat16)
+    assert add.dtype == torch.bfloat16
+    assert torch.equal(add == 0, m4) and bool((add[~m4] == torch.finfo(torch.bfloat16).min).all())
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("precision", ["bf16", "nvfp4"])
 def test_one_kept_cuda_graph_serves_every_weight_sync(tiny_model, precision):
-    """A sampler copy refreshed in place (its NVFP4 caches too) keeps one captured graph across syncs, and
-    every call samples exactly what a graph captured for that call samples."""
+    """A sampler copy refreshed in place (its NVFP4 caches too) keeps one captured decode graph and one prefill
+    graph across syncs, and every call samples exactly what a fresh state (an eager prefill, a graph captured
+    for that call) samples."""
     from triage.kernels import NVFP4Config, convert
     from triage.kernels.nvfp4 import QuantRecipe
 
@@ -154,7 +220,7 @@ def test_one_kept_cuda_graph_serves_every_weight_sync(tiny_model, precision):
     for s in samplers:
         s.copy = s._build_copy(learner)
     outs = []
-    for step in range(3):
+    for step in range(4):
         if step:  # a weight sync: the learner moved, the copies take its state in place
             with torch.no_grad():
                 for p in learner.parameters():
@@ -166,7 +232,9 @@ def test_one_kept_cuda_graph_serves_every_weight_sync(tiny_model, precision):
         outs.append(kept)
     assert outs[0] != outs[-1]  # the weights moved and the kept graph followed them
     (state,) = samplers[0].decode_graphs.states.values()
-    assert state.graph_step.captures == 1 and state.calls == 3
+    assert state.graph_step.captures == 1 and state.calls == 4
+    (prefill,) = state.prefills.values()  # eager on the first call, captured on the second, replayed after
+    assert prefill.step.captures == 1 and prefill.step.graph is not None
 
 
 def test_a_kept_state_does_not_keep_its_model_alive(tiny_model):

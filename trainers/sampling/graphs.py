@@ -7,7 +7,15 @@ over the whole cache) and the static cache, and returns the last position's logi
 eager warm-up step first (lazy allocations, kernel compilation, weight caches), then the capture, each a full
 eager forward's host time, per call where the graph lives for one call. :class:`DecodeGraphs` keeps the
 state instead (the built-in ``HFSampler`` keeps one per sampler), so that the next call of the same shape
-resets the cache in place, prefills and replays at once:
+resets the cache in place and replays at once:
+
+* prefill: the static paths pad the prompts on the left to :func:`prefill_width` (a bucket of the widest
+  prompt's width) and pass the prompt's forward an explicit 4-D mask (:func:`prefill_mask`: causal, pad keys
+  off), so that the prefill's inputs are static buffers too. With a kept CUDA-graph state the prefill of each
+  width is captured the second time that width comes (the first runs eagerly: the warm-up) and replayed after
+  that, :data:`PREFILL_KEPT` widths per state at most (the least recently used dropped first): a call on a
+  kept state then runs no eager forward at all. Not with an fp8 KV cache (its prefill calibrates the scales
+  with a host check) nor with ``CAPTURE_PREFILL = False``: the prefill then runs eagerly on every call.
 
 * shape: one state per model, batch, cache length, KV format, decode path (static or graph; compiled or not),
   cache argument name, attention implementation, parameter dtype and device and autocast dtype, held without
@@ -18,8 +26,9 @@ resets the cache in place, prefills and replays at once:
   ``HFSampler(batch_size=...)`` call's full chunks and its last, smaller one).
 * weights: a kept graph is replayed only while :func:`~triage.kernels.capture.graph_key` of the model is the
   one it was captured under (every parameter, buffer and NVFP4 weight cache at the same address, the
-  configs, train/eval mode, PEFT adapter switches, host-read decode scales): checked after each call's
-  prefill, which refreshes the NVFP4 weight caches. Values written in place (a weight sync into the sampler
+  configs, train/eval mode, PEFT adapter switches, host-read decode scales): checked at the start of each
+  call's prefill (the check refreshes the NVFP4 weight caches, as a forward would), and every graph of the
+  state goes when it changed. Values written in place (a weight sync into the sampler
   copy, an optimizer step on the trainer's model) are read by the replay; anything reallocated (a rebuilt
   copy, an NVFP4 cache quantized into new tensors) or changed in Python drops the graph, and the next steps
   warm up and capture again. The sampler's copy refreshes its NVFP4 caches in place
@@ -34,17 +43,19 @@ resets the cache in place, prefills and replays at once:
   torch's recompile limit (``torch._dynamo.config.recompile_limit``, 8 by default) bounds the shapes one
   process compiles; past it the step runs uncompiled.
 * memory: a kept state holds its KV cache (batch × cache length × layers × KV heads × head dim × 2 values)
-  and its graph's private memory pool between calls, while the learner trains; ``HFSampler(keep_decode=False)``
+  and its graphs' private memory pools (the decode step's, and each kept prefill's: the activations of
+  batch × width tokens through one layer) between calls, while the learner trains; ``HFSampler(keep_decode=False)``
   frees them at the end of every call instead (each call then captures anew).
 * bits: a call on a kept state computes what a call on a fresh state computes (the cache is zeroed, the fp8
-  KV scales recalibrated in place on the prefill, the same length), except that with a kept graph its first
-  decode step is a replay where a new graph runs that step eagerly; a replay runs the captured kernels,
+  KV scales recalibrated in place on the prefill, the same length), except that with a kept graph its
+  prefill and first decode step are replays where a new graph runs them eagerly; a replay runs the captured kernels,
   which need not be the eager ones bit for bit (docs/benchmarks.md saw equal bits at decode batch ≤ 16 on a
   10M-parameter model, not at 128, nor at batch 16 at Qwen3-4B width).
 """
 
 from __future__ import annotations
 
+import inspect
 import warnings
 import weakref
 from collections import OrderedDict
@@ -54,12 +65,54 @@ import torch
 
 from .attention import packed_decode_attention, uses_grouped_sdpa
 
-__all__ = ["DecodeGraphs", "GraphStep", "StaticDecode", "static_cache_length"]
+__all__ = [
+    "DecodeGraphs",
+    "GraphStep",
+    "StaticDecode",
+    "prefill_mask",
+    "prefill_width",
+    "static_cache_length",
+]
 
 #: States a :class:`DecodeGraphs` keeps (least recently used dropped first).
 KEPT = 2
 #: The cache-length bucket: lengths round up to a multiple of max(BUCKET_MIN, next_power_of_2(n) / BUCKET_SPLIT).
 BUCKET_MIN, BUCKET_SPLIT = 64, 16
+#: The prompt-width bucket of the static paths: widths round up to a multiple of
+#: max(PREFILL_BUCKET_MIN, next_power_of_2(width) / PREFILL_BUCKET_SPLIT).
+PREFILL_BUCKET_MIN, PREFILL_BUCKET_SPLIT = 16, 8
+#: Prefill graphs (one per padded prompt width) a kept CUDA-graph state keeps (least recently used dropped first).
+PREFILL_KEPT = 4
+#: Whether kept CUDA-graph states capture the prefill (module docstring); False: it runs eagerly every call.
+CAPTURE_PREFILL = True
+
+
+def prefill_width(width: int) -> int:
+    """The width the static paths left-pad a call's prompts to: ``width`` rounded up to a multiple of
+    ``max(16, next_power_of_2(width) / 8)`` (fewer than ``max(16, width / 4)`` pad columns more), so that calls
+    whose widest prompts differ a little share one captured prefill."""
+    step = max(PREFILL_BUCKET_MIN, (1 << (width - 1).bit_length()) // PREFILL_BUCKET_SPLIT)
+    return -(-width // step) * step
+
+
+def prefill_mask(
+    attention_mask: torch.Tensor, length: int, additive_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """The prompt forward's 4-D mask ``[B, 1, W, length]`` over a static cache whose first ``W`` positions the
+    prompt fills: query ``q`` sees key ``k`` iff ``k ≤ q`` and ``attention_mask[b, k]`` (a pad key is never
+    seen; a pad query sees only pads, or nothing). ``True`` = attend (SDPA); with ``additive_dtype`` (eager
+    attention, which adds the mask) 0 or that dtype's minimum instead."""
+    batch, width = attention_mask.shape
+    device = attention_mask.device
+    keys = torch.arange(length, device=device)
+    causal = keys[None, :] <= torch.arange(width, device=device)[:, None]  # [W, L]; k >= W never: k > q
+    padded = torch.zeros((batch, length), dtype=torch.bool, device=device)
+    padded[:, :width] = attention_mask.bool()
+    allowed = (causal[None] & padded[:, None, :])[:, None]
+    if additive_dtype is None:
+        return allowed
+    off = torch.full((), torch.finfo(additive_dtype).min, dtype=additive_dtype, device=device)
+    return torch.where(allowed, torch.zeros((), dtype=additive_dtype, device=device), off)
 
 
 def static_cache_length(width: int, max_new_tokens: int) -> int:
@@ -73,15 +126,16 @@ def static_cache_length(width: int, max_new_tokens: int) -> int:
 
 
 class GraphStep:
-    """One decode forward (``step()`` → last-position logits), replayed from a CUDA graph once captured.
+    """One forward on static buffers (``step()`` → last-position logits: a decode step, or a prefill),
+    replayed from a CUDA graph once captured.
 
     The first call after :meth:`reset` runs eagerly: it warms every lazy allocation (static-cache buffers,
     kernel compilation, weight caches). The next captures the step and replays it; later calls replay. A
     capture that fails (an op that synchronises with the host, say) is reported once with a warning and the
-    step runs eagerly until the next :meth:`reset`."""
+    step runs eagerly until the next :meth:`reset`. ``what`` names the step in that warning."""
 
-    def __init__(self, step: Callable[[], torch.Tensor]):
-        self.step = step
+    def __init__(self, step: Callable[[], torch.Tensor], what: str = "decode step"):
+        self.step, self.what = step, what
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
         self.calls, self.failed, self.captures = 0, False, 0
@@ -108,8 +162,8 @@ class GraphStep:
         except Exception as err:  # noqa: BLE001 - any capture failure falls back to the eager path
             self.failed = True
             warnings.warn(
-                f"HFSampler: CUDA-graph capture of the decode step failed ({type(err).__name__}: {err}); "
-                "decoding eagerly with the static cache instead",
+                f"HFSampler: CUDA-graph capture of the {self.what} failed ({type(err).__name__}: {err}); "
+                f"running the {self.what} eagerly with the static cache instead",
                 RuntimeWarning,
                 stacklevel=3,
             )
@@ -166,10 +220,16 @@ class StaticDecode:
         self.on = self.off = None
         forward = weakref.WeakMethod(self._forward)  # no cycle: a state is freed as soon as it is dropped
         self.graph_step = GraphStep(lambda: forward()()) if graph else None
-        self.weights: tuple | None = None  # graph_key(model) the graph was captured under
+        self.weights: tuple | None = None  # graph_key(model) the kept graphs were captured under
+        self.prefills: OrderedDict[int, _Prefill] = OrderedDict()  # per padded prompt width
         self.calls = 0
         self.compiled = compiled
         self.packed = uses_grouped_sdpa(model)  # whether a decode step runs packed grouped-query attention
+        # the forward's keyword for "last position's logits only", where it has one
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self.keep = (
+            {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(base.forward).parameters else {}
+        )
 
     @property
     def model(self) -> torch.nn.Module:
@@ -187,21 +247,72 @@ class StaticDecode:
                 **{self.cache_name: self.cache},
             )
 
-    def begin(self, attention_mask: torch.Tensor):
-        """The cache for this call's prefill: emptied in place (zeros, length 0) after the first call, the fp8
-        KV scales set to be calibrated anew on ``attention_mask``'s positions (written into the same
-        tensors)."""
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor):
+        """This call's prompt forward into the emptied cache → the last position's logits [B, V]: with
+        :func:`prefill_mask`, on the static buffers of its width; with a graph state, first the
+        weights check (:func:`~triage.kernels.capture.graph_key`: every kept graph goes when it changed), then
+        the width's kept prefill graph (module docstring)."""
+        batch, width = input_ids.shape
         if self.calls:
             self.cache.reset()
+        calibrates = False
         for layer in self.cache.layers:
             if hasattr(layer, "recalibrate"):
                 layer.recalibrate(attention_mask)
+                calibrates = True
         self.calls += 1
-        return self.cache
+        if self.graph_step is not None:
+            from triage.kernels.capture import graph_key
+
+            key = graph_key(self.model)
+            if key != self.weights:  # the weights moved: every kept graph goes (the next calls capture again)
+                for step in self._graph_steps():
+                    step.reset()
+                self.weights = key
+        additive = self.model.config._attn_implementation == "eager"  # eager attention adds it: 0 or min
+        mask = prefill_mask(attention_mask, self.length, self.model.dtype if additive else None)
+        captured = self.graph_step is not None and CAPTURE_PREFILL and not calibrates
+        if not captured:
+            return self._prefill_forward(input_ids, mask, position_ids)
+        kept = self.prefills.pop(width, None)
+        if kept is None or kept.mask.dtype != mask.dtype:
+            while len(self.prefills) >= PREFILL_KEPT:
+                self.prefills.popitem(last=False)
+            kept = _Prefill(self, input_ids, mask, position_ids)
+        self.prefills[width] = kept
+        kept.ids.copy_(input_ids)
+        kept.mask.copy_(mask)
+        kept.positions.copy_(position_ids)
+        logits = kept.step()
+        if kept.step.calls == 2:  # captured just now (or failed to)
+            self._captured(kept.step)
+        return logits
+
+    def _prefill_forward(self, input_ids, mask, position_ids) -> torch.Tensor:
+        out = self.model(
+            input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
+            **{self.cache_name: self.cache}, **self.keep,
+        )  # fmt: skip
+        return out.logits[:, -1, :]
+
+    def _graph_steps(self) -> list[GraphStep]:
+        return [s for s in (self.graph_step, *(p.step for p in self.prefills.values())) if s is not None]
+
+    def _captured(self, step: GraphStep) -> None:
+        """``step`` was captured just now: the weights key as it read them; a graph captured before under
+        another key goes (its warm-up moved a tensor the others read)."""
+        from triage.kernels.capture import graph_key
+
+        key = graph_key(self.model)
+        if key != self.weights:
+            for other in self._graph_steps():
+                if other is not step:
+                    other.reset()
+            self.weights = key
 
     def start(self, attention_mask: torch.Tensor, next_position: torch.Tensor, dtype: torch.dtype) -> None:
-        """After the prefill: the mask over the prompt keys (generated keys switched on as written), the first
-        decode position, and, for a graph, the weights check (:func:`~triage.kernels.capture.graph_key`)."""
+        """After the prefill: the mask over the prompt keys (generated keys switched on as written) and the
+        first decode position."""
         batch, width = attention_mask.shape
         additive = self.model.config._attn_implementation == "eager"  # eager attention adds it: 0 or min
         mask_dtype = dtype if additive else torch.bool
@@ -213,11 +324,6 @@ class StaticDecode:
         self.mask4.fill_(self.off)
         self.mask4[:, 0, 0, :width].masked_fill_(attention_mask.bool(), self.on)
         self.position.copy_(next_position[:, None])
-        if self.graph_step is not None:
-            from triage.kernels.capture import graph_key
-
-            if graph_key(self.model) != self.weights:
-                self.graph_step.reset()
 
     def advance(self, token: torch.Tensor, written: int) -> torch.Tensor:
         """One decode step: feed ``token`` (B,), switch on the key position it is written to, return the
@@ -230,11 +336,20 @@ class StaticDecode:
         else:
             logits = step()
             if step.calls == 2:  # captured just now (or failed to): the key of what it read, as it read it
-                from triage.kernels.capture import graph_key
-
-                self.weights = graph_key(self.model)
+                self._captured(step)
         self.position.add_(1)
         return logits
+
+
+class _Prefill:
+    """A kept state's prefill of one padded prompt width: its input buffers (ids, 4-D mask, positions) and its
+    :class:`GraphStep` (the first call eager, the second captured)."""
+
+    def __init__(self, state: StaticDecode, input_ids, mask, position_ids) -> None:
+        ids, mask, positions = (torch.empty_like(t) for t in (input_ids, mask, position_ids))
+        self.ids, self.mask, self.positions = ids, mask, positions
+        forward = weakref.WeakMethod(state._prefill_forward)  # no cycle through the state nor this object
+        self.step = GraphStep(lambda: forward()(ids, mask, positions), what="prefill")
 
 
 class DecodeGraphs:

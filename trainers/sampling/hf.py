@@ -52,7 +52,7 @@ from typing import Any, Literal
 import torch
 
 from .base import RANK_SEED_STRIDE, SamplerSource, SamplingParams, trainer_rank
-from .graphs import DecodeGraphs, StaticDecode, static_cache_length
+from .graphs import DecodeGraphs, StaticDecode, prefill_width, static_cache_length
 from .kvcache import kv_format
 
 
@@ -184,7 +184,10 @@ def sample_with_kv_cache(
         )
     device = next(model.parameters()).device
     decode = _resolve_decode(decode, model, device)
+    static = decode != "dynamic"
     batch, width = len(prompt_ids), max(len(p) for p in prompt_ids)
+    if static:  # left-padded to the width's bucket: static prefill buffers, a kept graph per bucket
+        width = prefill_width(width)
     input_ids = torch.full((batch, width), pad_id, dtype=torch.long, device=device)
     mask = torch.zeros((batch, width), dtype=torch.long, device=device)
     for i, p in enumerate(prompt_ids):
@@ -196,32 +199,31 @@ def sample_with_kv_cache(
     from .kvcache import cache_argument
 
     cache_name = cache_argument(model)
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(base.forward).parameters else {}
-    static = decode != "dynamic"
     if static:
-        length = static_cache_length(max(width, cache_width or 0), params.max_new_tokens)
+        # every chunk of a call (cache_width: its widest prompt) gets the same length
+        length = static_cache_length(max(width, prefill_width(cache_width or 1)), params.max_new_tokens)
         shape = (batch, length, fmt, decode == "cuda_graph", cache_name, compile_decode)
         if decode_state is not None:
             state = decode_state.state(model, *shape)
         else:  # this call's alone: freed with it
             state = StaticDecode(model, *shape)
-        cache = state.begin(mask)
+        logits = state.prefill(input_ids, mask, positions)
     else:
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(base.forward).parameters else {}
         cache = _new_cache(model, kv_cache_dtype, attention_mask=mask)
-
-    out = model(
-        input_ids=input_ids,
-        attention_mask=mask,
-        position_ids=positions,
-        use_cache=True,
-        **{cache_name: cache},
-        **keep,
-    )
-    logits = out.logits[:, -1, :]
+        out = model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            **{cache_name: cache},
+            **keep,
+        )
+        logits = out.logits[:, -1, :]
     # what repetition penalty looks at (prompt + completion so far), as in generate; pads become the id one
     # past the logits, which the processor clamps into an extra column and drops (a pad is not a seen token)
-    seen = input_ids.masked_fill(mask == 0, out.logits.shape[-1])
+    seen = input_ids.masked_fill(mask == 0, logits.shape[-1])
     next_pos = positions[:, -1] + 1
     if static:
         # decode inputs as static buffers, updated in place: the token, its position, and the 4-D mask over
