@@ -37,18 +37,15 @@ def graph_key(model: nn.Module) -> tuple:
     parts: list = []
     for module in model.modules():
         parts.append(module.training)
-        active = getattr(module, "active_adapters", None)
-        if active is not None and not callable(
-            active
-        ):  # a PEFT layer (a property; transformers' is a method)
-            parts.append(_adapters(module, active))
+        cls = type(module)  # class attributes looked up on the class: no Module.__getattr__ miss per module
+        if isinstance(getattr(cls, "active_adapters", None), property):  # a PEFT layer (transformers': a method)
+            parts.append(_adapters(module, module.active_adapters))
         for group in (module._parameters, module._buffers):
             for name, t in group.items():
                 if t is not None:
                     parts.append((name, t.data_ptr(), tuple(t.shape), t.dtype, t.device))
-        own = getattr(module, "_graph_key", None)
-        if own is not None:
-            parts.append(own())
+        if getattr(cls, "_graph_key", None) is not None:
+            parts.append(module._graph_key())
     return tuple(parts)
 
 
