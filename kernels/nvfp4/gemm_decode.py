@@ -302,7 +302,8 @@ def _decode_kernel(
             kb_p = kb0 + step * NB
             # one line per row and K step: BW words = NB·8 bytes (128 at NB = 16; at NB = 8 two steps share one)
             _prefetch_l2(tl.where(n_ok & (kb_p < kb1), w_ptr + rows * stride_wn + kb_p * 2, w_ptr))
-        _prefetch_l2(tl.where(n_ok, ws_ptr + rows * stride_wsn + kb0, ws_ptr))  # the scales: one line per row
+        # the scales: one line per row (a split past the last block has none)
+        _prefetch_l2(tl.where(n_ok & (kb0 < kb1), ws_ptr + rows * stride_wsn + kb0, ws_ptr))
         tl.extra.cuda.gdc_wait()
     # PREFETCH: the next K step's codes, scales and activations are loaded before this step's unpack and MMA
     # (register double buffering: twice the bytes in flight per program, which a memory-bound kernel needs)

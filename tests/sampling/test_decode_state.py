@@ -178,6 +178,8 @@ def test_a_kept_prefill_is_captured_on_the_second_call_of_its_width(tiny_model, 
     fp8 = g.DecodeGraphs()
     assert [_prefill_forwards(model, fp8, kv="fp8_e4m3") for _ in range(3)] == [1, 1, 1]
     assert not next(iter(fp8.states.values())).prefills
+    bf16 = g.DecodeGraphs()  # a bf16-rounded KV cache calibrates nothing: captured
+    assert [_prefill_forwards(model, bf16, kv="bf16") for _ in range(3)] == [1, 1, 0]
 
 
 def test_prefill_width_buckets_and_mask():

@@ -255,11 +255,11 @@ class StaticDecode:
         batch, width = input_ids.shape
         if self.calls:
             self.cache.reset()
-        calibrates = False
+        calibrates = False  # an fp8 KV cache calibrates its scales on the prefill, with a host check
         for layer in self.cache.layers:
             if hasattr(layer, "recalibrate"):
                 layer.recalibrate(attention_mask)
-                calibrates = True
+                calibrates |= getattr(layer, "fmt", None) == "fp8"
         self.calls += 1
         if self.graph_step is not None:
             from triage.kernels.capture import graph_key
