@@ -321,22 +321,26 @@ def test_graph_counters_replays_match_eager(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("M", [1, 16, 40])
 def test_pdl_launches_read_what_the_previous_kernel_wrote(M, monkeypatch):
-    """Programmatic dependent launch (``gd.PDL``, on by default on sm_90+): a lone and a group decode launch
-    captured right behind kernels that write their activation and, last, their weights in place read the new
-    values on every replay, with the bits of plain eager launches."""
+    """Programmatic dependent launch (``gd.PDL``, on by default on sm_90+; the compiled kernels carry
+    ``launch_pdl``): a lone and a group decode launch captured right behind a long copy that writes their
+    activation last (a launch that read x before the copy completed would read the old values), and behind
+    kernels that write their weights in place, read the new values on every replay, with the bits of plain
+    eager launches."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs sm_90+")
     gen = torch.Generator().manual_seed(11)
     K = 2048
     ws = [random_nvfp4((n, K), gen=gen, scale="row") for n in (384, 256, 128)]
-    x = torch.empty(M, K, device="cuda", dtype=torch.bfloat16)
-    src_x = torch.empty_like(x)
+    big = torch.empty(64 * 2**20 + M * K, device="cuda", dtype=torch.bfloat16)  # 128 MB, then x
+    x = big[-M * K :].view(M, K)
+    src_big = torch.empty_like(big)
+    src_x = src_big[-M * K :].view(M, K)
     src_w = [torch.empty_like(w.data) for w in ws]
 
     def step():
-        x.copy_(src_x)
         for w, s in zip(ws, src_w):
-            w.data.copy_(s)  # the launch's weight, written by the kernel just before it
+            w.data.copy_(s)  # the launch's weight, written by a kernel before it
+        big.copy_(src_big)  # one long copy that writes x at its end, right before the launch
         lone = torch.empty(M, 384, device="cuda", dtype=torch.bfloat16)
         gd.launch_decode(x, ws[0].data, ws[0].scale, K, lone, None, ws[0].global_scale.reshape(-1), None)
         for w, s in zip(ws, src_w):
@@ -354,6 +358,7 @@ def test_pdl_launches_read_what_the_previous_kernel_wrote(M, monkeypatch):
     refill(0)
     step()  # compile outside the capture
     assert gd.default_launch(M, 384, K, K // 16, x.dtype, x.dtype, x.device).pdl
+    assert any(k.metadata.launch_pdl for k in gd._decode_kernel.compiled.values())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph), gd.graph_counters():
         outs = step()
