@@ -633,7 +633,9 @@ def _refresh_into(old: _QuantizedWeight, new: _QuantizedWeight) -> bool:
         if isinstance(a, torch.Tensor) and (a.data_ptr(), a.shape) not in written:  # aliases written once
             written.add((a.data_ptr(), a.shape))
             a.copy_(b)
-    old.scale_host = None
+    # a decode scale a large forward read to the host is read anew now (one sync per refresh), so that a kept
+    # graph's key (graph_key, checked before a captured prefill replays) compares values, not "not read yet"
+    old.scale_host = None if old.scale_host is None else float(old.quantized.global_scale.reshape(-1)[0])
     return True
 
 

@@ -95,7 +95,8 @@ def fake_graphs(monkeypatch):
     from triage.trainers.sampling import hf
 
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
-    monkeypatch.setattr(torch.cuda, "graph", lambda graph: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: ("pool",))
     monkeypatch.setattr(gemm_decode, "graph_counters", contextlib.nullcontext)
     monkeypatch.setattr(hf, "_resolve_decode", lambda decode, model, device: decode)
 
@@ -175,6 +176,9 @@ def test_a_kept_prefill_is_captured_on_the_second_call_of_its_width(tiny_model, 
     monkeypatch.setattr(g, "CAPTURE_PREFILL", False)
     assert [_prefill_forwards(model, kept, widest) for _ in range(2)] == [1, 1]
     monkeypatch.setattr(g, "CAPTURE_PREFILL", True)
+    monkeypatch.setattr(g, "PREFILL_GRAPH_MAX_TOKENS", 3 * 48 - 1)  # 3 rows × 48: over the cap, eager
+    assert [_prefill_forwards(model, kept, widest) for _ in range(2)] == [1, 1]
+    assert all(p.step.pool == ("pool",) for p in state.prefills.values())  # one pool for the state's prefills
     fp8 = g.DecodeGraphs()
     assert [_prefill_forwards(model, fp8, kv="fp8_e4m3") for _ in range(3)] == [1, 1, 1]
     assert not next(iter(fp8.states.values())).prefills

@@ -13,9 +13,12 @@ resets the cache in place and replays at once:
   prompt's width) and pass the prompt's forward an explicit 4-D mask (:func:`prefill_mask`: causal, pad keys
   off), so that the prefill's inputs are static buffers too. With a kept CUDA-graph state the prefill of each
   width is captured the second time that width comes (the first runs eagerly: the warm-up) and replayed after
-  that, :data:`PREFILL_KEPT` widths per state at most (the least recently used dropped first): a call on a
-  kept state then runs no eager forward at all. Not with an fp8 KV cache (its prefill calibrates the scales
-  with a host check) nor with ``CAPTURE_PREFILL = False``: the prefill then runs eagerly on every call.
+  that, :data:`PREFILL_KEPT` widths per state at most (the least recently used dropped first), their graphs in
+  one memory pool (each prefill's logits are read before the next prefill replays): a call on a kept state
+  then runs no eager forward at all. Not with an fp8 KV cache (its prefill calibrates the scales with a host
+  check), for more than :data:`PREFILL_GRAPH_MAX_TOKENS` prompt tokens (rows × padded width: the GPU time of
+  such a prefill hides its host time) nor with ``CAPTURE_PREFILL = False``: the prefill then runs eagerly on
+  every call.
 
 * shape: one state per model, batch, cache length, KV format, decode path (static or graph; compiled or not),
   cache argument name, attention implementation, parameter dtype and device and autocast dtype, held without
@@ -43,8 +46,8 @@ resets the cache in place and replays at once:
   torch's recompile limit (``torch._dynamo.config.recompile_limit``, 8 by default) bounds the shapes one
   process compiles; past it the step runs uncompiled.
 * memory: a kept state holds its KV cache (batch × cache length × layers × KV heads × head dim × 2 values)
-  and its graphs' private memory pools (the decode step's, and each kept prefill's: the activations of
-  batch × width tokens through one layer) between calls, while the learner trains; ``HFSampler(keep_decode=False)``
+  and its graphs' private memory pools (the decode step's, and its prefills' one: the activations of up to
+  :data:`PREFILL_GRAPH_MAX_TOKENS` tokens through one layer) between calls, while the learner trains; ``HFSampler(keep_decode=False)``
   frees them at the end of every call instead (each call then captures anew).
 * bits: a call on a kept state computes what a call on a fresh state computes (the cache is zeroed, the fp8
   KV scales recalibrated in place on the prefill, the same length), except that with a kept graph its
@@ -83,6 +86,9 @@ BUCKET_MIN, BUCKET_SPLIT = 64, 16
 PREFILL_BUCKET_MIN, PREFILL_BUCKET_SPLIT = 16, 8
 #: Prefill graphs (one per padded prompt width) a kept CUDA-graph state keeps (least recently used dropped first).
 PREFILL_KEPT = 4
+#: Prefills of more tokens (rows × padded width) than this run eagerly: their GPU time hides the host's, and a
+#: capture would hold their activations.
+PREFILL_GRAPH_MAX_TOKENS = 2048
 #: Whether kept CUDA-graph states capture the prefill (module docstring); False: it runs eagerly every call.
 CAPTURE_PREFILL = True
 
@@ -132,10 +138,12 @@ class GraphStep:
     The first call after :meth:`reset` runs eagerly: it warms every lazy allocation (static-cache buffers,
     kernel compilation, weight caches). The next captures the step and replays it; later calls replay. A
     capture that fails (an op that synchronises with the host, say) is reported once with a warning and the
-    step runs eagerly until the next :meth:`reset`. ``what`` names the step in that warning."""
+    step runs eagerly until the next :meth:`reset`. ``what`` names the step in that warning; ``pool``: a
+    CUDA-graph memory pool to capture into (``torch.cuda.graph_pool_handle()``), shared with graphs that never
+    replay at the same time and whose outputs are read before the next of them replays."""
 
-    def __init__(self, step: Callable[[], torch.Tensor], what: str = "decode step"):
-        self.step, self.what = step, what
+    def __init__(self, step: Callable[[], torch.Tensor], what: str = "decode step", pool=None):
+        self.step, self.what, self.pool = step, what, pool
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
         self.calls, self.failed, self.captures = 0, False, 0
@@ -157,7 +165,8 @@ class GraphStep:
         graph = torch.cuda.CUDAGraph()
         try:
             # one split-K counter buffer for the graph; sibling layers share input quantizations within it
-            with torch.cuda.graph(graph), graph_counters(), capture_scope():
+            pool = {} if self.pool is None else {"pool": self.pool}  # a memory pool shared with other graphs
+            with torch.cuda.graph(graph, **pool), graph_counters(), capture_scope():
                 logits = self.step()
         except Exception as err:  # noqa: BLE001 - any capture failure falls back to the eager path
             self.failed = True
@@ -222,6 +231,7 @@ class StaticDecode:
         self.graph_step = GraphStep(lambda: forward()()) if graph else None
         self.weights: tuple | None = None  # graph_key(model) the kept graphs were captured under
         self.prefills: OrderedDict[int, _Prefill] = OrderedDict()  # per padded prompt width
+        self.prefill_pool = None  # their graphs' shared memory pool
         self.calls = 0
         self.compiled = compiled
         self.packed = uses_grouped_sdpa(model)  # whether a decode step runs packed grouped-query attention
@@ -271,13 +281,20 @@ class StaticDecode:
                 self.weights = key
         additive = self.model.config._attn_implementation == "eager"  # eager attention adds it: 0 or min
         mask = prefill_mask(attention_mask, self.length, self.model.dtype if additive else None)
-        captured = self.graph_step is not None and CAPTURE_PREFILL and not calibrates
+        captured = (
+            self.graph_step is not None
+            and CAPTURE_PREFILL
+            and not calibrates
+            and batch * width <= PREFILL_GRAPH_MAX_TOKENS
+        )
         if not captured:
             return self._prefill_forward(input_ids, mask, position_ids)
         kept = self.prefills.pop(width, None)
         if kept is None or kept.mask.dtype != mask.dtype:
             while len(self.prefills) >= PREFILL_KEPT:
                 self.prefills.popitem(last=False)
+            if self.prefill_pool is None:  # one memory pool for the state's prefill graphs (module docstring)
+                self.prefill_pool = torch.cuda.graph_pool_handle()
             kept = _Prefill(self, input_ids, mask, position_ids)
         self.prefills[width] = kept
         kept.ids.copy_(input_ids)
@@ -349,7 +366,9 @@ class _Prefill:
         ids, mask, positions = (torch.empty_like(t) for t in (input_ids, mask, position_ids))
         self.ids, self.mask, self.positions = ids, mask, positions
         forward = weakref.WeakMethod(state._prefill_forward)  # no cycle through the state nor this object
-        self.step = GraphStep(lambda: forward()(ids, mask, positions), what="prefill")
+        self.step = GraphStep(
+            lambda: forward()(ids, mask, positions), what="prefill", pool=state.prefill_pool
+        )
 
 
 class DecodeGraphs:

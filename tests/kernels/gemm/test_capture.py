@@ -117,7 +117,8 @@ def test_the_key_refreshes_a_stale_weight_cache_first():
 
 def test_a_host_read_decode_scale_is_in_the_key_by_value():
     """A cuBLAS-alpha GEMM (more than SMALL_M rows) reads W_q's decode scale to the host and a capture bakes
-    it in: an in-place refresh that changes it changes the key (the graph is captured anew)."""
+    it in: an in-place refresh reads the new one at once (the key compares values), so a refresh that
+    changes it changes the key (the graph is captured anew) and one that keeps it keeps the key."""
     torch.manual_seed(0)
     layer = NVFP4Linear(32, 16, config=CFG)
     keep_weight_addresses(layer)
@@ -126,11 +127,18 @@ def test_a_host_read_decode_scale_is_in_the_key_by_value():
     entry = layer._weight_cache.entry
     entry.host_scale()  # what a large forward reads
     key = graph_key(layer)
-    layer.load_state_dict({k: 1.5 * v for k, v in layer.state_dict().items()})
-    assert graph_key(layer) != key  # refreshed in place: the scale is unread (None) until a large forward
-    assert layer._weight_cache.entry is entry and entry.scale_host is None
-    entry.host_scale()
-    assert graph_key(layer) != key
+    state = {k: v.clone() for k, v in layer.state_dict().items()}
+    layer.load_state_dict({k: 1.5 * v for k, v in state.items()})
+    assert graph_key(layer) != key  # refreshed in place, the new scale read
+    assert layer._weight_cache.entry is entry and entry.scale_host == float(entry.quantized.global_scale)
+    layer.load_state_dict(state)  # a sync back to the first weights: the first scale, the first key
+    assert graph_key(layer) == key
+    unread = NVFP4Linear(32, 16, config=CFG)  # a scale never read stays unread through refreshes
+    keep_weight_addresses(unread)
+    graph_key(unread)
+    unread.load_state_dict({k: 1.5 * v for k, v in unread.state_dict().items()})
+    graph_key(unread)
+    assert unread._weight_cache.entry.scale_host is None
 
 
 def test_train_mode_and_peft_switches_are_in_the_key():
