@@ -365,8 +365,11 @@ def main(argv=None) -> int:
                     # state: no new capture or compilation; a cold state's first call would time those)
                     from triage.trainers.sampling.graphs import prefill_width, static_cache_length
 
-                    width = args.prompt + args.new - 2
-                    same = static_cache_length(prefill_width(width), 1) == static_cache_length(args.prompt, args.new)
+                    timed = static_cache_length(prefill_width(args.prompt), args.new)  # the timed calls' length
+                    # the widest cache_width whose one-token calls get that length (or none: a new state)
+                    fits = [w for w in range(args.prompt, timed) if static_cache_length(prefill_width(w), 1) == timed]
+                    width = fits[-1] if fits else None
+                    same = bool(fits)
                     state = kept_states.get(decode)
                     run(model, prompts, 1, decode, state=state, cache_width=width)
                     t1 = statistics.median(

@@ -245,13 +245,15 @@ def _decode_kernel(
     the program of the N tile that draws the last ticket of ``cnt[pid_n]`` (:func:`_splitk_last_reduces`).
     ``EVEN_N`` / ``EVEN_K``: no row / K-tail masks in the loop (N % BN == 0, KB % NB == 0).
 
-    ``PDL`` (launched with programmatic dependent launch, ``launch_pdl=True``: the sampler's CUDA graphs,
-    :data:`GRAPH_PDL`): the program may start while the previous kernel on the stream still runs. Before its
-    ``griddepcontrol.wait`` (which returns once that kernel is complete and its writes visible) it only reads
-    the weight (L2 prefetches of its first ``PDL_STEPS`` K steps of codes and scales), which no
-    kernel in such a graph writes; x, the outputs, the partials and the counters come after it. After its K
-    loop it lets the next kernel launch (``griddepcontrol.launch_dependents``; that kernel waits for this
-    one's completion likewise before it reads the output).
+    ``PDL`` (launched with programmatic dependent launch, ``launch_pdl=True``; every launch on sm_90+ while
+    :data:`PDL` is on): the program may start while the previous kernel on the stream still runs. Before its
+    ``griddepcontrol.wait`` (which returns once every earlier kernel is complete and its writes visible) it
+    only issues L2 prefetches of its first ``PDL_STEPS`` K steps of weight codes and of its scales: no load
+    into registers, no write. A prefetch only moves lines into the L2, which every SM reads through, so a
+    weight the previous kernel is still writing is read with its new values after the wait. x, the weight's
+    loads, the outputs, the partials and the counters all come after it. After its K loop it lets the next
+    kernel launch (``griddepcontrol.launch_dependents``: a kernel launched that way waits for this one's
+    completion before it reads the output; any other launch waits for it as usual).
 
     ``MEMBERS`` = 2 or 3: one launch for sibling weights that read the same x (q/k/v, gate/up): member 0 is
     ``w_ptr``/``ws_ptr``/``c_ptr``/``gb_ptr``/``bias_ptr`` with ``N`` rows, member j its ``*j_ptr`` with ``Nj``

@@ -151,8 +151,9 @@ def sample_with_kv_cache(
 
     ``kv_cache_dtype``: precision of the stored keys/values (module docstring; ``None`` = the model's).
     ``decode``: ``"dynamic"`` (transformers' growing ``DynamicCache``), ``"static"`` (a pre-allocated
-    ``StaticCache`` of :func:`~triage.trainers.sampling.graphs.static_cache_length` positions — prompt width
-    + ``max_new_tokens`` − 1, rounded up to a bucket — and a 4-D mask updated in place), ``"cuda_graph"``
+    ``StaticCache`` of :func:`~triage.trainers.sampling.graphs.static_cache_length` positions — the prompts' padded
+    width (:func:`~triage.trainers.sampling.graphs.prefill_width`) + ``max_new_tokens`` − 1, rounded up to a
+    bucket — and a 4-D mask updated in place), ``"cuda_graph"``
     (the static path with each decode step replayed from a CUDA graph,
     :class:`~triage.trainers.sampling.graphs.GraphStep`) or ``"auto"`` (``"cuda_graph"`` on CUDA, else
     ``"dynamic"``). The static cache attends over the whole buffer with the unwritten positions masked, so
