@@ -31,7 +31,7 @@ captured in every call), ``kept_graph`` (the CUDA-graph loop on one ``DecodeGrap
 calls and the timed calls, as ``HFSampler`` keeps it: the timed calls capture nothing, their prompt's forward
 and decode steps are replays), ``kept_eager_prefill`` (the same with the prompt's forward run eagerly,
 ``graphs.CAPTURE_PREFILL = False``) and ``kept_no_pdl`` (the same with plain decode-kernel launches,
-``gemm_decode.PDL = False``); ``cuda_graph`` is checked against ``static``, ``kept_graph`` against
+``gemm_decode.PDL = False``, against the others' with ``--pdl``); ``cuda_graph`` is checked against ``static``, ``kept_graph`` against
 ``cuda_graph``, ``kept_eager_prefill`` and ``kept_no_pdl``, when both run and each returned the same outputs on its same-seed
 calls (else the check prints None: a loop that differs from itself says nothing).
 
@@ -108,6 +108,9 @@ def build(shape: str, precision: str):
 
 #: ``--compile``: every call's decode step through torch.compile (``compile_decode=True``)
 COMPILE = False
+#: ``--pdl``: the decode kernel's programmatic dependent launch (``gemm_decode.PDL``) in every loop but
+#: ``kept_no_pdl``
+PDL = False
 
 
 def run(model, prompts, new: int, decode: str, seed: int = 0, state=None, cache_width=None):
@@ -123,7 +126,7 @@ def run(model, prompts, new: int, decode: str, seed: int = 0, state=None, cache_
     kept = decode in KEPT_LOOPS
     capture_prefill, pdl = graphs.CAPTURE_PREFILL, gemm_decode.PDL
     graphs.CAPTURE_PREFILL = decode != "kept_eager_prefill"
-    gemm_decode.PDL = decode != "kept_no_pdl"
+    gemm_decode.PDL = PDL and decode != "kept_no_pdl"
     try:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -249,6 +252,9 @@ def main(argv=None) -> int:
     ap.add_argument("--precisions", default="bf16,nvfp4", help=f"comma list of {PRECISIONS}")
     ap.add_argument("--decodes", default="dynamic,static,cuda_graph")
     ap.add_argument("--compile", action="store_true", help="torch.compile each model's decode step (module doc)")
+    ap.add_argument("--pdl", action="store_true",
+                    help="gemm_decode.PDL = True (programmatic dependent launch of the decode kernel) in every "
+                    "loop but kept_no_pdl")  # fmt: skip
     ap.add_argument(
         "--marginal",
         action="store_true",
@@ -280,8 +286,9 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "bench_decode.json"))
     args = ap.parse_args(argv)
-    global COMPILE
+    global COMPILE, PDL
     COMPILE = args.compile
+    PDL = args.pdl
     import transformers
 
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.cuda.get_device_name()}, "

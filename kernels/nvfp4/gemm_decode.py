@@ -246,7 +246,7 @@ def _decode_kernel(
     ``EVEN_N`` / ``EVEN_K``: no row / K-tail masks in the loop (N % BN == 0, KB % NB == 0).
 
     ``PDL`` (launched with programmatic dependent launch, ``launch_pdl=True``; every launch on sm_90+ while
-    :data:`PDL` is on): the program may start while the previous kernel on the stream still runs. Before its
+    :data:`PDL` is set): the program may start while the previous kernel on the stream still runs. Before its
     ``griddepcontrol.wait`` (which returns once every earlier kernel is complete and its writes visible) it
     only issues L2 prefetches of its first ``PDL_STEPS`` K steps of weight codes and of its scales: no load
     into registers, no write. A prefetch only moves lines into the L2, which every SM reads through, so a
@@ -357,8 +357,9 @@ def _decode_kernel(
 
 #: Programmatic dependent launch of every decode kernel on sm_90+ (:func:`_decode_kernel`'s ``PDL``: each launch
 #: starts streaming its weight into L2 while the previous kernel on the stream finishes, and reads nothing else
-#: before that kernel is done); read at each launch. False: plain launches.
-PDL = True
+#: before that kernel is done); read at each launch. Off by default: it compiles for sm_90 (offline) but has
+#: not run on a GPU yet (tests/kernels/gemm/test_decode_and_expanded_gemm.py has its GPU test).
+PDL = False
 _PDL_CAPABLE: dict[int, bool] = {}
 
 

@@ -321,13 +321,14 @@ def test_graph_counters_replays_match_eager(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("M", [1, 16, 40])
 def test_pdl_launches_read_what_the_previous_kernel_wrote(M, monkeypatch):
-    """Programmatic dependent launch (``gd.PDL``, on by default on sm_90+; the compiled kernels carry
-    ``launch_pdl``): a lone and a group decode launch captured right behind a long copy that writes their
+    """Programmatic dependent launch (``gd.PDL`` set, sm_90+; the compiled kernels carry ``launch_pdl``): a
+    lone and a group decode launch captured right behind a long copy that writes their
     activation last (a launch that read x before the copy completed would read the old values), and behind
     kernels that write their weights in place, read the new values on every replay, with the bits of plain
     eager launches."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs sm_90+")
+    monkeypatch.setattr(gd, "PDL", True)
     gen = torch.Generator().manual_seed(11)
     K = 2048
     ws = [random_nvfp4((n, K), gen=gen, scale="row") for n in (384, 256, 128)]
