@@ -28,8 +28,8 @@ QeRL-style rollouts); ``nvfp4-unfused`` / ``w4a16-unfused``: those conversions w
 decode launch (``link_siblings(model, fused_groups=())``: q/k/v and gate/up unfused,
 :mod:`triage.kernels.siblings`). ``--decodes`` picks the loops: ``dynamic``, ``static``, ``cuda_graph`` (a graph
 captured in every call), ``kept_graph`` (the CUDA-graph loop on one ``DecodeGraphs`` kept across two warm-up
-calls and the timed calls, as ``HFSampler`` keeps it: the timed calls capture nothing, their prompt's forward
-and decode steps are replays), ``kept_eager_prefill`` (the same with the prompt's forward run eagerly,
+calls and the timed calls, as ``HFSampler`` keeps it, with ``graphs.CAPTURE_PREFILL = True``: the timed calls
+capture nothing, their prompt's forward and decode steps are replays), ``kept_eager_prefill`` (the same with the prompt's forward run eagerly,
 ``graphs.CAPTURE_PREFILL = False``) and ``kept_no_pdl`` (the same with plain decode-kernel launches,
 ``gemm_decode.PDL = False``, against the others' with ``--pdl``); ``cuda_graph`` is checked against ``static``, ``kept_graph`` against
 ``cuda_graph``, ``kept_eager_prefill`` and ``kept_no_pdl``, when both run and each returned the same outputs on its same-seed

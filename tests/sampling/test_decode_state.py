@@ -155,7 +155,9 @@ def test_a_kept_prefill_is_captured_on_the_second_call_of_its_width(tiny_model, 
     """The prompt's forward runs eagerly on the first call of a padded width (the warm-up), is captured on the
     second and replayed after that, one graph per width bucket (at most PREFILL_KEPT); a moved weight drops it
     with the decode graph; not captured with an fp8 KV cache (its calibration reads the host) nor with
-    CAPTURE_PREFILL off."""
+    CAPTURE_PREFILL off (the default)."""
+    assert g.CAPTURE_PREFILL is False
+    monkeypatch.setattr(g, "CAPTURE_PREFILL", True)
     model = copy.deepcopy(tiny_model)
     kept = g.DecodeGraphs()
     assert [_prefill_forwards(model, kept) for _ in range(3)] == [1, 1, 0]
@@ -208,13 +210,14 @@ def test_prefill_width_buckets_and_mask():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("precision", ["bf16", "nvfp4"])
-def test_one_kept_cuda_graph_serves_every_weight_sync(tiny_model, precision):
+def test_one_kept_cuda_graph_serves_every_weight_sync(tiny_model, precision, monkeypatch):
     """A sampler copy refreshed in place (its NVFP4 caches too) keeps one captured decode graph and one prefill
     graph across syncs, and every call samples exactly what a fresh state (an eager prefill, a graph captured
     for that call) samples."""
     from triage.kernels import NVFP4Config, convert
     from triage.kernels.nvfp4 import QuantRecipe
 
+    monkeypatch.setattr(g, "CAPTURE_PREFILL", True)
     learner = copy.deepcopy(tiny_model).cuda().to(torch.bfloat16)
     recipe = QuantRecipe(scale="row", profile="compressed-tensors")
     prepare = (lambda m: convert(m, NVFP4Config.from_recipe(recipe))) if precision == "nvfp4" else None
