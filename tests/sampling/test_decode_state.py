@@ -188,6 +188,22 @@ def test_a_kept_prefill_is_captured_on_the_second_call_of_its_width(tiny_model, 
     assert [_prefill_forwards(model, bf16, kv="bf16") for _ in range(3)] == [1, 1, 0]
 
 
+@pytest.mark.parametrize("capture", [False, True])
+def test_prompts_pad_to_a_bucket_only_with_prefill_graphs(tiny_model, capture, monkeypatch):
+    monkeypatch.setattr(g, "CAPTURE_PREFILL", capture)
+    widths = []
+    hook = tiny_model.register_forward_pre_hook(
+        lambda m, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    try:
+        for decode in ("static", "dynamic"):
+            sample_with_kv_cache(tiny_model, SHORT, PARAMS, [], pad_id=0, decode=decode)
+    finally:
+        hook.remove()
+    assert widths[0] == (16 if capture else 5)  # the static prompt forward
+    assert widths[PARAMS.max_new_tokens] == 5  # the dynamic path's never pads
+
+
 def test_prefill_width_buckets_and_mask():
     assert [g.prefill_width(w) for w in (1, 16, 17, 32, 33, 100, 129, 300, 1000)] == [
         16, 16, 32, 32, 48, 112, 160, 320, 1024,

@@ -9,10 +9,10 @@ eager forward's host time, per call where the graph lives for one call. :class:`
 state instead (the built-in ``HFSampler`` keeps one per sampler), so that the next call of the same shape
 resets the cache in place and replays at once:
 
-* prefill: the static paths pad the prompts on the left to :func:`prefill_width` (a bucket of the widest
-  prompt's width) and pass the prompt's forward an explicit 4-D mask (:func:`prefill_mask`: causal, pad keys
-  off), so that the prefill's inputs are static buffers too. With ``CAPTURE_PREFILL = True`` (off by default:
-  not yet run on a GPU) and a kept CUDA-graph state the prefill of each
+* prefill: the static paths pass the prompt's forward an explicit 4-D mask (:func:`prefill_mask`: causal,
+  pad keys off) and its inputs as static buffers. With ``CAPTURE_PREFILL = True`` (off by default: not yet
+  run on a GPU) both pad the prompts on the left to :func:`prefill_width` (a bucket of the widest prompt's
+  width), and with a kept CUDA-graph state the prefill of each
   width is captured the second time that width comes (the first runs eagerly: the warm-up) and replayed after
   that, :data:`PREFILL_KEPT` widths per state at most (the least recently used dropped first), their graphs in
   one memory pool (each prefill's logits are read before the next prefill replays): a call on a kept state

@@ -51,6 +51,7 @@ from typing import Any, Literal
 
 import torch
 
+from . import graphs
 from .base import RANK_SEED_STRIDE, SamplerSource, SamplingParams, trainer_rank
 from .graphs import DecodeGraphs, StaticDecode, prefill_width, static_cache_length
 from .kvcache import kv_format
@@ -151,9 +152,9 @@ def sample_with_kv_cache(
 
     ``kv_cache_dtype``: precision of the stored keys/values (module docstring; ``None`` = the model's).
     ``decode``: ``"dynamic"`` (transformers' growing ``DynamicCache``), ``"static"`` (a pre-allocated
-    ``StaticCache`` of :func:`~triage.trainers.sampling.graphs.static_cache_length` positions — the prompts' padded
-    width (:func:`~triage.trainers.sampling.graphs.prefill_width`) + ``max_new_tokens`` − 1, rounded up to a
-    bucket — and a 4-D mask updated in place), ``"cuda_graph"``
+    ``StaticCache`` of :func:`~triage.trainers.sampling.graphs.static_cache_length` positions — prompt width
+    (padded to :func:`~triage.trainers.sampling.graphs.prefill_width` with prefill graphs on) +
+    ``max_new_tokens`` − 1, rounded up to a bucket — and a 4-D mask updated in place), ``"cuda_graph"``
     (the static path with each decode step replayed from a CUDA graph,
     :class:`~triage.trainers.sampling.graphs.GraphStep`) or ``"auto"`` (``"cuda_graph"`` on CUDA, else
     ``"dynamic"``). The static cache attends over the whole buffer with the unwritten positions masked, so
@@ -187,8 +188,10 @@ def sample_with_kv_cache(
     decode = _resolve_decode(decode, model, device)
     static = decode != "dynamic"
     batch, width = len(prompt_ids), max(len(p) for p in prompt_ids)
-    if static:  # left-padded to the width's bucket: static prefill buffers, a kept graph per bucket
-        width = prefill_width(width)
+    # with prefill graphs on (graphs.CAPTURE_PREFILL), both static paths pad to the width's bucket: a kept graph
+    # per bucket, the same prompt forward on both
+    bucket = prefill_width if static and graphs.CAPTURE_PREFILL else (lambda w: w)
+    width = bucket(width)
     input_ids = torch.full((batch, width), pad_id, dtype=torch.long, device=device)
     mask = torch.zeros((batch, width), dtype=torch.long, device=device)
     for i, p in enumerate(prompt_ids):
@@ -202,7 +205,7 @@ def sample_with_kv_cache(
     cache_name = cache_argument(model)
     if static:
         # every chunk of a call (cache_width: its widest prompt) gets the same length
-        length = static_cache_length(max(width, prefill_width(cache_width or 1)), params.max_new_tokens)
+        length = static_cache_length(max(width, bucket(cache_width or 1)), params.max_new_tokens)
         shape = (batch, length, fmt, decode == "cuda_graph", cache_name, compile_decode)
         if decode_state is not None:
             state = decode_state.state(model, *shape)
