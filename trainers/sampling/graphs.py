@@ -237,6 +237,8 @@ class StaticDecode:
         self.calls = 0
         self.compiled = compiled
         self.packed = uses_grouped_sdpa(model)  # whether a decode step runs packed grouped-query attention
+        # eager attention adds its masks (0 or min), SDPA reads bool ones (the attention kind is in a state's key)
+        self.additive = model.config._attn_implementation == "eager"
         # the forward's keyword for "last position's logits only", where it has one
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         self.keep = (
@@ -281,8 +283,7 @@ class StaticDecode:
                 for step in self._graph_steps():
                     step.reset()
                 self.weights = key
-        additive = self.model.config._attn_implementation == "eager"  # eager attention adds it: 0 or min
-        mask = prefill_mask(attention_mask, self.length, self.model.dtype if additive else None)
+        mask = prefill_mask(attention_mask, self.length, self.model.dtype if self.additive else None)
         captured = (
             self.graph_step is not None
             and CAPTURE_PREFILL
@@ -333,10 +334,9 @@ class StaticDecode:
         """After the prefill: the mask over the prompt keys (generated keys switched on as written) and the
         first decode position."""
         batch, width = attention_mask.shape
-        additive = self.model.config._attn_implementation == "eager"  # eager attention adds it: 0 or min
-        mask_dtype = dtype if additive else torch.bool
+        mask_dtype = dtype if self.additive else torch.bool
         if self.mask4 is None or self.mask4.dtype != mask_dtype:  # new, or the logits' dtype changed
-            self.on, self.off = (0.0, torch.finfo(dtype).min) if additive else (True, False)
+            self.on, self.off = (0.0, torch.finfo(dtype).min) if self.additive else (True, False)
             self.mask4 = torch.empty((batch, 1, 1, self.length), dtype=mask_dtype, device=self.token.device)
             if self.graph_step is not None:
                 self.graph_step.reset()  # a graph would read the old mask
