@@ -29,10 +29,9 @@ decode launch (``link_siblings(model, fused_groups=())``: q/k/v and gate/up unfu
 :mod:`triage.kernels.siblings`). ``--decodes`` picks the loops: ``dynamic``, ``static``, ``cuda_graph`` (a graph
 captured in every call), ``kept_graph`` (the CUDA-graph loop on one ``DecodeGraphs`` kept across two warm-up
 calls and the timed calls, as ``HFSampler`` keeps it, with ``graphs.CAPTURE_PREFILL = True``: the timed calls
-capture nothing, their prompt's forward and decode steps are replays), ``kept_eager_prefill`` (the same with the prompt's forward run eagerly,
-``graphs.CAPTURE_PREFILL = False``) and ``kept_no_pdl`` (the same with plain decode-kernel launches,
-``gemm_decode.PDL = False``, against the others' with ``--pdl``); ``cuda_graph`` is checked against ``static``, ``kept_graph`` against
-``cuda_graph``, ``kept_eager_prefill`` and ``kept_no_pdl``, when both run and each returned the same outputs on its same-seed
+capture nothing, their prompt's forward and decode steps are replays) and ``kept_eager_prefill`` (the same with
+the prompt's forward run eagerly, ``graphs.CAPTURE_PREFILL = False``); ``cuda_graph`` is checked against
+``static``, ``kept_graph`` against ``cuda_graph`` and ``kept_eager_prefill``, when both run and each returned the same outputs on its same-seed
 calls (else the check prints None: a loop that differs from itself says nothing).
 
 ``--compile``: the sampler's ``compile_decode=True`` (:mod:`triage.trainers.sampling.graphs`): each decode step
@@ -74,8 +73,8 @@ SHAPES = {
 }
 
 
-DECODES = ("dynamic", "static", "cuda_graph", "kept_graph", "kept_eager_prefill", "kept_no_pdl")
-KEPT_LOOPS = ("kept_graph", "kept_eager_prefill", "kept_no_pdl")
+DECODES = ("dynamic", "static", "cuda_graph", "kept_graph", "kept_eager_prefill")
+KEPT_LOOPS = ("kept_graph", "kept_eager_prefill")
 PRECISIONS = ("bf16", "nvfp4", "nvfp4-unshared", "w4a16", "nvfp4-unfused", "w4a16-unfused")
 
 
@@ -108,25 +107,19 @@ def build(shape: str, precision: str):
 
 #: ``--compile``: every call's decode step through torch.compile (``compile_decode=True``)
 COMPILE = False
-#: ``--pdl``: the decode kernel's programmatic dependent launch (``gemm_decode.PDL``) in every loop but
-#: ``kept_no_pdl``
-PDL = False
 
 
 def run(model, prompts, new: int, decode: str, seed: int = 0, state=None, cache_width=None):
     """One sampler call; ``decode="kept_graph"``: the CUDA-graph loop on ``state`` (a ``DecodeGraphs`` the
     caller keeps across calls, as ``HFSampler`` does); ``"kept_eager_prefill"``: the same with the prompt's
-    forward run eagerly (``graphs.CAPTURE_PREFILL = False``); ``"kept_no_pdl"``: with plain decode-kernel
-    launches (``gemm_decode.PDL = False``)."""
-    from triage.kernels.nvfp4 import gemm_decode
+    forward run eagerly (``graphs.CAPTURE_PREFILL = False``)."""
     from triage.trainers.sampling import SamplingParams, graphs, sample_with_kv_cache
 
     params = SamplingParams(max_new_tokens=new, temperature=1.0)
     g = torch.Generator("cuda").manual_seed(seed)
     kept = decode in KEPT_LOOPS
-    capture_prefill, pdl = graphs.CAPTURE_PREFILL, gemm_decode.PDL
+    capture_prefill = graphs.CAPTURE_PREFILL
     graphs.CAPTURE_PREFILL = decode != "kept_eager_prefill"
-    gemm_decode.PDL = PDL and decode != "kept_no_pdl"
     try:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -136,7 +129,7 @@ def run(model, prompts, new: int, decode: str, seed: int = 0, state=None, cache_
         )  # fmt: skip
         torch.cuda.synchronize()
     finally:
-        graphs.CAPTURE_PREFILL, gemm_decode.PDL = capture_prefill, pdl
+        graphs.CAPTURE_PREFILL = capture_prefill
     return out, time.perf_counter() - t0
 
 
@@ -252,9 +245,6 @@ def main(argv=None) -> int:
     ap.add_argument("--precisions", default="bf16,nvfp4", help=f"comma list of {PRECISIONS}")
     ap.add_argument("--decodes", default="dynamic,static,cuda_graph")
     ap.add_argument("--compile", action="store_true", help="torch.compile each model's decode step (module doc)")
-    ap.add_argument("--pdl", action="store_true",
-                    help="gemm_decode.PDL = True (programmatic dependent launch of the decode kernel) in every "
-                    "loop but kept_no_pdl")  # fmt: skip
     ap.add_argument(
         "--marginal",
         action="store_true",
@@ -286,9 +276,8 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "bench_decode.json"))
     args = ap.parse_args(argv)
-    global COMPILE, PDL
+    global COMPILE
     COMPILE = args.compile
-    PDL = args.pdl
     import transformers
 
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.cuda.get_device_name()}, "
@@ -334,8 +323,7 @@ def main(argv=None) -> int:
                 same = _equal(outs, rerun, "cuda_graph", "static")
                 kept = _equal(outs, rerun, "kept_graph", "cuda_graph")
                 prefill = _equal(outs, rerun, "kept_graph", "kept_eager_prefill")
-                pdl = _equal(outs, rerun, "kept_graph", "kept_no_pdl")
-                ok &= all(c is not False for c in (same, kept, prefill, pdl))
+                ok &= all(c is not False for c in (same, kept, prefill))
                 agree = (
                     sum(
                         a == b
@@ -353,7 +341,6 @@ def main(argv=None) -> int:
                     f"{shape:15s} {precision:5s} B={batch:<4d} "
                     + "  ".join(f"{d} {batch * args.new / t:9.0f} tok/s" for d, t in times.items())
                     + f"  | graph==static: {same}, kept==graph: {kept}, prefill graph==eager: {prefill}"
-                    + f", PDL==plain: {pdl}"
                     + f", dynamic/static token agreement {agree:.3f}"
                     + ", reruns identical: " + ", ".join(f"{d} {r}" for d, r in rerun.items())
                     + ", warm-up call s: " + ", ".join(f"{d} {w:.1f}" for d, w in warm.items())

@@ -26,9 +26,8 @@ _MEMBER_ARGS = ("w1_ptr", "ws1_ptr", "c1_ptr", "gb1_ptr", "bias1_ptr", "N1", "T1
                 "w2_ptr", "ws2_ptr", "c2_ptr", "gb2_ptr", "bias2_ptr", "N2", "T2")  # fmt: skip
 
 
-def decode_sass(dtype: str, split: int = 8, pdl: bool = False) -> str:
-    """SASS of the decode kernel for activations and outputs of ``dtype`` ("bf16" or "fp16"); ``pdl``: the
-    programmatic-dependent-launch specialization (``gemm_decode.PDL``, the default on sm_90)."""
+def decode_sass(dtype: str, split: int = 8) -> str:
+    """SASS of the decode kernel for activations and outputs of ``dtype`` ("bf16" or "fp16")."""
     cfg = gd.DECODE_CONFIG_M16
     sig = dict(x_ptr=f"*{dtype}", c_ptr=f"*{dtype}", bias_ptr=f"*{dtype}", out_mult="fp32", **_POINTERS)
     sig.update(dict.fromkeys(_INTS, "i32"))
@@ -36,7 +35,7 @@ def decode_sass(dtype: str, split: int = 8, pdl: bool = False) -> str:
         stride_cn=1, GA_MODE=0, GB_MODE=2, HAS_BIAS=False, BF16_BY_HAND=False, SPLIT_K=split,
         DOT_DTYPE=tl.bfloat16 if dtype == "bf16" else tl.float16, INPUT_PRECISION="tf32", EVEN_N=True,
         EVEN_K=True, BF16=dtype == "bf16", BM=16, BN=cfg["BN"], NB=cfg["NB"], PREFETCH=cfg["PREFETCH"],
-        FUSED_REDUCE=True, MEMBERS=1, **{k: None if "ptr" in k else 0 for k in _MEMBER_ARGS}, PDL=pdl, PDL_STEPS=4,
+        FUSED_REDUCE=True, MEMBERS=1, **{k: None if "ptr" in k else 0 for k in _MEMBER_ARGS},
     )  # fmt: skip
     sig.update(dict.fromkeys(cx, "constexpr"))
     divisible = tuple(k for k, v in sig.items() if v.startswith("*")) + tuple(k for k in _INTS if k != "M")
@@ -53,19 +52,9 @@ if __name__ == "__main__":
         f"triton {triton.__version__}, sm_90, decode kernel hot loop per {cfg['BN']}x{16 * cfg['NB']} K step"
     )
     for dtype in sys.argv[1:] or ("bf16", "fp16"):
-        for pdl in (False, True):
-            sass = decode_sass(dtype, pdl=pdl)
-            loop = hot_loop(sass)
-            ops = collections.Counter(op.split(".")[0] for _, op, _ in loop)
-            top = " ".join(f"{o} {n}" for o, n in ops.most_common(10))
-            # the PDL specialization: its L2 prefetches (CCTL) and grid-dependency waits/launches (ACQBULK /
-            # griddepcontrol) outside the loop
-            extra = (
-                f"; outside the loop: {sass.count('CCTL.E.PF2')} CCTL.E.PF2 (L2 prefetch), "
-                f"{sass.count('ACQBULK')} ACQBULK (griddepcontrol.wait), "
-                f"{sass.count('PREEXIT')} PREEXIT (launch_dependents)" if pdl else ""
-            )
-            print(
-                f"{dtype}{' pdl' if pdl else ''}: {len(loop)} instructions ({len(loop) / elements:.2f} per weight "
-                f"element per thread): {top}{extra}"
-            )
+        loop = hot_loop(decode_sass(dtype))
+        ops = collections.Counter(op.split(".")[0] for _, op, _ in loop)
+        top = " ".join(f"{o} {n}" for o, n in ops.most_common(10))
+        print(
+            f"{dtype}: {len(loop)} instructions ({len(loop) / elements:.2f} per weight element per thread): {top}"
+        )

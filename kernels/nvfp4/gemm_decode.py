@@ -112,15 +112,6 @@ def _unpack_words(q, BF16: tl.constexpr, s=None):
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    """``prefetch.global.L2`` of the line at each of ``ptrs``: the weight stream starts before this launch
-    may read what the previous kernel writes (:func:`_decode_kernel`'s ``PDL``)."""
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
-    )
-
-
-@triton.jit
 def _decode_loads(
     w_rows, s_rows, x_ptr, kb, kb_end, jw, jb, j, j_perm, offs_m, m_ok, n_ok, stride_xm, K, KB,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, BM: tl.constexpr, BW: tl.constexpr, BK: tl.constexpr,
@@ -226,8 +217,6 @@ def _decode_kernel(
     FUSED_REDUCE: tl.constexpr = False,
     NPART=0,
     MEMBERS: tl.constexpr = 1,
-    PDL: tl.constexpr = False,
-    PDL_STEPS: tl.constexpr = 4,
     w1_ptr=None, ws1_ptr=None, c1_ptr=None, gb1_ptr=None, bias1_ptr=None, N1=0, T1=0,
     w2_ptr=None, ws2_ptr=None, c2_ptr=None, gb2_ptr=None, bias2_ptr=None, N2=0, T2=0,
 ):  # fmt: skip
@@ -244,16 +233,6 @@ def _decode_kernel(
     (deterministic): by :func:`~.gemm_dense.splitk_reduce` (a second launch), or with ``FUSED_REDUCE`` here, by
     the program of the N tile that draws the last ticket of ``cnt[pid_n]`` (:func:`_splitk_last_reduces`).
     ``EVEN_N`` / ``EVEN_K``: no row / K-tail masks in the loop (N % BN == 0, KB % NB == 0).
-
-    ``PDL`` (launched with programmatic dependent launch, ``launch_pdl=True``; every launch on sm_90+ while
-    :data:`PDL` is set): the program may start while the previous kernel on the stream still runs. Before its
-    ``griddepcontrol.wait`` (which returns once every earlier kernel is complete and its writes visible) it
-    only issues L2 prefetches of its first ``PDL_STEPS`` K steps of weight codes and of its scales: no load
-    into registers, no write. A prefetch only moves lines into the L2, which every SM reads through, so a
-    weight the previous kernel is still writing is read with its new values after the wait. x, the weight's
-    loads, the outputs, the partials and the counters all come after it. After its K loop it lets the next
-    kernel launch (``griddepcontrol.launch_dependents``: a kernel launched that way waits for this one's
-    completion before it reads the output; any other launch waits for it as usual).
 
     ``MEMBERS`` = 2 or 3: one launch for sibling weights that read the same x (q/k/v, gate/up): member 0 is
     ``w_ptr``/``ws_ptr``/``c_ptr``/``gb_ptr``/``bias_ptr`` with ``N`` rows, member j its ``*j_ptr`` with ``Nj``
@@ -298,15 +277,6 @@ def _decode_kernel(
     j_perm = (j // 8) * 8 + ((j % 2) * 4 + ((j // 4) % 2) + ((j // 2) % 2) * 2)  # WORD_ORDER within words
     jw = tl.arange(0, BW)
     jb = tl.arange(0, NB)
-    if PDL:  # the weight's first lines into L2 while the previous kernel finishes, then wait for it
-        rows = offs_n.to(tl.int64)
-        for step in tl.static_range(PDL_STEPS):
-            kb_p = kb0 + step * NB
-            # one line per row and K step: BW words = NB·8 bytes (128 at NB = 16; at NB = 8 two steps share one)
-            _prefetch_l2(tl.where(n_ok & (kb_p < kb1), w_ptr + rows * stride_wn + kb_p * 2, w_ptr))
-        # the scales: one line per row (a split past the last block has none)
-        _prefetch_l2(tl.where(n_ok & (kb0 < kb1), ws_ptr + rows * stride_wsn + kb0, ws_ptr))
-        tl.extra.cuda.gdc_wait()
     # PREFETCH: the next K step's codes, scales and activations are loaded before this step's unpack and MMA
     # (register double buffering: twice the bytes in flight per program, which a memory-bound kernel needs)
     q, s, xt = _decode_loads(
@@ -335,8 +305,6 @@ def _decode_kernel(
             v = tl.reshape(_unpack_words(q_c, BF16), (BN, NB, 16)) * sd[:, :, None]
         w = tl.reshape(v, (BN, BK)).to(DOT_DTYPE)
         acc = tl.dot(w, x_c.to(DOT_DTYPE), acc, input_precision=INPUT_PRECISION)
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
     acc = tl.trans(acc)  # [BM, BN]
     if SPLIT_K == 1:
         epilogue(
@@ -353,26 +321,6 @@ def _decode_kernel(
                 stride_cn, ga_ptr, gb_ptr, bias_ptr, out_mult, GA_MODE, GB_MODE, HAS_BIAS, BF16_BY_HAND, SPLIT_K,
                 BM, BN,
             )  # fmt: skip
-
-
-#: Programmatic dependent launch of every decode kernel on sm_90+ (:func:`_decode_kernel`'s ``PDL``: each launch
-#: starts streaming its weight into L2 while the previous kernel on the stream finishes, and reads nothing else
-#: before that kernel is done); read at each launch. Off by default: it compiles for sm_90 (offline) but has
-#: not run on a GPU yet (tests/kernels/gemm/test_decode_and_expanded_gemm.py has its GPU test).
-PDL = False
-_PDL_CAPABLE: dict[int, bool] = {}
-
-
-def _pdl_capable() -> bool:
-    """Whether decode launches on the current CUDA device can use programmatic dependent launch (sm_90+; never
-    under the interpreter)."""
-    if interpreting() or not torch.cuda.is_available():
-        return False
-    index = torch.cuda.current_device()
-    capable = _PDL_CAPABLE.get(index)
-    if capable is None:
-        capable = _PDL_CAPABLE[index] = torch.cuda.get_device_capability(index)[0] >= 9
-    return capable
 
 
 #: Decode tiling (rows of W per program, 16-blocks per K step, warps, stages): the best of the H200 sweep
@@ -612,7 +560,6 @@ class DecodeLaunch:
     kwargs: dict  # constexprs, num_warps, num_stages
     members: tuple[int, ...] = ()  # a group's rows per member (their sum is N); () for one weight
     starts: tuple[int, ...] = ()  # the first N tile of each member after the first
-    pdl: bool = False  # the device can launch it with programmatic dependent launch (used while PDL is on)
 
     def run(self, x, w, w_scale, out, g_a, g_b, bias, counters=None) -> torch.Tensor:
         """:func:`launch_decode` for operands of the planned shapes and dtypes."""
@@ -627,7 +574,7 @@ class DecodeLaunch:
             g_a if g_a is not None else dummy, g_b if g_b is not None else dummy, bias if bias is not None else dummy,
             self.M, self.N, self.K, self.kb, x.stride(0), w32.stride(0), w_scale.stride(0), out.stride(0),
             out.stride(1), self.out_mult, GA_MODE=scale_mode(g_a), GB_MODE=scale_mode(g_b), HAS_BIAS=bias is not None,
-            FUSED_REDUCE=cnt is not None, NPART=self.N, **self.kwargs, **self._pdl(),
+            FUSED_REDUCE=cnt is not None, NPART=self.N, **self.kwargs,
         )  # fmt: skip
         if split > 1 and cnt is None:
             splitk_reduce(part, out, g_a, g_b, bias, self.out_mult, split)
@@ -688,11 +635,8 @@ class DecodeLaunch:
             g_bs[0] if g_bs[0] is not None else dummy, biases[0] if biases[0] is not None else dummy,
             self.M, self.members[0], self.K, self.kb, x.stride(0), w32.stride(0), ws.stride(0), outs[0].stride(0), 1,
             self.out_mult, GA_MODE=scale_mode(g_a), GB_MODE=gb_mode, HAS_BIAS=biases[0] is not None,
-            FUSED_REDUCE=self.split > 1, NPART=npart, MEMBERS=len(outs), **extra, **self.kwargs, **self._pdl(),
+            FUSED_REDUCE=self.split > 1, NPART=npart, MEMBERS=len(outs), **extra, **self.kwargs,
         )  # fmt: skip
-
-    def _pdl(self) -> dict:
-        return _PDL_ON if self.pdl and PDL else _PDL_OFF
 
     def _counters(self, device: torch.device, counters: torch.Tensor | None) -> torch.Tensor:
         if counters is None:
@@ -707,9 +651,6 @@ class DecodeLaunch:
                 f"counters must be a contiguous, zeroed int32 tensor with >= {self.tiles} elements on {device}"
             )
         return counters
-
-
-_PDL_ON, _PDL_OFF = dict(PDL=True, launch_pdl=True), {}
 
 
 def decode_launch(
@@ -752,5 +693,5 @@ def decode_launch(
     return DecodeLaunch(
         M=M, N=total, K=K, kb=kb, grid=(tiles, cfg["SPLIT_K"]), split=cfg["SPLIT_K"], tiles=tiles, fused=fused,
         out_mult=2.0**7 if bf16 else UNPACK_FACTOR,  # undoes the unpack bias (see _unpack_words)
-        kwargs=kwargs, members=members, starts=starts, pdl=_pdl_capable(),
+        kwargs=kwargs, members=members, starts=starts,
     )  # fmt: skip

@@ -155,9 +155,8 @@ def test_a_kept_prefill_is_captured_on_the_second_call_of_its_width(tiny_model, 
     """The prompt's forward runs eagerly on the first call of a padded width (the warm-up), is captured on the
     second and replayed after that, one graph per width bucket (at most PREFILL_KEPT); a moved weight drops it
     with the decode graph; not captured with an fp8 KV cache (its calibration reads the host) nor with
-    CAPTURE_PREFILL off (the default)."""
-    assert g.CAPTURE_PREFILL is False
-    monkeypatch.setattr(g, "CAPTURE_PREFILL", True)
+    CAPTURE_PREFILL off (on by default)."""
+    assert g.CAPTURE_PREFILL is True
     model = copy.deepcopy(tiny_model)
     kept = g.DecodeGraphs()
     assert [_prefill_forwards(model, kept) for _ in range(3)] == [1, 1, 0]

@@ -10,11 +10,10 @@ state instead (the built-in ``HFSampler`` keeps one per sampler), so that the ne
 resets the cache in place and replays at once:
 
 * prefill: the static paths pass the prompt's forward an explicit 4-D mask (:func:`prefill_mask`: causal,
-  pad keys off) and its inputs as static buffers. With ``CAPTURE_PREFILL = True`` (off by default: not yet
-  run on a GPU) both pad the prompts on the left to :func:`prefill_width` (a bucket of the widest prompt's
-  width), and with a kept CUDA-graph state the prefill of each
-  width is captured the second time that width comes (the first runs eagerly: the warm-up) and replayed after
-  that, :data:`PREFILL_KEPT` widths per state at most (the least recently used dropped first), their graphs in
+  pad keys off) and its inputs as static buffers. With :data:`CAPTURE_PREFILL` (the default) both pad the
+  prompts on the left to :func:`prefill_width` (a bucket of the widest prompt's width), and with a kept
+  CUDA-graph state the prefill of each width is captured the second time that width comes (the first runs
+  eagerly: the warm-up) and replayed after that, :data:`PREFILL_KEPT` widths per state at most (the least recently used dropped first), their graphs in
   one memory pool (each prefill's logits are read before the next prefill replays): a call on a kept state
   then runs no eager forward at all. Not with an fp8 KV cache (its prefill calibrates the scales with a host
   check) nor for more than :data:`PREFILL_GRAPH_MAX_TOKENS` prompt tokens (rows × padded width: the GPU time
@@ -89,10 +88,9 @@ PREFILL_KEPT = 4
 #: Prefills of more tokens (rows × padded width) than this run eagerly: their GPU time hides the host's, and a
 #: capture would hold their activations.
 PREFILL_GRAPH_MAX_TOKENS = 2048
-#: Whether kept CUDA-graph states capture the prefill (module docstring); False (the default): it runs eagerly
-#: every call. Off until its GPU tests have run (tests/sampling/test_decode_state.py; CPU-tested with a stand-in
-#: for the CUDA graph).
-CAPTURE_PREFILL = False
+#: Whether kept CUDA-graph states capture the prefill and the static paths pad prompts to a width bucket (module
+#: docstring); False: the prefill runs eagerly every call, on the prompts' own width.
+CAPTURE_PREFILL = True
 
 
 def prefill_width(width: int) -> int:

@@ -317,63 +317,6 @@ def test_graph_counters_replays_match_eager(monkeypatch):
     assert not given[0].any()  # every replay left the shared counters at zero
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("M", [1, 16, 40])
-def test_pdl_launches_read_what_the_previous_kernel_wrote(M, monkeypatch):
-    """Programmatic dependent launch (``gd.PDL`` set, sm_90+; the compiled kernels carry ``launch_pdl``): a
-    lone and a group decode launch captured right behind a long copy that writes their
-    activation last (a launch that read x before the copy completed would read the old values), and behind
-    kernels that write their weights in place, read the new values on every replay, with the bits of plain
-    eager launches."""
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("programmatic dependent launch needs sm_90+")
-    monkeypatch.setattr(gd, "PDL", True)
-    gen = torch.Generator().manual_seed(11)
-    K = 2048
-    ws = [random_nvfp4((n, K), gen=gen, scale="row") for n in (384, 256, 128)]
-    big = torch.empty(64 * 2**20 + M * K, device="cuda", dtype=torch.bfloat16)  # 128 MB, then x
-    x = big[-M * K :].view(M, K)
-    src_big = torch.empty_like(big)
-    src_x = src_big[-M * K :].view(M, K)
-    src_w = [torch.empty_like(w.data) for w in ws]
-
-    def step():
-        for w, s in zip(ws, src_w):
-            w.data.copy_(s)  # the launch's weight, written by a kernel before it
-        big.copy_(src_big)  # one long copy that writes x at its end, right before the launch
-        lone = torch.empty(M, 384, device="cuda", dtype=torch.bfloat16)
-        gd.launch_decode(x, ws[0].data, ws[0].scale, K, lone, None, ws[0].global_scale.reshape(-1), None)
-        for w, s in zip(ws, src_w):
-            w.data.copy_(s)
-        members = [(w.data, w.scale, torch.empty(M, w.data.shape[0], device="cuda", dtype=torch.bfloat16),
-                    w.global_scale.reshape(-1), None) for w in ws[1:]]  # fmt: skip
-        return [lone, *gd.launch_decode_group(x, members, K, None)]
-
-    def refill(seed):
-        g = torch.Generator().manual_seed(seed)
-        src_x.copy_(torch.randn(M, K, generator=g).to(torch.bfloat16))
-        for s in src_w:
-            s.copy_(torch.randint(0, 256, s.shape, generator=g, dtype=torch.uint8))
-
-    refill(0)
-    step()  # compile outside the capture
-    assert gd.default_launch(M, 384, K, K // 16, x.dtype, x.dtype, x.device).pdl
-    assert any(k.metadata.launch_pdl for k in gd._decode_kernel.compiled.values())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), gd.graph_counters():
-        outs = step()
-    for seed in range(1, 4):
-        refill(seed)
-        graph.replay()
-        monkeypatch.setattr(gd, "PDL", False)
-        plain = step()
-        monkeypatch.setattr(gd, "PDL", True)
-        assert all(torch.equal(a, b) for a, b in zip(outs, plain, strict=True))
-        ref = gemm_w4a16_reference(x, ws[0], out_dtype=torch.float64)
-        assert rel_err(outs[0].double(), ref) < 1e-2  # the new x and W: bf16 output rounding only
-
-
 def test_bf16_unpack_by_multiply_is_the_shift_trick():
     """The bf16 unpack's multiply form (``_unpack_pairs_mul``) gives the shift-and-mask trick's registers
     bit for bit: every pair of codes in every nibble pair of a word (each register depends on its two nibbles
