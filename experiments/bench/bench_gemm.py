@@ -2,7 +2,7 @@
 """H200 check + benchmark of the NVFP4 dense GEMMs. Run on a CUDA machine:
 
     python experiments/bench/bench_gemm.py [--quick] [--sections correctness,w4a4,decode,linear,cache] [--sweep]
-    (other sections: decode-shapes, decode-groups, decode-variants, decode-cold)
+    (other sections: decode-shapes, decode-groups, decode-variants, decode-cold, w4a16-prefill)
 
 1. correctness vs the torch reference (dequantize, fp64 matmul) on real shapes, every backend (decode,
    dense-on-expanded, cuBLAS alpha, fused), per-tensor and per-row scales, a NaN block scale, and the
@@ -21,6 +21,8 @@
    layers (both modes) and NVFP4 MoE experts, each step's output asserted bit-equal to a freshly converted
    layer; the forward with a cached W_q vs one that re-quantizes W (what the per-step cache saves); a NaN
    weight / input gives a NaN output.
+6. ``w4a16-prefill``: W4A16 above the decode kernel's rows (a sampler's prefill) at Qwen3-4B's shapes, cold
+   L2: bf16 ``torch.mm``, the default route (expand + Triton GEMM), the expand alone, the ``fused`` kernel.
 
 Timings are ``triton.testing.do_bench`` medians (ms) on random (never zero) data. Writes the table to
 ``$OUT/bench_gemm.md`` when ``OUT`` is set.
@@ -567,6 +569,44 @@ def decode_cold() -> None:
         torch.cuda.empty_cache()
 
 
+#: Qwen3-4B's Linear shapes (N, K) and the prompt rows (M > SMALL_M) that ``w4a16-prefill`` times.
+PREFILL_SHAPES = {"q": (4096, 2560), "k/v": (1024, 2560), "o": (2560, 4096), "gate/up": (9728, 2560),
+                  "down": (2560, 9728)}  # fmt: skip
+PREFILL_MS = (64, 128, 256, 512, 1024, 2048)
+
+
+def w4a16_prefill() -> None:
+    """W4A16 above the decode kernel's rows (a sampler's prefill: batch × prompt width rows) at Qwen3-4B's
+    shapes, cold L2 (:func:`cold_us`), CUDA-graph µs: bf16 ``torch.mm``; ``auto`` (the default route: expand
+    the weight, then the Triton GEMM with the per-row scales in its epilogue); the expand alone; ``fused``
+    (packed weight unpacked in the GEMM's inner loop). Outputs checked against the fp64 reference first."""
+    emit("## W4A16 at prefill rows, Qwen3-4B shapes (cold L2, CUDA-graph µs)")
+    emit("| layer | N×K | M | bf16 | W4A16 auto | of which expand | W4A16 fused | bf16/auto | bf16/fused |")
+    emit("|---|---|---|---|---|---|---|---|---|")
+    act = QuantRecipe(scale="row", profile="compressed-tensors")
+    for layer, (n, k) in PREFILL_SHAPES.items():
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+              for _ in range(cold_copies(n * k * 2))]  # fmt: skip
+        qs = [quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02, act)
+              for _ in range(cold_copies(n * k * 0.5625))]  # fmt: skip
+        for m in PREFILL_MS:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = gemm_w4a16_reference(x, qs[0], out_dtype=torch.float64)
+            for backend in ("auto", "fused"):
+                err = rel(gemm_w4a16(x, qs[0], backend=backend, out_dtype=torch.float32), ref)
+                assert err < 1e-5, (layer, m, backend, err)
+            t = [
+                cold_us([lambda w=w: torch.mm(x, w.T) for w in ws]),
+                cold_us([lambda q=q: gemm_w4a16(x, q) for q in qs]),
+                cold_us([lambda q=q: expand(q) for q in qs]),
+                cold_us([lambda q=q: gemm_w4a16(x, q, backend="fused") for q in qs]),
+            ]
+            emit(f"| {layer} | {n}×{k} | {m} | " + " | ".join(f"{v:.1f}" for v in t)
+                 + f" | {t[0] / t[1]:.2f} | {t[0] / t[3]:.2f} |")  # fmt: skip
+        ws = qs = None
+        torch.cuda.empty_cache()
+
+
 #: The split-K factors and tile rows (BN, the weight rows per program; 2 warps, 1 at BN = 16) that
 #: ``decode_shapes(sweep=True)`` times at every shape.
 SHAPE_SPLITS = (1, 2, 4, 8, 16)
@@ -936,6 +976,7 @@ def main() -> None:
         "decode-groups": decode_groups,
         "decode-variants": decode_variants,
         "decode-cold": decode_cold,
+        "w4a16-prefill": w4a16_prefill,
         "linear": lambda: linear(args.quick),
         "cache": lambda: cache_check(args.quick),
     }
