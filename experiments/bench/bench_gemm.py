@@ -22,7 +22,8 @@
    layer; the forward with a cached W_q vs one that re-quantizes W (what the per-step cache saves); a NaN
    weight / input gives a NaN output.
 6. ``w4a16-prefill``: W4A16 above the decode kernel's rows (a sampler's prefill) at Qwen3-4B's shapes, cold
-   L2: bf16 ``torch.mm``, the default route (expand + Triton GEMM), the expand alone, the ``fused`` kernel.
+   L2: bf16 ``torch.mm``, the default route (expand + Triton GEMM), the expand alone, expand + cuBLAS (fp32
+   output, torch epilogue), the ``fused`` kernel.
 
 Timings are ``triton.testing.do_bench`` medians (ms) on random (never zero) data. Writes the table to
 ``$OUT/bench_gemm.md`` when ``OUT`` is set.
@@ -578,11 +579,13 @@ PREFILL_MS = (64, 128, 256, 512, 1024, 2048)
 def w4a16_prefill() -> None:
     """W4A16 above the decode kernel's rows (a sampler's prefill: batch × prompt width rows) at Qwen3-4B's
     shapes, cold L2 (:func:`cold_us`), CUDA-graph µs: bf16 ``torch.mm``; ``auto`` (the default route: expand
-    the weight, then the Triton GEMM with the per-row scales in its epilogue); the expand alone; ``fused``
-    (packed weight unpacked in the GEMM's inner loop). Outputs checked against the fp64 reference first."""
+    the weight, then the Triton GEMM with the per-row scales in its epilogue); the expand alone; ``cublas``
+    (expand, cuBLAS with an fp32 output, the scales applied by torch); ``fused`` (packed weight unpacked in
+    the GEMM's inner loop). Outputs checked against the fp64 reference first."""
     emit("## W4A16 at prefill rows, Qwen3-4B shapes (cold L2, CUDA-graph µs)")
-    emit("| layer | N×K | M | bf16 | W4A16 auto | of which expand | W4A16 fused | bf16/auto | bf16/fused |")
-    emit("|---|---|---|---|---|---|---|---|---|")
+    emit("| layer | N×K | M | bf16 | W4A16 auto | of which expand | W4A16 cublas | W4A16 fused | bf16/auto "
+         "| bf16/cublas | bf16/fused |")  # fmt: skip
+    emit("|---|---|---|---|---|---|---|---|---|---|---|")
     act = QuantRecipe(scale="row", profile="compressed-tensors")
     for layer, (n, k) in PREFILL_SHAPES.items():
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -592,17 +595,18 @@ def w4a16_prefill() -> None:
         for m in PREFILL_MS:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = gemm_w4a16_reference(x, qs[0], out_dtype=torch.float64)
-            for backend in ("auto", "fused"):
+            for backend in ("auto", "cublas", "fused"):
                 err = rel(gemm_w4a16(x, qs[0], backend=backend, out_dtype=torch.float32), ref)
                 assert err < 1e-5, (layer, m, backend, err)
             t = [
                 cold_us([lambda w=w: torch.mm(x, w.T) for w in ws]),
                 cold_us([lambda q=q: gemm_w4a16(x, q) for q in qs]),
                 cold_us([lambda q=q: expand(q) for q in qs]),
+                cold_us([lambda q=q: gemm_w4a16(x, q, backend="cublas") for q in qs]),
                 cold_us([lambda q=q: gemm_w4a16(x, q, backend="fused") for q in qs]),
             ]
             emit(f"| {layer} | {n}×{k} | {m} | " + " | ".join(f"{v:.1f}" for v in t)
-                 + f" | {t[0] / t[1]:.2f} | {t[0] / t[3]:.2f} |")  # fmt: skip
+                 + f" | {t[0] / t[1]:.2f} | {t[0] / t[3]:.2f} | {t[0] / t[4]:.2f} |")  # fmt: skip
         ws = qs = None
         torch.cuda.empty_cache()
 
