@@ -2,7 +2,8 @@
 """H200 check + benchmark of the NVFP4 dense GEMMs. Run on a CUDA machine:
 
     python experiments/bench/bench_gemm.py [--quick] [--sections correctness,w4a4,decode,linear,cache] [--sweep]
-    (other sections: decode-shapes, decode-groups, decode-variants, decode-cold, w4a16-prefill)
+    (other sections: decode-shapes, decode-groups, decode-variants, decode-cold, w4a16-prefill,
+    dense-mid)
 
 1. correctness vs the torch reference (dequantize, fp64 matmul) on real shapes, every backend (decode,
    dense-on-expanded, cuBLAS alpha, fused), per-tensor and per-row scales, a NaN block scale, and the
@@ -23,7 +24,8 @@
    weight / input gives a NaN output.
 6. ``w4a16-prefill``: W4A16 above the decode kernel's rows (a sampler's prefill) at Qwen3-4B's shapes, cold
    L2: bf16 ``torch.mm``, the default route (expand + Triton GEMM), the expand alone, expand + cuBLAS (fp32
-   output, torch epilogue), the ``fused`` kernel.
+   output, torch epilogue), the ``fused`` kernel; ``dense-mid``: the dense Triton GEMM alone there, its tiles
+   against cuBLAS bf16.
 
 Timings are ``triton.testing.do_bench`` medians (ms) on random (never zero) data. Writes the table to
 ``$OUT/bench_gemm.md`` when ``OUT`` is set.
@@ -611,6 +613,53 @@ def w4a16_prefill() -> None:
         torch.cuda.empty_cache()
 
 
+#: ``dense-mid``: the candidate tiles timed beside the default (each with :func:`gemm_dense.mid_split`'s split-K)
+MID_CANDIDATES = {
+    "128x128 w8 s3": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+    "128x64 w4 s4": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
+    "64x64 w4 s4": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
+}
+
+
+def dense_mid() -> None:
+    """The dense (expanded-operand) Triton GEMM alone at prefill rows, Qwen3-4B shapes, cold L2, CUDA-graph µs:
+    cuBLAS bf16 ``torch.mm`` on the same bf16 operands (the peer), the default tiles (``MID_CONFIG`` up to
+    ``MID_M`` rows, with its split-K), the large-M ``DENSE_CONFIG`` (split 1) and :data:`MID_CANDIDATES`.
+    Outputs (per-row outer scale in the epilogue) checked against an fp64 matmul first."""
+    emit("## Dense Triton GEMM at prefill rows, Qwen3-4B shapes (cold L2, CUDA-graph µs; split-K in brackets)")
+    names = ["default", "DENSE_CONFIG", *MID_CANDIDATES]
+    emit("| layer | N×K | M | cuBLAS bf16 | " + " | ".join(names) + " | cuBLAS/default | cuBLAS/best |")
+    emit("|---|---|---|---|" + "---|" * len(names) + "---|---|")
+    for layer, (n, k) in PREFILL_SHAPES.items():
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(cold_copies(n * k * 2))]
+        g = torch.rand(n, device="cuda", dtype=torch.float32) + 0.5
+        for m in (*PREFILL_MS[1:], 4096):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            default = gemm_dense._tile_config(m, n, k, None)
+            configs = {"default": default, "DENSE_CONFIG": dict(gemm_dense.DENSE_CONFIG, SPLIT_K=1)}
+            for name, cfg in MID_CANDIDATES.items():
+                configs[name] = dict(cfg, SPLIT_K=gemm_dense.mid_split(m, n, k, cfg))
+            ref = (x.double() @ ws[0].double().T) * g.double()
+            times = {}
+            for name, cfg in configs.items():
+                out = torch.empty(m, n, device="cuda", dtype=torch.float32)
+                gemm_dense.launch_gemm(x, None, ws[0], None, k, out, None, g, None, config=cfg)
+                assert rel(out, ref) < 1e-5, (layer, m, name, rel(out, ref))
+                times[name] = cold_us([
+                    lambda w=w, cfg=cfg: gemm_dense.launch_gemm(
+                        x, None, w, None, k, torch.empty(m, n, device="cuda", dtype=torch.bfloat16), None, g, None,
+                        config=cfg,
+                    )
+                    for w in ws
+                ])  # fmt: skip
+            peer = cold_us([lambda w=w: torch.mm(x, w.T) for w in ws])
+            cells = [f"{times[nm]:.1f} ({configs[nm]['SPLIT_K']})" for nm in names]
+            emit(f"| {layer} | {n}×{k} | {m} | {peer:.1f} | " + " | ".join(cells)
+                 + f" | {peer / times['default']:.2f} | {peer / min(times.values()):.2f} |")  # fmt: skip
+        ws = None
+        torch.cuda.empty_cache()
+
+
 #: The split-K factors and tile rows (BN, the weight rows per program; 2 warps, 1 at BN = 16) that
 #: ``decode_shapes(sweep=True)`` times at every shape.
 SHAPE_SPLITS = (1, 2, 4, 8, 16)
@@ -981,6 +1030,7 @@ def main() -> None:
         "decode-variants": decode_variants,
         "decode-cold": decode_cold,
         "w4a16-prefill": w4a16_prefill,
+        "dense-mid": dense_mid,
         "linear": lambda: linear(args.quick),
         "cache": lambda: cache_check(args.quick),
     }
