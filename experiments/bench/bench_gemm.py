@@ -644,7 +644,7 @@ def dense_mid() -> None:
             for name, cfg in configs.items():
                 out = torch.empty(m, n, device="cuda", dtype=torch.float32)
                 gemm_dense.launch_gemm(x, None, ws[0], None, k, out, None, g, None, config=cfg)
-                assert rel(out, ref) < 1e-5, (layer, m, name, rel(out, ref))
+                assert rel(out, ref) < 1e-4, (layer, m, name, rel(out, ref))  # fp32 sums of up to 9728 products
                 times[name] = cold_us([
                     lambda w=w, cfg=cfg: gemm_dense.launch_gemm(
                         x, None, w, None, k, torch.empty(m, n, device="cuda", dtype=torch.bfloat16), None, g, None,
