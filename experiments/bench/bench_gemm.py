@@ -623,8 +623,8 @@ MID_CANDIDATES = {
 
 def dense_mid() -> None:
     """The dense (expanded-operand) Triton GEMM alone at prefill rows, Qwen3-4B shapes, cold L2, CUDA-graph µs:
-    cuBLAS bf16 ``torch.mm`` on the same bf16 operands (the peer), the default tiles (``MID_CONFIG`` up to
-    ``MID_M`` rows, with its split-K), the large-M ``DENSE_CONFIG`` (split 1) and :data:`MID_CANDIDATES`.
+    cuBLAS bf16 ``torch.mm`` on the same bf16 operands (the peer), the default tiles (``MID_CONFIGS`` up to
+    2,048 rows, with their split-K), the large-M ``DENSE_CONFIG`` (split 1) and :data:`MID_CANDIDATES`.
     Outputs (per-row outer scale in the epilogue) checked against an fp64 matmul first."""
     emit("## Dense Triton GEMM at prefill rows, Qwen3-4B shapes (cold L2, CUDA-graph µs; split-K in brackets)")
     names = ["default", "DENSE_CONFIG", *MID_CANDIDATES]

@@ -278,18 +278,23 @@ def num_sms() -> int:
 DENSE_CONFIG = dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
 
 
-#: Rows up to which the dense GEMM takes :data:`MID_CONFIG` (a prompt's forward in a sampler: batch × prompt
-#: width rows): 64-row tiles, K split (doubling) while the programs fill less than one wave of the SMs and
-#: each split keeps at least :data:`MID_MIN_SPLIT_K` of K. :data:`DENSE_CONFIG`'s 256-row tiles leave most
-#: SMs idle there (M = 128, N = 1024: 8 programs; bench_gemm.py --sections dense-mid).
-MID_M = 2048
-MID_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
+#: Tiles of the dense GEMM between the decode-sized (M ≤ 64) and the large-M ones (:data:`DENSE_CONFIG`), by
+#: the largest M each serves (a prompt's forward in a sampler: batch × prompt width rows), each with K split
+#: (:func:`mid_split`) while its programs fill less than one wave. :data:`DENSE_CONFIG`'s 256-row tiles leave
+#: most SMs idle there (M = 128, N = 1024: 8 programs). From the H100 sweep at Qwen3-4B's shapes
+#: (docs/benchmarks.md, "Dense GEMM at prefill rows": 64×128 fastest in sum over the five shapes at M = 128,
+#: 128×128 at 512-2048, DENSE_CONFIG at 4096).
+MID_CONFIGS = (
+    (256, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)),
+    (2048, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)),
+)
+#: The least of K a split of a mid-M GEMM keeps.
 MID_MIN_SPLIT_K = 512
 
 
 def _tile_config(M: int, N: int, K: int, split_k: int | None) -> dict:
-    """Tile sizes: tiny and fast to interpret under TRITON_INTERPRET; on the GPU M ≤ 64 (the decode-sized
-    tiles), M ≤ :data:`MID_M` (:data:`MID_CONFIG`, split-K to fill the GPU) and :data:`DENSE_CONFIG`."""
+    """Tile sizes: tiny and fast to interpret under TRITON_INTERPRET; on the GPU the decode-sized tiles up to
+    64 rows, :data:`MID_CONFIGS` (split-K to fill the GPU) up to 2,048 and :data:`DENSE_CONFIG` above."""
     if interpreting():
         return dict(
             BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=2, SPLIT_K=split_k or 1, num_warps=4, num_stages=1
@@ -304,8 +309,9 @@ def _tile_config(M: int, N: int, K: int, split_k: int | None) -> dict:
             while tiles * split_k < 2 * num_sms() and K // (split_k * 2) >= bk:
                 split_k *= 2
         return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, SPLIT_K=split_k, num_warps=4, num_stages=3)
-    if M <= MID_M:
-        return dict(MID_CONFIG, SPLIT_K=split_k or mid_split(M, N, K, MID_CONFIG))
+    for largest, cfg in MID_CONFIGS:
+        if M <= largest:
+            return dict(cfg, SPLIT_K=split_k or mid_split(M, N, K, cfg))
     return dict(DENSE_CONFIG, SPLIT_K=split_k or 1)
 
 

@@ -203,32 +203,38 @@ def test_auto_on_cpu_without_interpreter_uses_reference(monkeypatch):
 
 
 def test_mid_m_rows_take_mid_tiles_split_to_fill_the_gpu(monkeypatch):
-    """On the GPU: ≤ 64 rows the decode-sized tiles, up to MID_M rows MID_CONFIG with K split (doubling) while
-    the programs fill less than one wave and each split keeps MID_MIN_SPLIT_K of K, above it DENSE_CONFIG."""
+    """On the GPU: ≤ 64 rows the decode-sized tiles, then each of MID_CONFIGS up to its rows with K split
+    (doubling) while the programs fill less than one wave and each split keeps MID_MIN_SPLIT_K of K, above
+    the last DENSE_CONFIG."""
     monkeypatch.setattr(gemm_dense, "interpreting", lambda: False)
     monkeypatch.setattr(gemm_dense, "num_sms", lambda: 132)
-    mid = gemm_dense.MID_CONFIG
-    cfg = gemm_dense._tile_config(128, 1024, 2560, None)  # 2 × 8 tiles; 2560 / 8 < 512: split 4
-    assert cfg == dict(mid, SPLIT_K=4)
-    assert gemm_dense._tile_config(512, 2560, 9728, None) == dict(mid, SPLIT_K=1)  # 8 × 20 = 160 ≥ 132
-    assert gemm_dense._tile_config(512, 2560, 9728, 3)["SPLIT_K"] == 3  # an explicit split stands
-    assert gemm_dense._tile_config(gemm_dense.MID_M, 1024, 2560, None)["BLOCK_M"] == mid["BLOCK_M"]
-    assert gemm_dense._tile_config(gemm_dense.MID_M + 1, 1024, 2560, None) == dict(gemm_dense.DENSE_CONFIG, SPLIT_K=1)
+    (small_m, small), (mid_m, mid) = gemm_dense.MID_CONFIGS
     assert gemm_dense._tile_config(64, 1024, 2560, None)["BLOCK_M"] == 64
+    assert gemm_dense._tile_config(128, 1024, 2560, None) == dict(small, SPLIT_K=4)  # 2 × 8 tiles; 2560 / 8 < 512
+    assert gemm_dense._tile_config(small_m, 1024, 2560, None)["BLOCK_M"] == small["BLOCK_M"]
+    assert gemm_dense._tile_config(small_m + 1, 2560, 9728, None) == dict(mid, SPLIT_K=4)  # 3 × 20 tiles; 120 < 132
+    assert gemm_dense._tile_config(512, 2560, 9728, None) == dict(mid, SPLIT_K=2)  # 4 × 20 = 80 tiles
+    assert gemm_dense._tile_config(1024, 2560, 9728, None) == dict(mid, SPLIT_K=1)  # 160 tiles
+    assert gemm_dense._tile_config(512, 2560, 9728, 3)["SPLIT_K"] == 3  # an explicit split stands
+    assert gemm_dense._tile_config(mid_m, 1024, 2560, None)["BLOCK_M"] == mid["BLOCK_M"]
+    large = gemm_dense._tile_config(mid_m + 1, 1024, 2560, None)
+    assert large == dict(gemm_dense.DENSE_CONFIG, SPLIT_K=1)
 
 
 def test_mid_tiles_with_split_k_are_exact_on_expanded_operands():
-    """The Triton GEMM with MID_CONFIG's tiles and a 3-way split on W4A16's operands (x fp16, the weight's
+    """The Triton GEMM with each of MID_CONFIGS' tiles and a 3-way split on W4A16's operands (x fp16, the weight's
     exact fp16 expansion, per-row outer scale, bias) against the reference; every element written."""
     gen = torch.Generator().manual_seed(6)
     M, N, K = 70, 130, 1024
     x = (torch.randn(M, K, generator=gen) * 0.5).to(torch.float16).to(device())
     w = random_nvfp4((N, K), gen=gen, scale="row", scale_exp=(-3, 3))
     bias = torch.randn(N, generator=gen).to(device())
-    out = _poisoned(M, N, torch.float32)
-    gemm_dense.launch_gemm(
-        x, None, expand(w, torch.float16), None, K, out, None, w.global_scale.reshape(-1), bias,
-        config=dict(gemm_dense.MID_CONFIG, SPLIT_K=3),
-    )  # fmt: skip
-    assert not torch.isnan(out).any()
-    assert rel_err(out, gemm_w4a16_reference(x, w, out_dtype=torch.float64, bias=bias)) < FP32_TOL
+    ref = gemm_w4a16_reference(x, w, out_dtype=torch.float64, bias=bias)
+    for _, cfg in gemm_dense.MID_CONFIGS:
+        out = _poisoned(M, N, torch.float32)
+        gemm_dense.launch_gemm(
+            x, None, expand(w, torch.float16), None, K, out, None, w.global_scale.reshape(-1), bias,
+            config=dict(cfg, SPLIT_K=3),
+        )  # fmt: skip
+        assert not torch.isnan(out).any()
+        assert rel_err(out, ref) < FP32_TOL
