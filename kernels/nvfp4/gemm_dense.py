@@ -282,8 +282,8 @@ DENSE_CONFIG = dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8
 #: the largest M each serves (a prompt's forward in a sampler: batch × prompt width rows), each with K split
 #: (:func:`mid_split`) while its programs fill less than one wave. :data:`DENSE_CONFIG`'s 256-row tiles leave
 #: most SMs idle there (M = 128, N = 1024: 8 programs). From the H100 sweep at Qwen3-4B's shapes
-#: (docs/benchmarks.md, "Dense GEMM at prefill rows": 64×128 fastest in sum over the five shapes at M = 128,
-#: 128×128 at 512-2048, DENSE_CONFIG at 4096).
+#: (docs/benchmarks.md, "W4A16 and the dense GEMM at prefill rows"; in sum over the five shapes: 64×128 within
+#: 5 % of the fastest at 128 and 256 rows, 128×128 the fastest at 512-2048, DENSE_CONFIG at 4096).
 MID_CONFIGS = (
     (256, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)),
     (2048, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)),
