@@ -3,7 +3,7 @@
 
     python experiments/bench/bench_gemm.py [--quick] [--sections correctness,w4a4,decode,linear,cache] [--sweep]
     (other sections: decode-shapes, decode-groups, decode-variants, decode-cold, w4a16-prefill,
-    dense-mid)
+    dense-mid, decode-mid)
 
 1. correctness vs the torch reference (dequantize, fp64 matmul) on real shapes, every backend (decode,
    dense-on-expanded, cuBLAS alpha, fused), per-tensor and per-row scales, a NaN block scale, and the
@@ -25,7 +25,7 @@
 6. ``w4a16-prefill``: W4A16 above the decode kernel's rows (a sampler's prefill) at Qwen3-4B's shapes, cold
    L2: bf16 ``torch.mm``, the default route (expand + Triton GEMM), the expand alone, expand + cuBLAS (fp32
    output, torch epilogue), the ``fused`` kernel; ``dense-mid``: the dense Triton GEMM alone there, its tiles
-   against cuBLAS bf16.
+   against cuBLAS bf16; ``decode-mid``: the decode kernel there (the weight unpacked in registers, M tiled).
 
 Timings are ``triton.testing.do_bench`` medians (ms) on random (never zero) data. Writes the table to
 ``$OUT/bench_gemm.md`` when ``OUT`` is set.
@@ -660,6 +660,68 @@ def dense_mid() -> None:
         torch.cuda.empty_cache()
 
 
+#: ``decode-mid``: tiles of the decode kernel above 64 rows timed beside the default (``DECODE_CONFIG_MID``),
+#: each with ``gemm_decode.decode_split``'s split-K
+DECODE_MID_CANDIDATES = {
+    "BM128 BN64 w4": dict(BM=128, BN=64, NB=4, num_warps=4, num_stages=1, PREFETCH=True),
+    "BM64 BN128 w8": dict(BM=64, BN=128, NB=8, num_warps=8, num_stages=1, PREFETCH=True),
+    "BM64 BN64 w4": dict(BM=64, BN=64, NB=8, num_warps=4, num_stages=1, PREFETCH=True),
+}
+
+
+def decode_mid() -> None:
+    """W4A16 at prefill rows through the decode kernel (the packed weight unpacked in registers, M in tiles)
+    against the default route (expand + dense GEMM) and bf16 ``torch.mm``, Qwen3-4B shapes, cold L2,
+    CUDA-graph µs; each configuration's output checked against the fp64 reference first."""
+    emit("## W4A16 decode kernel at prefill rows, Qwen3-4B shapes (cold L2, CUDA-graph µs; split-K in brackets)")
+    names = ["DECODE_CONFIG_MID", *DECODE_MID_CANDIDATES]
+    emit("| layer | N×K | M | bf16 | expand + GEMM | " + " | ".join(names) + " | bf16/expand route | bf16/best |")
+    emit("|---|---|---|---|---|" + "---|" * len(names) + "---|---|")
+    act = QuantRecipe(scale="row", profile="compressed-tensors")
+    for layer, (n, k) in PREFILL_SHAPES.items():
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+              for _ in range(cold_copies(n * k * 2))]  # fmt: skip
+        qs = [quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02, act)
+              for _ in range(cold_copies(n * k * 0.5625))]  # fmt: skip
+        for m in PREFILL_MS[1:]:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = gemm_w4a16_reference(x, qs[0], out_dtype=torch.float64)
+            configs = {"DECODE_CONFIG_MID": gd.decode_config(m, n, k)}
+            for name, cfg in DECODE_MID_CANDIDATES.items():
+                configs[name] = dict(cfg, SPLIT_K=gd.decode_split(m, n, k, cfg))
+            times = {}
+            for name, cfg in configs.items():
+                out = torch.empty(m, n, device="cuda", dtype=torch.float32)
+                try:
+                    gd.launch_decode(x, qs[0].data, qs[0].scale, k, out, None, qs[0].global_scale.reshape(-1), None,
+                                     config=cfg)  # fmt: skip
+                except Exception as e:  # a configuration that does not compile: reported, skipped
+                    emit(f"({layer} M={m} {name}: {type(e).__name__}: {str(e)[:120]})")
+                    continue
+                assert rel(out, ref) < 1e-5, (layer, m, name, rel(out, ref))
+                times[name] = cold_us([
+                    lambda q=q, cfg=cfg: gd.launch_decode(
+                        x, q.data, q.scale, k, torch.empty(m, n, device="cuda", dtype=torch.bfloat16), None,
+                        q.global_scale.reshape(-1), None, config=cfg,
+                    )
+                    for q in qs
+                ])  # fmt: skip
+            t_bf16 = cold_us([lambda w=w: torch.mm(x, w.T) for w in ws])
+            t_route = cold_us([  # the expand route: the weight's bf16 q·s, the dense GEMM with the row scales
+                lambda q=q: gemm_dense.launch_gemm(
+                    x, None, expand(q), None, k, torch.empty(m, n, device="cuda", dtype=torch.bfloat16), None,
+                    q.global_scale.reshape(-1), None,
+                )
+                for q in qs
+            ])  # fmt: skip
+            cells = [f"{times[nm]:.1f} ({configs[nm]['SPLIT_K']})" if nm in times else "-" for nm in names]
+            best = min(times.values()) if times else float("nan")
+            emit(f"| {layer} | {n}×{k} | {m} | {t_bf16:.1f} | {t_route:.1f} | " + " | ".join(cells)
+                 + f" | {t_bf16 / t_route:.2f} | {t_bf16 / best:.2f} |")  # fmt: skip
+        ws = qs = None
+        torch.cuda.empty_cache()
+
+
 #: The split-K factors and tile rows (BN, the weight rows per program; 2 warps, 1 at BN = 16) that
 #: ``decode_shapes(sweep=True)`` times at every shape.
 SHAPE_SPLITS = (1, 2, 4, 8, 16)
@@ -1031,6 +1093,7 @@ def main() -> None:
         "decode-cold": decode_cold,
         "w4a16-prefill": w4a16_prefill,
         "dense-mid": dense_mid,
+        "decode-mid": decode_mid,
         "linear": lambda: linear(args.quick),
         "cache": lambda: cache_check(args.quick),
     }

@@ -224,7 +224,8 @@ def _decode_kernel(
 
     Swap-AB: the program computes ``Cᵀ`` tile ``[BN, BM] = W_tile[BN, BK] · xᵀ[BK, BM]``, so the unpacked
     weight (the big operand, ``BN`` ≥ 64 rows) is the MMA's M side and the few activation rows (``BM``: M
-    padded to 16/32/64) its N side. The weight streams as int32 words (``w_ptr`` is the uint8 codes viewed
+    padded to 16/32/64, or a tile of :data:`DECODE_CONFIG_MID`'s rows when M > 64: program axis 2) its N
+    side. The weight streams as int32 words (``w_ptr`` is the uint8 codes viewed
     as int32, ``stride_wn`` in words): :func:`_unpack_words` turns each word into eight exact fp16
     ``e2m1·2⁻¹⁴`` (bf16 ``e2m1·2⁻¹²⁶`` for bf16 activations) with ~2 integer ops per element, each times the
     block's e4m3 scale (exact, module docstring); the epilogue multiplies by 2¹⁴ (2⁷). ``x`` is dense (bf16/fp16 activations, or the exact
@@ -246,6 +247,7 @@ def _decode_kernel(
     BW: tl.constexpr = 2 * NB
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)  # the activation rows' tile (one unless M > BM)
     offs_g = pid_n * BN + tl.arange(0, BN)  # the tile's columns in the split-K partials
     if MEMBERS > 1:  # the member whose tiles hold pid_n: its pointers, rows and first tile
         zero = pid_n * 0  # int32 scalars in both branches (an int argument equal to 1 is a constexpr)
@@ -264,7 +266,7 @@ def _decode_kernel(
         offs_n = offs_g - t0 * BN
     else:
         offs_n = offs_g
-    offs_m = tl.arange(0, BM)
+    offs_m = pid_m * BM + tl.arange(0, BM)
     n_ok = offs_n < N
     m_ok = offs_m < M
     span = tl.cdiv(tl.cdiv(KB, SPLIT_K), NB) * NB  # 16-blocks per split, a multiple of NB
@@ -317,9 +319,9 @@ def _decode_kernel(
         tl.store(part_ptr + pid_k * M * NPART + tile, acc, mask=mask)
         if FUSED_REDUCE:
             _splitk_last_reduces(
-                part_ptr, cnt_ptr + pid_n, tile, M * NPART, mask, offs_m, offs_n, M, N, c_ptr, stride_cm,
-                stride_cn, ga_ptr, gb_ptr, bias_ptr, out_mult, GA_MODE, GB_MODE, HAS_BIAS, BF16_BY_HAND, SPLIT_K,
-                BM, BN,
+                part_ptr, cnt_ptr + pid_m * tl.num_programs(0) + pid_n, tile, M * NPART, mask, offs_m, offs_n, M,
+                N, c_ptr, stride_cm, stride_cn, ga_ptr, gb_ptr, bias_ptr, out_mult, GA_MODE, GB_MODE, HAS_BIAS,
+                BF16_BY_HAND, SPLIT_K, BM, BN,
             )  # fmt: skip
 
 
@@ -333,6 +335,12 @@ DECODE_CONFIG = dict(BN=64, NB=8, num_warps=4, num_stages=1, PREFETCH=True)
 #: by :func:`decode_config`'s rule: the best of the H200 sweep (bench_gemm.py --sweep, 2026-11-29: 18.8 / 20.0 µs at M = 1 / 16,
 #: N×K = 4096×12288, against 23.6 / 25.7 with DECODE_CONFIG; bf16 torch.mm 30 µs).
 DECODE_CONFIG_M16 = dict(BN=64, NB=16, num_warps=2, num_stages=3, PREFETCH=False)
+
+
+#: M > 64 (W4A16 at prefill rows, :data:`~.matmul.W4A16_UNPACK_MAX_M`): 128 activation rows per program
+#: (program axis 2 tiles M), 8 warps (wgmma), 64-wide K steps with register prefetch; split-K by
+#: :func:`decode_config`'s rule over the N × M tiles.
+DECODE_CONFIG_MID = dict(BM=128, BN=128, NB=4, num_warps=8, num_stages=1, PREFETCH=True)
 
 
 #: M <= 16 with K <= NARROW_K (four 256-wide K steps or fewer): NARROW_BN weight rows per program, split 1 (H100
@@ -349,7 +357,8 @@ MIN_SPLIT_STEPS = 1
 
 
 def decode_config(M: int, N: int, K: int, split_k: int | None = None) -> dict:
-    """Tiles of :func:`_decode_kernel`: BM = M padded to 16/32/64; at M ≤ 16 and K ≤ :data:`NARROW_K`,
+    """Tiles of :func:`_decode_kernel`: BM = M padded to 16/32/64 (above 64 rows :data:`DECODE_CONFIG_MID`,
+    M in tiles of its BM); at M ≤ 16 and K ≤ :data:`NARROW_K`,
     :data:`NARROW_BN` weight rows per program and no split; otherwise K split (doubling) while the programs
     fill fewer than :data:`WAVES` waves and each split keeps :data:`MIN_SPLIT_STEPS` K steps: of the rules of
     this form, the one fastest in total over the 17 Qwen3 0.6B–8B Linear shapes at M = 1 and 16 of an H100
@@ -357,18 +366,25 @@ def decode_config(M: int, N: int, K: int, split_k: int | None = None) -> dict:
     bm = 16 if M <= 16 else (32 if M <= 32 else 64)
     if interpreting():
         return dict(BM=bm, BN=16, NB=2, SPLIT_K=split_k or 1, num_warps=4, num_stages=1)
-    cfg = dict(DECODE_CONFIG_M16 if bm == 16 else DECODE_CONFIG, BM=bm)
-    kb = -(-K // 16)
+    if M > 64:
+        cfg = dict(DECODE_CONFIG_MID)
+    else:
+        cfg = dict(DECODE_CONFIG_M16 if bm == 16 else DECODE_CONFIG, BM=bm)
     if bm == 16 and K <= NARROW_K:  # a few K steps per row: narrower tiles, more programs, no split
         cfg["BN"] = NARROW_BN
         split_k = split_k or 1
-    if split_k is None:
-        tiles = cdiv(N, cfg["BN"])
-        split_k = 1
-        while tiles * split_k < WAVES * num_sms() and kb // (split_k * 2) >= MIN_SPLIT_STEPS * cfg["NB"]:
-            split_k *= 2
-    cfg["SPLIT_K"] = split_k
+    cfg["SPLIT_K"] = split_k or decode_split(M, N, K, cfg)
     return cfg
+
+
+def decode_split(M: int, N: int, K: int, cfg: dict) -> int:
+    """:func:`decode_config`'s split-K for tiles ``cfg``: doubled while the programs (N × M tiles × splits)
+    fill fewer than :data:`WAVES` waves and each split keeps :data:`MIN_SPLIT_STEPS` K steps."""
+    tiles, kb = cdiv(N, cfg["BN"]) * cdiv(M, cfg["BM"]), -(-K // 16)
+    split = 1
+    while tiles * split < WAVES * num_sms() and kb // (split * 2) >= MIN_SPLIT_STEPS * cfg["NB"]:
+        split *= 2
+    return split
 
 
 #: Ticket counters (int32, one per N tile) of the fused split-K reduction. Eager launches: one zeroed buffer
@@ -450,7 +466,8 @@ def launch_decode(
     fused_reduce: bool | None = None,
     counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``out[M,N] = ((x·Wᵀ)·g_a)·g_b + bias`` for small M: x dense bf16/fp16 [M, K] (row stride any, unit
+    """``out[M,N] = ((x·Wᵀ)·g_a)·g_b + bias``, sized for small M (any M runs: above 64 rows in tiles of
+    :data:`DECODE_CONFIG_MID`'s): x dense bf16/fp16 [M, K] (row stride any, unit
     column stride), W packed uint8 [N, Kp/2] + e4m3 scales [N, Kp/16] (row-major rows).
 
     Split-K (``SPLIT_K > 1``): ``fused_reduce`` (default ``config["FUSED_REDUCE"]``, else True) sums the
@@ -458,8 +475,6 @@ def launch_decode(
     path (left zeroed after every launch); default the device's cached buffer (:func:`splitk_counters`).
     """
     M, N = out.shape
-    if M > 64:
-        raise ValueError(f"launch_decode handles M <= 64, got M={M}")
     kb = w_scale.shape[-1]
     if split_k is None and config is None and fused_reduce is None:
         launch = default_launch(M, N, K, kb, x.dtype, out.dtype, x.device)
@@ -552,9 +567,9 @@ class DecodeLaunch:
     N: int
     K: int
     kb: int
-    grid: tuple[int, int]
+    grid: tuple[int, int, int]  # N tiles, K splits, M tiles
     split: int
-    tiles: int  # N tiles: the counters a fused split-K reduction needs
+    tiles: int  # N tiles (times the M tiles: the counters a fused split-K reduction needs)
     fused: bool
     out_mult: float
     kwargs: dict  # constexprs, num_warps, num_stages
@@ -639,16 +654,17 @@ class DecodeLaunch:
         )  # fmt: skip
 
     def _counters(self, device: torch.device, counters: torch.Tensor | None) -> torch.Tensor:
+        needed = self.tiles * self.grid[2]
         if counters is None:
-            return splitk_counters(device, self.tiles)
+            return splitk_counters(device, needed)
         if (
             counters.dtype != torch.int32
-            or counters.numel() < self.tiles
+            or counters.numel() < needed
             or counters.device != device
             or not counters.is_contiguous()
         ):
             raise ValueError(
-                f"counters must be a contiguous, zeroed int32 tensor with >= {self.tiles} elements on {device}"
+                f"counters must be a contiguous, zeroed int32 tensor with >= {needed} elements on {device}"
             )
         return counters
 
@@ -671,6 +687,8 @@ def decode_launch(
     members = tuple(N) if isinstance(N, tuple) else ()
     if members and not 2 <= len(members) <= 3:
         raise ValueError(f"a decode group has 2 or 3 members, got {len(members)}")
+    if members and M > 64:
+        raise ValueError(f"a decode group handles M <= 64, got M={M}")
     total = sum(members) if members else N
     dot_dtype, precision = dot_dtypes(x_dtype, False, torch.uint8, True, "decode")
     cfg = dict(config) if config else decode_config(M, total, K, split_k)
@@ -691,7 +709,8 @@ def decode_launch(
     tiles = sum(counts)
     starts = tuple(sum(counts[:j]) for j in range(1, len(counts))) if members else ()
     return DecodeLaunch(
-        M=M, N=total, K=K, kb=kb, grid=(tiles, cfg["SPLIT_K"]), split=cfg["SPLIT_K"], tiles=tiles, fused=fused,
+        M=M, N=total, K=K, kb=kb, grid=(tiles, cfg["SPLIT_K"], cdiv(M, cfg["BM"])), split=cfg["SPLIT_K"], tiles=tiles,
+        fused=fused,
         out_mult=2.0**7 if bf16 else UNPACK_FACTOR,  # undoes the unpack bias (see _unpack_words)
         kwargs=kwargs, members=members, starts=starts,
     )  # fmt: skip

@@ -65,6 +65,7 @@ from .format import e2m1_decode
 __all__ = [
     "LARGE_M_BACKEND",
     "SMALL_M",
+    "W4A16_UNPACK_MAX_M",
     "GemmPlan",
     "decode_route",
     "expand",
@@ -81,6 +82,10 @@ __all__ = [
 LARGE_M_BACKEND = "cublas"
 #: Up to this many rows the memory-bound decode tiling is used.
 SMALL_M = 64
+#: Up to this many rows :func:`gemm_w4a16` (``triton`` / ``auto``) runs the decode kernel, which unpacks the
+#: packed weight in registers (above :data:`SMALL_M` in tiles of ``gemm_decode.DECODE_CONFIG_MID``), instead
+#: of expanding the weight to bf16 for the dense GEMM.
+W4A16_UNPACK_MAX_M = SMALL_M
 
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _BACKENDS = ("auto", "triton", "cublas", "fused", "dot_scaled", "reference")
@@ -275,15 +280,22 @@ def decode_route(backend: str, M: int, device: torch.device, weight_only: bool =
     pass."""
     if not _gpu_ready(device):
         return False
+    which = _pick_w4a16(backend, M, device) if weight_only else _pick(backend, M, device)
+    return _decode(which, M, weight_only)
+
+
+def _pick_w4a16(backend: str, M: int, device: torch.device) -> str:
+    """:func:`_pick` for :func:`gemm_w4a16`: no bf16-operand form of ``dot_scaled`` (Triton instead), and
+    ``auto`` runs the decode kernel up to :data:`W4A16_UNPACK_MAX_M` rows."""
     which = _pick(backend, M, device)
-    if weight_only and which == "dot_scaled":  # no bf16-operand form of dot_scaled: gemm_w4a16 runs Triton
-        which = "triton"
-    return _decode(which, M)
+    if which == "dot_scaled" or (backend == "auto" and which != "reference" and M <= W4A16_UNPACK_MAX_M):
+        return "triton"
+    return which
 
 
-def _decode(which: str, M: int) -> bool:
+def _decode(which: str, M: int, weight_only: bool = False) -> bool:
     """Whether the backend ``which`` (:func:`_pick`'s) runs a GEMM of M rows on the decode kernel."""
-    return which == "triton" and M <= SMALL_M
+    return which == "triton" and M <= (W4A16_UNPACK_MAX_M if weight_only else SMALL_M)
 
 
 def expand(t, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -694,9 +706,7 @@ def gemm_w4a16(
     """
     M, N, K = _check_w4a16(x, w, bias, out_dtype)
     out_dtype = out_dtype or x.dtype
-    which = _pick(backend, M, x.device)
-    if which == "dot_scaled":  # no bf16-operand form of dot_scaled here (decode_route's weight_only rule)
-        which = "triton"
+    which = _pick_w4a16(backend, M, x.device)
     out = _out_buffer(out, M, N, out_dtype, x.device)
     if which == "reference":
         out.copy_(gemm_w4a16_reference(x, w, out_dtype=out_dtype, bias=bias).reshape(M, N))
@@ -707,7 +717,7 @@ def gemm_w4a16(
 
     if which == "fused":
         gemm_dense.launch_gemm(x2, None, w.data, w.scale, K, out, None, g_w, bias)
-    elif which == "triton" and M <= SMALL_M:
+    elif _decode(which, M, weight_only=True):
         gemm_decode.launch_decode(x2, w.data, w.scale, K, out, None, g_w, bias)
     else:
         wx = (w_expanded if w_expanded is not None else expand(w, x.dtype))[:, :K]

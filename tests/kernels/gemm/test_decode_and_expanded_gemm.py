@@ -11,6 +11,7 @@ from _dense_operands import device, random_nvfp4, rel_err
 
 from triage.kernels.nvfp4 import QuantRecipe, quantize
 from triage.kernels.nvfp4 import gemm_decode as gd
+from triage.kernels.nvfp4 import matmul as mm
 from triage.kernels.nvfp4.matmul import (
     SMALL_M,
     expand,
@@ -123,12 +124,47 @@ def test_w4a16_large_m_backends_and_cached_expansion():
         assert rel_err(y, ref) < FP32_TOL, backend
 
 
-def test_decode_rejects_large_m():
+@pytest.mark.parametrize("split_k,fused", [(1, True), (2, True), (3, False)])
+def test_decode_kernel_tiles_m_above_its_tile(split_k, fused):
+    """More rows than BM: program axis 2 tiles M (ragged last tile), each tile with its own split-K counters
+    (fused reduction) or partials (two-kernel reduction); exact, every element written, counters left zeroed."""
     gen = torch.Generator().manual_seed(9)
-    w = random_nvfp4((8, 32), gen=gen)
-    x = torch.zeros(65, 32, dtype=torch.bfloat16, device=device())
+    M, N, K = 70, 40, 96
+    x = torch.randn(M, K, generator=gen).to(torch.float16).to(device())
+    w = random_nvfp4((N, K), gen=gen, scale="row", zero_block_frac=0.1)
+    cfg = dict(BM=32, BN=16, NB=2, SPLIT_K=split_k, num_warps=4, num_stages=1, FUSED_REDUCE=fused)
+    launch = gd.decode_launch(M, N, K, K // 16, x.dtype, torch.float32, config=cfg)
+    assert launch.grid == (3, split_k, 3)
+    counters = torch.zeros(9, dtype=torch.int32, device=device())
+    out = _poisoned(M, N)
+    launch.run(x, w.data, w.scale, out, None, w.global_scale.reshape(-1), None, counters if fused else None)
+    assert rel_err(out, gemm_w4a16_reference(x, w, out_dtype=torch.float64)) < FP32_TOL
+    assert not counters.any()
+    if fused and split_k > 1:  # the counters cover every N tile of every M tile
+        with pytest.raises(ValueError, match=">= 9 elements"):
+            launch.run(x, w.data, w.scale, out, None, None, None, counters[:8])
+    members = [(w.data, w.scale, _poisoned(M, N), None, None)] * 2
     with pytest.raises(ValueError, match="M <= 64"):
-        gd.launch_decode(x, w.data, w.scale, 32, torch.empty(65, 8, device=device()), None, None, None)
+        gd.launch_decode_group(x, members, K, None)
+
+
+def test_w4a16_runs_the_decode_kernel_up_to_its_rows(monkeypatch):
+    """``gemm_w4a16`` (``auto``) unpacks the weight in the decode kernel up to W4A16_UNPACK_MAX_M rows, and
+    expands it for the dense GEMM above; both exact."""
+    gen = torch.Generator().manual_seed(10)
+    x = torch.randn(80, 64, generator=gen).to(torch.float16).to(device())
+    w = random_nvfp4((24, 64), gen=gen, scale="row")
+    ref = gemm_w4a16_reference(x, w, out_dtype=torch.float64)
+    calls = []
+    launch = gd.launch_decode
+    monkeypatch.setattr(gd, "launch_decode", lambda *a, **k: calls.append(a[0].shape[0]) or launch(*a, **k))
+    for rows, decoded in ((64, False), (128, True)):
+        monkeypatch.setattr(mm, "W4A16_UNPACK_MAX_M", rows)
+        assert mm.decode_route("auto", 80, x.device, weight_only=True) is decoded
+        calls.clear()
+        y = gemm_w4a16(x, w, out_dtype=torch.float32)
+        assert calls == ([80] if decoded else [])
+        assert rel_err(y, ref) < FP32_TOL
 
 
 @pytest.mark.parametrize("prefetch", [True, False])
