@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from triage.kernels.fused_groups import FUSED_GROUPS, fused_group_members
+from triage.kernels.nvfp4.matmul import SMALL_M
 
 __all__ = ["SiblingGroup", "link_siblings"]
 
@@ -133,6 +134,8 @@ class SiblingGroup:
         if act is None:
             return None
         xa, g_a, _ = act
+        if xa.shape[0] > SMALL_M:  # a W4A16 prefill (the decode kernel in M tiles): each member alone
+            return None
         if self._keeps_plan:  # a kept plan needs the tokens alone
             tokens, weights = [m._decode_token() for m in self.members], None
         else:  # the operands (a learner's W_q refreshed once) and their tokens in one call per member

@@ -1,5 +1,6 @@
 """The small-M (decode) NVFP4 GEMM kernel behind :func:`triage.kernels.nvfp4.gemm` and ``gemm_w4a16`` for
-M ≤ ``SMALL_M`` (memory-bound): :func:`launch_decode`.
+M ≤ ``SMALL_M`` (memory-bound), and ``gemm_w4a16`` up to ``W4A16_UNPACK_MAX_M`` rows (M in tiles):
+:func:`launch_decode`.
 
 It streams the packed weight once (0.5625 B/param) as int32 words, turns each word into eight exact
 ``e2m1·2⁻¹⁴`` fp16 values (on the GPU with bf16 activations ``e2m1·2⁻¹²⁶`` bf16) with a few integer ops
@@ -337,10 +338,11 @@ DECODE_CONFIG = dict(BN=64, NB=8, num_warps=4, num_stages=1, PREFETCH=True)
 DECODE_CONFIG_M16 = dict(BN=64, NB=16, num_warps=2, num_stages=3, PREFETCH=False)
 
 
-#: M > 64 (W4A16 at prefill rows, :data:`~.matmul.W4A16_UNPACK_MAX_M`): 128 activation rows per program
-#: (program axis 2 tiles M), 8 warps (wgmma), 64-wide K steps with register prefetch; split-K by
-#: :func:`decode_config`'s rule over the N × M tiles.
-DECODE_CONFIG_MID = dict(BM=128, BN=128, NB=4, num_warps=8, num_stages=1, PREFETCH=True)
+#: M > 64 (W4A16 at prefill rows, up to :data:`~.matmul.W4A16_UNPACK_MAX_M`): :data:`DECODE_CONFIG`'s tiles
+#: with 64 activation rows per program (program axis 2 tiles M), split-K by :func:`decode_config`'s rule over
+#: the N × M tiles. The fastest of the H100 sweep (bench_gemm.py --sections decode-mid, 2026-12-07: against
+#: 128 × 128 w8, 128 × 64 w4 and 64 × 128 w8 tiles at Qwen3-4B's shapes, 128-2,048 rows).
+DECODE_CONFIG_MID = dict(DECODE_CONFIG, BM=64)
 
 
 #: M <= 16 with K <= NARROW_K (four 256-wide K steps or fewer): NARROW_BN weight rows per program, split 1 (H100

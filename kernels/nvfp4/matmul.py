@@ -14,7 +14,8 @@ Two regimes on Hopper (see docs/kernels.md for the H200 numbers):
 
 * small M (≤ :data:`SMALL_M`, decode; memory-bound): :func:`~.gemm_decode.launch_decode` streams the packed
   weight once (0.5625 B/param), unpacks it in registers to the exact ``q·s`` and runs a swap-AB tensor-core
-  dot against the (few) activation rows; split-K with a deterministic reduction.
+  dot against the (few) activation rows; split-K with a deterministic reduction. W4A16 takes it up to
+  :data:`W4A16_UNPACK_MAX_M` rows (M in tiles), where unpacking the weight costs less than expanding it.
 * large M (training, prefill; compute-bound): no unpacking in the inner loop. The operands' exact
   expansions ``q·s`` (bf16) — ``quantize(..., emit_expanded=torch.bfloat16)`` writes the activation's in
   the same pass as its bytes, :class:`~triage.kernels.linear.NVFP4Linear` caches the weight's — go to a
@@ -84,8 +85,10 @@ LARGE_M_BACKEND = "cublas"
 SMALL_M = 64
 #: Up to this many rows :func:`gemm_w4a16` (``triton`` / ``auto``) runs the decode kernel, which unpacks the
 #: packed weight in registers (above :data:`SMALL_M` in tiles of ``gemm_decode.DECODE_CONFIG_MID``), instead
-#: of expanding the weight to bf16 for the dense GEMM.
-W4A16_UNPACK_MAX_M = SMALL_M
+#: of expanding the weight to bf16 for the dense GEMM: over a Qwen3-4B layer's seven GEMMs 14 % less time at
+#: 128 rows and 6 % at 256, 28 % more at 512 (H100, docs/benchmarks.md, "W4A16 and the dense GEMM at prefill
+#: rows").
+W4A16_UNPACK_MAX_M = 256
 
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _BACKENDS = ("auto", "triton", "cublas", "fused", "dot_scaled", "reference")
