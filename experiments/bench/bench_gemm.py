@@ -22,8 +22,9 @@
    layers (both modes) and NVFP4 MoE experts, each step's output asserted bit-equal to a freshly converted
    layer; the forward with a cached W_q vs one that re-quantizes W (what the per-step cache saves); a NaN
    weight / input gives a NaN output.
-6. ``w4a16-prefill``: W4A16 above the decode kernel's rows (a sampler's prefill) at Qwen3-4B's shapes, cold
-   L2: bf16 ``torch.mm``, the default route (expand + Triton GEMM), the expand alone, expand + cuBLAS (fp32
+6. ``w4a16-prefill``: W4A16 above 64 rows (a sampler's prefill) at Qwen3-4B's shapes, cold L2: bf16
+   ``torch.mm``, ``gemm_w4a16``'s ``auto`` route (the decode kernel up to ``W4A16_UNPACK_MAX_M`` rows, expand +
+   Triton GEMM above), the expand alone, expand + cuBLAS (fp32
    output, torch epilogue), the ``fused`` kernel; ``dense-mid``: the dense Triton GEMM alone there, its tiles
    against cuBLAS bf16; ``decode-mid``: the decode kernel there (the weight unpacked in registers, M tiled).
 
@@ -579,13 +580,14 @@ PREFILL_MS = (64, 128, 256, 512, 1024, 2048)
 
 
 def w4a16_prefill() -> None:
-    """W4A16 above the decode kernel's rows (a sampler's prefill: batch × prompt width rows) at Qwen3-4B's
-    shapes, cold L2 (:func:`cold_us`), CUDA-graph µs: bf16 ``torch.mm``; ``auto`` (the default route: expand
-    the weight, then the Triton GEMM with the per-row scales in its epilogue); the expand alone; ``cublas``
+    """W4A16 above 64 rows (a sampler's prefill: batch × prompt width rows) at Qwen3-4B's shapes, cold L2
+    (:func:`cold_us`), CUDA-graph µs: bf16 ``torch.mm``; ``auto`` (the default route: the decode kernel up to
+    ``W4A16_UNPACK_MAX_M`` rows; above, expand the weight, then the Triton GEMM with the per-row scales in its
+    epilogue); the expand alone; ``cublas``
     (expand, cuBLAS with an fp32 output, the scales applied by torch); ``fused`` (packed weight unpacked in
     the GEMM's inner loop). Outputs checked against the fp64 reference first."""
     emit("## W4A16 at prefill rows, Qwen3-4B shapes (cold L2, CUDA-graph µs)")
-    emit("| layer | N×K | M | bf16 | W4A16 auto | of which expand | W4A16 cublas | W4A16 fused | bf16/auto "
+    emit("| layer | N×K | M | bf16 | W4A16 auto | expand alone | W4A16 cublas | W4A16 fused | bf16/auto "
          "| bf16/cublas | bf16/fused |")  # fmt: skip
     emit("|---|---|---|---|---|---|---|---|---|---|---|")
     act = QuantRecipe(scale="row", profile="compressed-tensors")

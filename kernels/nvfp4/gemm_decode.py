@@ -233,7 +233,7 @@ def _decode_kernel(
     fp16 expansion of an NVFP4 activation). Program axis 1 splits K (in whole 16-blocks); with
     ``SPLIT_K > 1`` the fp32 partials go to ``part[pid_k, M, N]`` and are summed in slice order 0..SPLIT_K-1
     (deterministic): by :func:`~.gemm_dense.splitk_reduce` (a second launch), or with ``FUSED_REDUCE`` here, by
-    the program of the N tile that draws the last ticket of ``cnt[pid_n]`` (:func:`_splitk_last_reduces`).
+    the program of the tile that draws the last ticket of ``cnt[pid_m·(N tiles) + pid_n]`` (:func:`_splitk_last_reduces`).
     ``EVEN_N`` / ``EVEN_K``: no row / K-tail masks in the loop (N % BN == 0, KB % NB == 0).
 
     ``MEMBERS`` = 2 or 3: one launch for sibling weights that read the same x (q/k/v, gate/up): member 0 is
@@ -340,8 +340,8 @@ DECODE_CONFIG_M16 = dict(BN=64, NB=16, num_warps=2, num_stages=3, PREFETCH=False
 
 #: M > 64 (W4A16 at prefill rows, up to :data:`~.matmul.W4A16_UNPACK_MAX_M`): :data:`DECODE_CONFIG`'s tiles
 #: with 64 activation rows per program (program axis 2 tiles M), split-K by :func:`decode_config`'s rule over
-#: the N × M tiles. The fastest of the H100 sweep (bench_gemm.py --sections decode-mid, 2026-12-07: against
-#: 128 × 128 w8, 128 × 64 w4 and 64 × 128 w8 tiles at Qwen3-4B's shapes, 128-2,048 rows).
+#: the N × M tiles. The fastest in sum over Qwen3-4B's shapes at 128 and 256 rows of the H100 sweep
+#: (bench_gemm.py --sections decode-mid, 2026-12-07: against 128 × 128 w8, 128 × 64 w4 and 64 × 128 w8 tiles).
 DECODE_CONFIG_MID = dict(DECODE_CONFIG, BM=64)
 
 
@@ -389,7 +389,7 @@ def decode_split(M: int, N: int, K: int, cfg: dict) -> int:
     return split
 
 
-#: Ticket counters (int32, one per N tile) of the fused split-K reduction. Eager launches: one zeroed buffer
+#: Ticket counters (int32, one per output tile: N tiles × M tiles) of the fused split-K reduction. Eager launches: one zeroed buffer
 #: per (device, stream), allocated on first use on that stream (so its zero-fill is ordered before its first
 #: use) and never freed; every launch leaves it at zero. Grown (a new buffer, the old one kept alive) when a
 #: launch needs more tiles. While a CUDA graph is being captured each launch gets its own zeroed buffer
@@ -473,7 +473,7 @@ def launch_decode(
     column stride), W packed uint8 [N, Kp/2] + e4m3 scales [N, Kp/16] (row-major rows).
 
     Split-K (``SPLIT_K > 1``): ``fused_reduce`` (default ``config["FUSED_REDUCE"]``, else True) sums the
-    partials inside the kernel (one launch) instead of a second kernel; both give the same bits. ``counters``: zeroed int32 [≥ N tiles] ticket counters for the fused
+    partials inside the kernel (one launch) instead of a second kernel; both give the same bits. ``counters``: zeroed int32 [≥ N tiles × M tiles] ticket counters for the fused
     path (left zeroed after every launch); default the device's cached buffer (:func:`splitk_counters`).
     """
     M, N = out.shape
@@ -694,6 +694,10 @@ def decode_launch(
     total = sum(members) if members else N
     dot_dtype, precision = dot_dtypes(x_dtype, False, torch.uint8, True, "decode")
     cfg = dict(config) if config else decode_config(M, total, K, split_k)
+    if M * max(total * cfg["SPLIT_K"], K) >= 2**31:  # the kernel's offsets into x, out, the partials: int32
+        raise ValueError(
+            f"the decode kernel takes M·max(N·split, K) < 2**31, got M={M}, N={total}, K={K}, split {cfg['SPLIT_K']}"
+        )
     fused = cfg.pop("FUSED_REDUCE", True)
     fused = fused if fused_reduce is None else fused_reduce
     if members and not fused:

@@ -703,9 +703,11 @@ def gemm_w4a16(
 
     The weight's exact ``q·s`` (in x's dtype) meets x on the tensor cores, the products are exact in fp32,
     the accumulation is fp32 and w's outer scale is applied in the epilogue. ``out_dtype`` defaults to
-    x's dtype. Backends as in :func:`gemm`: ``triton`` (decode kernel for M ≤ SMALL_M, Triton GEMM on the
-    expanded weight above), ``cublas`` (expanded weight; ``w_expanded`` [N, Kp] in x's dtype may be
-    cached), ``fused`` or ``reference``; ``auto`` as in :func:`gemm`.
+    x's dtype. Backends: ``triton`` (the decode kernel up to :data:`W4A16_UNPACK_MAX_M` rows, which reads the
+    packed weight and not ``w_expanded``; the Triton GEMM on the expanded weight above), ``cublas`` (expanded
+    weight; ``w_expanded`` [N, Kp] in x's dtype may be cached), ``fused`` or ``reference``; ``auto``: as
+    ``triton`` up to :data:`W4A16_UNPACK_MAX_M` rows, above as in :func:`gemm` (cuBLAS with ``alpha`` for a
+    per-tensor outer scale, the Triton GEMM for per-row ones).
     """
     M, N, K = _check_w4a16(x, w, bias, out_dtype)
     out_dtype = out_dtype or x.dtype

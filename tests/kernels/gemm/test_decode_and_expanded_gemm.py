@@ -116,7 +116,7 @@ def test_cublas_alpha_path_is_one_rounding(out_dtype):
 
 def test_w4a16_large_m_backends_and_cached_expansion():
     gen = torch.Generator().manual_seed(8)
-    x = torch.randn(SMALL_M + 5, 48, generator=gen).to(torch.bfloat16).to(device())
+    x = torch.randn(mm.W4A16_UNPACK_MAX_M + 5, 48, generator=gen).to(torch.bfloat16).to(device())  # the expand route
     w = random_nvfp4((20, 48), gen=gen)
     ref = gemm_w4a16_reference(x, w, out_dtype=torch.float64)
     for backend in ("triton", "cublas", "fused"):
@@ -146,6 +146,8 @@ def test_decode_kernel_tiles_m_above_its_tile(split_k, fused):
     members = [(w.data, w.scale, _poisoned(M, N), None, None)] * 2
     with pytest.raises(ValueError, match="M <= 64"):
         gd.launch_decode_group(x, members, K, None)
+    with pytest.raises(ValueError, match="< 2\\*\\*31"):  # int32 offsets
+        gd.decode_launch(2**19, 4096, 4096, 256, torch.float16, torch.float32)
 
 
 def test_w4a16_runs_the_decode_kernel_up_to_its_rows(monkeypatch):
