@@ -534,6 +534,15 @@ def cold_copies(nbytes: float) -> int:
     return max(2, int(-(-COLD_BYTES // nbytes)))
 
 
+def cold_weights(n: int, k: int, recipe) -> tuple[list, list]:
+    """Random [n, k] weights for cold-L2 timings: :func:`cold_copies` bf16 copies and as many NVFP4 copies
+    (quantized with ``recipe``) as stream :data:`COLD_BYTES` at 0.5625 bytes per weight."""
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(cold_copies(n * k * 2))]
+    qs = [quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02, recipe)
+          for _ in range(cold_copies(n * k * 0.5625))]  # fmt: skip
+    return ws, qs
+
+
 def cold_us(calls) -> float:
     """µs per call of ``calls`` (each on its own weight copy) replayed back to back in one CUDA graph: every
     call finds its weights out of L2, as a model's layers do (``do_bench_cudagraph`` replays one graph; a
@@ -552,10 +561,7 @@ def decode_cold() -> None:
     emit("|---|---|---|---|---|---|---|---|---|---|")
     act = QuantRecipe(scale="row", profile="compressed-tensors")
     for model, layer, n, k in qwen3_shapes():
-        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-              for _ in range(cold_copies(n * k * 2))]  # fmt: skip
-        qs = [quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02, act)
-              for _ in range(cold_copies(n * k * 0.5625))]  # fmt: skip
+        ws, qs = cold_weights(n, k, act)
         for m in (1, 16):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             err = rel(gemm_w4a16(x, qs[0], backend="triton", out_dtype=torch.float32),
@@ -592,10 +598,7 @@ def w4a16_prefill() -> None:
     emit("|---|---|---|---|---|---|---|---|---|---|---|")
     act = QuantRecipe(scale="row", profile="compressed-tensors")
     for layer, (n, k) in PREFILL_SHAPES.items():
-        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-              for _ in range(cold_copies(n * k * 2))]  # fmt: skip
-        qs = [quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02, act)
-              for _ in range(cold_copies(n * k * 0.5625))]  # fmt: skip
+        ws, qs = cold_weights(n, k, act)
         for m in PREFILL_MS:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = gemm_w4a16_reference(x, qs[0], out_dtype=torch.float64)
@@ -681,10 +684,7 @@ def decode_mid() -> None:
     emit("|---|---|---|---|---|" + "---|" * len(names) + "---|---|")
     act = QuantRecipe(scale="row", profile="compressed-tensors")
     for layer, (n, k) in PREFILL_SHAPES.items():
-        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-              for _ in range(cold_copies(n * k * 2))]  # fmt: skip
-        qs = [quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02, act)
-              for _ in range(cold_copies(n * k * 0.5625))]  # fmt: skip
+        ws, qs = cold_weights(n, k, act)
         for m in PREFILL_MS[1:]:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = gemm_w4a16_reference(x, qs[0], out_dtype=torch.float64)
