@@ -3,7 +3,7 @@
 
     python experiments/bench/bench_gemm.py [--quick] [--sections correctness,w4a4,decode,linear,cache] [--sweep]
     (other sections: decode-shapes, decode-groups, decode-variants, decode-cold, w4a16-prefill,
-    dense-mid, decode-mid)
+    dense-mid, decode-mid, floor)
 
 1. correctness vs the torch reference (dequantize, fp64 matmul) on real shapes, every backend (decode,
    dense-on-expanded, cuBLAS alpha, fused), per-tensor and per-row scales, a NaN block scale, and the
@@ -27,6 +27,8 @@
    Triton GEMM above), the expand alone, expand + cuBLAS (fp32
    output, torch epilogue), the ``fused`` kernel; ``dense-mid``: the dense Triton GEMM alone there, its tiles
    against cuBLAS bf16; ``decode-mid``: the decode kernel there (the weight unpacked in registers, M tiled).
+7. ``floor``: the per-launch floor in a CUDA graph (a one-store Triton kernel, a 1×64×64 ``torch.mm``); also
+   printed by ``decode-shapes``.
 
 Timings are ``triton.testing.do_bench`` medians (ms) on random (never zero) data. Writes the table to
 ``$OUT/bench_gemm.md`` when ``OUT`` is set.
@@ -309,11 +311,35 @@ def qwen3_shapes():
                 yield model, layer, n, k
 
 
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _one_store(out_ptr):
+    """The smallest useful kernel: one program stores one value (the launch floor of :func:`floor`)."""
+    tl.store(out_ptr, 1.0)
+
+
+def floor() -> None:
+    """The per-launch floor inside a CUDA graph, µs: a one-store Triton kernel and cuBLAS's 1×64×64 bf16
+    ``torch.mm`` (both timed as the shapes below are). A GEMM cannot take less; a speed-up over bf16 of r at a
+    shape needs bf16's time ≥ r × this floor."""
+    out = torch.empty(1, device="cuda")
+    x = torch.randn(1, 64, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+    t_triton = 1e3 * do_bench_cudagraph(lambda: _one_store[(1,)](out))
+    t_mm = 1e3 * do_bench_cudagraph(lambda: torch.mm(x, w.T))
+    emit(
+        f"Launch floor in a CUDA graph: one-store Triton kernel {t_triton:.2f} µs, torch.mm 1×64×64 {t_mm:.2f} µs"
+    )
+
+
 def decode_shapes(sweep: bool = False) -> None:
     """Each distinct (N, K) of the Qwen3 dense models' Linears, M = 1 and 16, CUDA-graph µs; ``sweep``: then
     the W4A16 decode kernel at each shape with every split-K of :data:`SHAPE_SPLITS` and tile rows of
     :data:`SHAPE_BNS` (outputs checked against the reference): the BN = 64 splits with the default marked,
     and the fastest split at each BN."""
+    floor()
     emit("## Decode at every Qwen3 0.6B–8B Linear shape (CUDA-graph µs; W4A4 + q = with the activation's quantize)")
     emit("| model | layer | N×K | M | bf16 | W4A16 | W4A4 | W4A4 + q | bf16/W4A16 | bf16/W4A4 | bf16/(W4A4 + q) |")
     emit("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -414,10 +440,10 @@ def decode_groups() -> None:
 #: ``decode_variants``: tile and code variants of the W4A16 decode kernel, as config overrides of the default.
 DECODE_VARIANTS = {
     "default": {},
-    "2 stages": dict(num_stages=2),
-    "2 stages, 128 regs": dict(num_stages=2, maxnreg=128),
-    "2 stages, 112 regs": dict(num_stages=2, maxnreg=112),
-    "split x2": dict(SPLIT_K="x2"),
+    "4 stages": dict(num_stages=4),
+    "BN 32": dict(BN=32),
+    "BN 32, 1 warp": dict(BN=32, num_warps=1),
+    "BN 128, 4 warps": dict(BN=128, num_warps=4),
 }
 
 
@@ -671,6 +697,12 @@ DECODE_MID_CANDIDATES = {
     "BM128 BN64 w4": dict(BM=128, BN=64, NB=4, num_warps=4, num_stages=1, PREFETCH=True),
     "BM64 BN128 w8": dict(BM=64, BN=128, NB=8, num_warps=8, num_stages=1, PREFETCH=True),
     "BM64 BN64 w4": dict(BM=64, BN=64, NB=8, num_warps=4, num_stages=1, PREFETCH=True),
+    # cp.async stages instead of the register prefetch: x reaches the wgmma through shared memory
+    "BM64 BN64 w4 s3": dict(BM=64, BN=64, NB=8, num_warps=4, num_stages=3, PREFETCH=False),
+    "BM64 BN128 w4 s3": dict(BM=64, BN=128, NB=8, num_warps=4, num_stages=3, PREFETCH=False),
+    "BM128 BN64 w4 s3": dict(BM=128, BN=64, NB=8, num_warps=4, num_stages=3, PREFETCH=False),
+    "BM128 BN128 w8 s3": dict(BM=128, BN=128, NB=8, num_warps=8, num_stages=3, PREFETCH=False),
+    "BM64 BN64 w2 s3": dict(BM=64, BN=64, NB=8, num_warps=2, num_stages=3, PREFETCH=False),  # mma.sync
 }
 
 
@@ -685,7 +717,7 @@ def decode_mid() -> None:
     act = QuantRecipe(scale="row", profile="compressed-tensors")
     for layer, (n, k) in PREFILL_SHAPES.items():
         ws, qs = cold_weights(n, k, act)
-        for m in PREFILL_MS[1:]:
+        for m in PREFILL_MS[1:-1]:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = gemm_w4a16_reference(x, qs[0], out_dtype=torch.float64)
             configs = {"DECODE_CONFIG_MID": gd.decode_config(m, n, k)}
@@ -1096,6 +1128,7 @@ def main() -> None:
         "w4a16-prefill": w4a16_prefill,
         "dense-mid": dense_mid,
         "decode-mid": decode_mid,
+        "floor": floor,
         "linear": lambda: linear(args.quick),
         "cache": lambda: cache_check(args.quick),
     }
