@@ -3,7 +3,7 @@
 
     python experiments/bench/bench_gemm.py [--quick] [--sections correctness,w4a4,decode,linear,cache] [--sweep]
     (other sections: decode-shapes, decode-groups, decode-variants, decode-cold, w4a16-prefill,
-    dense-mid, decode-mid, floor)
+    dense-mid, decode-mid, floor, dense-tma)
 
 1. correctness vs the torch reference (dequantize, fp64 matmul) on real shapes, every backend (decode,
    dense-on-expanded, cuBLAS alpha, fused), per-tensor and per-row scales, a NaN block scale, and the
@@ -27,7 +27,9 @@
    Triton GEMM above), the expand alone, expand + cuBLAS (fp32
    output, torch epilogue), the ``fused`` kernel; ``dense-mid``: the dense Triton GEMM alone there, its tiles
    against cuBLAS bf16; ``decode-mid``: the decode kernel there (the weight unpacked in registers, M tiled).
-7. ``floor``: the per-launch floor in a CUDA graph (a one-store Triton kernel, a 1×64×64 ``torch.mm``); also
+7. ``dense-tma``: the dense GEMM's persistent TMA kernel (tile candidates) against its pointer kernel and
+   cuBLAS bf16, at the learner's large shapes and Qwen3-4B's prefill rows.
+8. ``floor``: the per-launch floor in a CUDA graph (a one-store Triton kernel, a 1×64×64 ``torch.mm``); also
    printed by ``decode-shapes``.
 
 Timings are ``triton.testing.do_bench`` medians (ms) on random (never zero) data. Writes the table to
@@ -691,6 +693,67 @@ def dense_mid() -> None:
         torch.cuda.empty_cache()
 
 
+#: ``dense-tma``: tiles of the persistent TMA kernel (``gemm_dense._gemm_tma_kernel``, split 1)
+TMA_CANDIDATES = {
+    "tma 128x256 w8 s3": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+    "tma 128x256 w8 s4": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
+    "tma 256x128 w8 s3": dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+    "tma 128x128 w8 s4": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
+    "tma 128x128 w4 s4": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
+}
+#: ``dense-tma``: (M, N, K): the learner's large GEMMs (W4A4 GEMM forward), then Qwen3-4B's prefill rows
+TMA_SHAPES = [(16384, 4096, 4096), (16384, 12288, 4096), (16384, 4096, 12288), (8192, 2560, 9728),
+              (8192, 9728, 2560)] + [(m, n, k) for m in (512, 1024, 2048) for n, k in PREFILL_SHAPES.values()]  # fmt: skip
+
+
+def dense_tma() -> None:
+    """The dense (expanded-operand) GEMM on bf16 operands, per-row outer scale in the epilogue, bf16 output:
+    cuBLAS bf16 ``torch.mm`` (the peer), the default route (``_tile_config``: masked pointer loads, split-K at
+    mid M) and the persistent TMA kernel with each of :data:`TMA_CANDIDATES` (split 1). Every output checked
+    against an fp64 matmul first, and each TMA tile's bits against the pointer kernel with the same tiles.
+    Large M: ``do_bench`` µs (operands far larger than L2); mid M: cold L2 (:func:`cold_us`)."""
+    emit("## Dense GEMM: persistent TMA kernel vs the pointer kernel vs cuBLAS (µs; bits = TMA == pointer, same tiles)")
+    names = ["default", *TMA_CANDIDATES]
+    emit("| M×N×K | cuBLAS bf16 | " + " | ".join(names) + " | cuBLAS/default | cuBLAS/best TMA | bits |")
+    emit("|---|---|" + "---|" * len(names) + "---|---|---|")
+    for m, n, k in TMA_SHAPES:
+        cold = m <= 2048
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+              for _ in range(cold_copies(n * k * 2) if cold else 1)]  # fmt: skip
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        g = torch.rand(n, device="cuda", dtype=torch.float32) + 0.5
+        ref = (x.double() @ ws[0].double().T) * g.double()
+        configs = {"default": gemm_dense._tile_config(m, n, k, None)}
+        configs.update({nm: dict(c, SPLIT_K=1, TMA=True) for nm, c in TMA_CANDIDATES.items()})
+        times, same = {}, True
+        for name, cfg in configs.items():
+            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            try:
+                gemm_dense.launch_gemm(x, None, ws[0], None, k, out, None, g, None, config=cfg)
+            except Exception as e:  # a configuration that does not compile: reported, skipped
+                emit(f"({m}×{n}×{k} {name}: {type(e).__name__}: {str(e)[:160]})")
+                continue
+            assert rel(out.float(), ref) < 1e-2, (m, n, k, name, rel(out.float(), ref))
+            if cfg.get("TMA"):
+                twin = torch.empty_like(out)
+                gemm_dense.launch_gemm(x, None, ws[0], None, k, twin, None, g, None, config=dict(cfg, TMA=False))
+                same &= same_bits(out, twin)
+
+            def run(w, cfg=cfg):
+                o = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+                gemm_dense.launch_gemm(x, None, w, None, k, o, None, g, None, config=cfg)
+
+            times[name] = cold_us([lambda w=w: run(w) for w in ws]) if cold else 1e3 * do_bench(lambda: run(ws[0]))
+        peer = (cold_us([lambda w=w: torch.mm(x, w.T) for w in ws]) if cold
+                else 1e3 * do_bench(lambda: torch.mm(x, ws[0].T)))  # fmt: skip
+        cells = [f"{times[nm]:.1f}" if nm in times else "-" for nm in names]
+        best = min((t for nm, t in times.items() if nm != "default"), default=float("nan"))
+        emit(f"| {m}×{n}×{k} | {peer:.1f} | " + " | ".join(cells)
+             + f" | {peer / times['default']:.2f} | {peer / best:.2f} | {'same' if same else 'DIFFER'} |")  # fmt: skip
+        ws = None
+        torch.cuda.empty_cache()
+
+
 #: ``decode-mid``: tiles of the decode kernel above 64 rows timed beside the default (``DECODE_CONFIG_MID``),
 #: each with ``gemm_decode.decode_split``'s split-K
 DECODE_MID_CANDIDATES = {
@@ -1129,6 +1192,7 @@ def main() -> None:
         "dense-mid": dense_mid,
         "decode-mid": decode_mid,
         "floor": floor,
+        "dense-tma": dense_tma,
         "linear": lambda: linear(args.quick),
         "cache": lambda: cache_check(args.quick),
     }

@@ -28,6 +28,7 @@ import dataclasses
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from triage.kernels._launch import cdiv, fast_launch
 from triage.kernels.nvfp4.device import (
@@ -161,6 +162,35 @@ def _gemm_kernel(
         mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
         ws = ws_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :]
         tl.store(ws, acc, mask=mask)
+
+
+@triton.jit
+def _gemm_tma_kernel(
+    a_desc, b_desc, c_ptr, ga_ptr, gb_ptr, bias_ptr, M, N, K, stride_cm, stride_cn, out_mult,
+    GA_MODE: tl.constexpr, GB_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, BF16_BY_HAND: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, programs,
+):  # fmt: skip
+    """:func:`_gemm_kernel` for two dense operands without split-K, persistent and fed by TMA: ``programs``
+    programs (at most one per SM) sweep the output tiles (``tile = pid, pid + programs, ...``, grouped as
+    :func:`~.device.swizzled_tile`); ``a_desc`` / ``b_desc`` are tensor descriptors of A [M, K] and B [N, K]
+    with blocks [BLOCK_M, BLOCK_K] / [BLOCK_N, BLOCK_K]. TMA fills what lies past M, N or K with zeros, so
+    the loop has no masks. The same fp32 sums of the same exact products, the same epilogue."""
+    k_steps = tl.cdiv(K, BLOCK_K)
+    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), tiles, programs, flatten=True):
+        pid_m, pid_n = swizzled_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ks in range(k_steps):
+            a = a_desc.load([pid_m * BLOCK_M, ks * BLOCK_K]).to(DOT_DTYPE)
+            b = b_desc.load([pid_n * BLOCK_N, ks * BLOCK_K]).to(DOT_DTYPE)
+            acc = tl.dot(a, b.T, acc, input_precision=INPUT_PRECISION)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        epilogue(
+            acc, offs_m, offs_n, M, N, c_ptr, stride_cm, stride_cn, ga_ptr, gb_ptr, bias_ptr, out_mult,
+            GA_MODE, GB_MODE, HAS_BIAS, BF16_BY_HAND,
+        )  # fmt: skip
 
 
 @fast_launch
@@ -365,10 +395,26 @@ class DenseLaunch:
     split: int
     out_mult: float
     kwargs: dict  # constexprs, num_warps, num_stages
+    tma: bool = False  # dense operands, no split: :func:`_gemm_tma_kernel` where both operands allow TMA
 
     def run(self, a, a_scale, b, b_scale, out, g_a, g_b, bias) -> torch.Tensor:
         """:func:`launch_gemm` for operands of the planned shapes, dtypes and packing."""
         dummy = out  # never dereferenced when the matching constexpr switch is off
+        if self.tma and tma_ready(a) and tma_ready(b):
+            kw = self.kwargs
+            bm, bn, bk = kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"]
+            programs = min(self.grid[0], 3 if interpreting() else num_sms())  # (interpreted: several tiles each)
+            _gemm_tma_kernel[(programs,)](
+                TensorDescriptor(a, [self.M, self.K], [a.stride(0), 1], [bm, bk]),
+                TensorDescriptor(b, [self.N, self.K], [b.stride(0), 1], [bn, bk]),
+                out, g_a if g_a is not None else dummy, g_b if g_b is not None else dummy,
+                bias if bias is not None else dummy, self.M, self.N, self.K, out.stride(0), out.stride(1),
+                self.out_mult, GA_MODE=scale_mode(g_a), GB_MODE=scale_mode(g_b), HAS_BIAS=bias is not None,
+                BF16_BY_HAND=kw["BF16_BY_HAND"], DOT_DTYPE=kw["DOT_DTYPE"], INPUT_PRECISION=kw["INPUT_PRECISION"],
+                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=kw["GROUP_M"], programs=programs,
+                num_warps=kw["num_warps"], num_stages=kw["num_stages"],
+            )  # fmt: skip
+            return out
         split = self.split
         ws = torch.empty((split, self.M, self.N), device=out.device, dtype=torch.float32) if split > 1 else dummy
         _gemm_kernel[self.grid](
@@ -400,13 +446,22 @@ def dense_launch(
     """The :class:`DenseLaunch` of :func:`launch_gemm` (``config``: tiles, default :func:`_tile_config`)."""
     dot_dtype, input_precision = dot_dtypes(a_dtype, a_packed, b_dtype, b_packed, "GEMM")
     cfg = dict(config) if config else _tile_config(M, N, K, split_k)
+    tma = bool(cfg.pop("TMA", False)) and not (a_packed or b_packed) and cfg["SPLIT_K"] == 1
     grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]), cfg["SPLIT_K"])
     kwargs = dict(
         A_PACKED=a_packed, B_PACKED=b_packed, BF16_BY_HAND=bf16_by_hand(out_dtype),
         DOT_DTYPE=dot_dtype, INPUT_PRECISION=input_precision, **cfg,
     )  # fmt: skip
     out_mult = unpack_mult(a_packed, b_packed)
-    return DenseLaunch(M=M, N=N, K=K, grid=grid, split=cfg["SPLIT_K"], out_mult=out_mult, kwargs=kwargs)
+    return DenseLaunch(M=M, N=N, K=K, grid=grid, split=cfg["SPLIT_K"], out_mult=out_mult, kwargs=kwargs, tma=tma)
+
+
+def tma_ready(t: torch.Tensor) -> bool:
+    """Whether a 2-D operand can be read through a TMA descriptor: unit last stride, 16-byte aligned base
+    and row stride (otherwise :class:`DenseLaunch` runs :func:`_gemm_kernel` on it)."""
+    return (
+        t.dim() == 2 and t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+    )
 
 
 def splitk_reduce(ws, out, g_a, g_b, bias, out_mult, split) -> None:

@@ -238,3 +238,60 @@ def test_mid_tiles_with_split_k_are_exact_on_expanded_operands():
         )  # fmt: skip
         assert not torch.isnan(out).any()
         assert rel_err(out, ref) < FP32_TOL
+
+
+TMA_TILES = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, SPLIT_K=1, num_warps=4, num_stages=1)
+
+
+@pytest.mark.parametrize("M,N,K", [(5, 33, 48), (37, 19, 80), (70, 40, 96), (33, 70, 1040)])
+@pytest.mark.parametrize("scale", ["tensor", "row"])
+def test_tma_kernel_gives_the_pointer_kernels_bits(M, N, K, scale):
+    """The persistent TMA kernel (dense operands, no split; TMA zero-fills past M, N and K) against the
+    fp64 reference and bit for bit against the masked-pointer kernel with the same tiles: W4A4's fp16
+    expansions with outer scales per tensor or per row and a bias, fp32 and bf16 outputs; every element
+    written (the tile counts are no multiple of the programs)."""
+    gen = torch.Generator().manual_seed(M + N + K)
+    a = random_nvfp4((M, K), gen=gen, scale=scale, scale_exp=(-3, 3))
+    b = random_nvfp4((N, K), gen=gen, scale=scale, scale_exp=(-3, 3))
+    bias = torch.randn(N, generator=gen).to(device())
+    ref = gemm_reference(a, b, out_dtype=torch.float64, bias=bias)
+    xa, wb = expand(a, torch.float16), expand(b, torch.float16)
+    g_a, g_b = a.global_scale.reshape(-1), b.global_scale.reshape(-1)
+    launch = gemm_dense.dense_launch(M, N, K, torch.float16, False, torch.float16, False, torch.float32,
+                                     config=dict(TMA_TILES, TMA=True))  # fmt: skip
+    assert launch.tma and gemm_dense.tma_ready(xa) and gemm_dense.tma_ready(wb)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        outs = []
+        for tma in (True, False):
+            out = _poisoned(M, N, out_dtype)
+            gemm_dense.launch_gemm(xa, None, wb, None, K, out, g_a, g_b, bias, config=dict(TMA_TILES, TMA=tma))
+            assert not torch.isnan(out).any()
+            outs.append(out)
+        assert torch.equal(outs[0].view(torch.int16 if out_dtype != torch.float32 else torch.int32),
+                           outs[1].view(torch.int16 if out_dtype != torch.float32 else torch.int32))  # fmt: skip
+        if out_dtype == torch.float32:
+            assert rel_err(outs[0], ref) < FP32_TOL
+
+
+def test_tma_kernel_falls_back_on_unaligned_rows():
+    """An operand whose row stride is not a multiple of 16 bytes (a [M, K] view of a wider buffer) cannot be
+    read by TMA: the launch runs the pointer kernel instead, with the same result; packed operands and a
+    split never take the TMA kernel."""
+    gen = torch.Generator().manual_seed(3)
+    M, N, K = 20, 24, 96
+    a = random_nvfp4((M, K), gen=gen)
+    b = random_nvfp4((N, K), gen=gen)
+    wide = torch.zeros(M, K + 4, dtype=torch.float16, device=device())
+    wide[:, :K] = expand(a, torch.float16)
+    xa = wide[:, :K]
+    assert not gemm_dense.tma_ready(xa)
+    ref = gemm_reference(a, b, out_dtype=torch.float64)
+    out = _poisoned(M, N, torch.float32)
+    g_a, g_b = a.global_scale.reshape(-1), b.global_scale.reshape(-1)
+    gemm_dense.launch_gemm(xa, None, expand(b, torch.float16), None, K, out, g_a, g_b, None,
+                           config=dict(TMA_TILES, TMA=True))  # fmt: skip
+    assert rel_err(out, ref) < FP32_TOL
+    assert not gemm_dense.dense_launch(M, N, K, torch.uint8, True, torch.uint8, True, torch.float32,
+                                       config=dict(TMA_TILES, TMA=True)).tma  # fmt: skip
+    assert not gemm_dense.dense_launch(M, N, K, torch.float16, False, torch.float16, False, torch.float32,
+                                       config=dict(TMA_TILES, SPLIT_K=2, TMA=True)).tma  # fmt: skip
