@@ -303,8 +303,22 @@ def num_sms() -> int:
     return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
-#: Large-M tile of the dense (expanded-operand) GEMM: the best of the H200 sweep in bench_gemm.py --sweep
-#: (2026-11-29: 256x128x64 w8 s3 at 1.13-1.34x cuBLAS bf16; 128x256x64 w8 s3/s4 1.19-1.40x).
+#: Whether a CUDA device (by index) has TMA (sm_90 and later), read once per device.
+_TMA: dict[int, bool] = {}
+
+
+def tma_supported() -> bool:
+    """Whether the current CUDA device can run :func:`_gemm_tma_kernel` (TMA: sm_90 and later)."""
+    index = torch.cuda.current_device()
+    ok = _TMA.get(index)
+    if ok is None:
+        ok = _TMA[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return ok
+
+
+#: Large-M tile of the pointer kernel (:func:`_gemm_kernel`; on sm_90+ two dense operands take the TMA kernel,
+#: :data:`TMA_CONFIG`): the best of the H200 sweep in bench_gemm.py --sweep (2026-11-29: 256x128x64 w8 s3 at
+#: 1.13-1.34x cuBLAS bf16; 128x256x64 w8 s3/s4 1.19-1.40x).
 DENSE_CONFIG = dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
 
 
@@ -321,10 +335,24 @@ MID_CONFIGS = (
 #: The least of K a split of a mid-M GEMM keeps.
 MID_MIN_SPLIT_K = 512
 
+#: Tiles of the persistent TMA kernel (:func:`_gemm_tma_kernel`, no split-K), which two dense operands take on
+#: sm_90+ in place of the pointer kernel: above the last of :data:`MID_CONFIGS`' rows :data:`TMA_CONFIG`;
+#: above the first, :data:`TMA_MID_CONFIG` where its 128 × 128 tiles number at least :data:`TMA_MIN_TILES`
+#: (fewer tiles leave SMs idle that the pointer kernel's split-K fills). From the H100 sweep
+#: (bench_gemm.py --sections dense-tma, docs/benchmarks.md "W4A4 GEMM forward"): 128 × 256 w8 s3 took
+#: 0.94-1.02× cuBLAS bf16's time at 8,192-16,384 rows, the pointer kernel's 256 × 128 tiles 1.13-1.26×;
+#: with this rule 128 × 128 w4 s4 took 20 % / 15 % / 20 % less time than the pointer kernel over a
+#: Qwen3-4B layer's seven GEMMs at 512 / 1,024 / 2,048 rows.
+TMA_CONFIG = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+TMA_MID_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
+TMA_MIN_TILES = 64
 
-def _tile_config(M: int, N: int, K: int, split_k: int | None) -> dict:
+
+def _tile_config(M: int, N: int, K: int, split_k: int | None, dense: bool = False) -> dict:
     """Tile sizes: tiny and fast to interpret under TRITON_INTERPRET; on the GPU the decode-sized tiles up to
-    64 rows, :data:`MID_CONFIGS` (split-K to fill the GPU) up to 2,048 and :data:`DENSE_CONFIG` above."""
+    64 rows, :data:`MID_CONFIGS` (split-K to fill the GPU) up to 2,048 and :data:`DENSE_CONFIG` above; for
+    two ``dense`` operands on sm_90+ with no split asked for, the TMA kernel's tiles above 256 rows
+    (:data:`TMA_CONFIG`, :data:`TMA_MID_CONFIG`; ``TMA=True``)."""
     if interpreting():
         return dict(
             BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=2, SPLIT_K=split_k or 1, num_warps=4, num_stages=1
@@ -339,6 +367,11 @@ def _tile_config(M: int, N: int, K: int, split_k: int | None) -> dict:
             while tiles * split_k < 2 * num_sms() and K // (split_k * 2) >= bk:
                 split_k *= 2
         return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, SPLIT_K=split_k, num_warps=4, num_stages=3)
+    if dense and split_k is None and M > MID_CONFIGS[0][0] and tma_supported():
+        if M > MID_CONFIGS[-1][0]:
+            return dict(TMA_CONFIG, SPLIT_K=1, TMA=True)
+        if cdiv(M, TMA_MID_CONFIG["BLOCK_M"]) * cdiv(N, TMA_MID_CONFIG["BLOCK_N"]) >= TMA_MIN_TILES:
+            return dict(TMA_MID_CONFIG, SPLIT_K=1, TMA=True)
     for largest, cfg in MID_CONFIGS:
         if M <= largest:
             return dict(cfg, SPLIT_K=split_k or mid_split(M, N, K, cfg))
@@ -445,7 +478,7 @@ def dense_launch(
 ) -> DenseLaunch:
     """The :class:`DenseLaunch` of :func:`launch_gemm` (``config``: tiles, default :func:`_tile_config`)."""
     dot_dtype, input_precision = dot_dtypes(a_dtype, a_packed, b_dtype, b_packed, "GEMM")
-    cfg = dict(config) if config else _tile_config(M, N, K, split_k)
+    cfg = dict(config) if config else _tile_config(M, N, K, split_k, dense=not (a_packed or b_packed))
     tma = bool(cfg.pop("TMA", False)) and not (a_packed or b_packed) and cfg["SPLIT_K"] == 1
     grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]), cfg["SPLIT_K"])
     kwargs = dict(

@@ -208,6 +208,7 @@ def test_mid_m_rows_take_mid_tiles_split_to_fill_the_gpu(monkeypatch):
     the last DENSE_CONFIG."""
     monkeypatch.setattr(gemm_dense, "interpreting", lambda: False)
     monkeypatch.setattr(gemm_dense, "num_sms", lambda: 132)
+    monkeypatch.setattr(gemm_dense, "tma_supported", lambda: True)  # packed operands never take TMA tiles
     (small_m, small), (mid_m, mid) = gemm_dense.MID_CONFIGS
     assert gemm_dense._tile_config(64, 1024, 2560, None)["BLOCK_M"] == 64
     assert gemm_dense._tile_config(128, 1024, 2560, None) == dict(small, SPLIT_K=4)  # 2 × 8 tiles; 2560 / 8 < 512
@@ -219,6 +220,33 @@ def test_mid_m_rows_take_mid_tiles_split_to_fill_the_gpu(monkeypatch):
     assert gemm_dense._tile_config(mid_m, 1024, 2560, None)["BLOCK_M"] == mid["BLOCK_M"]
     large = gemm_dense._tile_config(mid_m + 1, 1024, 2560, None)
     assert large == dict(gemm_dense.DENSE_CONFIG, SPLIT_K=1)
+
+
+def test_dense_operands_take_tma_tiles_above_256_rows_on_sm90(monkeypatch):
+    """Two dense operands on a TMA GPU: the pointer tiles up to 256 rows; above, TMA_MID_CONFIG (no split)
+    where its 128 × 128 tiles number ≥ TMA_MIN_TILES, else the mid pointer tiles with their split; above
+    2,048 rows TMA_CONFIG. An explicit split, packed operands or a GPU without TMA keep the pointer kernel."""
+    monkeypatch.setattr(gemm_dense, "interpreting", lambda: False)
+    monkeypatch.setattr(gemm_dense, "num_sms", lambda: 132)
+    monkeypatch.setattr(gemm_dense, "tma_supported", lambda: True)
+    (small_m, small), (mid_m, mid) = gemm_dense.MID_CONFIGS
+    tma_mid = dict(gemm_dense.TMA_MID_CONFIG, SPLIT_K=1, TMA=True)
+    assert gemm_dense._tile_config(small_m, 4096, 2560, None, dense=True) == dict(small, SPLIT_K=2)
+    assert gemm_dense._tile_config(small_m + 1, 4096, 2560, None, dense=True) == tma_mid  # 3 × 32 tiles
+    assert gemm_dense._tile_config(512, 1024, 2560, None, dense=True) == dict(mid, SPLIT_K=4)  # 4 × 8 < 64
+    assert gemm_dense._tile_config(1024, 1024, 2560, None, dense=True) == tma_mid  # 8 × 8 = 64
+    assert gemm_dense._tile_config(mid_m, 9728, 2560, None, dense=True) == tma_mid
+    assert gemm_dense._tile_config(mid_m + 1, 1024, 2560, None, dense=True) == dict(
+        gemm_dense.TMA_CONFIG, SPLIT_K=1, TMA=True
+    )
+    assert gemm_dense._tile_config(mid_m + 1, 1024, 2560, 2, dense=True)["SPLIT_K"] == 2
+    launch = gemm_dense.dense_launch(4096, 1024, 2560, torch.bfloat16, False, torch.bfloat16, False, torch.bfloat16)
+    assert launch.tma and launch.split == 1 and "TMA" not in launch.kwargs
+    assert not gemm_dense.dense_launch(4096, 1024, 2560, torch.uint8, True, torch.uint8, True, torch.bfloat16).tma
+    monkeypatch.setattr(gemm_dense, "tma_supported", lambda: False)
+    assert gemm_dense._tile_config(mid_m + 1, 1024, 2560, None, dense=True) == dict(
+        gemm_dense.DENSE_CONFIG, SPLIT_K=1
+    )
 
 
 def test_mid_tiles_with_split_k_are_exact_on_expanded_operands():
