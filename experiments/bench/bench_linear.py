@@ -183,7 +183,7 @@ def main() -> None:
     p.add_argument(
         "--compare-sync",
         action="store_true",
-        help="also time with SYNC_FREE_MAX_FLOP=0 (cuBLAS alpha + a sync)",
+        help="also time with SYNC_FREE_MAX_FLOP(_TMA)=0 (cuBLAS alpha + a sync)",
     )
     args = p.parse_args()
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
@@ -263,11 +263,17 @@ def main() -> None:
     if args.cprofile:
         lines += ["", host_profile(model, args.batch, args.seq)]
     if args.compare_sync:
+        from triage.kernels import linear as linear_mod
         from triage.kernels.nvfp4 import matmul as gemm_mod
 
-        old, gemm_mod.SYNC_FREE_MAX_FLOP = gemm_mod.SYNC_FREE_MAX_FLOP, 0.0
+        old = gemm_mod.SYNC_FREE_MAX_FLOP, gemm_mod.SYNC_FREE_MAX_FLOP_TMA
+        gemm_mod.SYNC_FREE_MAX_FLOP = gemm_mod.SYNC_FREE_MAX_FLOP_TMA = 0.0
+        gemm_mod._GEMM_PLANS.clear()  # plans (and the layers' call plans) read the limits when they are built
+        linear_mod._PLANS.clear()
         sync = tokens_per_s(model, args.batch, args.seq, args.steps)
-        gemm_mod.SYNC_FREE_MAX_FLOP = old
+        gemm_mod.SYNC_FREE_MAX_FLOP, gemm_mod.SYNC_FREE_MAX_FLOP_TMA = old
+        gemm_mod._GEMM_PLANS.clear()
+        linear_mod._PLANS.clear()
         lines.append(
             f"| NVFP4 ({args.backward}), cuBLAS alpha + sync per GEMM | {sync:,.0f} tok/s | {sync / bf16:.2f} |"
         )

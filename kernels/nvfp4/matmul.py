@@ -331,8 +331,12 @@ def _expand(data: torch.Tensor, scale: torch.Tensor, K: int, dtype: torch.dtype)
 
 
 #: Largest GEMM (2·M·N·K) for which ``backend="auto"`` prefers the sync-free Triton GEMM over cuBLAS when
-#: the activation's per-tensor scale is dynamic (only on the device). Above it the GEMM hides the sync.
+#: the activation's per-tensor scale is dynamic (only on the device), on GPUs without TMA (before sm_90):
+#: above it the GEMM hides the sync. On sm_90+ the limit is :data:`SYNC_FREE_MAX_FLOP_TMA`: the Triton GEMM's
+#: persistent TMA kernel runs at cuBLAS's speed there (docs/benchmarks.md, "W4A4 GEMM forward"), so a
+#: dynamic scale never costs a sync (and the GEMM can be captured in a CUDA graph).
 SYNC_FREE_MAX_FLOP = 2.5e11
+SYNC_FREE_MAX_FLOP_TMA = float("inf")
 
 
 def _host_known(t) -> bool:
@@ -631,10 +635,11 @@ def _build_gemm_plan(a, b, out_dtype, bias, backend, b_expanded, b_scale_host, h
     elif which in ("triton", "cublas"):
         if which == "cublas" and backend == "auto" and device.type == "cuda":
             # cuBLAS takes the outer scales as a host alpha: a dynamic per-tensor activation scale costs a
-            # device->host read (a sync that stalls the launch queue). Below SYNC_FREE_MAX_FLOP the Triton
-            # GEMM (scales read on the device) wins; per-row/per-expert scales always go there.
+            # device->host read (a sync that stalls the launch queue). Below SYNC_FREE_MAX_FLOP (any size on
+            # sm_90+) the Triton GEMM (scales read on the device) wins; per-row/per-expert scales always go there.
             needs_sync = per_tensor and not _host_known(a)
-            if not per_tensor or (needs_sync and 2.0 * M * N * K < SYNC_FREE_MAX_FLOP):
+            limit = SYNC_FREE_MAX_FLOP_TMA if _major(device) >= 9 else SYNC_FREE_MAX_FLOP
+            if not per_tensor or (needs_sync and 2.0 * M * N * K < limit):
                 which = "triton"
         route = "dense" if which == "triton" else ("alpha" if per_tensor else "scaled")
         if route == "alpha" and not host_scales and not (_host_known(a) and _host_known(b)):

@@ -147,6 +147,7 @@ def test_host_scales_false_routes(monkeypatch):
     # read on the host), which host_scales=False must then leave; fresh plan caches (the threshold is read
     # when a plan is built).
     monkeypatch.setattr(mm, "SYNC_FREE_MAX_FLOP", 0)
+    monkeypatch.setattr(mm, "SYNC_FREE_MAX_FLOP_TMA", 0)
     monkeypatch.setattr(mm, "_GEMM_PLANS", {})
     g = torch.Generator().manual_seed(4)
     a, b = random_nvfp4((70, 32), gen=g), random_nvfp4((16, 32), gen=g)  # > SMALL_M rows

@@ -366,6 +366,7 @@ def test_the_compiled_capturable_op_reads_nothing_on_the_host(monkeypatch, captu
     # activation's scale is dynamic, as these small GEMMs are (the interpreter has no such rule): a zero
     # threshold gives them the large-GEMM routes on both, and fresh plan caches (read when a plan is built).
     monkeypatch.setattr(matmul, "SYNC_FREE_MAX_FLOP", 0)
+    monkeypatch.setattr(matmul, "SYNC_FREE_MAX_FLOP_TMA", 0)
     monkeypatch.setattr(matmul, "_GEMM_PLANS", {})
     monkeypatch.setattr(linear, "_PLANS", {})
     cached, model = _pair("nvfp4-backward", device=device())
