@@ -271,7 +271,7 @@ def test_mid_tiles_with_split_k_are_exact_on_expanded_operands():
 TMA_TILES = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, SPLIT_K=1, num_warps=4, num_stages=1)
 
 
-@pytest.mark.parametrize("M,N,K", [(5, 33, 48), (37, 19, 80), (70, 40, 96), (33, 70, 1040)])
+@pytest.mark.parametrize("M,N,K", [(5, 33, 48), (37, 19, 80), (70, 40, 96), (33, 70, 528)])
 @pytest.mark.parametrize("scale", ["tensor", "row"])
 def test_tma_kernel_gives_the_pointer_kernels_bits(M, N, K, scale):
     """The persistent TMA kernel (dense operands, no split; TMA zero-fills past M, N and K) against the
@@ -323,3 +323,39 @@ def test_tma_kernel_falls_back_on_unaligned_rows():
                                        config=dict(TMA_TILES, TMA=True)).tma  # fmt: skip
     assert not gemm_dense.dense_launch(M, N, K, torch.float16, False, torch.float16, False, torch.float32,
                                        config=dict(TMA_TILES, SPLIT_K=2, TMA=True)).tma  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(
+    "M,N,K,scale", [(4096, 2560, 9728, "tensor"), (512, 9728, 2560, "row"), (3000, 1000, 1040, "row")]
+)
+def test_tma_route_in_a_cuda_graph_gives_the_eager_bits(M, N, K, scale):
+    """The GEMM plans of a capture (``host_scales=False``) that take the TMA kernel (TMA_CONFIG above 2,048
+    rows, TMA_MID_CONFIG below; K not a multiple of the tile's) replay in a CUDA graph with the eager run's
+    bits, within bf16 rounding of the fp64 reference."""
+    from triage.kernels.nvfp4 import QuantRecipe, quantize
+    from triage.kernels.nvfp4.matmul import gemm_plan
+
+    torch.manual_seed(0)
+    recipe = QuantRecipe(scale=scale)
+    a = quantize(torch.randn(M, K, device="cuda", dtype=torch.bfloat16), recipe, emit_expanded=torch.bfloat16)
+    b = quantize(torch.randn(N, K, device="cuda", dtype=torch.bfloat16), recipe)
+    plan = gemm_plan(a, b, host_scales=False)
+    assert plan.route == "dense" and plan.launch.tma
+    eager = plan.run(a, b)
+    out = torch.empty_like(eager)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        plan.run(a, b, out=out)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan.run(a, b, out=out)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.view(torch.int16), eager.view(torch.int16))
+    ref = gemm_reference(a, b, out_dtype=torch.float64)
+    assert rel_err(eager, ref) < 1e-2
