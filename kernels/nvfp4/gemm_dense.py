@@ -6,7 +6,9 @@ One tiled kernel, :func:`_gemm_kernel`, computes ``C = epilogue(A·Bᵀ)`` where
 *packed* NVFP4 (uint8 codes + e4m3 block scales, unpacked and scaled in registers) or *dense*
 (bf16/fp16 values read as they are). So the same kernel is the W4A4 GEMM (both packed), the W4A16 GEMM
 (A dense activations, B packed weights), the small-M decode GEMM (same, with split-K) and a plain
-GEMM over pre-expanded operands (both dense).
+GEMM over pre-expanded operands (both dense). For two dense operands on sm_90+ above 256 rows,
+:func:`_gemm_tma_kernel` computes the same: persistent, both operands read through TMA descriptors, no
+split-K (:func:`_tile_config`).
 
 Unpacking, exact by construction. An E2M1 code ``c`` (sign bit 3, magnitude bits 0-2) becomes the fp16
 bit pattern ``(c & 8) << 12 | (c & 7) << 9``, whose value is ``e2m1(c)·2⁻¹⁴`` (codes 0/1 land on the fp16
@@ -303,16 +305,23 @@ def num_sms() -> int:
     return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
-#: Whether a CUDA device (by index) has TMA (sm_90 and later), read once per device.
+#: Whether a CUDA device (by index) runs the TMA kernel's tiles, read once per device.
 _TMA: dict[int, bool] = {}
+#: Shared memory per block the TMA kernel's tiles need (:data:`TMA_CONFIG`: ~176 KiB, offline compile for sm_90).
+TMA_SHARED_BYTES = 192 * 1024
 
 
 def tma_supported() -> bool:
-    """Whether the current CUDA device can run :func:`_gemm_tma_kernel` (TMA: sm_90 and later)."""
+    """Whether the current CUDA device can run :func:`_gemm_tma_kernel` with :data:`TMA_CONFIG`'s tiles: TMA
+    (sm_90 and later) and :data:`TMA_SHARED_BYTES` of shared memory per block (sm_90 and sm_100 have ~227 KiB;
+    sm_120 has ~99 KiB and keeps the pointer kernel). Measured on sm_90 only."""
     index = torch.cuda.current_device()
     ok = _TMA.get(index)
     if ok is None:
-        ok = _TMA[index] = torch.cuda.get_device_capability(index)[0] >= 9
+        props = torch.cuda.get_device_properties(index)
+        smem = getattr(props, "shared_memory_per_block_optin", None)
+        ok = props.major >= 9 and (smem >= TMA_SHARED_BYTES if smem is not None else props.major in (9, 10))
+        _TMA[index] = ok
     return ok
 
 
@@ -480,6 +489,7 @@ def dense_launch(
     dot_dtype, input_precision = dot_dtypes(a_dtype, a_packed, b_dtype, b_packed, "GEMM")
     cfg = dict(config) if config else _tile_config(M, N, K, split_k, dense=not (a_packed or b_packed))
     tma = bool(cfg.pop("TMA", False)) and not (a_packed or b_packed) and cfg["SPLIT_K"] == 1
+    tma = tma and (interpreting() or tma_supported())
     grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]), cfg["SPLIT_K"])
     kwargs = dict(
         A_PACKED=a_packed, B_PACKED=b_packed, BF16_BY_HAND=bf16_by_hand(out_dtype),
@@ -490,10 +500,16 @@ def dense_launch(
 
 
 def tma_ready(t: torch.Tensor) -> bool:
-    """Whether a 2-D operand can be read through a TMA descriptor: unit last stride, 16-byte aligned base
-    and row stride (otherwise :class:`DenseLaunch` runs :func:`_gemm_kernel` on it)."""
+    """Whether a 2-D operand can be read through a TMA descriptor: not empty, unit last stride, rows that do
+    not overlap, 16-byte aligned base and row stride (otherwise :class:`DenseLaunch` runs :func:`_gemm_kernel`
+    on it)."""
     return (
-        t.dim() == 2 and t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+        t.dim() == 2
+        and t.numel() > 0
+        and t.stride(1) == 1
+        and t.stride(0) >= t.shape[1]
+        and (t.stride(0) * t.element_size()) % 16 == 0
+        and t.data_ptr() % 16 == 0
     )
 
 

@@ -277,7 +277,7 @@ def test_tma_kernel_gives_the_pointer_kernels_bits(M, N, K, scale):
     """The persistent TMA kernel (dense operands, no split; TMA zero-fills past M, N and K) against the
     fp64 reference and bit for bit against the masked-pointer kernel with the same tiles: W4A4's fp16
     expansions with outer scales per tensor or per row and a bias, fp32 and bf16 outputs; every element
-    written (the tile counts are no multiple of the programs)."""
+    written (3 programs sweep 2-12 tiles, (70, 40) a count that is no multiple of 3)."""
     gen = torch.Generator().manual_seed(M + N + K)
     a = random_nvfp4((M, K), gen=gen, scale=scale, scale_exp=(-3, 3))
     b = random_nvfp4((N, K), gen=gen, scale=scale, scale_exp=(-3, 3))
@@ -301,10 +301,28 @@ def test_tma_kernel_gives_the_pointer_kernels_bits(M, N, K, scale):
             assert rel_err(outs[0], ref) < FP32_TOL
 
 
+def test_tma_kernel_reads_k_columns_of_a_wider_buffer():
+    """The weight's expansion as an aligned [N, K] view of an [N, K + 16] buffer whose padding holds NaN (a
+    cached expansion is [N, Kp]): the descriptor stops at K, so the output is the reference's, NaN-free."""
+    gen = torch.Generator().manual_seed(5)
+    M, N, K = 40, 36, 80  # K steps of 32 read columns 80-95: past K, in the padding
+    a = random_nvfp4((M, K), gen=gen)
+    b = random_nvfp4((N, K), gen=gen)
+    wide = torch.full((N, K + 16), float("nan"), dtype=torch.float16, device=device())
+    wide[:, :K] = expand(b, torch.float16)
+    wb = wide[:, :K]
+    assert gemm_dense.tma_ready(wb)
+    out = _poisoned(M, N, torch.float32)
+    gemm_dense.launch_gemm(expand(a, torch.float16), None, wb, None, K, out, a.global_scale.reshape(-1),
+                           b.global_scale.reshape(-1), None, config=dict(TMA_TILES, TMA=True))  # fmt: skip
+    assert not torch.isnan(out).any()
+    assert rel_err(out, gemm_reference(a, b, out_dtype=torch.float64)) < FP32_TOL
+
+
 def test_tma_kernel_falls_back_on_unaligned_rows():
-    """An operand whose row stride is not a multiple of 16 bytes (a [M, K] view of a wider buffer) cannot be
-    read by TMA: the launch runs the pointer kernel instead, with the same result; packed operands and a
-    split never take the TMA kernel."""
+    """An operand whose row stride is not a multiple of 16 bytes (a [M, K] view of a wider buffer), or whose
+    base is not 16-byte aligned, cannot be read by TMA: the launch runs the pointer kernel instead, with the
+    same result; empty operands, packed operands and a split never take the TMA kernel."""
     gen = torch.Generator().manual_seed(3)
     M, N, K = 20, 24, 96
     a = random_nvfp4((M, K), gen=gen)
@@ -319,6 +337,15 @@ def test_tma_kernel_falls_back_on_unaligned_rows():
     gemm_dense.launch_gemm(xa, None, expand(b, torch.float16), None, K, out, g_a, g_b, None,
                            config=dict(TMA_TILES, TMA=True))  # fmt: skip
     assert rel_err(out, ref) < FP32_TOL
+    flat = torch.zeros(N * K + 1, dtype=torch.float16, device=device())
+    shifted = flat[1:].view(N, K)  # base 2 bytes past an aligned one
+    shifted.copy_(expand(b, torch.float16))
+    assert not gemm_dense.tma_ready(shifted)
+    out = _poisoned(M, N, torch.float32)
+    gemm_dense.launch_gemm(wide[:, :K].contiguous(), None, shifted, None, K, out, g_a, g_b, None,
+                           config=dict(TMA_TILES, TMA=True))  # fmt: skip
+    assert rel_err(out, ref) < FP32_TOL
+    assert not gemm_dense.tma_ready(torch.empty(0, K, dtype=torch.float16))
     assert not gemm_dense.dense_launch(M, N, K, torch.uint8, True, torch.uint8, True, torch.float32,
                                        config=dict(TMA_TILES, TMA=True)).tma  # fmt: skip
     assert not gemm_dense.dense_launch(M, N, K, torch.float16, False, torch.float16, False, torch.float32,
@@ -359,3 +386,19 @@ def test_tma_route_in_a_cuda_graph_gives_the_eager_bits(M, N, K, scale):
     assert torch.equal(out.view(torch.int16), eager.view(torch.int16))
     ref = gemm_reference(a, b, out_dtype=torch.float64)
     assert rel_err(eager, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_dynamic_per_tensor_scales_are_sync_free_at_any_size_with_tma():
+    """``auto`` with a dynamic per-tensor activation scale above SYNC_FREE_MAX_FLOP: the Triton GEMM (no host
+    read of the scale) where the TMA kernel runs (sm_90+), cuBLAS's alpha (a host read) before."""
+    from triage.kernels.nvfp4 import QuantRecipe, quantize
+    from triage.kernels.nvfp4 import matmul as mm
+
+    M, N, K = 4096, 4096, 8192  # 2·M·N·K = 2.7e11 > SYNC_FREE_MAX_FLOP
+    assert 2.0 * M * N * K > mm.SYNC_FREE_MAX_FLOP
+    a = quantize(torch.randn(M, K, device="cuda", dtype=torch.bfloat16), QuantRecipe(), emit_expanded=torch.bfloat16)
+    b = quantize(torch.randn(N, K, device="cuda", dtype=torch.bfloat16), QuantRecipe())
+    route = mm.gemm_plan(a, b).route
+    assert route == ("dense" if torch.cuda.get_device_capability()[0] >= 9 else "alpha")
