@@ -656,8 +656,9 @@ MID_CANDIDATES = {
 
 def dense_mid() -> None:
     """The dense (expanded-operand) Triton GEMM alone at prefill rows, Qwen3-4B shapes, cold L2, CUDA-graph µs:
-    cuBLAS bf16 ``torch.mm`` on the same bf16 operands (the peer), the default tiles (``MID_CONFIGS`` up to
-    2,048 rows, with their split-K), the large-M ``DENSE_CONFIG`` (split 1) and :data:`MID_CANDIDATES`.
+    cuBLAS bf16 ``torch.mm`` on the same bf16 operands (the peer), the pointer kernel's default tiles
+    (``MID_CONFIGS`` up to 2,048 rows, with their split-K; on sm_90+ the library runs the TMA kernel at most of
+    these shapes: section ``dense-tma``), the large-M ``DENSE_CONFIG`` (split 1) and :data:`MID_CANDIDATES`.
     Outputs (per-row outer scale in the epilogue) checked against an fp64 matmul first."""
     emit("## Dense Triton GEMM at prefill rows, Qwen3-4B shapes (cold L2, CUDA-graph µs; split-K in brackets)")
     names = ["default", "DENSE_CONFIG", *MID_CANDIDATES]
@@ -708,13 +709,13 @@ TMA_SHAPES = [(16384, 4096, 4096), (16384, 12288, 4096), (16384, 4096, 12288), (
 
 def dense_tma() -> None:
     """The dense (expanded-operand) GEMM on bf16 operands, per-row outer scale in the epilogue, bf16 output:
-    cuBLAS bf16 ``torch.mm`` (the peer), the default route (``_tile_config``: masked pointer loads, split-K at
-    mid M) and the persistent TMA kernel with each of :data:`TMA_CANDIDATES` (split 1). Every output checked
+    cuBLAS bf16 ``torch.mm`` (the peer), the pointer kernel with its tiles (``_tile_config`` for packed operands:
+    masked pointer loads, split-K at mid M) and the persistent TMA kernel with each of :data:`TMA_CANDIDATES` (split 1). Every output checked
     against an fp64 matmul first, and each TMA tile's bits against the pointer kernel with the same tiles.
     Large M: ``do_bench`` µs (operands far larger than L2); mid M: cold L2 (:func:`cold_us`)."""
     emit("## Dense GEMM: persistent TMA kernel vs the pointer kernel vs cuBLAS (µs; bits = TMA == pointer, same tiles)")
-    names = ["default", *TMA_CANDIDATES]
-    emit("| M×N×K | cuBLAS bf16 | " + " | ".join(names) + " | cuBLAS/default | cuBLAS/best TMA | bits |")
+    names = ["pointer", *TMA_CANDIDATES]
+    emit("| M×N×K | cuBLAS bf16 | " + " | ".join(names) + " | cuBLAS/pointer | cuBLAS/best TMA | bits |")
     emit("|---|---|" + "---|" * len(names) + "---|---|---|")
     for m, n, k in TMA_SHAPES:
         cold = m <= 2048
@@ -723,7 +724,7 @@ def dense_tma() -> None:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         g = torch.rand(n, device="cuda", dtype=torch.float32) + 0.5
         ref = (x.double() @ ws[0].double().T) * g.double()
-        configs = {"default": gemm_dense._tile_config(m, n, k, None)}
+        configs = {"pointer": gemm_dense._tile_config(m, n, k, None)}
         configs.update({nm: dict(c, SPLIT_K=1, TMA=True) for nm, c in TMA_CANDIDATES.items()})
         times, same = {}, True
         for name, cfg in configs.items():
@@ -747,9 +748,9 @@ def dense_tma() -> None:
         peer = (cold_us([lambda w=w: torch.mm(x, w.T) for w in ws]) if cold
                 else 1e3 * do_bench(lambda: torch.mm(x, ws[0].T)))  # fmt: skip
         cells = [f"{times[nm]:.1f}" if nm in times else "-" for nm in names]
-        best = min((t for nm, t in times.items() if nm != "default"), default=float("nan"))
+        best = min((t for nm, t in times.items() if nm != "pointer"), default=float("nan"))
         emit(f"| {m}×{n}×{k} | {peer:.1f} | " + " | ".join(cells)
-             + f" | {peer / times['default']:.2f} | {peer / best:.2f} | {'same' if same else 'DIFFER'} |")  # fmt: skip
+             + f" | {peer / times['pointer']:.2f} | {peer / best:.2f} | {'same' if same else 'DIFFER'} |")  # fmt: skip
         ws = None
         torch.cuda.empty_cache()
 
