@@ -438,23 +438,21 @@ class DenseLaunch:
     out_mult: float
     kwargs: dict  # constexprs, num_warps, num_stages
     tma: bool = False  # dense operands, no split: :func:`_gemm_tma_kernel` where both operands allow TMA
+    programs: int = 0  # the TMA kernel's persistent programs: min(tiles, SMs)
+    tma_kwargs: dict = dataclasses.field(default_factory=dict)  # the TMA kernel's constexprs, warps, stages
 
     def run(self, a, a_scale, b, b_scale, out, g_a, g_b, bias) -> torch.Tensor:
         """:func:`launch_gemm` for operands of the planned shapes, dtypes and packing."""
         dummy = out  # never dereferenced when the matching constexpr switch is off
         if self.tma and tma_ready(a) and tma_ready(b):
-            kw = self.kwargs
-            bm, bn, bk = kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"]
-            programs = min(self.grid[0], 3 if interpreting() else num_sms())  # (interpreted: several tiles each)
-            _gemm_tma_kernel[(programs,)](
-                TensorDescriptor(a, [self.M, self.K], [a.stride(0), 1], [bm, bk]),
-                TensorDescriptor(b, [self.N, self.K], [b.stride(0), 1], [bn, bk]),
+            kw = self.tma_kwargs
+            _gemm_tma_kernel[(self.programs,)](
+                TensorDescriptor(a, [self.M, self.K], [a.stride(0), 1], [kw["BLOCK_M"], kw["BLOCK_K"]]),
+                TensorDescriptor(b, [self.N, self.K], [b.stride(0), 1], [kw["BLOCK_N"], kw["BLOCK_K"]]),
                 out, g_a if g_a is not None else dummy, g_b if g_b is not None else dummy,
                 bias if bias is not None else dummy, self.M, self.N, self.K, out.stride(0), out.stride(1),
                 self.out_mult, GA_MODE=scale_mode(g_a), GB_MODE=scale_mode(g_b), HAS_BIAS=bias is not None,
-                BF16_BY_HAND=kw["BF16_BY_HAND"], DOT_DTYPE=kw["DOT_DTYPE"], INPUT_PRECISION=kw["INPUT_PRECISION"],
-                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=kw["GROUP_M"], programs=programs,
-                num_warps=kw["num_warps"], num_stages=kw["num_stages"],
+                programs=self.programs, **kw,
             )  # fmt: skip
             return out
         split = self.split
@@ -496,7 +494,14 @@ def dense_launch(
         DOT_DTYPE=dot_dtype, INPUT_PRECISION=input_precision, **cfg,
     )  # fmt: skip
     out_mult = unpack_mult(a_packed, b_packed)
-    return DenseLaunch(M=M, N=N, K=K, grid=grid, split=cfg["SPLIT_K"], out_mult=out_mult, kwargs=kwargs, tma=tma)
+    programs, tma_kwargs = 0, {}
+    if tma:  # the TMA kernel's constexprs (no packing or split switches) and persistent programs
+        tma_kwargs = {k: v for k, v in kwargs.items() if k not in ("A_PACKED", "B_PACKED", "SPLIT_K")}
+        programs = min(grid[0], 3 if interpreting() else num_sms())  # (interpreted: several tiles each)
+    return DenseLaunch(
+        M=M, N=N, K=K, grid=grid, split=cfg["SPLIT_K"], out_mult=out_mult, kwargs=kwargs, tma=tma,
+        programs=programs, tma_kwargs=tma_kwargs,
+    )  # fmt: skip
 
 
 def tma_ready(t: torch.Tensor) -> bool:
