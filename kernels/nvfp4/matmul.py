@@ -79,7 +79,8 @@ __all__ = [
 
 #: Default backend for M > SMALL_M on Hopper, from the H200 measurement in docs/kernels.md: cuBLAS with the
 #: per-tensor scales as alpha (1.00-1.09x bf16). Per-row scales cannot ride on alpha: ``auto`` sends them to
-#: the Triton GEMM on expansions (scales in its epilogue, 1.06-1.12x) rather than an fp32-output matmul.
+#: the Triton GEMM on expansions (scales in its epilogue) rather than an fp32-output matmul, and so it does
+#: a dynamic per-tensor activation scale on sm_90+ (:data:`SYNC_FREE_MAX_FLOP_TMA`).
 LARGE_M_BACKEND = "cublas"
 #: Up to this many rows the memory-bound decode tiling is used.
 SMALL_M = 64
