@@ -311,11 +311,11 @@ _TMA: dict[int, bool] = {}
 TMA_SHARED_BYTES = 192 * 1024
 
 
-def tma_supported() -> bool:
-    """Whether the current CUDA device can run :func:`_gemm_tma_kernel` with :data:`TMA_CONFIG`'s tiles: TMA
-    (sm_90 and later) and :data:`TMA_SHARED_BYTES` of shared memory per block (sm_90 and sm_100 have ~227 KiB;
-    sm_120 has ~99 KiB and keeps the pointer kernel). Measured on sm_90 only."""
-    index = torch.cuda.current_device()
+def tma_supported(index: int | None = None) -> bool:
+    """Whether CUDA device ``index`` (default: the current one) can run :func:`_gemm_tma_kernel` with
+    :data:`TMA_CONFIG`'s tiles: TMA (sm_90 and later) and :data:`TMA_SHARED_BYTES` of shared memory per block
+    (sm_90 and sm_100 have ~227 KiB; sm_120 has ~99 KiB and keeps the pointer kernel). Measured on sm_90 only."""
+    index = torch.cuda.current_device() if index is None else index
     ok = _TMA.get(index)
     if ok is None:
         props = torch.cuda.get_device_properties(index)

@@ -332,10 +332,11 @@ def _expand(data: torch.Tensor, scale: torch.Tensor, K: int, dtype: torch.dtype)
 
 
 #: Largest GEMM (2·M·N·K) for which ``backend="auto"`` prefers the sync-free Triton GEMM over cuBLAS when
-#: the activation's per-tensor scale is dynamic (only on the device), on GPUs without TMA (before sm_90):
-#: above it the GEMM hides the sync. On sm_90+ the limit is :data:`SYNC_FREE_MAX_FLOP_TMA`: the Triton GEMM's
-#: persistent TMA kernel runs at cuBLAS's speed there (docs/benchmarks.md, "W4A4 GEMM forward"), so a
-#: dynamic scale never costs a sync (and the GEMM can be captured in a CUDA graph).
+#: the activation's per-tensor scale is dynamic (only on the device), on GPUs that cannot run the Triton
+#: GEMM's TMA kernel (``gemm_dense.tma_supported``: before sm_90, or without its shared memory): above it
+#: the GEMM hides the sync. Where that kernel runs the limit is :data:`SYNC_FREE_MAX_FLOP_TMA`: it runs at
+#: cuBLAS's speed (docs/benchmarks.md, "W4A4 GEMM forward"), so a dynamic scale never costs a sync (and the
+#: GEMM can be captured in a CUDA graph).
 SYNC_FREE_MAX_FLOP = 2.5e11
 SYNC_FREE_MAX_FLOP_TMA = float("inf")
 
@@ -639,7 +640,9 @@ def _build_gemm_plan(a, b, out_dtype, bias, backend, b_expanded, b_scale_host, h
             # device->host read (a sync that stalls the launch queue). Below SYNC_FREE_MAX_FLOP (any size on
             # sm_90+) the Triton GEMM (scales read on the device) wins; per-row/per-expert scales always go there.
             needs_sync = per_tensor and not _host_known(a)
-            limit = SYNC_FREE_MAX_FLOP_TMA if _major(device) >= 9 else SYNC_FREE_MAX_FLOP
+            from triage.kernels.nvfp4.gemm_dense import tma_supported
+
+            limit = SYNC_FREE_MAX_FLOP_TMA if tma_supported(device.index) else SYNC_FREE_MAX_FLOP
             if not per_tensor or (needs_sync and 2.0 * M * N * K < limit):
                 which = "triton"
         route = "dense" if which == "triton" else ("alpha" if per_tensor else "scaled")
