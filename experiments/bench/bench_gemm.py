@@ -70,6 +70,7 @@ _ensure_triage()
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
 
 from triage.kernels.nvfp4 import QuantRecipe, gemm_dense, quantize  # noqa: E402
@@ -311,9 +312,6 @@ def qwen3_shapes():
             if (n, k) not in seen:
                 seen.add((n, k))
                 yield model, layer, n, k
-
-
-import triton.language as tl  # noqa: E402
 
 
 @triton.jit
