@@ -707,9 +707,10 @@ TMA_SHAPES = [(16384, 4096, 4096), (16384, 12288, 4096), (16384, 4096, 12288), (
 
 def dense_tma() -> None:
     """The dense (expanded-operand) GEMM on bf16 operands, per-row outer scale in the epilogue, bf16 output:
-    cuBLAS bf16 ``torch.mm`` (the peer), the pointer kernel with its tiles (``_tile_config`` for packed operands:
-    masked pointer loads, split-K at mid M) and the persistent TMA kernel with each of :data:`TMA_CANDIDATES` (split 1). Every output checked
-    against an fp64 matmul first, and each TMA tile's bits against the pointer kernel with the same tiles.
+    cuBLAS bf16 ``torch.mm`` (the peer), the pointer kernel with its tiles (``_tile_config`` for packed
+    operands: masked pointer loads, split-K at mid M) and the persistent TMA kernel with each of
+    :data:`TMA_CANDIDATES` (split 1). Every output checked against an fp64 matmul first, and each TMA tile's
+    bits against the pointer kernel with the same tiles.
     Large M: ``do_bench`` µs (operands far larger than L2); mid M: cold L2 (:func:`cold_us`)."""
     emit("## Dense GEMM: persistent TMA kernel vs the pointer kernel vs cuBLAS (µs; bits = TMA == pointer, same tiles)")
     names = ["pointer", *TMA_CANDIDATES]

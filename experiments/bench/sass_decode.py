@@ -49,11 +49,9 @@ def mid_report() -> None:
     """``--mid``: the hot loop of each prefill-row tile of ``bench_gemm.py``'s ``decode-mid`` section (bf16, no
     split): instructions per weight element per thread (a weight element is unpacked once per tile of BM
     activation rows) and whether the unpacked weight passes through shared memory (``STS``/``LDSM``)."""
-    bench = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_gemm.py")
-    src = open(bench).read()
-    start = src.index("DECODE_MID_CANDIDATES = {")
-    candidates = eval(src[start + len("DECODE_MID_CANDIDATES = ") : src.index("\n}", start) + 2])  # noqa: S307
-    for name, c in {"DECODE_CONFIG_MID": dict(gd.DECODE_CONFIG_MID), **candidates}.items():
+    from triage.experiments.bench.bench_gemm import DECODE_MID_CANDIDATES
+
+    for name, c in {"DECODE_CONFIG_MID": dict(gd.DECODE_CONFIG_MID), **DECODE_MID_CANDIDATES}.items():
         loop = hot_loop(decode_sass("bf16", split=1, cfg=c, bm=c["BM"]))
         ops = collections.Counter(op.split(".")[0] for _, op, _ in loop)
         elements = c["BN"] * 16 * c["NB"] / (32 * c["num_warps"])
