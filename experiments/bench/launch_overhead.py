@@ -65,6 +65,7 @@ def profile_calls(fn, calls: int = 200) -> str:
 def main() -> None:
     from triage.kernels import NVFP4Linear, NVFP4LinearConfig
     from triage.kernels.nvfp4 import QuantRecipe, gemm, quantize
+    from triage.kernels.nvfp4.matmul import gemm_plan
 
     torch.manual_seed(0)
     x = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16)  # small: host-bound, not GPU-bound
@@ -74,6 +75,10 @@ def main() -> None:
     buf = torch.randn(4096, device="cuda")
     wq = quantize(lin.weight.detach(), QuantRecipe(block="16x16"))
     xq = quantize(x, QuantRecipe())
+    xq_mid = quantize(torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16), QuantRecipe(),
+                      emit_expanded=torch.bfloat16)  # fmt: skip
+    tma_plan = gemm_plan(xq_mid, wq, host_scales=False)
+    print(f"512×3072×1024 plan: route {tma_plan.route}, TMA {getattr(tma_plan.launch, 'tma', None)}")
     rows = [
         ("bare Triton launch (3 args)", lambda: _noop[(4,)](buf, 4096, BLOCK=1024)),
         ("torch.add (eager op)", lambda: buf.add(1.0)),
@@ -84,6 +89,7 @@ def main() -> None:
         ),
         ("quantize 256×1024 per-tensor", lambda: quantize(x, QuantRecipe())),
         ("gemm 256×3072×1024 (quantized operands)", lambda: gemm(xq, wq)),
+        ("gemm 512×3072×1024, TMA kernel (its plan, bf16 expansions)", lambda: tma_plan.run(xq_mid, wq)),
         ("nn.Linear forward 256×1024→3072", lambda: lin(x)),
         ("NVFP4Linear forward 256×1024→3072", lambda: fp4(x)),
     ]
@@ -144,6 +150,7 @@ def check_identical(launchers) -> bool:
     """Quantize + GEMM outputs through the fast path equal Triton's own path, over shapes, offsets (pointer
     alignment), int sizes and recipes that change Triton's specialization from call to call."""
     from triage.kernels.nvfp4 import QuantRecipe, gemm, quantize
+    from triage.kernels.nvfp4.matmul import gemm_plan
 
     torch.manual_seed(1)
     base = torch.randn(600000, device="cuda", dtype=torch.bfloat16) * 3
@@ -161,12 +168,22 @@ def check_identical(launchers) -> bool:
         for recipe in (QuantRecipe(), QuantRecipe(scale="row"), QuantRecipe(rounding="stochastic", seed=5)):
             cases.append((x, recipe))
 
+    # the persistent TMA GEMM (sm_90+: two bf16 expansions, more than 256 rows; descriptors made per call)
+    tma_cases = [(3000, 1000, 1040), (4096, 2560, 1024), (512, 4096, 2560)]
+
     def run_all():
         outs = []
         for x, recipe in cases * 2:  # twice: the second round hits the fast path's cache
             q = quantize(x, recipe)
             w = quantize(weights[x.shape[1]], QuantRecipe(block="16x16"))
             outs += [q.data, q.scale.view(torch.uint8), q.global_scale, gemm(q, w)]
+        for m, n, k in tma_cases * 2:
+            torch.manual_seed(m + n + k)
+            a = quantize(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), QuantRecipe(),
+                         emit_expanded=torch.bfloat16)  # fmt: skip
+            b = quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16), QuantRecipe(block="16x16"))
+            plan = gemm_plan(a, b, host_scales=False)
+            outs.append(plan.run(a, b))
         return [o.clone() for o in outs]
 
     fast = run_all()
