@@ -67,9 +67,9 @@ With a per-row scale (1×16 blocks: a recipe cannot pair it with 16×16 tiles) i
 (an x row: that output row; a W row: that output column), exactly ``nn.Linear``'s NaNs: the row's blocks
 and scale hold no other row's values, so the other rows quantize as they would without it.
 The check is one max-|x| reduction on the device per quantized operand (per weight update for W), no
-host sync; for x and dy with a dynamic per-tensor or per-row scale on the Triton quantizer the kernel makes
-the check itself, from the amax pass it runs anyway (``rows_plan(nonfinite=True)``: the same NaN-or-not
-decision and the same finite bits, no extra launch); xᵀ, dyᵀ and W keep the torch ops.
+host sync; for x, dy and W with a dynamic per-tensor (x, dy: or per-row) scale on the Triton quantizer the
+kernel makes the check itself, from the amax pass it runs anyway (``rows_plan(nonfinite=True)``: the same
+NaN-or-not decision and the same finite bits, no extra launch); xᵀ and dyᵀ keep the torch ops.
 
 Shared input quantization (``NVFP4LinearConfig.share_inputs``, on by default). Sibling layers that read one
 input tensor (q/k/v read one hidden state, gate/up another) quantize it once: :func:`quantize_input` keeps the
@@ -122,6 +122,7 @@ backends of :mod:`triage.kernels.nvfp4` (Triton on CUDA, torch reference on CPU;
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import weakref
 from dataclasses import dataclass, field, replace
@@ -573,16 +574,30 @@ class _QuantizedWeight:
         return self.scale_host
 
 
+@functools.lru_cache(maxsize=256)
+def _weight_plan(
+    config: NVFP4LinearConfig, shape: tuple, dtype: torch.dtype, device: torch.device
+) -> tuple[bool, RowsPlan | None]:
+    """``(uses_expanded, plan)`` of a weight's quantization under ``config``: whether the large-M GEMMs want
+    its exact bf16 ``q·s``, and the Triton quantizer's plan (:func:`_rows_plan`, None where Triton does not
+    quantize), which applies the non-finite rule in its amax pass for a dynamic per-tensor scale (no torch
+    reduction over W). Derived from the signature alone, once."""
+    uses_expanded = _uses_expanded_weight(config, device)
+    expanded = torch.bfloat16 if uses_expanded else None
+    return uses_expanded, _rows_plan(config.weight, config.quant_backend, shape, dtype, device, expanded)
+
+
 def _quantize_weight(weight: torch.Tensor, config: NVFP4LinearConfig) -> _QuantizedWeight:
     """W_q of ``weight`` under ``config`` (non-finite rule included) and its derived forms: device work only
     (nothing read to the host), the same bits for the cache and for a per-call quantization."""
-    uses_expanded = _uses_expanded_weight(config, weight.device)
+    uses_expanded, plan = _weight_plan(config, tuple(weight.shape), weight.dtype, weight.device)
     with torch.no_grad():  # the exact q·s written in the same pass when the large-M GEMMs want it
         q = _quantize(
             weight.detach(),
             config.weight,
             config.quant_backend,
             expanded=torch.bfloat16 if uses_expanded else None,
+            plan=plan,
         )
         expanded = None
         if uses_expanded:

@@ -158,6 +158,7 @@ def test_per_row_scales_keep_a_nonfinite_value_in_its_row_like_nn_linear(bad, qu
     "recipe",
     [
         QuantRecipe(),  # TE: per-tensor dynamic
+        QuantRecipe(block="16x16"),  # the weights' recipe: W's rule in the kernel too
         QuantRecipe(hadamard=True),
         QuantRecipe(rounding="stochastic"),  # the nvfp4-backward grad recipe's rounding
         QuantRecipe(profile="compressed-tensors"),
@@ -169,7 +170,7 @@ def test_per_row_scales_keep_a_nonfinite_value_in_its_row_like_nn_linear(bad, qu
         QuantRecipe(scale_source="checkpoint", checkpoint_scale=600.0),
         QuantRecipe(scale="none"),
     ],
-    ids=["te", "te-hadamard", "te-stochastic", "ct", "modelopt", "ct-row", "te-row", "te-row-hadamard", "static",
+    ids=["te", "te-16x16", "te-hadamard", "te-stochastic", "ct", "modelopt", "ct-row", "te-row", "te-row-hadamard", "static",
          "checkpoint", "none"],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -181,7 +182,7 @@ def test_the_quantizer_plan_applies_the_nonfinite_rule_as_the_torch_ops_do(recip
     from triage.kernels.linear import _quantize, _rows_plan, nan_if_nonfinite
 
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(24, 64, generator=g).to(dtype)
+    x = torch.randn(32, 64, generator=g).to(dtype)
     if bad == "overflow":  # finite input whose rotation overflows bf16 (Hadamard); finite otherwise
         x[5, :16] = torch.finfo(dtype).max
     elif bad is not None:
@@ -200,7 +201,7 @@ def test_the_quantizer_plan_applies_the_nonfinite_rule_as_the_torch_ops_do(recip
             assert a.shape == b.shape and torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
     if bad not in (None, "overflow"):
         if recipe.scale == "row":  # the rule per row: row 5 alone
-            assert got.global_scale.reshape(-1).isnan().tolist() == [r == 5 for r in range(24)]
+            assert got.global_scale.reshape(-1).isnan().tolist() == [r == 5 for r in range(32)]
         else:
             assert got.global_scale.isnan().all()
 
