@@ -96,6 +96,61 @@ def tokens_per_s(
             layer._compiled_call_impl = None
 
 
+#: Kernel kinds of :func:`gpu_time_by_kind`, first match of a name fragment (lower case) wins.
+KINDS = (
+    ("NVFP4 quantize (amax + quantize passes)", ("_quantize_kernel", "_amax_", "quantize_columns", "_columns")),
+    ("NVFP4 GEMM (Triton)", ("_gemm_tma_kernel", "_gemm_kernel", "_splitk_reduce", "_decode")),
+    ("cuBLAS / CUTLASS GEMM", ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "sm100_")),
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("reductions (norms, non-finite checks, loss)", ("reduce", "norm", "softmax", "cross_entropy", "nll")),
+    ("optimizer (AdamW)", ("adam", "multi_tensor", "foreach")),
+    ("elementwise and copies", ("elementwise", "vectorized", "copy", "fill", "cat", "index", "triton_")),
+)
+
+
+def gpu_time_by_kind(model, batch: int, seq: int) -> dict:
+    """GPU time (ms) of one eager training step by kernel kind (:data:`KINDS`, else "other"), from the torch
+    profiler's per-kernel self times, after one warm-up step; ``"total"``: every kernel. Eager kernels are the
+    compiled step's, but for elementwise work that compilation fuses (the same in both models)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda")
+
+    def step():
+        model(ids, labels=ids, use_cache=False).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    out: dict = {"total": 0.0}
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        us = e.self_cuda_time_total if us is None else us
+        if not us:
+            continue
+        name = e.key.lower()
+        kind = next((k for k, frags in KINDS if any(f in name for f in frags)), "other")
+        out[kind] = out.get(kind, 0.0) + us / 1e3
+        out["total"] += us / 1e3
+    return out
+
+
+def kernel_table(bf16: dict, fp4: dict, label: str) -> str:
+    """Markdown table of two :func:`gpu_time_by_kind` results side by side, with the difference."""
+    rows = [f"GPU time of one eager step by kernel kind, ms (torch profiler; NVFP4 = the {label} config):", "",
+            "| kind | BF16 | NVFP4 | NVFP4 − BF16 |", "|---|---|---|---|"]  # fmt: skip
+    for kind in [k for k, _ in KINDS] + ["other", "total"]:
+        a, b = bf16.get(kind, 0.0), fp4.get(kind, 0.0)
+        if a or b:
+            rows.append(f"| {kind} | {a:.2f} | {b:.2f} | {b - a:+.2f} |")
+    return "\n".join(rows)
+
+
 def host_profile(model, batch: int, seq: int, steps: int = 3) -> str:
     """cProfile of ``steps`` training steps (after a warm-up step): where the host time goes."""
     import cProfile
@@ -143,7 +198,11 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--backward", default="bf16-backward", help="NVFP4LinearConfig.backward")
-    p.add_argument("--profile", action="store_true", help="torch.profiler table of one NVFP4 step (top ops)")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="GPU time of one eager step by kernel kind, BF16 beside NVFP4 (the capturable config with --capturable)",
+    )
     p.add_argument(
         "--cprofile",
         action="store_true",
@@ -197,6 +256,7 @@ def main() -> None:
     lines.append(f"params: {n / 1e9:.2f}B")
     bf16 = tokens_per_s(model, args.batch, args.seq, args.steps)
     lines.append(f"| BF16 | {bf16:,.0f} tok/s | 1.00 |")
+    kernels_bf16 = gpu_time_by_kind(model, args.batch, args.seq) if args.profile else None
     if args.compile:
         bf16_c = tokens_per_s(model, args.batch, args.seq, args.steps, args.compile, args.compile_scope)
         lines.append(f"| BF16, torch.compile ({args.compile}) | {bf16_c:,.0f} tok/s | {bf16_c / bf16:.2f} |")
@@ -223,6 +283,10 @@ def main() -> None:
                 f"| {name}, torch.compile ({args.compile}) | {cap_c:,.0f} tok/s | {cap_c / bf16:.2f} "
                 f"(/ compiled BF16: {cap_c / bf16_c:.2f}; / compiled cached NVFP4: {cap_c / fp4_c:.2f}) |"
             )
+    if args.profile:  # the capturable config where it was timed, else the cached one
+        kernels_fp4 = gpu_time_by_kind(model, args.batch, args.seq)
+        lines += ["", kernel_table(kernels_bf16, kernels_fp4, "capturable" if args.capturable else "cached")]
+    if args.capturable:
         for m in model.modules():  # the sections below time the cached config
             if isinstance(m, NVFP4Linear):
                 m.config = NVFP4LinearConfig(backward=args.backward)
@@ -238,19 +302,6 @@ def main() -> None:
         for m in model.modules():
             if isinstance(m, NVFP4Linear):
                 m.config = NVFP4LinearConfig(backward=args.backward)
-    if args.profile:
-        from torch.profiler import ProfilerActivity, profile
-
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-        ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), device="cuda")
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            model(ids, labels=ids).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            torch.cuda.synchronize()
-        for key in ("cuda_time_total", "cpu_time_total"):
-            table = prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60)
-            lines += ["", f"profile of one NVFP4 step, sorted by {key}:", table]
     if args.compare_launch:
         from launch_overhead import all_launchers, with_fast
 
