@@ -14,6 +14,10 @@ the compiled kernel's launcher is called with the bound arguments. A key not see
 ``kernel[grid]`` (which compiles and returns the kernel). Correctness therefore rests on Triton's own
 specialization; what is skipped is bookkeeping that does not change the launched kernel.
 
+Every launch, fast or Triton's own, runs on the GPU of its first operand (:func:`other_device`), as torch
+ops do: Triton itself launches on the current device. (Plans read the current GPU's SM count and TMA
+support: one process's GPUs are taken to be of one model.)
+
 Falls back to the plain launch under the interpreter, when a Triton launch hook is installed (profilers such
 as proton), for callable grids, when ``TRIAGE_FAST_LAUNCH=0``, and for good if the installed Triton's
 internals differ from what this module expects (checked on first use).
@@ -24,6 +28,7 @@ from __future__ import annotations
 import functools
 import os
 
+import torch
 import triton
 
 from triage.kernels.nvfp4.device import interpreting
@@ -66,6 +71,19 @@ def _compile_knobs(fn, kwargs) -> tuple:
     )
 
 
+def other_device(args) -> int | None:
+    """The CUDA device index of a launch's first argument (a tensor, or a tensor descriptor's base) where it
+    is not the current device, else None. Triton launches on the current device (its stream and context);
+    every kernel here takes a tensor (or a descriptor) first, so a launch runs under a device guard where
+    the operands live on another GPU, as torch ops do, and a single-GPU process pays one comparison."""
+    first = args[0] if args else None
+    first = getattr(first, "base", first)  # triton.tools.tensor_descriptor.TensorDescriptor
+    if not isinstance(first, torch.Tensor) or first.device.type != "cuda":
+        return None
+    index = first.device.index
+    return None if index is None or index == torch.cuda.current_device() else index
+
+
 class FastLaunch:
     """``fn[grid](...)`` with a cached compiled-kernel fast path (module doc). ``fn`` stays reachable as
     ``.fn`` (for ``warmup``, introspection and tests)."""
@@ -77,9 +95,19 @@ class FastLaunch:
         self.hits = 0
 
     def __getitem__(self, grid):
-        if not self.fast or callable(grid):
+        if self.fast and not callable(grid):
+            return functools.partial(self._launch, grid)
+        if interpreting():
             return self.fn[grid]
-        return functools.partial(self._launch, grid)
+        return functools.partial(self._plain, grid)
+
+    def _plain(self, grid, *args, **kwargs):
+        """Triton's own launch, on the device of the first tensor argument (:func:`other_device`)."""
+        index = other_device(args)
+        if index is None:
+            return self.fn[grid](*args, **kwargs)
+        with torch.cuda.device(index):
+            return self.fn[grid](*args, **kwargs)
 
     def _binder(self, device):
         binder = self.fn.device_caches[device][-1]  # Triton 3.3–3.6: (..., backend, binder)
@@ -88,6 +116,14 @@ class FastLaunch:
         return binder
 
     def _launch(self, grid, *args, **kwargs):
+        index = other_device(args)
+        if index is None:
+            return self._launch_here(grid, *args, **kwargs)
+        with torch.cuda.device(index):
+            return self._launch_here(grid, *args, **kwargs)
+
+    def _launch_here(self, grid, *args, **kwargs):
+        """:meth:`_launch` on the current device."""
         from triton.runtime import driver
 
         try:

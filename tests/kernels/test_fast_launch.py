@@ -133,3 +133,70 @@ def test_host_cdiv_and_next_power_of_2_match_triton():
         assert _launch.next_power_of_2(n) == triton.next_power_of_2(n), n
         for b in (1, 3, 16, 128):
             assert _launch.cdiv(n, b) == triton.cdiv(n, b), (n, b)
+
+
+def test_other_device_is_none_for_host_operands_and_non_tensors():
+    import torch
+
+    assert _launch.other_device(()) is None
+    assert _launch.other_device(("x", 32)) is None
+    assert _launch.other_device((torch.zeros(2), 32)) is None
+    assert _launch.other_device((types.SimpleNamespace(base=torch.zeros(2)),)) is None  # a descriptor's base
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_launch_on_operands_of_another_gpu_runs_under_its_device_guard(fake_gpu, monkeypatch, fast):
+    """Triton launches on the current device: where the first operand lives on another GPU, both launch
+    paths (cached and Triton's own) enter that GPU's device guard and launch inside it."""
+    import contextlib
+
+    import torch
+
+    entered = []
+
+    @contextlib.contextmanager
+    def guard(index):
+        entered.append(index)
+        yield
+        entered.append(-1)
+
+    monkeypatch.setattr(torch.cuda, "device", guard)
+    monkeypatch.setattr(_launch, "other_device", lambda args: 3 if args and args[0] == "on-gpu-3" else None)
+    monkeypatch.setattr(_launch, "interpreting", lambda: False)
+    launcher = _launcher()
+    launcher.fast = fast
+    inside = []
+    fake_fn = launcher.fn
+    original = fake_fn.__class__.__getitem__
+
+    def tracking_getitem(self, grid):
+        launch = original(self, grid)
+        return lambda *a, **k: (inside.append(entered[-1:] == [3]), launch(*a, **k))[1]
+
+    monkeypatch.setattr(fake_fn.__class__, "__getitem__", tracking_getitem)
+    launcher[(1,)]("on-gpu-3", 32)
+    assert entered == [3, -1] and inside == [True]
+    launcher[(1,)]("x", 33)  # the current device (another specialization: through Triton again): no guard
+    assert entered == [3, -1] and inside == [True, False]
+
+
+@pytest.mark.gpu
+def test_a_layer_on_a_second_gpu_gives_its_bits_whatever_the_current_device():
+    """The layer's Triton launches (quantize, the decode kernel, the dense and TMA GEMMs) run on its
+    operands' GPU, not the current one."""
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    from triage.kernels import NVFP4Linear
+
+    torch.manual_seed(0)
+    layer = NVFP4Linear(1024, 2560, device="cuda:1", dtype=torch.bfloat16)
+    for rows in (4, 600, 3000):
+        x = torch.randn(rows, 1024, device="cuda:1", dtype=torch.bfloat16)
+        with torch.cuda.device(1):
+            want = layer(x)
+        with torch.cuda.device(0):
+            got = layer(x)
+        torch.cuda.synchronize(1)
+        assert torch.equal(got, want) and want.isfinite().all()
