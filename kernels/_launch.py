@@ -77,7 +77,8 @@ def other_device(args) -> int | None:
     every kernel here takes a tensor (or a descriptor) first, so a launch runs under a device guard where
     the operands live on another GPU, as torch ops do, and a single-GPU process pays one comparison."""
     first = args[0] if args else None
-    first = getattr(first, "base", first)  # triton.tools.tensor_descriptor.TensorDescriptor
+    if not isinstance(first, torch.Tensor):
+        first = getattr(first, "base", None)  # triton.tools.tensor_descriptor.TensorDescriptor
     if not isinstance(first, torch.Tensor) or first.device.type != "cuda":
         return None
     index = first.device.index
