@@ -36,7 +36,7 @@ from triage.kernels.moe.grouped_gemm import (
     pad_segments,
     padded_segments,
 )
-from triage.kernels.moe.grouped_triton import launch_grouped_gemm, launch_grouped_wgrad
+from triage.kernels.moe.grouped_triton import GROUPED_CONFIG, launch_grouped_gemm, launch_grouped_wgrad
 from triage.kernels.nvfp4.api import quantize
 from triage.kernels.nvfp4.recipe import QuantRecipe
 
@@ -200,6 +200,40 @@ def main():
                 log(f"  ({label} fwd+bwd failed: {type(exc).__name__}: {str(exc)[:100]})")
             x.grad = w.grad = None
             log(f"{name:<8s} {label:<26s} {t_f:8.3f} {t_fb} {flops / t_f / 1e9:12.1f}")
+        # the forward kernel alone on the expanded operands (tokens + in-kernel gather): pointer kernel vs the
+        # persistent TMA kernel (TMA=True), bits compared, a few TMA tiles
+        xq_tok = quantize(x_tok, emit_expanded=torch.bfloat16)
+        xa = xq_tok.expanded.reshape(x_tok.shape[0], K)
+        g_a, g_w = xq_tok.global_scale.reshape(1).float(), wq.global_scale.reshape(E).float()
+        base_out = torch.empty(rows, N, device="cuda", dtype=torch.bfloat16)
+
+        def kernel(cfg, out):
+            return lambda: launch_grouped_gemm(xa, None, wbf, None, K, offsets, out, g_a, g_w, rows=gather, config=cfg)
+
+        kernel(GROUPED_CONFIG, base_out)()
+        t_ptr = triton.testing.do_bench(kernel(GROUPED_CONFIG, base_out), rep=100)
+        log(f"{name:<8s} {'kernel alone: pointer':<26s} {t_ptr:8.3f} {'-':>11s} {flops / t_ptr / 1e9:12.1f}")
+        tma_tiles = [dict(GROUPED_CONFIG, TMA=True)]
+        if args.sweep:
+            tma_tiles += [
+                dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, TMA=True),
+                dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=True),
+                dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4, TMA=True),
+                dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, TMA=True),
+            ]
+        for cfg in tma_tiles:
+            out = torch.empty_like(base_out)
+            same_tiles = all(cfg[key] == GROUPED_CONFIG[key] for key in GROUPED_CONFIG)
+            try:
+                kernel(cfg, out)()
+                t = triton.testing.do_bench(kernel(cfg, out), rep=100)
+            except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory for a tile
+                log(f"  (TMA {cfg}: {type(exc).__name__}: {str(exc)[:100]})")
+                continue
+            bits = "same bits" if torch.equal(out, base_out) else ("DIFFERENT BITS" if same_tiles else "other tiles")
+            tile = f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']} w{cfg['num_warps']}s{cfg['num_stages']}"
+            log(f"{name:<8s} {'kernel alone: TMA ' + tile:<26s} {t:8.3f} {'-':>11s} {flops / t / 1e9:12.1f}  "
+                f"pointer / TMA {t_ptr / t:.2f}, {bits}")  # fmt: skip
         # the nvfp4-backward wgrad alone: whole (layout + 2 quantizations + 1 launch), then the launch alone
         wcfg = NVFP4MoEConfig(backward="nvfp4-backward", weight=W16_RECIPE)
         padded, dest, length = padded_segments(offsets, rows)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from triage.kernels._launch import cdiv, fast_launch
 from triage.kernels.nvfp4.device import (
@@ -32,7 +33,7 @@ from triage.kernels.nvfp4.device import (
     swizzled_tile,
     unpack_mult,
 )
-from triage.kernels.nvfp4.gemm_dense import bf16_by_hand, dot_dtypes
+from triage.kernels.nvfp4.gemm_dense import bf16_by_hand, dot_dtypes, num_sms, tma_ready, tma_supported
 
 #: GPU tile of the grouped GEMM: the best of the H200 sweep (bench_grouped_gemm.py --sweep, 2026-11-29:
 #: 128x256x64 w8 s3 at 501 / 414 TFLOP/s on gate_up / down, vs 402 / 301 for 128x128x64 w8 s4).
@@ -147,6 +148,64 @@ def _grouped_gemm_kernel(
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+@fast_launch
+@triton.jit
+def _grouped_tma_kernel(
+    a_ptr, b_desc, c_ptr, ga_ptr, gb_ptr, offs_ptr, tile_end_ptr, tile_expert_ptr, tile_row0_ptr, rows_ptr,
+    E, N, K, stride_am, stride_ak, stride_cm, stride_cn, out_mult,
+    GA_MODE: tl.constexpr, GB_ROW: tl.constexpr, GATHER: tl.constexpr, EVEN_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, programs,
+):  # fmt: skip
+    """:func:`_grouped_gemm_kernel` for dense operands, persistent, the expert weights read through TMA:
+    ``programs`` programs (at most one per SM) sweep the experts' M-tiles × the N tiles, N fastest (an A
+    tile's N tiles run side by side); the number of M-tiles in use is read from the device
+    (``tile_end[E-1]``), so no program visits an unused one. ``b_desc``: a descriptor of B as [E·N, K] with
+    blocks [BLOCK_N, BLOCK_K] (rows past expert e's N belong to expert e+1, or are TMA's zeros after the last:
+    their output columns are not stored); A's rows are gathered with pointer loads. The same fp32 sums of
+    the same exact products, the same epilogue."""
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    m_tiles = tl.load(tile_end_ptr + E - 1)
+    k_steps = tl.cdiv(K, BLOCK_K)
+    for tile in tl.range(tl.program_id(0), m_tiles * n_tiles, programs, flatten=True):
+        pid_m = tile // n_tiles
+        pid_n = tile % n_tiles
+        e = tl.load(tile_expert_ptr + pid_m)
+        row0 = tl.load(tile_row0_ptr + pid_m)
+        row_end = tl.load(offs_ptr + e + 1)
+        offs_m = row0 + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < row_end
+        if GATHER:
+            a_rows = tl.load(rows_ptr + offs_m, mask=m_ok, other=0).to(tl.int64)
+        else:
+            a_rows = offs_m.to(tl.int64)
+        b_row = e * N + pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ks in range(k_steps):
+            offs_k = ks * BLOCK_K + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                a_mask = m_ok[:, None]
+            else:
+                a_mask = m_ok[:, None] & (offs_k < K)[None, :]
+            a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+            a = tl.load(a_ptrs, mask=a_mask, other=0.0).to(DOT_DTYPE)
+            b = b_desc.load([b_row, ks * BLOCK_K]).to(DOT_DTYPE)
+            acc = tl.dot(a, b.T, acc, input_precision=INPUT_PRECISION)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        acc = acc * out_mult
+        if GA_MODE == 1:
+            acc = acc * tl.load(ga_ptr)
+        elif GA_MODE == 2:
+            acc = acc * tl.load(ga_ptr + a_rows, mask=m_ok, other=0.0)[:, None]
+        if GB_ROW:
+            acc = acc * tl.load(gb_ptr + e * N + offs_n, mask=n_ok, other=0.0)[None, :]
+        else:
+            acc = acc * tl.load(gb_ptr + e)
+        c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
 def tile_table(offsets: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per expert: the end (exclusive, cumulative) of its M-tiles and its tile count. Device ops only."""
     counts = (offsets[1:] - offsets[:-1]).long()
@@ -200,6 +259,23 @@ def launch_grouped_gemm(
     gb_row = g_b.dim() == 2
     grid = (n_tiles, cdiv(N, cfg["BLOCK_N"]))
     if T == 0 or N == 0 or E == 0:
+        return out
+    tma = cfg.pop("TMA", False) and not (a_packed or b_packed) and (interpreting() or tma_supported())
+    # B as one [E·N, K] operand: experts' rows evenly strided (a contiguous [E, N, Kp] expansion)
+    flat = tma and b.dim() == 3 and b.stride(2) == 1 and b.stride(0) == N * b.stride(1)
+    b2 = b.as_strided((E * N, b.shape[2]), (b.stride(1), 1)) if flat else None
+    if b2 is not None and tma_ready(b2):
+        programs = min(grid[0] * grid[1], 3 if interpreting() else num_sms())  # (interpreted: several tiles each)
+        desc = TensorDescriptor(b2, [E * N, K], [b2.stride(0), 1], [cfg["BLOCK_N"], cfg["BLOCK_K"]])
+        _grouped_tma_kernel[(programs,)](
+            a, desc, out,
+            g_a if g_a is not None else dummy, g_b, offsets, tile_end, tile_expert, tile_row0,
+            rows if rows is not None else tile_row0, E, N, K, a.stride(0), a.stride(1), out.stride(0),
+            out.stride(1), unpack_mult(a_packed, b_packed), GA_MODE=ga_mode, GB_ROW=gb_row,
+            GATHER=rows is not None, EVEN_K=K % cfg["BLOCK_K"] == 0, DOT_DTYPE=dot_dtype,
+            INPUT_PRECISION=precision, BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+            programs=programs, num_warps=num_warps, num_stages=num_stages,
+        )  # fmt: skip
         return out
     _grouped_gemm_kernel[grid](
         a,

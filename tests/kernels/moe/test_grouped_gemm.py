@@ -2,6 +2,7 @@
 matmuls. Operands are drawn on the CPU (the same values everywhere) and moved to DEV: the Triton backends
 need CUDA tensors unless the interpreter runs."""
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -281,3 +282,80 @@ def test_grouped_linear_validates_offsets_and_gather():
 def test_float_expert_ids_are_a_dtype_error():
     with pytest.raises(TypeError, match="expert_ids must be an integer tensor, got torch.float32"):
         offsets_from_expert_ids(torch.tensor([[0.0, 1.0]]), 2)
+
+
+_TMA_TEST_TILES = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=1)
+
+
+@pytest.mark.parametrize("case", list(COUNTS))
+@pytest.mark.parametrize("gather", [False, True])
+@pytest.mark.parametrize("k", [64, 48])  # a multiple of BLOCK_K, and not (TMA's zeros past K)
+def test_tma_kernel_gives_the_pointer_kernels_bits(case, gather, k):
+    """The persistent kernel with the expert weights read through TMA (``TMA=True``) returns the pointer
+    kernel's bits with the same tiles: N = 24 is not a multiple of BLOCK_N, so a weight tile runs into the
+    next expert's rows (the last expert's into TMA's zeros); operands are views of wider buffers holding NaN
+    past K (nothing past K may be read); per-row and per-expert outer scales, with and without the gather."""
+    from triage.kernels.moe.grouped_triton import launch_grouped_gemm
+
+    counts = COUNTS[case]
+    gen = torch.Generator().manual_seed(sum(counts) + k)
+    E, n, T = len(counts), 24, sum(counts)
+    rows = torch.randint(0, 7, (T,), generator=gen).to(DEV) if gather else None
+    wide_a = torch.full((7 if gather else T, k + 16), float("nan"), dtype=torch.float16)
+    wide_a[:, :k] = torch.randn(wide_a.shape[0], k, generator=gen).half()
+    wide_b = torch.full((E, n, k + 16), float("nan"), dtype=torch.float16)
+    wide_b[..., :k] = torch.randn(E, n, k, generator=gen).half()
+    a, b = wide_a.to(DEV)[:, :k], wide_b.to(DEV)[..., :k]
+    g_a = (torch.rand(a.shape[0], generator=gen) + 0.5).to(DEV)
+    offs = _offsets(counts)
+    for g_b in ((torch.rand(E, generator=gen) + 0.5).to(DEV), (torch.rand(E, n, generator=gen) + 0.5).to(DEV)):
+        want = torch.full((T, n), -7.0, device=DEV)
+        got = want.clone()
+        launch_grouped_gemm(a, None, b, None, k, offs, want, g_a, g_b, rows=rows, config=_TMA_TEST_TILES)
+        with _counting_tma_launches() as launches:
+            launch_grouped_gemm(a, None, b, None, k, offs, got, g_a, g_b, rows=rows, config=dict(_TMA_TEST_TILES, TMA=True))
+        assert len(launches) == 1 and torch.equal(got, want) and want.isfinite().all()
+        ea = torch.repeat_interleave(torch.arange(E, device=DEV), offs.diff(), output_size=T)
+        src = a[rows] if gather else a
+        ga = g_a[rows] if gather else g_a
+        ref = torch.einsum("tk,tnk->tn", src.double(), b.double()[ea]) * ga.double()[:, None]
+        ref = ref * (g_b.double()[ea][:, None] if g_b.dim() == 1 else g_b.double()[ea])
+        torch.testing.assert_close(want.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_tma_kernel_is_skipped_for_weights_whose_experts_are_not_evenly_strided():
+    """A weight whose experts' rows are not one evenly strided [E·N, K] block (a transposed view, as dgrad
+    passes) keeps the pointer kernel under ``TMA=True``: the same result as without it."""
+    from triage.kernels.moe.grouped_triton import launch_grouped_gemm
+
+    gen = torch.Generator().manual_seed(3)
+    counts = COUNTS["uneven+empty"]
+    E, n, k, T = len(counts), 32, 32, sum(counts)
+    a = torch.randn(T, k, generator=gen).half().to(DEV)
+    b = torch.randn(E, k, n, generator=gen).half().to(DEV).transpose(1, 2)  # [E, n, k], unit stride along n
+    g_a, g_b = torch.ones(1, device=DEV), torch.ones(E, device=DEV)
+    offs = _offsets(counts)
+    want, got = torch.zeros(T, n, device=DEV), torch.zeros(T, n, device=DEV)
+    launch_grouped_gemm(a, None, b, None, k, offs, want, g_a, g_b, config=_TMA_TEST_TILES)
+    with _counting_tma_launches() as launches:
+        launch_grouped_gemm(a, None, b, None, k, offs, got, g_a, g_b, config=dict(_TMA_TEST_TILES, TMA=True))
+    assert launches == [] and torch.equal(got, want)
+
+
+@contextlib.contextmanager
+def _counting_tma_launches():
+    """The grids of the TMA kernel's launches while the block runs."""
+    from triage.kernels.moe import grouped_triton
+
+    real, grids = grouped_triton._grouped_tma_kernel, []
+
+    class Spy:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return real[grid]
+
+    grouped_triton._grouped_tma_kernel = Spy()
+    try:
+        yield grids
+    finally:
+        grouped_triton._grouped_tma_kernel = real
