@@ -213,14 +213,13 @@ def main():
         kernel(GROUPED_CONFIG, base_out)()
         t_ptr = triton.testing.do_bench(kernel(GROUPED_CONFIG, base_out), rep=100)
         log(f"{name:<8s} {'kernel alone: pointer':<26s} {t_ptr:8.3f} {'-':>11s} {flops / t_ptr / 1e9:12.1f}")
-        tma_tiles = [dict(GROUPED_CONFIG, TMA=True)]
-        if args.sweep:
-            tma_tiles += [
-                dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, TMA=True),
-                dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=True),
-                dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4, TMA=True),
-                dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, TMA=True),
-            ]
+        tma_tiles = [
+            dict(GROUPED_CONFIG, TMA=True),
+            dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, TMA=True),
+            dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=True),
+            dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4, TMA=True),
+            dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, TMA=True),
+        ]
         for cfg in tma_tiles:
             out = torch.empty_like(base_out)
             same_tiles = all(cfg[key] == GROUPED_CONFIG[key] for key in GROUPED_CONFIG)
