@@ -165,7 +165,7 @@ def _grouped_tma_kernel(
     their output columns are not stored); A's rows are gathered with pointer loads. The same fp32 sums of
     the same exact products, the same epilogue."""
     n_tiles = tl.cdiv(N, BLOCK_N)
-    m_tiles = tl.load(tile_end_ptr + E - 1)
+    m_tiles = tl.load(tile_end_ptr + E - 1).to(tl.int32)  # int32 tile ids: TMA coordinates are int32
     k_steps = tl.cdiv(K, BLOCK_K)
     for tile in tl.range(tl.program_id(0), m_tiles * n_tiles, programs, flatten=True):
         pid_m = tile // n_tiles
