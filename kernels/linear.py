@@ -67,9 +67,10 @@ With a per-row scale (1×16 blocks: a recipe cannot pair it with 16×16 tiles) i
 (an x row: that output row; a W row: that output column), exactly ``nn.Linear``'s NaNs: the row's blocks
 and scale hold no other row's values, so the other rows quantize as they would without it.
 The check is one max-|x| reduction on the device per quantized operand (per weight update for W), no
-host sync; for x, dy and W with a dynamic per-tensor (x, dy: or per-row) scale on the Triton quantizer the
-kernel makes the check itself, from the amax pass it runs anyway (``rows_plan(nonfinite=True)``: the same
-NaN-or-not decision and the same finite bits, no extra launch); xᵀ and dyᵀ keep the torch ops.
+host sync; for every operand with a dynamic per-tensor scale (x, dy, xᵀ, dyᵀ: or per-row over 1×16 blocks)
+on the Triton quantizers the kernel makes the check itself, from the amax pass it runs anyway
+(``rows_plan(nonfinite=True)``, ``columns_plan(nonfinite=True)``: the same NaN-or-not decision and the same
+finite bits, no extra launch).
 
 Shared input quantization (``NVFP4LinearConfig.share_inputs``, on by default). Sibling layers that read one
 input tensor (q/k/v read one hidden state, gate/up another) quantize it once: :func:`quantize_input` keeps the
@@ -498,7 +499,8 @@ def _quantize_t(
     x's signature (:func:`_columns_plan`), run directly when x takes that path."""
     if plan is not None and x.dtype == plan.dtype and not x.t().is_contiguous():
         q = plan.run(x, seed, None)
-        q.global_scale = nonfinite_scale(q, x.t())  # q is ours alone: no copy of the dataclass
+        if not plan.nonfinite:  # else the kernel applied the rule (columns_plan)
+            q.global_scale = nonfinite_scale(q, x.t())  # q is ours alone: no copy of the dataclass
         return q
     from triage.kernels.nvfp4.quantize_columns import quantize_columnwise
 
@@ -524,7 +526,7 @@ def _columns_plan(
         return None
     check_runnable(torch.empty(0, device=device))
     emit = torch.bfloat16 if expanded else None
-    return columns_plan(C, rows, dtype, recipe, False, emit, None, None, None, interpreting())
+    return columns_plan(C, rows, dtype, recipe, False, emit, None, None, None, interpreting(), True)
 
 
 def transpose_16x16(w: NVFP4Tensor) -> NVFP4Tensor:

@@ -293,13 +293,16 @@ def _quantize_colwise_kernel(
     PROFILE: tl.constexpr, OUTER: tl.constexpr, HADAMARD: tl.constexpr, ROUND: tl.constexpr,
     STOCHASTIC: tl.constexpr, SIGNBIT: tl.constexpr, SIGNS: tl.constexpr, WRITE_AMAX: tl.constexpr,
     EXPANDED: tl.constexpr, HAS_SRC: tl.constexpr, BC: tl.constexpr, NB: tl.constexpr,
-    SEED_PTR: tl.constexpr = False,
+    SEED_PTR: tl.constexpr = False, NONFINITE: tl.constexpr = False,
 ):  # fmt: skip
     """Y's 16-blocks ``pid_t·NB ..`` of rows (channels) ``pid_c·BC ..``: codes to ``data_ptr`` (int32
     view of ``[C, LP/2]`` bytes: two words per block), scale bytes to ``scale_ptr`` ``[C, LP/16]``,
     optionally the exact ``q·s`` to ``exp_ptr`` (int32 view of ``[C, LP]`` bf16/fp16: 8 words per
     block). ``OUTER``: 0 given as arguments, 1 one amax (``group_amax_ptr[0:2]``), 2 one per channel
-    (``group_amax_ptr[2c : 2c+2]``); the outer scales are written once (by the ``pid_t == 0`` programs)."""
+    (``group_amax_ptr[2c : 2c+2]``); the outer scales are written once (by the ``pid_t == 0`` programs).
+    ``NONFINITE`` (:func:`columns_plan`'s ``nonfinite``; the amax pass ran with its NaN flag): the stored
+    decode scale is NaN where Y (its channel, per channel) holds a NaN or its amax is Inf, the layers'
+    non-finite rule; codes and block scales are computed from the finite scale as without it."""
     pid_t, pid_c = tl.program_id(0), tl.program_id(1)
     c = pid_c * BC + tl.arange(0, BC)
     cmask = c < C
@@ -312,7 +315,11 @@ def _quantize_colwise_kernel(
         enc, dec = outer_from_row_amax(amax[None, :], PROFILE)
         first = cmask & (c * 0 + pid_t == 0)
         tl.store(amax_ptr + c, amax, mask=first)
-        store_outer(enc_ptr, dec_ptr, c, enc, dec, first, BC)
+        if NONFINITE:  # the layers' non-finite rule, per channel, on the stored decode scale only
+            bad = (tl.load(group_amax_ptr + 2 * c + 1, mask=cmask, other=0) > 0) | (amax == float("inf"))
+            store_outer(enc_ptr, dec_ptr, c, enc, tl.where(bad[None, :], float("nan"), dec), first, BC)
+        else:
+            store_outer(enc_ptr, dec_ptr, c, enc, dec, first, BC)
     elif OUTER == 1:  # one for the whole tensor
         amax = tl.load(group_amax_ptr + c * 0).to(tl.float32, bitcast=True)
         if PROFILE == 3:
@@ -321,7 +328,11 @@ def _quantize_colwise_kernel(
         enc, dec = outer_from_row_amax(amax[None, :], PROFILE)
         first = c + pid_t == 0  # program (0, 0), channel 0
         tl.store(amax_ptr + c * 0, amax, mask=first)
-        store_outer(enc_ptr, dec_ptr, c * 0, enc, dec, first, BC)
+        if NONFINITE:  # the layers' non-finite rule on the stored decode scale only
+            bad = (tl.load(group_amax_ptr + c * 0 + 1) > 0) | (amax == float("inf"))
+            store_outer(enc_ptr, dec_ptr, c * 0, enc, tl.where(bad[None, :], float("nan"), dec), first, BC)
+        else:
+            store_outer(enc_ptr, dec_ptr, c * 0, enc, dec, first, BC)
     else:  # given as arguments (static / checkpoint / none)
         enc = one * enc_arg
         dec = one * dec_arg
@@ -515,6 +526,7 @@ class ColumnsPlan:
     out_shape: tuple
     write_amax: bool
     mode: int
+    nonfinite: bool  # the kernel applies the layers' non-finite rule (columns_plan)
     amax_grid: tuple[int, int] | None  # None: no amax pass (recipe-given outer scales)
     amax_args: tuple  # TILES
     amax_constexprs: dict
@@ -559,11 +571,18 @@ def columns_plan(
     block_t: int | None = None,
     num_warps: int | None = None,
     interpreted: bool = False,
+    nonfinite: bool = False,
 ) -> ColumnsPlan:
     """The :class:`ColumnsPlan` of the Triton columnwise quantizer for a ``[C, L]`` matrix Y of x's ``dtype``
     (``has_src``: Y's columns come through a gather / dest map; ``interpreted``:
     :func:`~.device.interpreting`, which picks the tiles). Checks Y as ``quantize`` would (an error names
-    it); pure, cached per signature."""
+    it); pure, cached per signature.
+
+    ``nonfinite`` (the NVFP4 layers ask for it), as :func:`~.quantize_rows.rows_plan`'s: for a dynamic
+    per-tensor outer scale, or a per-row one (a Y row: a channel) over 1×16 blocks, the kernel applies the
+    layers' non-finite rule (:func:`triage.kernels.linear.nan_if_nonfinite` of Y) from the amax pass it runs
+    anyway; ``plan.nonfinite`` says whether it does. Only the stored decode scale of a non-finite Y differs
+    from the plain quantizer's."""
     check_input(torch.empty((C, L), dtype=dtype, device="meta"), recipe, name="Y (the columnwise matrix)")
     lp = (L + BLOCK - 1) // BLOCK * BLOCK
     nblk = lp // BLOCK
@@ -582,13 +601,14 @@ def columns_plan(
     else:
         enc_arg, dec_arg, amax_arg, write_amax = given_outer_args(recipe)
         mode, n_outer, out_shape = OUTER_GIVEN, 1, ()
+    nonfinite = nonfinite and dynamic and (recipe.scale == "tensor" or (recipe.scale == "row" and recipe.block == "1x16"))
     n_t, n_c = cdiv(nblk, nb), cdiv(C, bc)
     amax_grid, amax_args, amax_constexprs = None, (), {}
     if mode != OUTER_GIVEN:
         tiles = _amax_tiles(n_t, n_c)
         amax_grid, amax_args = (cdiv(n_t, tiles), n_c), (tiles,)
         amax_constexprs = dict(
-            PER_ROW=mode == OUTER_ROW, PROPAGATE_NAN=recipe.profile == "compressed-tensors",
+            PER_ROW=mode == OUTER_ROW, PROPAGATE_NAN=recipe.profile == "compressed-tensors" or nonfinite,
             HADAMARD=recipe.hadamard, ROUND=round_id, SIGNS=SIGN_MASK, HAS_SRC=has_src, BC=bc, NB=nb,
             num_warps=warps,
         )  # fmt: skip
@@ -596,11 +616,12 @@ def columns_plan(
         PROFILE=PROFILE_ID[recipe.profile], OUTER=mode, HADAMARD=recipe.hadamard, ROUND=round_id,
         STOCHASTIC=recipe.rounding == "stochastic", SIGNBIT=recipe.profile in ("te", "torchao"),
         SIGNS=SIGN_MASK, WRITE_AMAX=write_amax, EXPANDED=0 if emit_expanded is None else EXPANDED_ID[emit_expanded],
-        HAS_SRC=has_src, BC=bc, NB=nb, num_warps=warps,
+        HAS_SRC=has_src, BC=bc, NB=nb, num_warps=warps, NONFINITE=nonfinite,
     )  # fmt: skip
     return ColumnsPlan(
         recipe=recipe, C=C, L=L, lp=lp, dtype=dtype, has_src=has_src, emit_expanded=emit_expanded,
-        n_outer=n_outer, out_shape=out_shape, write_amax=write_amax, mode=mode, amax_grid=amax_grid,
+        n_outer=n_outer, out_shape=out_shape, write_amax=write_amax, mode=mode, nonfinite=nonfinite,
+        amax_grid=amax_grid,
         amax_args=amax_args, amax_constexprs=amax_constexprs, grid=(n_t, n_c),
         scalar_args=(enc_arg, dec_arg, amax_arg, C, L, lp), constexprs=constexprs,
     )  # fmt: skip

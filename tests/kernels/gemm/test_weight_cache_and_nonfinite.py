@@ -154,25 +154,35 @@ def test_per_row_scales_keep_a_nonfinite_value_in_its_row_like_nn_linear(bad, qu
         assert y[:, 2].isnan().all() and torch.equal(y[:, others], clean[:, others])
 
 
-@pytest.mark.parametrize(
-    "recipe",
-    [
-        QuantRecipe(),  # TE: per-tensor dynamic
-        QuantRecipe(block="16x16"),  # the weights' recipe: W's rule in the kernel too
-        QuantRecipe(hadamard=True),
-        QuantRecipe(rounding="stochastic"),  # the nvfp4-backward grad recipe's rounding
-        QuantRecipe(profile="compressed-tensors"),
-        QuantRecipe(profile="modelopt"),
-        QuantRecipe(scale="row", profile="compressed-tensors"),  # per-row: the rule per row, in the kernel
-        QuantRecipe(scale="row"),  # per-row TE: the amax ignores NaN, the kernel's second max sees it
-        QuantRecipe(scale="row", hadamard=True),
-        QuantRecipe(scale_source="static", static_amax=4.0),  # given scales: the layer applies the rule
-        QuantRecipe(scale_source="checkpoint", checkpoint_scale=600.0),
-        QuantRecipe(scale="none"),
-    ],
-    ids=["te", "te-16x16", "te-hadamard", "te-stochastic", "ct", "modelopt", "ct-row", "te-row", "te-row-hadamard", "static",
-         "checkpoint", "none"],
-)
+#: Recipes of the non-finite rule's plan tests: ``(id, recipe, applies)``, ``applies``: the kernel applies the rule
+_RULE_RECIPES = [
+    ("te", QuantRecipe(), True),  # TE: per-tensor dynamic
+    ("te-16x16", QuantRecipe(block="16x16"), True),  # the weights' recipe: W's rule in the kernel too
+    ("te-hadamard", QuantRecipe(hadamard=True), True),
+    ("te-stochastic", QuantRecipe(rounding="stochastic"), True),  # the nvfp4-backward grad recipe's rounding
+    ("ct", QuantRecipe(profile="compressed-tensors"), True),
+    ("modelopt", QuantRecipe(profile="modelopt"), True),
+    ("ct-row", QuantRecipe(scale="row", profile="compressed-tensors"), True),  # per-row: the rule per row
+    ("te-row", QuantRecipe(scale="row"), True),  # per-row TE: the amax ignores NaN, the kernel's flag sees it
+    ("te-row-hadamard", QuantRecipe(scale="row", hadamard=True), True),
+    ("static", QuantRecipe(scale_source="static", static_amax=4.0), False),  # given scales: the layer's rule
+    ("checkpoint", QuantRecipe(scale_source="checkpoint", checkpoint_scale=600.0), False),
+    ("none", QuantRecipe(scale="none"), False),
+]
+
+
+def _same_quantization(got, want) -> None:
+    """Equal codes, block and encode scales, amax and decode scale (NaN where the other is NaN)."""
+    assert torch.equal(got.data, want.data) and torch.equal(got.scale.view(torch.uint8), want.scale.view(torch.uint8))
+    ge, we = got.global_encode_scale, want.global_encode_scale
+    assert torch.equal(ge.isnan(), we.isnan()) and torch.equal(ge.nan_to_num(), we.nan_to_num())
+    for a, b in ((got.amax, want.amax), (got.global_scale, want.global_scale)):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.shape == b.shape and torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+@pytest.mark.parametrize("recipe", [r for _, r, _ in _RULE_RECIPES], ids=[i for i, _, _ in _RULE_RECIPES])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), -float("inf"), "overflow"])
 def test_the_quantizer_plan_applies_the_nonfinite_rule_as_the_torch_ops_do(recipe, dtype, bad):
@@ -192,16 +202,45 @@ def test_the_quantizer_plan_applies_the_nonfinite_rule_as_the_torch_ops_do(recip
     assert plan.nonfinite == (recipe.scale in ("tensor", "row") and recipe.scale_source == "dynamic")
     got = _quantize(x, recipe, "triton", seed=7, plan=plan)
     want = nan_if_nonfinite(quantize(x, recipe, backend="triton", seed=7), x)
-    assert torch.equal(got.data, want.data) and torch.equal(got.scale.view(torch.uint8), want.scale.view(torch.uint8))
-    ge, we = got.global_encode_scale, want.global_encode_scale
-    assert torch.equal(ge.isnan(), we.isnan()) and torch.equal(ge.nan_to_num(), we.nan_to_num())
-    for a, b in ((got.amax, want.amax), (got.global_scale, want.global_scale)):
-        assert (a is None) == (b is None)
-        if a is not None:
-            assert a.shape == b.shape and torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+    _same_quantization(got, want)
     if bad not in (None, "overflow"):
         if recipe.scale == "row":  # the rule per row: row 5 alone
             assert got.global_scale.reshape(-1).isnan().tolist() == [r == 5 for r in range(32)]
+        else:
+            assert got.global_scale.isnan().all()
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [r for _, r, _ in _RULE_RECIPES if r.block == "1x16"],
+    ids=[i for i, r, _ in _RULE_RECIPES if r.block == "1x16"],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), -float("inf"), "overflow"])
+def test_the_columnwise_plan_applies_the_nonfinite_rule_as_the_torch_ops_do(recipe, dtype, bad):
+    """nvfp4-backward's wgrad operands xᵀ, dyᵀ (columnwise quantizer, columns_plan(nonfinite=True)): the rule
+    in the kernel for per-tensor and per-row scales, the same quantization as the torch ops give Y = xᵀ
+    (per row: Y's row 7, x's channel 7, alone)."""
+    from triage.kernels.linear import _columns_plan, _quantize_t, nan_if_nonfinite
+    from triage.kernels.nvfp4.quantize_columns import quantize_columnwise
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(64, 48, generator=g).to(dtype)  # 64 tokens (Y's blocks run along them), 48 channels
+    if bad == "overflow":  # finite input whose rotation overflows (Hadamard); finite otherwise
+        x[:16, 7] = torch.finfo(dtype).max
+    elif bad is not None:
+        x[5, 7] = bad
+    x = x.to(device())
+    plan = _columns_plan(recipe, "triton", tuple(x.shape), dtype, x.device, True)
+    applies = dict((i, a) for i, _, a in _RULE_RECIPES)[[i for i, r, _ in _RULE_RECIPES if r == recipe][0]]
+    assert plan.nonfinite == applies
+    got = _quantize_t(x, recipe, "triton", seed=7, expanded=True, plan=plan)
+    want = nan_if_nonfinite(quantize_columnwise(x, recipe, backend="triton", seed=7, emit_expanded=torch.bfloat16), x.t())
+    _same_quantization(got, want)
+    assert torch.equal(got.expanded.view(torch.int16), want.expanded.view(torch.int16))
+    if bad not in (None, "overflow"):
+        if recipe.scale == "row":
+            assert got.global_scale.reshape(-1).isnan().tolist() == [c == 7 for c in range(48)]
         else:
             assert got.global_scale.isnan().all()
 
