@@ -71,18 +71,26 @@ def _compile_knobs(fn, kwargs) -> tuple:
     )
 
 
+@functools.cache
+def _several_gpus() -> bool:
+    """Whether this process sees more than one CUDA device (read once)."""
+    return torch.cuda.is_available() and torch.cuda.device_count() > 1
+
+
 def other_device(args) -> int | None:
     """The CUDA device index of a launch's first argument (a tensor, or a tensor descriptor's base) where it
     is not the current device, else None. Triton launches on the current device (its stream and context);
     every kernel here takes a tensor (or a descriptor) first, so a launch runs under a device guard where
-    the operands live on another GPU, as torch ops do, and a single-GPU process pays one comparison."""
-    first = args[0] if args else None
+    the operands live on another GPU, as torch ops do. A process that sees one GPU skips the check."""
+    if not _several_gpus() or not args:
+        return None
+    first = args[0]
     if not isinstance(first, torch.Tensor):
         first = getattr(first, "base", None)  # triton.tools.tensor_descriptor.TensorDescriptor
-    if not isinstance(first, torch.Tensor) or first.device.type != "cuda":
+    if not isinstance(first, torch.Tensor):
         return None
-    index = first.device.index
-    return None if index is None or index == torch.cuda.current_device() else index
+    index = first.get_device()  # -1 on the host
+    return None if index < 0 or index == torch.cuda.current_device() else index
 
 
 class FastLaunch:

@@ -98,10 +98,10 @@ def tokens_per_s(
 
 #: Kernel kinds of :func:`gpu_time_by_kind`, first match of a name fragment (lower case) wins.
 KINDS = (
-    ("NVFP4 quantize (amax + quantize passes)", ("_quantize_kernel", "_amax_", "quantize_columns", "_columns")),
+    ("NVFP4 quantize (amax + quantize passes)", ("quantize", "_amax_", "_colwise", "_expand_kernel")),
     ("NVFP4 GEMM (Triton)", ("_gemm_tma_kernel", "_gemm_kernel", "_splitk_reduce", "_decode")),
+    ("attention", ("flash", "fmha", "attention", "sdpa")),  # before GEMM: SDPA kernels name cutlass types
     ("cuBLAS / CUTLASS GEMM", ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "sm100_")),
-    ("attention", ("flash", "fmha", "attention", "sdpa")),
     ("reductions (norms, non-finite checks, loss)", ("reduce", "norm", "softmax", "cross_entropy", "nll")),
     ("optimizer (AdamW)", ("adam", "multi_tensor", "foreach")),
     ("elementwise and copies", ("elementwise", "vectorized", "copy", "fill", "cat", "index", "triton_")),

@@ -3,6 +3,7 @@ bit against Triton's own launch by experiments/bench/launch_overhead.py)."""
 
 from __future__ import annotations
 
+import sys
 import types
 
 import pytest
@@ -135,13 +136,23 @@ def test_host_cdiv_and_next_power_of_2_match_triton():
             assert _launch.cdiv(n, b) == triton.cdiv(n, b), (n, b)
 
 
-def test_other_device_is_none_for_host_operands_and_non_tensors():
+def test_other_device_names_the_gpu_of_the_first_operand_when_it_is_not_the_current_one(monkeypatch):
     import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
+    monkeypatch.setattr(_launch, "_several_gpus", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    with FakeTensorMode():  # CUDA tensors without a GPU
+        on1, on0 = torch.empty(2, device="cuda:1"), torch.empty(2, device="cuda:0")
+    assert _launch.other_device((on1, 32)) == 1
+    assert _launch.other_device((types.SimpleNamespace(base=on1), 32)) == 1  # a TMA descriptor's base
+    assert _launch.other_device((on0, on1)) is None  # the first operand decides: the current GPU
     assert _launch.other_device(()) is None
     assert _launch.other_device(("x", 32)) is None
     assert _launch.other_device((torch.zeros(2), 32)) is None
-    assert _launch.other_device((types.SimpleNamespace(base=torch.zeros(2)),)) is None  # a descriptor's base
+    assert _launch.other_device((types.SimpleNamespace(base=torch.zeros(2)),)) is None
+    monkeypatch.setattr(_launch, "_several_gpus", lambda: False)  # one GPU: nothing to check
+    assert _launch.other_device((on1, 32)) is None
 
 
 @pytest.mark.parametrize("fast", [True, False])
@@ -174,10 +185,15 @@ def test_a_launch_on_operands_of_another_gpu_runs_under_its_device_guard(fake_gp
         return lambda *a, **k: (inside.append(entered[-1:] == [3]), launch(*a, **k))[1]
 
     monkeypatch.setattr(fake_fn.__class__, "__getitem__", tracking_getitem)
+    runs = []
+    monkeypatch.setattr(_Compiled, "run", lambda self, *args: runs.append(entered[-1:] == [3]))
     launcher[(1,)]("on-gpu-3", 32)
     assert entered == [3, -1] and inside == [True]
+    launcher[(1,)]("on-gpu-3", 48)  # the same specialization: the cached kernel's own launch (fast path)
+    assert entered == [3, -1, 3, -1] and (runs == [True] if fast else inside == [True, True])
+    entered.clear(), inside.clear(), runs.clear()
     launcher[(1,)]("x", 33)  # the current device (another specialization: through Triton again): no guard
-    assert entered == [3, -1] and inside == [True, False]
+    assert entered == [] and inside == [False]
 
 
 @pytest.mark.gpu
@@ -192,11 +208,19 @@ def test_a_layer_on_a_second_gpu_gives_its_bits_whatever_the_current_device():
 
     torch.manual_seed(0)
     layer = NVFP4Linear(1024, 2560, device="cuda:1", dtype=torch.bfloat16)
+    launchers = [v for m in list(sys.modules.values()) if getattr(m, "__name__", "").startswith("triage.kernels")
+                 for v in vars(m).values() if isinstance(v, _launch.FastLaunch)]  # fmt: skip
+    for launcher in launchers:
+        launcher.compiled.clear()
     for rows in (4, 600, 3000):
         x = torch.randn(rows, 1024, device="cuda:1", dtype=torch.bfloat16)
-        with torch.cuda.device(1):
-            want = layer(x)
         with torch.cuda.device(0):
             got = layer(x)
+        with torch.cuda.device(1):
+            want = layer(x)
         torch.cuda.synchronize(1)
         assert torch.equal(got, want) and want.isfinite().all()
+    # every kernel was compiled for and launched on GPU 1 (a launch on GPU 0 could still read GPU 1's memory
+    # over peer access and give the right values)
+    devices = {key[0] for launcher in launchers for key in launcher.compiled}
+    assert devices == ({1} if any(launcher.fast for launcher in launchers) else set())
