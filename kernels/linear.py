@@ -67,10 +67,10 @@ With a per-row scale (1×16 blocks: a recipe cannot pair it with 16×16 tiles) i
 (an x row: that output row; a W row: that output column), exactly ``nn.Linear``'s NaNs: the row's blocks
 and scale hold no other row's values, so the other rows quantize as they would without it.
 The check is one max-|x| reduction on the device per quantized operand (per weight update for W), no
-host sync; for every operand with a dynamic per-tensor scale (x, dy, xᵀ, dyᵀ: or per-row over 1×16 blocks)
-on the Triton quantizers the kernel makes the check itself, from the amax pass it runs anyway
-(``rows_plan(nonfinite=True)``, ``columns_plan(nonfinite=True)``: the same NaN-or-not decision and the same
-finite bits, no extra launch).
+host sync; for every operand (x, W, dy, xᵀ, dyᵀ) with a dynamic per-tensor scale, or a per-row one over 1×16
+blocks, on the Triton quantizers the kernel makes the check itself, from the amax pass or row sweep it runs
+anyway (``rows_plan(nonfinite=True)``, ``columns_plan(nonfinite=True)``: the same NaN-or-not decision and the
+same finite bits, no extra launch).
 
 Shared input quantization (``NVFP4LinearConfig.share_inputs``, on by default). Sibling layers that read one
 input tensor (q/k/v read one hidden state, gate/up another) quantize it once: :func:`quantize_input` keeps the
@@ -582,8 +582,8 @@ def _weight_plan(
 ) -> tuple[bool, RowsPlan | None]:
     """``(uses_expanded, plan)`` of a weight's quantization under ``config``: whether the large-M GEMMs want
     its exact bf16 ``q·s``, and the Triton quantizer's plan (:func:`_rows_plan`, None where Triton does not
-    quantize), which applies the non-finite rule in its amax pass for a dynamic per-tensor scale (no torch
-    reduction over W). Derived from the signature alone, once."""
+    quantize), which applies the non-finite rule itself for a dynamic per-tensor or per-row scale (no torch
+    reduction over W: :func:`_quantize`). Derived from the signature alone, once."""
     uses_expanded = _uses_expanded_weight(config, device)
     expanded = torch.bfloat16 if uses_expanded else None
     return uses_expanded, _rows_plan(config.weight, config.quant_backend, shape, dtype, device, expanded)

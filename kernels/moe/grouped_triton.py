@@ -231,7 +231,11 @@ def launch_grouped_gemm(
     """``out[T, N]``: A packed uint8 [T_a, K/2] (+ ``a_scale`` [T_a, K/16]) or dense [T_a, K] (any
     strides); row r of the product reads A row ``rows[r]`` (or r if ``rows`` is None, then T_a = T);
     B packed uint8 [E, N, K/2] (+ ``b_scale`` [E, N, K/16]) or dense [E, N, K] (any strides, so a
-    transposed view serves dgrad); ``g_a`` None / 1 element / [T_a]; ``g_b`` [E] or [E, N] fp32."""
+    transposed view serves dgrad); ``g_a`` None / 1 element / [T_a]; ``g_b`` [E] or [E, N] fp32.
+
+    ``config``: the tiles (default :data:`GROUPED_CONFIG`); with ``TMA=True`` dense operands whose experts'
+    weight rows form one evenly strided [E·N, K] block (:func:`~triage.kernels.nvfp4.gemm_dense.tma_ready`)
+    run :func:`_grouped_tma_kernel` on sm_90+ (the same bits), others the pointer kernel."""
     T, N = out.shape
     E = offsets.numel() - 1
     a_packed, b_packed = a_scale is not None, b_scale is not None

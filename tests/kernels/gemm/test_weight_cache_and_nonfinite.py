@@ -293,3 +293,35 @@ def test_a_nan_device_scale_reaches_the_output_even_when_the_alpha_comes_from_th
     b = quantize(torch.randn(16, 32).to(device()), QuantRecipe(), backend="torch")
     a = dataclasses.replace(a, global_scale=a.global_scale * float("nan"))
     assert gemm(a, b, out_dtype=torch.float32, backend=backend).isnan().all()
+
+
+@pytest.mark.parametrize("weight", ["te-16x16", "te-row", "static"])
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), "strided", "padded"])
+def test_the_weight_quantization_keeps_the_rule_and_the_expansion_of_the_plain_quantizer(weight, bad):
+    """The layer's W_q (``_quantize_weight``: the Triton plan with the rule inside where it applies, the exact
+    bf16 expansion written in the same pass) equals the plain quantizer's under the torch rule: codes, scales,
+    decode scale (NaN for a non-finite W, per row for a per-row scale) and the expansion's bits; a strided W
+    (the plain path) and K % 16 != 0 with padding included."""
+    from triage.kernels.linear import _quantize_weight, nan_if_nonfinite
+
+    recipe = dict((i, r) for i, r, _ in _RULE_RECIPES)[weight]
+    k = 40 if bad == "padded" else 48
+    recipe = dataclasses.replace(recipe, pad=True) if bad == "padded" else recipe
+    if bad == "padded" and recipe.block == "16x16":
+        pytest.skip("16x16 weight tiles take K % 16 == 0")
+    cfg = NVFP4LinearConfig(weight=recipe, quant_backend="triton", gemm_backend="triton",
+                            activation=QuantRecipe(pad=bad == "padded"))  # fmt: skip
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(32, 2 * k if bad == "strided" else k, generator=g).to(torch.bfloat16)
+    w = w[:, ::2] if bad == "strided" else w
+    if isinstance(bad, float):
+        w[5, 3] = bad
+    w = w.to(device())
+    got = _quantize_weight(w, cfg)
+    want = nan_if_nonfinite(quantize(w, recipe, backend="triton", emit_expanded=torch.bfloat16), w)
+    _same_quantization(got.quantized, want)
+    assert got.expanded is not None
+    assert torch.equal(got.expanded.view(torch.int16), want.expanded.view(torch.int16))
+    if isinstance(bad, float) and recipe.scale_source == "dynamic":
+        nan = got.quantized.global_scale.reshape(-1).isnan().tolist()
+        assert nan == ([r == 5 for r in range(32)] if recipe.scale == "row" else [True])

@@ -287,17 +287,18 @@ def test_float_expert_ids_are_a_dtype_error():
 _TMA_TEST_TILES = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=1)
 
 
-@pytest.mark.parametrize("case", list(COUNTS))
+@pytest.mark.parametrize("case", [*COUNTS, "one-expert"])
 @pytest.mark.parametrize("gather", [False, True])
 @pytest.mark.parametrize("k", [64, 48])  # a multiple of BLOCK_K, and not (TMA's zeros past K)
-def test_tma_kernel_gives_the_pointer_kernels_bits(case, gather, k):
+@pytest.mark.parametrize("ga", ["row", "one", "none"])
+def test_tma_kernel_gives_the_pointer_kernels_bits(case, gather, k, ga):
     """The persistent kernel with the expert weights read through TMA (``TMA=True``) returns the pointer
     kernel's bits with the same tiles: N = 24 is not a multiple of BLOCK_N, so a weight tile runs into the
     next expert's rows (the last expert's into TMA's zeros); operands are views of wider buffers holding NaN
     past K (nothing past K may be read); per-row and per-expert outer scales, with and without the gather."""
     from triage.kernels.moe.grouped_triton import launch_grouped_gemm
 
-    counts = COUNTS[case]
+    counts = COUNTS.get(case, [21])
     gen = torch.Generator().manual_seed(sum(counts) + k)
     E, n, T = len(counts), 24, sum(counts)
     rows = torch.randint(0, 7, (T,), generator=gen).to(DEV) if gather else None
@@ -306,7 +307,8 @@ def test_tma_kernel_gives_the_pointer_kernels_bits(case, gather, k):
     wide_b = torch.full((E, n, k + 16), float("nan"), dtype=torch.float16)
     wide_b[..., :k] = torch.randn(E, n, k, generator=gen).half()
     a, b = wide_a.to(DEV)[:, :k], wide_b.to(DEV)[..., :k]
-    g_a = (torch.rand(a.shape[0], generator=gen) + 0.5).to(DEV)
+    g_a = {"row": (torch.rand(a.shape[0], generator=gen) + 0.5).to(DEV),
+           "one": torch.full((1,), 0.75, device=DEV), "none": None}[ga]  # fmt: skip
     offs = _offsets(counts)
     for g_b in ((torch.rand(E, generator=gen) + 0.5).to(DEV), (torch.rand(E, n, generator=gen) + 0.5).to(DEV)):
         want = torch.full((T, n), -7.0, device=DEV)
@@ -317,8 +319,11 @@ def test_tma_kernel_gives_the_pointer_kernels_bits(case, gather, k):
         assert len(launches) == 1 and torch.equal(got, want) and want.isfinite().all()
         ea = torch.repeat_interleave(torch.arange(E, device=DEV), offs.diff(), output_size=T)
         src = a[rows] if gather else a
-        ga = g_a[rows] if gather else g_a
-        ref = torch.einsum("tk,tnk->tn", src.double(), b.double()[ea]) * ga.double()[:, None]
+        ref = torch.einsum("tk,tnk->tn", src.double(), b.double()[ea])
+        if ga == "row":
+            ref = ref * (g_a[rows] if gather else g_a).double()[:, None]
+        elif ga == "one":
+            ref = ref * 0.75
         ref = ref * (g_b.double()[ea][:, None] if g_b.dim() == 1 else g_b.double()[ea])
         torch.testing.assert_close(want.double(), ref, rtol=1e-5, atol=1e-5)
 
@@ -359,3 +364,19 @@ def _counting_tma_launches():
         yield grids
     finally:
         grouped_triton._grouped_tma_kernel = real
+
+
+def test_tma_kernel_is_skipped_for_packed_operands():
+    """Packed NVFP4 operands (unpacked in registers) keep the pointer kernel under ``TMA=True``."""
+    from triage.kernels.moe.grouped_triton import launch_grouped_gemm
+
+    a, w, offs = _operands(COUNTS["uneven+empty"])
+    T, K = a.shape
+    E, N = w.shape[0], w.shape[1]
+    g_w = w.global_scale.reshape(E).float()
+    args = (a.data.reshape(T, K // 2), a.scale.reshape(T, K // 16), w.data, w.scale, K, offs)
+    want, got = torch.zeros(T, N, device=DEV), torch.zeros(T, N, device=DEV)
+    launch_grouped_gemm(*args, want, a.global_scale.reshape(1).float(), g_w, config=_TMA_TEST_TILES)
+    with _counting_tma_launches() as launches:
+        launch_grouped_gemm(*args, got, a.global_scale.reshape(1).float(), g_w, config=dict(_TMA_TEST_TILES, TMA=True))
+    assert launches == [] and torch.equal(got, want) and want.abs().sum() > 0
