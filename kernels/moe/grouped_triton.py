@@ -135,17 +135,31 @@ def _grouped_gemm_kernel(
                 DOT_DTYPE,
             )
             acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-        acc = acc * out_mult
-        if GA_MODE == 1:
-            acc = acc * tl.load(ga_ptr)
-        elif GA_MODE == 2:
-            acc = acc * tl.load(ga_ptr + a_rows, mask=m_ok, other=0.0)[:, None]
-        if GB_ROW:
-            acc = acc * tl.load(gb_ptr + e * N + offs_n, mask=n_ok, other=0.0)[None, :]
-        else:
-            acc = acc * tl.load(gb_ptr + e)
-        c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        _grouped_store(
+            acc, c_ptr, ga_ptr, gb_ptr, a_rows, offs_m, m_ok, offs_n, n_ok, e, N, stride_cm, stride_cn, out_mult,
+            GA_MODE, GB_ROW,
+        )  # fmt: skip
+
+
+@triton.jit
+def _grouped_store(
+    acc, c_ptr, ga_ptr, gb_ptr, a_rows, offs_m, m_ok, offs_n, n_ok, e, N, stride_cm, stride_cn, out_mult,
+    GA_MODE: tl.constexpr, GB_ROW: tl.constexpr,
+):  # fmt: skip
+    """The grouped kernels' epilogue: ``C[rows] = ((acc·out_mult)·g_a)·g_b[e]`` in fp32 (``g_a`` none / one /
+    per A row, read at the gathered row; ``g_b`` per expert or per expert row), one cast, stored where
+    ``m_ok`` and ``n_ok``."""
+    acc = acc * out_mult
+    if GA_MODE == 1:
+        acc = acc * tl.load(ga_ptr)
+    elif GA_MODE == 2:
+        acc = acc * tl.load(ga_ptr + a_rows, mask=m_ok, other=0.0)[:, None]
+    if GB_ROW:
+        acc = acc * tl.load(gb_ptr + e * N + offs_n, mask=n_ok, other=0.0)[None, :]
+    else:
+        acc = acc * tl.load(gb_ptr + e)
+    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 @fast_launch
@@ -192,18 +206,10 @@ def _grouped_tma_kernel(
             b = b_desc.load([b_row, ks * BLOCK_K]).to(DOT_DTYPE)
             acc = tl.dot(a, b.T, acc, input_precision=INPUT_PRECISION)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N
-        acc = acc * out_mult
-        if GA_MODE == 1:
-            acc = acc * tl.load(ga_ptr)
-        elif GA_MODE == 2:
-            acc = acc * tl.load(ga_ptr + a_rows, mask=m_ok, other=0.0)[:, None]
-        if GB_ROW:
-            acc = acc * tl.load(gb_ptr + e * N + offs_n, mask=n_ok, other=0.0)[None, :]
-        else:
-            acc = acc * tl.load(gb_ptr + e)
-        c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        _grouped_store(
+            acc, c_ptr, ga_ptr, gb_ptr, a_rows, offs_m, m_ok, offs_n, offs_n < N, e, N, stride_cm, stride_cn,
+            out_mult, GA_MODE, GB_ROW,
+        )  # fmt: skip
 
 
 def tile_table(offsets: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
