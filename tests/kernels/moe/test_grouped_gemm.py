@@ -288,9 +288,10 @@ _TMA_TEST_TILES = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stag
 
 
 @pytest.mark.parametrize("case", [*COUNTS, "one-expert"])
-@pytest.mark.parametrize("gather", [False, True])
-@pytest.mark.parametrize("k", [64, 48])  # a multiple of BLOCK_K, and not (TMA's zeros past K)
-@pytest.mark.parametrize("ga", ["row", "one", "none"])
+@pytest.mark.parametrize(
+    "gather,k,ga",  # K a multiple of BLOCK_K, and not (TMA's zeros past K); g_a per row, one, none
+    [(False, 64, "row"), (True, 48, "row"), (True, 64, "one"), (False, 48, "none")],
+)
 def test_tma_kernel_gives_the_pointer_kernels_bits(case, gather, k, ga):
     """The persistent kernel with the expert weights read through TMA (``TMA=True``) returns the pointer
     kernel's bits with the same tiles: N = 24 is not a multiple of BLOCK_N, so a weight tile runs into the
