@@ -168,7 +168,8 @@ def check_identical(launchers) -> bool:
         for recipe in (QuantRecipe(), QuantRecipe(scale="row"), QuantRecipe(rounding="stochastic", seed=5)):
             cases.append((x, recipe))
 
-    # the persistent TMA GEMM (sm_90+: two bf16 expansions, more than 256 rows; descriptors made per call)
+    # the persistent TMA GEMM's route (sm_90+: two bf16 expansions, more than 256 rows; descriptors made per
+    # call): both settings, wherever its kernel is a FastLaunch
     tma_cases = [(3000, 1000, 1040), (4096, 2560, 1024), (512, 4096, 2560)]
 
     def run_all():

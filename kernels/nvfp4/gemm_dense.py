@@ -166,7 +166,6 @@ def _gemm_kernel(
         tl.store(ws, acc, mask=mask)
 
 
-@fast_launch
 @triton.jit
 def _gemm_tma_kernel(
     a_desc, b_desc, c_ptr, ga_ptr, gb_ptr, bias_ptr, M, N, K, stride_cm, stride_cn, out_mult,
