@@ -3,7 +3,8 @@
 #   bash experiments/bench/run_gpu.sh "bench_quantize.py --quick" "bench_gemm.py --quick" ...
 # Each script writes its JSON/logs to $OUT (a scratch folder); everything comes back as one tarball.
 # Time limits: BENCH_LIMIT seconds per script (default 150), or BENCH_LIMITS="90,90,300" one per script in order
-# (a missing entry falls back to BENCH_LIMIT).
+# (a missing entry falls back to BENCH_LIMIT). A spec starting with "pytest" runs `python3 -m pytest ...` from
+# the repository root instead (after the install), e.g. "pytest -q -m gpu tests/kernels/gemm".
 # Installs carried wheels (.whl/: pip download the trl/datasets/math-verify wheels for the GPU box's Python) and the package itself (no network).
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -22,8 +23,13 @@ for spec in "$@"; do
   i=$((i + 1))
   name=$i-$(echo "$spec" | awk '{print $1}' | sed 's/\.py$//')
   echo "=== $spec (limit ${LIMIT}s)"
-  # shellcheck disable=SC2086
-  timeout "$LIMIT" python3 experiments/bench/$spec >"$OUT/$name.log" 2>&1
+  if [[ $spec == pytest* ]]; then
+    # shellcheck disable=SC2086
+    timeout "$LIMIT" python3 -m $spec -p no:cacheprovider >"$OUT/$name.log" 2>&1
+  else
+    # shellcheck disable=SC2086
+    timeout "$LIMIT" python3 experiments/bench/$spec >"$OUT/$name.log" 2>&1
+  fi
   rc=$?
   tail -n "${TAIL:-40}" "$OUT/$name.log"
   echo "=== $name rc=$rc"
