@@ -308,6 +308,11 @@ def main(argv=None) -> int:
         "pair (TE, tensor-wide) or pair-row (the sampler's own per-row/per-token recipe)",
     )
     args = p.parse_args(argv)
+    pair, row = level(args.learner_level), level("nvfp4-row-fp8kv")
+    if pair.get("learner_precision") != "nvfp4" or pair.get("sampler_kwargs") != row["sampler_kwargs"]:
+        raise SystemExit(
+            f"--learner-level {args.learner_level}: not an NVFP4 learner against nvfp4-row-fp8kv's sampler"
+        )
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -316,11 +321,6 @@ def main(argv=None) -> int:
     master = (
         AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval().requires_grad_(False)
     )
-    pair, row = level(args.learner_level), level("nvfp4-row-fp8kv")
-    if pair.get("learner_precision") != "nvfp4" or pair.get("sampler_kwargs") != row["sampler_kwargs"]:
-        raise SystemExit(
-            f"--learner-level {args.learner_level}: not an NVFP4 learner against nvfp4-row-fp8kv's sampler"
-        )
     s_recipe, l_recipe = row["sampler_kwargs"]["quant_recipe"], pair["quant_recipe"]
     print(f"sampler recipe (weights AND activations): {s_recipe}\nlearner recipe ({args.learner_level}): {l_recipe}")
 

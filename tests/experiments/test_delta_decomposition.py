@@ -10,7 +10,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "testbed" / "delta_decomposition.py"
+
+
+def _script():
+    """The script as a module (its functions and ``main`` in this process)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("delta_decomposition", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_delta_decomposition_runs_and_orders_the_errors(tmp_path, torch_twins):
@@ -44,17 +56,13 @@ def test_delta_decomposition_runs_and_orders_the_errors(tmp_path, torch_twins):
 def test_the_kv_rounding_learner_is_the_learner_or_the_sampler_it_emulates(tmp_path, torch_twins):
     """``score_learner_kv``: with a native cache it is the plain learner forward; on the sampler's own model
     with the fp8 cache it gives the sampler's token-by-token log-probs bit for bit."""
-    import importlib.util
-
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from triage.experiments.ablate import SCALES
     from triage.experiments.sft import ensure_sft_checkpoint
 
-    spec = importlib.util.spec_from_file_location("delta_decomposition", SCRIPT)
-    dd = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(dd)
+    dd = _script()
     sft = tmp_path / "sft"
     ensure_sft_checkpoint(SCALES["smoke"].sft, sft, log=lambda *_: None)
     tok = AutoTokenizer.from_pretrained(sft)
@@ -89,5 +97,5 @@ def test_learner_level_picks_the_nvfp4_learner_recipe(tmp_path, torch_twins):
     # on the sampler's own recipe the learner's Ŵ differs from the sampler's only by the bf16 cast of W (the
     # pair learner's per-tensor scale moves most elements by more than 1 %: the first test)
     assert all(w["material"] < 0.1 for w in result["weights"])
-    proc = subprocess.run([*base, "--learner-level", "nvfp4-row"], capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and "--learner-level nvfp4-row" in proc.stderr
+    with pytest.raises(SystemExit, match="--learner-level nvfp4-row: not an NVFP4 learner"):
+        _script().main(["--model", str(sft), "--learner-level", "nvfp4-row"])  # refused before any work

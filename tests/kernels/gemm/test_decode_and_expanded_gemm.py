@@ -31,8 +31,9 @@ def _poisoned(M, N, dtype=torch.float32):
 
 @pytest.mark.parametrize("M", [1, 7, 16, 33, 64])
 @pytest.mark.parametrize("split_k", [1, 3])
-@pytest.mark.parametrize("xdtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("N,K", [(37, 208), (32, 256)])  # ragged tiles (masked loop) / even tiles (unmasked)
+@pytest.mark.parametrize(
+    "N,K,xdtype", [(37, 208, torch.bfloat16), (37, 208, torch.float16), (32, 256, torch.bfloat16)]
+)  # ragged tiles (masked loop) for both unpacks / even tiles (unmasked)
 def test_decode_kernel_w4a16(M, split_k, xdtype, N, K):
     gen = torch.Generator().manual_seed(M * 10 + split_k)
     x = (torch.randn(M, K, generator=gen) * 2).to(xdtype).to(device())

@@ -199,13 +199,20 @@ def test_triton_bf16_pair_fast_path(profile, variant):
         assert_same(x.flatten()[1 : 1 + 36 * 336].view(36, 336), recipe)  # odd offset: the general path
 
 
-@pytest.mark.parametrize("profile", PROFILES)
+_FEW_ROWS_VARIANTS = [
+    {}, {"scale": "row"}, {"rounding": "stochastic", "seed": 5}, {"hadamard": True},
+    {"hadamard": True, "scale": "row"}, {"scale_source": "static", "static_amax": 3.5},
+]  # fmt: skip
+
+
 @pytest.mark.parametrize(
-    "variant",
-    [{}, {"scale": "row"}, {"rounding": "stochastic", "seed": 5}, {"hadamard": True},
-     {"hadamard": True, "scale": "row"}, {"scale_source": "static", "static_amax": 3.5}],
-    ids=lambda v: "-".join(f"{k}={v[k]}" for k in v) or "default",
-)  # fmt: skip
+    "profile,variant",
+    # each variant with a sign-bit profile (te / torchao) and another (modelopt / compressed-tensors), each
+    # profile three times: the tiles do not touch the profiles' scale rules (every profile × variant on the
+    # default tiles: test_triton_bf16_pair_fast_path)
+    [(PROFILES[(i + j) % 4], v) for i, v in enumerate(_FEW_ROWS_VARIANTS) for j in (0, 2)],
+    ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={v[k]}" for k in v) or "default",
+)
 def test_triton_few_rows_tiles(profile, variant):
     """The decode-sized tiles (one row per program, :data:`FEW_ROWS`): the same bytes as the reference on the
     fast and the general path, with the row swept in one step or in several (a partial last one), the
@@ -213,8 +220,8 @@ def test_triton_few_rows_tiles(profile, variant):
     from triage.kernels.nvfp4.quantize_rows import quantize_triton
 
     recipe = QuantRecipe(profile=profile, **variant)
-    # on a GPU host the default tiles are 512 blocks × 8 warps at K = 4800, 32 blocks × 4 warps at K = 336
-    for rows, k, steps in ((1, 16 * 300, (512, 32)), (3, 16 * 21, (32, 8))):
+    # K = 1200: one partial 512-block step, or three 32-block steps (the last partial); K = 336 likewise
+    for rows, k, steps in ((1, 16 * 75, (512, 32)), (3, 16 * 21, (32, 8))):
         x = adversarial(rows, k, seed=30 + rows, device=DEV)
         ref = quantize(x, recipe, backend="torch")
         # explicit one-row tiles (one step, several steps), and the default
