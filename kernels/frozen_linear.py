@@ -192,8 +192,10 @@ class FrozenNVFP4Linear(nn.Module):
         if not isinstance(gs, torch.Tensor):
             gs = torch.tensor(float(gs), dtype=torch.float32)
         _check_finite_scales(weight.scale, gs)
-        self.register_buffer("qweight", weight.data.detach())
-        self.register_buffer("weight_scale", weight.scale.detach())
+        # row-major codes and scales: the decode kernel streams them as words (a strided view would be
+        # copied at every call); the NVFP4Tensor's own tensors when they already are
+        self.register_buffer("qweight", weight.data.detach().contiguous())
+        self.register_buffer("weight_scale", weight.scale.detach().contiguous())
         self.register_buffer("weight_scale_2", gs.detach().float().to(weight.data.device))
         enc = weight.global_encode_scale
         self.register_buffer(
@@ -524,8 +526,8 @@ class FrozenNVFP4Linear(nn.Module):
         gs = gs if isinstance(gs, torch.Tensor) else torch.tensor(float(gs))
         _check_finite_scales(weight.scale, gs)
         dev = self.qweight.device
-        self.qweight = weight.data.detach().to(dev)
-        self.weight_scale = weight.scale.detach().to(dev)
+        self.qweight = weight.data.detach().to(dev).contiguous()
+        self.weight_scale = weight.scale.detach().to(dev).contiguous()
         gs = weight.global_scale
         self.weight_scale_2 = (
             (gs if isinstance(gs, torch.Tensor) else torch.tensor(float(gs))).float().to(dev)

@@ -313,3 +313,25 @@ def test_w4a16_decode_plan_follows_every_weight_change_and_is_not_copied():
     with torch.no_grad():
         a, b = frozen(x), frozen(x)
     assert torch.equal(a, b) and torch.equal(a, gemm_w4a16(x, frozen.quantized_weight(), bias=frozen.bias))
+
+
+def test_strided_codes_and_scales_are_stored_row_major_once():
+    """A weight whose codes / scales are strided views (a transposed copy transposed back) is stored row-major
+    at construction and at replace_weight, as the decode kernel streams it (no copy per call); row-major
+    tensors are kept as they are, not copied. The outputs are the contiguous weight's."""
+    from dataclasses import replace
+
+    layer, _ = _frozen(32, 64, bias=False)
+    w = layer.quantized_weight()
+    strided = replace(w, data=w.data.t().contiguous().t(), scale=w.scale.t().contiguous().t())
+    assert not strided.data.is_contiguous() and not strided.scale.is_contiguous()
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        want = layer(x)
+        built = FrozenNVFP4Linear(strided, config=layer.config)
+        layer.replace_weight(strided)
+        for other in (built, layer):
+            assert other.qweight.is_contiguous() and other.weight_scale.is_contiguous()
+            assert torch.equal(other(x), want)
+    kept = FrozenNVFP4Linear(w, config=layer.config)
+    assert kept.qweight.data_ptr() == w.data.data_ptr() and kept.weight_scale.data_ptr() == w.scale.data_ptr()
