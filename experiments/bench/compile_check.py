@@ -6,7 +6,8 @@ can still crash the GPU compiler (Triton 3.6 on sm_90 crashes on NVFP4 ``tl.dot_
 script closes that gap in two steps:
 
 1. ``record``: run pytest in-process under the interpreter with a plugin that logs each kernel launch as a
-   compile spec — the kernel, each argument's Triton type (``*bf16``, ``i32``, ``constexpr`` …), the
+   compile spec — the kernel, each argument's Triton type (``*bf16``, ``i32``, ``constexpr``, a host TMA
+   descriptor's ``tensordesc<bf16[128, 64]>`` …), the
    constexpr values, the arguments Triton would specialize as divisible by 16 or equal to 1, and
    ``num_warps`` / ``num_stages`` — deduplicated, one JSON line each.
 2. ``compile``: in a process whose ``triton`` is the GPU image's version (``PYTHONPATH`` to a
@@ -57,6 +58,7 @@ def launch_spec(fn, args: tuple, kwargs: dict) -> dict:
     import inspect
 
     import torch
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
     params = list(inspect.signature(fn.fn).parameters.values())
     no_spec = set(fn.kwargs.get("do_not_specialize", ()) or ())
@@ -77,6 +79,9 @@ def launch_spec(fn, args: tuple, kwargs: dict) -> dict:
             signature[p.name] = "*" + _TORCH_TO_TRITON[str(v.dtype)]
             if v.data_ptr() % 16 == 0:
                 divisible.append(p.name)
+        elif isinstance(v, TensorDescriptor):  # a host TMA descriptor: its type is dtype and block shape
+            block = ", ".join(str(int(b)) for b in v.block_shape)
+            signature[p.name] = f"tensordesc<{_TORCH_TO_TRITON[str(v.base.dtype)]}[{block}]>"
         elif isinstance(v, bool):
             signature[p.name] = "i1"
         elif isinstance(v, int):

@@ -56,3 +56,21 @@ def test_same_flags_changed_missing_and_accepts_identical(tmp_path, capsys):
     missing = {k: v for k, v in old.items() if "j" not in k}
     assert same(write("old.json", old), write("missing.json", missing)) == 1
     assert "only in" in capsys.readouterr().out
+
+
+@triton.jit
+def _toy_tma(desc, out_ptr, BM: tl.constexpr, BK: tl.constexpr):
+    tile = desc.load([0, 0])
+    tl.store(out_ptr + tl.arange(0, BM)[:, None] * BK + tl.arange(0, BK)[None, :], tile)
+
+
+def test_launch_spec_types_a_host_tma_descriptor_by_dtype_and_block():
+    """A host TMA descriptor is typed as Triton 3.6's launcher types it: ``tensordesc<dtype[block]>``."""
+    if type(_toy_tma).__name__ != "InterpretedFunction":
+        pytest.skip("launch_spec reads interpreted launches (CPU tests run under TRITON_INTERPRET=1)")
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    base = torch.zeros(64, 32, dtype=torch.float16)
+    spec = launch_spec(_toy_tma, (TensorDescriptor.from_tensor(base, [16, 32]), base), dict(BM=16, BK=32))
+    assert spec["signature"]["desc"] == "tensordesc<fp16[16, 32]>" and spec["signature"]["out_ptr"] == "*fp16"
+    assert spec["constexprs"] == {"BM": 16, "BK": 32}
