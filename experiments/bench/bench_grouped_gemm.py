@@ -43,6 +43,16 @@ from triage.kernels.nvfp4.recipe import QuantRecipe
 W_RECIPE = QuantRecipe(scale="expert")
 W16_RECIPE = QuantRecipe(scale="expert", block="16x16")
 
+#: The persistent TMA kernel's tiles timed against the pointer kernel ("kernel alone" rows; their SASS:
+#: sass_grouped.py).
+TMA_TILES = (
+    dict(GROUPED_CONFIG, TMA=True),
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, TMA=True),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=True),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4, TMA=True),
+    dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, TMA=True),
+)
+
 
 def routing(tokens, experts, top_k, device):
     logits = torch.randn(tokens, experts, device=device)
@@ -213,14 +223,7 @@ def main():
         kernel(GROUPED_CONFIG, base_out)()
         t_ptr = triton.testing.do_bench(kernel(GROUPED_CONFIG, base_out), rep=100)
         log(f"{name:<8s} {'kernel alone: pointer':<26s} {t_ptr:8.3f} {'-':>11s} {flops / t_ptr / 1e9:12.1f}")
-        tma_tiles = [
-            dict(GROUPED_CONFIG, TMA=True),
-            dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, TMA=True),
-            dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=True),
-            dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4, TMA=True),
-            dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, TMA=True),
-        ]
-        for cfg in tma_tiles:
+        for cfg in TMA_TILES:
             out = torch.empty_like(base_out)
             same_tiles = all(cfg[key] == GROUPED_CONFIG[key] for key in GROUPED_CONFIG)
             try:

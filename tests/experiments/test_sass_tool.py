@@ -1,6 +1,7 @@
 """The offline SASS tool (experiments/bench/sass.py) compiles a kernel for sm_90 on a CPU-only machine."""
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -63,3 +64,28 @@ def test_decode_kernel_bf16_loop_has_no_half_swaps():
     assert bf16["HMUL2"] == fp16["HMUL2"] > 0
     assert bf16.get("PRMT", 0) <= fp16.get("PRMT", 0), (bf16, fp16)
     assert bf16["total"] <= 1.02 * fp16["total"], (bf16, fp16)
+
+
+def test_grouped_tma_kernel_reads_the_weights_by_tma_and_multiplies_on_wgmma():
+    """experiments/bench/sass_grouped.py: the persistent grouped kernel at its default tiles compiles for
+    sm_90 to TMA bulk copies of the weight tiles (UTMALDG), wgmma (HGMMA) and no spills; the pointer kernel
+    has no TMA copy."""
+    code = textwrap.dedent(
+        """
+        from triage.experiments.bench.sass_grouped import TMA_TILES, report
+        from triage.kernels.moe.grouped_triton import GROUPED_CONFIG
+        print(report(TMA_TILES[0]))
+        print(report(GROUPED_CONFIG))
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    if "ptxas" in proc.stderr and proc.returncode:
+        pytest.skip(f"no usable ptxas in this Triton install: {proc.stderr[-200:]}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    tma, pointer = (
+        {op: int(n) for op, n in re.findall(r"([A-Z]+) (\d+)", line.split("instructions")[1])}
+        for line in proc.stdout.splitlines()[-2:]
+    )
+    assert tma["UTMALDG"] > 0 and tma["HGMMA"] > 0 and tma["LDL"] == tma["STL"] == 0, tma
+    assert pointer["UTMALDG"] == 0 and pointer["HGMMA"] > 0, pointer
